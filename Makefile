@@ -1,0 +1,34 @@
+# Two entry points: `make demo` and `make test`.  Both bootstrap .venv.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q -c constraints.txt
+
+.PHONY: demo test lint bench clean
+
+$(VENV)/.stamp-base: pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PIP) -e ".[examples]"
+	touch $@
+
+$(VENV)/.stamp-test: $(VENV)/.stamp-base
+	$(PIP) -e ".[test,examples,dev]"
+	touch $@
+
+demo: $(VENV)/.stamp-base
+	$(PY) examples/train_long_context.py
+
+test: $(VENV)/.stamp-test
+	$(PY) -m ruff check flax_ringattn tests examples benchmarks
+	$(PY) -m pytest -q -ra
+
+lint: $(VENV)/.stamp-test
+	$(PY) -m ruff check flax_ringattn tests examples benchmarks
+	$(PY) -m ruff format --check flax_ringattn tests examples benchmarks
+
+bench: $(VENV)/.stamp-test
+	$(PY) benchmarks/ring_scaling.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,27 @@
+"""flax_ringattn: ring and paged attention layers for Flax NNX.
+
+The public surface (see README.md for the table):
+
+* ops: `ring_attention`, `reference_attention`
+* layers: `RingMultiHeadAttention`, `make_ring_attention_fn`
+* layout helpers: `zigzag_order`, `zigzag_inverse`, `zigzag_positions`
+* configuration: `BlockSizes`, `available_implementations`
+"""
+
+from flax_ringattn._src.backends import available as available_implementations
+from flax_ringattn._src.block_sizes import BlockSizes
+from flax_ringattn._src.layout import zigzag_inverse, zigzag_order, zigzag_positions
+from flax_ringattn._src.reference import reference_attention
+from flax_ringattn._src.ring.op import ring_attention
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+  "BlockSizes",
+  "available_implementations",
+  "reference_attention",
+  "ring_attention",
+  "zigzag_inverse",
+  "zigzag_order",
+  "zigzag_positions",
+]

@@ -1,0 +1,61 @@
+"""The block contract: the one interface every ring backend implements.
+
+A ring hop hands a backend one (q shard, kv shard) pair plus the global token
+positions of both shards.  The backend knows nothing of rings, devices or
+hops; the ring loop (`_src/ring/ring_loop.py`) knows nothing of tiles.
+
+Forward::
+
+    o, lse = backend.fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec=spec)
+
+    q [B, T, N, H], k/v [B, S, K, H] (input dtype), q_pos [T] / kv_pos [S] int32
+    global positions, q_seg [B, T] / kv_seg [B, S] int32 or None.
+    o   [B, T, N, H] float32, normalised over this block's keys only
+    lse [B, N, T]    float32 log-sum-exp of this block's scores; -inf for a row
+                     with no visible key in the block (its o row is 0)
+
+Backward, given the *final* (whole-ring) lse and delta = rowsum(dO * O)::
+
+    dq, dk, dv = backend.bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, spec=spec)
+
+    do [B, T, N, H] (input dtype), lse / delta [B, N, T] float32
+    dq [B, T, N, H], dk / dv [B, S, K, H], all float32, the contribution of this
+    block pair (dk/dv already summed over the q heads of each GQA group).
+
+Because the lse is final, exp(s - lse) are this block's true probabilities and
+the block backward needs no state from other hops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+from flax_ringattn._src.block_sizes import BlockSizes
+from flax_ringattn._src.masks import MaskSpec
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionSpec:
+  """Everything static about one attention call; hashable (a jit static arg)."""
+
+  mask: MaskSpec
+  scale: float
+  logits_soft_cap: float | None = None
+  block_sizes: BlockSizes = BlockSizes()
+  precision: object = None  # jax.lax.Precision for the XLA matmuls, or None
+
+
+class BlockBackend(Protocol):
+  """What the ring loop calls; see the module docstring for shapes."""
+
+  name: str
+
+  def check_supported(self, *, dtype, spec: AttentionSpec, shapes: tuple[int, ...]) -> None:
+    """Raises NotImplementedError for valid input this backend cannot run."""
+
+  def fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec: AttentionSpec):
+    ...
+
+  def bwd(self, q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec: AttentionSpec):
+    ...

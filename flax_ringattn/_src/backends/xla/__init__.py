@@ -1,0 +1,19 @@
+"""Portable XLA backend of the block contract (runs on CPU, GPU and TPU)."""
+
+from __future__ import annotations
+
+from flax_ringattn._src.backends.xla.backward import block_bwd
+from flax_ringattn._src.backends.xla.forward import block_fwd
+
+
+class XlaBackend:
+  name = "xla"
+
+  def check_supported(self, *, dtype, spec, shapes) -> None:
+    del dtype, spec, shapes  # every valid input is supported
+
+  def fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec):
+    return block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec=spec)
+
+  def bwd(self, q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec):
+    return block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, spec=spec)

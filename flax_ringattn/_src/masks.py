@@ -1,0 +1,116 @@
+"""Which (query, key) pairs may attend, from global token positions.
+
+One source of truth for every mask feature (causal, local window, segment ids),
+used at three granularities:
+
+* elementwise (`visible`): the reference and the partially masked tiles of a
+  block kernel;
+* per tile (`classify`): a block kernel skips tiles that are `EMPTY` and drops
+  the mask arithmetic on tiles that are `FULL`;
+* per hop: the ring loop skips a whole (q shard, kv shard) pair that is `EMPTY`.
+
+Positions are global token indices (the same for every batch row), so the
+zigzag layout, cross attention (T != S) and any future layout only change the
+positions handed in, never the mask logic.  Causal and window semantics follow
+`jax.nn.dot_product_attention`: query i sees key j when j <= i (causal) and
+i - left <= j <= i + right (window).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+# Tile classes shared by the ring loop and every backend.
+EMPTY = 0  # no pair is visible: skip all work
+PARTIAL = 1  # some pairs are visible: apply the elementwise mask
+FULL = 2  # every pair is visible: no mask needed
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MaskSpec:
+  """Static description of the mask; hashable so it can be a jit static arg."""
+
+  is_causal: bool = False
+  window: tuple[int, int] | None = None  # (left, right), both >= 0
+  has_segments: bool = False
+
+  @property
+  def is_trivial(self) -> bool:
+    return not (self.is_causal or self.window is not None or self.has_segments)
+
+
+def visible(spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None):
+  """Elementwise visibility.
+
+  Args:
+    q_pos: [T] int global positions of the queries.
+    kv_pos: [S] int global positions of the keys.
+    q_seg, kv_seg: [B, T] and [B, S] segment ids (only if spec.has_segments).
+
+  Returns:
+    bool array broadcastable to [B, T, S] (shape [1, T, S] without segments).
+  """
+  qp = q_pos[:, None]
+  kp = kv_pos[None, :]
+  mask = jnp.ones((q_pos.shape[0], kv_pos.shape[0]), dtype=bool)
+  if spec.is_causal:
+    mask = mask & (kp <= qp)
+  if spec.window is not None:
+    left, right = spec.window
+    mask = mask & (kp >= qp - left) & (kp <= qp + right)
+  mask = mask[None]
+  if spec.has_segments:
+    mask = mask & (q_seg[:, :, None] == kv_seg[:, None, :])
+  return mask
+
+
+@dataclasses.dataclass(frozen=True)
+class Extent:
+  """Min/max of positions (and segment ids per batch row) over tiles.
+
+  pos_min/pos_max have the tile shape (e.g. [n] or [n, 1]); seg_min/seg_max
+  have a leading batch axis ([B, n] or [B, n, 1]) or are None.
+  """
+
+  pos_min: object
+  pos_max: object
+  seg_min: object = None
+  seg_max: object = None
+
+
+def tile_extent(pos, seg, tile: int) -> Extent:
+  """Extents of consecutive tiles of `tile` tokens: pos [L], seg [B, L] -> [L // tile]."""
+  n = pos.shape[0] // tile
+  p = pos.reshape(n, tile)
+  if seg is None:
+    return Extent(p.min(axis=1), p.max(axis=1))
+  s = seg.reshape(seg.shape[0], n, tile)
+  return Extent(p.min(axis=1), p.max(axis=1), s.min(axis=2), s.max(axis=2))
+
+
+def classify(spec: MaskSpec, q: Extent, kv: Extent):
+  """EMPTY / PARTIAL / FULL for every (q tile, kv tile) pair.
+
+  `q` and `kv` extents must broadcast against each other (e.g. q of shape [nq, 1]
+  and kv of shape [1, nk] give an [nq, nk] table).  The answer is exact for
+  causal and window masks and conservative (never EMPTY or FULL by mistake) for
+  segment ids: EMPTY when the id ranges of the two tiles are disjoint in every
+  batch row, FULL when both tiles hold one and the same id in every row.
+  """
+  empty = jnp.zeros(jnp.broadcast_shapes(jnp.shape(q.pos_min), jnp.shape(kv.pos_min)), bool)
+  full = jnp.ones_like(empty)
+  if spec.is_causal:
+    empty = empty | (kv.pos_min > q.pos_max)
+    full = full & (kv.pos_max <= q.pos_min)
+  if spec.window is not None:
+    left, right = spec.window
+    empty = empty | (kv.pos_max < q.pos_min - left) | (kv.pos_min > q.pos_max + right)
+    full = full & (kv.pos_min >= q.pos_max - left) & (kv.pos_max <= q.pos_min + right)
+  if spec.has_segments:
+    disjoint = (q.seg_max < kv.seg_min) | (kv.seg_max < q.seg_min)
+    same = (q.seg_min == q.seg_max) & (kv.seg_min == kv.seg_max) & (q.seg_min == kv.seg_min)
+    empty = empty | disjoint.all(axis=0)
+    full = full & same.all(axis=0)
+  return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int32)

@@ -1,0 +1,68 @@
+"""Reference attention: the oracle every backend and test compares against.
+
+Plain f32 einsum + softmax at highest precision, the whole [T, S] score matrix
+at once, no custom_vjp: gradients come from autodiff.  Mask semantics come from
+`masks.visible`, the same function the block kernels use on partial tiles.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flax_ringattn._src import masks, validation
+
+
+def reference_attention(
+  q,
+  k,
+  v,
+  *,
+  is_causal: bool = False,
+  segment_ids=None,
+  local_window_size=None,
+  logits_soft_cap: float | None = None,
+  scale: float | None = None,
+  q_positions=None,
+  kv_positions=None,
+):
+  """Dense attention with the features of `ring_attention`, on one device.
+
+  Args:
+    q: [B, T, N, H]; k, v: [B, S, K, H] with N % K == 0.
+    is_causal, segment_ids, local_window_size, logits_soft_cap, scale: as in
+      `ring_attention` (jax.nn.dot_product_attention semantics).
+    q_positions, kv_positions: optional [T] / [S] global token positions used by
+      the causal and window masks (default: 0..T-1 and 0..S-1).  Pass
+      `zigzag_positions(...)` to check a load-balanced ring directly.
+
+  Returns:
+    [B, T, N, H] in q.dtype.  Rows with no visible key are 0 (and get 0
+    gradient), never NaN.
+  """
+  B, T, S, N, K, H = validation.check_qkv(q, k, v)
+  scale = validation.check_scale(scale, H)
+  cap = validation.check_soft_cap(logits_soft_cap)
+  window = validation.normalize_window(local_window_size)
+  q_seg, kv_seg = validation.normalize_segment_ids(segment_ids, B, T, S)
+  spec = masks.MaskSpec(is_causal=is_causal, window=window, has_segments=q_seg is not None)
+  q_pos = jnp.arange(T, dtype=jnp.int32) if q_positions is None else jnp.asarray(q_positions, jnp.int32)
+  kv_pos = jnp.arange(S, dtype=jnp.int32) if kv_positions is None else jnp.asarray(kv_positions, jnp.int32)
+
+  G = N // K
+  qf = q.astype(jnp.float32).reshape(B, T, K, G, H)
+  kf = k.astype(jnp.float32)
+  vf = v.astype(jnp.float32)
+  hi = jax.lax.Precision.HIGHEST
+  s = jnp.einsum("btkgh,bskh->bkgts", qf, kf, precision=hi) * scale
+  if cap is not None:
+    s = cap * jnp.tanh(s / cap)
+  vis = masks.visible(spec, q_pos, kv_pos, q_seg, kv_seg)[:, None, None]  # [B|1, 1, 1, T, S]
+  s = jnp.where(vis, s, -jnp.inf)
+  m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+  m = jnp.where(jnp.isneginf(m), 0.0, m)
+  p = jnp.exp(s - m)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  p = p / jnp.where(l == 0.0, 1.0, l)
+  o = jnp.einsum("bkgts,bskh->btkgh", p, vf, precision=hi)
+  return o.reshape(B, T, N, H).astype(q.dtype)

@@ -1,0 +1,171 @@
+"""`ring_attention`: the public, validating front end of the ring.
+
+Validates arguments (naming operands and values), picks a block backend, and
+either runs the ring on an already bound mesh axis (inside the caller's
+`jax.shard_map`) or wraps `jax.shard_map` itself over `mesh`.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from flax_ringattn._src import backends, masks, sharding, validation
+from flax_ringattn._src.backends.base import AttentionSpec
+from flax_ringattn._src.block_sizes import BlockSizes
+from flax_ringattn._src.ring.ring_loop import RingConfig, ring_attention_local
+
+
+def ring_attention(
+  q,
+  k,
+  v,
+  *,
+  axis_name=None,
+  mesh=None,
+  is_causal: bool = False,
+  segment_ids=None,
+  local_window_size=None,
+  logits_soft_cap: float | None = None,
+  scale: float | None = None,
+  load_balance: bool = False,
+  implementation: str | None = None,
+  block_sizes: BlockSizes | None = None,
+  batch_axis=None,
+  head_axis=None,
+  precision=None,
+):
+  """Ring attention with the semantics of `jax.nn.dot_product_attention`.
+
+  The sequence is sharded over a ring of devices; each device keeps its q shard
+  and sees every K/V shard once as they rotate around the ring.  Memory per
+  device is O(T / n), and only the K kv heads travel.
+
+  Args:
+    q: [B, T, N, H] queries.  k, v: [B, S, K, H] keys and values, N % K == 0.
+      Inside `jax.shard_map` these are the local shards; with `mesh` they are
+      global arrays.
+    axis_name: the mesh axis the sequence is sharded over.  Inside shard_map it
+      must be bound; with `mesh` it names the mesh axis (default: the mesh's only
+      axis).  With neither `axis_name` nor `mesh`, runs on one device.
+    mesh: a `jax.sharding.Mesh`: wrap `jax.shard_map` over it (sequence on
+      `axis_name`, batch on `batch_axis`, heads on `head_axis`).
+    is_causal: query i attends to keys j <= i (global positions).
+    segment_ids: [B, T] int ids of packed documents (self attention), or a
+      (q_ids [B, T], kv_ids [B, S]) pair; tokens attend within equal ids.
+    local_window_size: int w or (left, right): query i sees keys in
+      [i - left, i + right].
+    logits_soft_cap: c > 0: logits become c * tanh(logits / c).
+    scale: logit scale, default H ** -0.5.
+    load_balance: the sequence is in zigzag order (see `zigzag_order`); every
+      device then does the same causal work.
+    implementation: block backend name (see `available_implementations()`), or
+      None for the best available.
+    block_sizes: `BlockSizes` tiles for the block kernels.
+    batch_axis, head_axis: mesh axes the batch and heads are sharded over (only
+      with `mesh`; None means replicated).
+    precision: matmul precision of the XLA backend (`jax.lax.Precision`).
+
+  Returns:
+    [B, T, N, H] in q.dtype, laid out like q.  Rows with no visible key are 0.
+  """
+  B, T, S, N, K, H = validation.check_qkv(q, k, v)
+  window = validation.normalize_window(local_window_size)
+  cap = validation.check_soft_cap(logits_soft_cap)
+  scale = validation.check_scale(scale, H)
+  q_seg, kv_seg = validation.normalize_segment_ids(segment_ids, B, T, S)
+  if block_sizes is None:
+    block_sizes = BlockSizes()
+  elif not isinstance(block_sizes, BlockSizes):
+    raise TypeError(f"block_sizes must be a flax_ringattn.BlockSizes, got {type(block_sizes).__name__}")
+  if not isinstance(load_balance, bool):
+    raise TypeError(f"load_balance must be a bool, got {load_balance!r}")
+  if not isinstance(is_causal, bool):
+    raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+  spec = AttentionSpec(
+    mask=masks.MaskSpec(is_causal=is_causal, window=window, has_segments=q_seg is not None),
+    scale=scale,
+    logits_soft_cap=cap,
+    block_sizes=block_sizes,
+    precision=precision,
+  )
+  # Resolve the backend now so that a bad name fails here, not deep in tracing.
+  backend = backends.get_backend(implementation, dtype=q.dtype, spec=spec, shapes=(q.shape, k.shape))
+
+  if mesh is not None:
+    return _ring_on_mesh(q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis, load_balance, spec, backend)
+
+  if batch_axis is not None or head_axis is not None:
+    raise ValueError(
+      f"batch_axis={batch_axis!r} / head_axis={head_axis!r} only apply with mesh=...; "
+      "inside your own shard_map the inputs are already the local shards"
+    )
+  if axis_name is not None:
+    if not sharding.axis_is_bound(axis_name):
+      raise ValueError(
+        f"axis_name={axis_name!r} is not bound: call ring_attention inside jax.shard_map over a mesh "
+        f"with that axis, or pass mesh=... to let ring_attention shard the global arrays itself"
+      )
+    n = jax.lax.axis_size(axis_name)
+  else:
+    n = 1
+  _check_shard_lengths(T, S, n, load_balance, local=True, axis_name=axis_name)
+  cfg = RingConfig(axis_name=axis_name, load_balance=load_balance, spec=spec, implementation=backend.name)
+  return ring_attention_local(q, k, v, q_seg, kv_seg, cfg)
+
+
+def _check_shard_lengths(T, S, n, load_balance, *, local, axis_name):
+  per = 2 if load_balance else 1
+  what = "local shard" if local else "global"
+  for name, L in (("q_len", T), ("kv_len", S)):
+    need = per if local else per * n
+    if L % need:
+      why = "the zigzag layout splits each shard into two chunks" if load_balance else "q and k/v are split evenly over the ring"
+      raise ValueError(
+        f"{what} {name}={L} must be a multiple of {need} (ring_size={n} over axis {axis_name!r}, "
+        f"load_balance={load_balance}): {why}"
+      )
+
+
+def _ring_on_mesh(q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis, load_balance, spec, backend):
+  if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  names = tuple(mesh.axis_names)
+  if axis_name is None:
+    if len(names) != 1:
+      raise ValueError(f"mesh has axes {names}: pass axis_name=... to say which one the sequence is sharded over")
+    axis_name = names[0]
+  for role, ax in (("axis_name", axis_name), ("batch_axis", batch_axis), ("head_axis", head_axis)):
+    if ax is not None and ax not in names:
+      raise ValueError(f"{role}={ax!r} is not an axis of the mesh (mesh axes: {names})")
+  used = [a for a in (axis_name, batch_axis, head_axis) if a is not None]
+  if len(set(used)) != len(used):
+    raise ValueError(f"axis_name, batch_axis and head_axis must be different mesh axes, got {used}")
+  sizes = dict(zip(names, mesh.axis_sizes))
+  n = sizes[axis_name]
+  B, T, N, _ = q.shape
+  S, K = k.shape[1], k.shape[2]
+  _check_shard_lengths(T, S, n, load_balance, local=False, axis_name=axis_name)
+  if batch_axis is not None and B % sizes[batch_axis]:
+    raise ValueError(f"batch size B={B} must be a multiple of the {batch_axis!r} mesh axis size {sizes[batch_axis]}")
+  if head_axis is not None and K % sizes[head_axis]:
+    raise ValueError(
+      f"kv heads K={K} (and q heads N={N}) must be a multiple of the {head_axis!r} mesh axis size "
+      f"{sizes[head_axis]}: heads are split so every device keeps whole GQA groups"
+    )
+
+  x_spec = P(batch_axis, axis_name, head_axis, None)
+  seg_spec = P(batch_axis, axis_name)
+  cfg = RingConfig(axis_name=axis_name, load_balance=load_balance, spec=spec, implementation=backend.name)
+  q, k, v = (sharding.constrain(x, mesh, x_spec) for x in (q, k, v))
+  if q_seg is not None:
+    q_seg, kv_seg = (sharding.constrain(x, mesh, seg_spec) for x in (q_seg, kv_seg))
+  seg_specs = (seg_spec, seg_spec) if q_seg is not None else (None, None)
+
+  fn = jax.shard_map(
+    lambda q, k, v, qs, ks: ring_attention_local(q, k, v, qs, ks, cfg),
+    mesh=mesh,
+    in_specs=(x_spec, x_spec, x_spec, *seg_specs),
+    out_specs=x_spec,
+  )
+  return fn(q, k, v, q_seg, kv_seg)

@@ -1,0 +1,199 @@
+"""The ring: hops, K/V rotation, online-softmax merge and its custom_vjp.
+
+Runs per device inside `jax.shard_map` (or on one device with axis_name=None).
+It is written once for every block backend: a hop hands one (q shard, kv shard)
+pair and the global positions of both to `backend.fwd` / `backend.bwd` (the
+block contract of `backends/base.py`) and never looks inside.
+
+Hop schedule of ring member r in a ring of n (data flows r -> r + 1):
+
+    hop t holds the K/V shard of member src = (r - t) mod n
+    forward : start the send of the held K/V to r + 1, compute hop t, merge.
+              The last hop sends nothing: K/V move n - 1 times.
+    backward: the same K/V rotation, plus one dK/dV accumulator per shard that
+              follows its shard around the ring.  The accumulator of shard src
+              leaves member r at hop t + 1 (its send overlaps hop t + 1's
+              compute) and, after the n-th send, is back on its owner.
+
+Only the K kv heads travel (GQA is resolved inside the block), segment ids of
+the keys travel with them, positions are recomputed from `src`, and hops whose
+whole block is masked (`masks.classify` on shard extents) skip the backend
+call.  Partial results are merged in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from flax_ringattn._src import backends, masks, vma
+from flax_ringattn._src.backends.base import AttentionSpec
+from flax_ringattn._src.layout import shard_positions
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RingConfig:
+  """Static configuration of one ring call (hashable: a custom_vjp nondiff arg)."""
+
+  axis_name: object  # bound mesh axis of the ring, or None for a ring of one
+  load_balance: bool
+  spec: AttentionSpec
+  implementation: str
+
+
+def _ring_geometry(axis_name):
+  if axis_name is None:
+    return 1, jnp.int32(0)
+  return jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+
+
+def _hop_kind(spec: AttentionSpec, q_pos, kv_pos, q_seg, kv_seg):
+  """EMPTY / PARTIAL / FULL for a whole (q shard, kv shard) pair."""
+  def extent(pos, seg):
+    if seg is None:
+      return masks.Extent(pos.min(), pos.max())
+    return masks.Extent(pos.min(), pos.max(), seg.min(axis=1), seg.max(axis=1))
+
+  return masks.classify(spec.mask, extent(q_pos, q_seg), extent(kv_pos, kv_seg))
+
+
+def _rotate(tree, axis_name, n):
+  perm = [(i, (i + 1) % n) for i in range(n)]
+  return jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), tree)
+
+
+def _merge(o, lse, o_b, lse_b):
+  """Online-softmax merge of two normalised partials; rows empty in both stay 0 / -inf."""
+  m = jnp.maximum(lse, lse_b)
+  m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+  w, w_b = jnp.exp(lse - m_safe), jnp.exp(lse_b - m_safe)
+  total = w + w_b
+  empty = total == 0.0
+  total = jnp.where(empty, 1.0, total)
+  new_lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(total))
+  a = jnp.swapaxes(w / total, 1, 2)[..., None]  # [B, N, T] -> [B, T, N, 1]
+  b = jnp.swapaxes(w_b / total, 1, 2)[..., None]
+  return o * a + o_b * b, new_lse
+
+
+def _ring_forward(q, k, v, q_seg, kv_seg, cfg: RingConfig):
+  n, r = _ring_geometry(cfg.axis_name)
+  spec = cfg.spec
+  backend = backends.get_backend(cfg.implementation, dtype=q.dtype, spec=spec, shapes=(q.shape, k.shape))
+  B, T, N, H = q.shape
+  S = k.shape[1]
+  q_pos = shard_positions(r, n, T, cfg.load_balance)
+
+  def hop(t, kv, acc):
+    k_t, v_t, seg_t = kv
+    kv_pos = shard_positions((r - t) % n, n, S, cfg.load_balance)
+
+    def compute():
+      return backend.fwd(q, k_t, v_t, q_pos, kv_pos, q_seg, seg_t, spec=spec)
+
+    def skip():
+      return (
+        vma.like(jnp.zeros((B, T, N, H), F32), q),
+        vma.like(jnp.full((B, N, T), -jnp.inf, F32), q),
+      )
+
+    part = jax.lax.cond(_hop_kind(spec, q_pos, kv_pos, q_seg, seg_t) != masks.EMPTY, compute, skip)
+    return _merge(*acc, *part)
+
+  acc = (
+    vma.like(jnp.zeros((B, T, N, H), F32), q),
+    vma.like(jnp.full((B, N, T), -jnp.inf, F32), q),
+  )
+  kv = (k, v, kv_seg)
+  if n == 1:
+    return hop(0, kv, acc)
+  # Hop 0 works on the local shard while it is already on its way to r + 1;
+  # hops 1 .. n-2 do the same with what arrived; hop n-1 sends nothing.
+  kv_next = _rotate(kv, cfg.axis_name, n)
+  acc = hop(0, kv, acc)
+
+  def body(t, carry):
+    kv, acc = carry
+    kv_next = _rotate(kv, cfg.axis_name, n)
+    return kv_next, hop(t, kv, acc)
+
+  kv, acc = jax.lax.fori_loop(1, n - 1, body, (kv_next, acc))
+  return hop(n - 1, kv, acc)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ring_attention(q, k, v, q_seg, kv_seg, cfg: RingConfig):
+  o, _ = _ring_forward(q, k, v, q_seg, kv_seg, cfg)
+  return o.astype(q.dtype)
+
+
+def _ring_attention_fwd(q, k, v, q_seg, kv_seg, cfg: RingConfig):
+  o, lse = _ring_forward(q, k, v, q_seg, kv_seg, cfg)
+  out = o.astype(q.dtype)
+  # Residuals are O(local shard): never the rotated copies of K/V.
+  return out, (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _ring_attention_bwd(cfg: RingConfig, res, do):
+  q, k, v, q_seg, kv_seg, out, lse = res
+  n, r = _ring_geometry(cfg.axis_name)
+  spec = cfg.spec
+  backend = backends.get_backend(cfg.implementation, dtype=q.dtype, spec=spec, shapes=(q.shape, k.shape))
+  S = k.shape[1]
+  q_pos = shard_positions(r, n, q.shape[1], cfg.load_balance)
+  delta = jnp.swapaxes(jnp.sum(do.astype(F32) * out.astype(F32), axis=-1), 1, 2)  # [B, N, T]
+
+  def hop(t, kv, dq, dkv_in):
+    k_t, v_t, seg_t = kv
+    kv_pos = shard_positions((r - t) % n, n, S, cfg.load_balance)
+
+    def compute():
+      return backend.bwd(q, k_t, v_t, do, lse, delta, q_pos, kv_pos, q_seg, seg_t, spec=spec)
+
+    def skip():
+      zq = vma.like(jnp.zeros(q.shape, F32), q)
+      zk = vma.like(jnp.zeros(k.shape, F32), k)
+      return zq, zk, zk
+
+    dq_b, dk_b, dv_b = jax.lax.cond(
+      _hop_kind(spec, q_pos, kv_pos, q_seg, seg_t) != masks.EMPTY, compute, skip
+    )
+    return dq + dq_b, (dkv_in[0] + dk_b, dkv_in[1] + dv_b)
+
+  zeros_kv = vma.like(jnp.zeros(k.shape, F32), k)
+  dq = vma.like(jnp.zeros(q.shape, F32), q)
+  kv = (k, v, kv_seg)
+  if n == 1:
+    dq, (dk, dv) = hop(0, kv, dq, (zeros_kv, zeros_kv))
+  else:
+    kv_next = _rotate(kv, cfg.axis_name, n)
+    dq, pending = hop(0, kv, dq, (zeros_kv, zeros_kv))
+
+    # At hop t, member r receives the accumulator of shard (r - t) mod n from
+    # r - 1 (which finished adding to it at hop t - 1) while computing its own
+    # contribution for that same shard, then adds the two.
+    def body(t, carry):
+      kv, dq, pending = carry
+      kv_next = _rotate(kv, cfg.axis_name, n)
+      arrived = _rotate(pending, cfg.axis_name, n)
+      dq, pending = hop(t, kv, dq, arrived)
+      return kv_next, dq, pending
+
+    kv, dq, pending = jax.lax.fori_loop(1, n - 1, body, (kv_next, dq, pending))
+    dq, pending = hop(n - 1, kv, dq, _rotate(pending, cfg.axis_name, n))
+    # The n-th send brings every accumulator home.
+    dk, dv = _rotate(pending, cfg.axis_name, n)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
+
+
+def ring_attention_local(q, k, v, q_seg, kv_seg, cfg: RingConfig):
+  """Per-device entry point (inside shard_map, or a ring of one)."""
+  return _ring_attention(q, k, v, q_seg, kv_seg, cfg)

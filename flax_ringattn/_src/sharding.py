@@ -1,0 +1,32 @@
+"""Small helpers for meshes with Explicit or Auto axes (JAX 0.10 defaults to Explicit)."""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+
+def has_explicit_axes(mesh, spec: P) -> bool:
+  names = {a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))}
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  return any(types[a] == AxisType.Explicit for a in names)
+
+
+def constrain(x, mesh, spec: P):
+  """Puts `x` on `NamedSharding(mesh, spec)`: `jax.reshard` for Explicit axes
+  (sharding is part of the type there), a sharding constraint otherwise."""
+  if mesh is None:
+    return x
+  sharding = NamedSharding(mesh, spec)
+  if has_explicit_axes(mesh, spec):
+    return jax.reshard(x, sharding)
+  return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def axis_is_bound(axis_name) -> bool:
+  """True inside a shard_map (or other collective context) that binds `axis_name`."""
+  try:
+    jax.lax.axis_size(axis_name)
+  except (NameError, ValueError, KeyError):
+    return False
+  return True

@@ -1,0 +1,102 @@
+"""Argument checks shared by the ops and the reference.
+
+Every message names the operands, shows the values and says what was expected
+(STYLE.md).  Dimension letters: B batch, T q length, S kv length, N q heads,
+K kv heads, H head dim.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+
+def check_qkv(q, k, v):
+  """Validates the [B, T, N, H] / [B, S, K, H] layout; returns (B, T, S, N, K, H)."""
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if x.ndim != 4:
+      raise ValueError(
+        f"{name} must have rank 4 ([B, T, N, H] for q, [B, S, K, H] for k/v), got {name}.shape={tuple(x.shape)}"
+      )
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must be a floating-point array, got {name}.dtype={x.dtype}")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise TypeError(f"q, k and v must share a dtype, got q.dtype={q.dtype}, k.dtype={k.dtype}, v.dtype={v.dtype}")
+  if k.shape != v.shape:
+    raise ValueError(f"k and v must have the same shape [B, S, K, H], got k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}")
+  B, T, N, H = q.shape
+  Bk, S, K, Hk = k.shape
+  if Bk != B:
+    raise ValueError(f"batch sizes differ: q.shape[0]={B} but k.shape[0]={Bk}")
+  if Hk != H:
+    raise ValueError(f"head_dim differs: q.shape[3]={H} but k.shape[3]={Hk}")
+  if K == 0 or N % K:
+    raise ValueError(
+      f"the number of q heads N={N} must be a multiple of the number of kv heads K={K} "
+      f"(GQA/MQA: q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)})"
+    )
+  return B, T, S, N, K, H
+
+
+def normalize_window(local_window_size):
+  """int w -> (w, w); (left, right) -> itself; None -> None (jax.nn semantics)."""
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, numbers.Integral) and not isinstance(local_window_size, bool):
+    left = right = int(local_window_size)
+  elif isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2 and all(
+    isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in local_window_size
+  ):
+    left, right = (int(w) for w in local_window_size)
+  else:
+    raise TypeError(f"local_window_size must be an int or a (left, right) pair of ints, got {local_window_size!r}")
+  if left < 0 or right < 0:
+    raise ValueError(f"local_window_size must be non-negative, got {local_window_size=}")
+  return (left, right)
+
+
+def normalize_segment_ids(segment_ids, B: int, T: int, S: int):
+  """None, [B, T] (self attention, needs T == S) or (q_ids [B, T], kv_ids [B, S]) -> (q_ids, kv_ids) int32."""
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise ValueError(f"segment_ids must be an array or a (q_segment_ids, kv_segment_ids) pair, got {len(segment_ids)} items")
+    q_ids, kv_ids = segment_ids
+  else:
+    if T != S:
+      raise ValueError(
+        f"a single segment_ids array needs T == S (self attention), got T={T}, S={S}; "
+        "pass (q_segment_ids [B, T], kv_segment_ids [B, S]) for cross attention"
+      )
+    q_ids = kv_ids = segment_ids
+  for name, ids, L in (("q segment_ids", q_ids, T), ("kv segment_ids", kv_ids, S)):
+    if not hasattr(ids, "shape"):
+      raise TypeError(f"{name} must be an array, got {type(ids).__name__}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise TypeError(f"{name} must be an integer array, got dtype={ids.dtype}")
+    if tuple(ids.shape) != (B, L):
+      raise ValueError(f"{name} must have shape [B, {'T' if L == T else 'S'}]=({B}, {L}), got {tuple(ids.shape)}")
+  return jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32)
+
+
+def check_soft_cap(logits_soft_cap):
+  if logits_soft_cap is None:
+    return None
+  if not isinstance(logits_soft_cap, numbers.Real) or isinstance(logits_soft_cap, bool):
+    raise TypeError(f"logits_soft_cap must be a positive float, got {logits_soft_cap!r}")
+  if not logits_soft_cap > 0:
+    raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap=}")
+  return float(logits_soft_cap)
+
+
+def check_scale(scale, H: int) -> float:
+  if scale is None:
+    return H**-0.5
+  if isinstance(scale, jax.Array) or not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+    raise TypeError(f"scale must be a Python float (it is baked into the kernel), got {scale!r}")
+  return float(scale)
