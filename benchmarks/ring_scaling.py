@@ -21,7 +21,9 @@ by side in the same run (repeats outer loop, implementations inner loop):
                    ``jax.shard_map``, query/key chunks of 256.  Optional: install
                    it outside the project, e.g.
                    ``pip install --no-deps --target /tmp/haoliu_pkg ringattention==0.1.2``
-                   and pass ``--haoliu-path /tmp/haoliu_pkg``.
+                   and pass ``--haoliu-path /tmp/haoliu_pkg``.  Its ``__init__``
+                   calls ``jax.lib.xla_bridge``, gone from current JAX; the
+                   script restores that alias before importing it.
 
 Columns: per-device temp memory (``compiled.memory_analysis()``), median wall
 time (compile and a warm-up call excluded), achieved GFLOP/s and the fraction
@@ -195,26 +197,28 @@ def _shape_bytes(shape: str) -> float:
   return total
 
 
+def _matching_paren(text: str, start: int) -> int:
+  """Index of the parenthesis closing the one at `text[start]`."""
+  depth = 0
+  for i in range(start, len(text)):
+    depth += {"(": 1, ")": -1}.get(text[i], 0)
+    if depth == 0:
+      return i
+  return len(text)
+
+
 def _split_instruction(rhs: str) -> tuple[str, str, str, str]:
   """Splits 'SHAPE opcode(operands), attrs' into its four parts."""
-  if rhs.startswith("("):  # Tuple shape: skip to the matching parenthesis.
-    depth = 0
-    for i, ch in enumerate(rhs):
-      depth += {"(": 1, ")": -1}.get(ch, 0)
-      if depth == 0:
-        break
-    shape, rest = rhs[: i + 1], rhs[i + 1 :].lstrip()
+  if rhs.startswith("("):  # Tuple shape.
+    end = _matching_paren(rhs, 0)
+    shape, rest = rhs[: end + 1], rhs[end + 1 :].lstrip()
   else:
     shape, _, rest = rhs.partition(" ")
   match = re.match(r"([\w\-]+)\(", rest)
   if not match:
     return shape, "", "", rest
-  depth, start = 0, match.end() - 1
-  for j in range(start, len(rest)):
-    depth += {"(": 1, ")": -1}.get(rest[j], 0)
-    if depth == 0:
-      break
-  return shape, match.group(1), rest[start + 1 : j], rest[j + 1 :]
+  end = _matching_paren(rest, match.end() - 1)
+  return shape, match.group(1), rest[match.end() : end], rest[end + 1 :]
 
 
 def _group_size(attrs: str, num_devices: int) -> int:
@@ -238,9 +242,7 @@ def _group_size(attrs: str, num_devices: int) -> int:
   return num_devices
 
 
-def _collective_bytes(
-  opcode: str, shape: str, operand_bytes: float, attrs: str, num_devices: int
-) -> CommVolume:
+def _collective_bytes(opcode: str, shape: str, operand_bytes: float, attrs: str, num_devices: int) -> CommVolume:
   """Bytes one device sends for a single collective instruction."""
   base = opcode.removesuffix("-start")
   if base == "collective-permute":
@@ -285,9 +287,7 @@ def collective_volume(hlo_text: str, num_devices: int = NUM_DEVICES) -> CommVolu
     shape, opcode, operands, attrs = _split_instruction(rhs)
     shapes[name] = shape
     if opcode.removesuffix("-start") in _COLLECTIVES:
-      operand_bytes = sum(
-        _shape_bytes(shapes.get(op, "")) for op in re.findall(r"%([\w.\-]+)", operands)
-      )
+      operand_bytes = sum(_shape_bytes(shapes.get(op, "")) for op in re.findall(r"%([\w.\-]+)", operands))
       own[current].add(_collective_bytes(opcode, shape, operand_bytes, attrs, num_devices))
     if opcode == "while":
       trips = _TRIP_COUNT_RE.search(attrs)
@@ -295,11 +295,7 @@ def collective_volume(hlo_text: str, num_devices: int = NUM_DEVICES) -> CommVolu
       calls[current].append(([body.group(1)], int(trips.group(1)) if trips else None))
     elif opcode == "conditional":
       branches = _BRANCHES_RE.search(attrs)
-      names = (
-        re.findall(r"%?([\w.\-]+)", branches.group(1))
-        if branches
-        else [m[1] for m in _CALLEE_RE.findall(attrs)]
-      )
+      names = re.findall(r"%?([\w.\-]+)", branches.group(1)) if branches else [m[1] for m in _CALLEE_RE.findall(attrs)]
       calls[current].append((names, 1))
     else:
       for kind, callee in _CALLEE_RE.findall(attrs):
@@ -337,9 +333,7 @@ def import_flax_ringattn() -> bool:
   return True
 
 
-def make_ring(
-  mesh, causal: bool, load_balance: bool, block_sizes: tuple[int, int] | None
-) -> Attention:
+def make_ring(mesh, causal: bool, load_balance: bool, block_sizes: tuple[int, int] | None) -> Attention:
   import flax_ringattn  # Imported lazily: optional while the package is being written.
 
   kwargs: dict[str, Any] = {
@@ -349,9 +343,7 @@ def make_ring(
     "load_balance": load_balance,
   }
   if block_sizes is not None:
-    kwargs["block_sizes"] = flax_ringattn.BlockSizes(
-      block_q=block_sizes[0], block_kv=block_sizes[1]
-    )
+    kwargs["block_sizes"] = flax_ringattn.BlockSizes(block_q=block_sizes[0], block_kv=block_sizes[1])
   return functools.partial(flax_ringattn.ring_attention, **kwargs)
 
 
@@ -428,7 +420,7 @@ def matmul_gflops(repeats: int) -> float:
   matmul = jax.jit(jnp.matmul)
   matmul(a, b).block_until_ready()
   times = []
-  for _ in range(max(repeats, 5)):
+  for _ in range(max(repeats, 10)):
     start = time.perf_counter()
     matmul(a, b).block_until_ready()
     times.append(time.perf_counter() - start)
@@ -448,10 +440,7 @@ def compile_row(
   if stats is not None:
     row.temp_bytes = stats.temp_size_in_bytes
     row.footprint_bytes = (
-      stats.temp_size_in_bytes
-      + stats.argument_size_in_bytes
-      + stats.output_size_in_bytes
-      - stats.alias_size_in_bytes
+      stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
     )
   row.sent = collective_volume(compiled.as_text())
   if row.footprint_bytes is not None and NUM_DEVICES * row.footprint_bytes > mem_limit:
@@ -466,7 +455,7 @@ def run_row(row: Row, inputs: Sequence[jax.Array]) -> float | None:
     start = time.perf_counter()
     jax.block_until_ready(row.compiled(*inputs))
     return time.perf_counter() - start
-  except Exception as e:  # noqa: BLE001 -- one failing row must not kill the table.
+  except Exception as e:  # One failing row must not kill the table.
     row.status = _error(e)
     row.compiled = None
     return None
@@ -499,7 +488,7 @@ def measure_seq_len(seq_len: int, args, mesh, haoliu_fn) -> list[Row]:
             continue
           attention = make_haoliu(haoliu_fn, mesh, causal, seq_len, args.haoliu_chunk)
         compile_row(row, attention, inputs, sharding, mem_limit)
-      except Exception as e:  # noqa: BLE001
+      except Exception as e:
         row.status = _error(e)
   live = [r for r in rows if r.compiled is not None]
   for row in live:  # Warm-up call, excluded from timing.
@@ -552,8 +541,11 @@ def format_row(row: Row, peak: float) -> list[str]:
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-  widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-  line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+  widths = [max(len(c) for c in col) for col in zip(header, *rows, strict=True)]
+
+  def line(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
   sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
   return "\n".join([line(header), sep, *map(line, rows)])
 
@@ -591,43 +583,48 @@ def _ratio(a: float | None, b: float | None) -> float | None:
   return a / b if a is not None and b else None
 
 
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+  return "n/a" if x is None else format(x, spec)
+
+
+def _check(x: float | None, limit: float) -> str:
+  return "n/a" if x is None else ("yes" if x <= limit else "NO")
+
+
 def print_targets(rows: Sequence[Row], seq_lens: Sequence[int]) -> None:
-  """Target checks, at T=8k / 16k when measured, else at the largest T measured."""
+  """Project targets, at T=8k (time, traffic) and 16k (memory), else at the largest T measured."""
   t_time = 8192 if 8192 in seq_lens else max(seq_lens)
   t_mem = 16384 if 16384 in seq_lens else max(seq_lens)
-  time_of = lambda impl, causal: median_time(_find(rows, impl, t_time, causal) or Row("", 0, False))
-  temp_of = lambda impl, t: getattr(_find(rows, impl, t, False), "temp_bytes", None)
-  fmt = lambda x, spec=".2f": "n/a" if x is None else format(x, spec)
-  check = lambda x, limit: "n/a" if x is None else ("yes" if x <= limit else "NO")
+
+  def time_of(impl: str, causal: bool) -> float | None:
+    row = _find(rows, impl, t_time, causal)
+    return median_time(row) if row else None
+
+  def temp_mib(impl: str, seq_len: int) -> float | None:
+    row = _find(rows, impl, seq_len, False)
+    return row.temp_bytes / MIB if row and row.temp_bytes is not None else None
+
   table = []
   for impl in ("ring", "ring+lb"):
     r = _ratio(time_of(impl, True), time_of("haoliu", True))
-    table.append([f"{impl} / haoliu time, T={t_time} causal", fmt(r), "<= 0.80", check(r, 0.8)])
+    table.append([f"{impl} / haoliu time, T={t_time} causal", _fmt(r), "<= 0.80", _check(r, 0.8)])
   for impl in ("ring", "ring+lb"):
     r = _ratio(time_of(impl, True), time_of("ring", False))
-    table.append(
-      [f"{impl} causal / ring non-causal time, T={t_time}", fmt(r), "<= 0.55", check(r, 0.55)]
-    )
-  ring_mem, haoliu_mem = temp_of("ring", t_mem), temp_of("haoliu", t_mem)
-  mem_pair = (
-    f"{fmt(ring_mem and ring_mem / MIB, '.1f')} vs {fmt(haoliu_mem and haoliu_mem / MIB, '.1f')}"
-  )
-  table.append([f"temp MiB/dev T={t_mem} non-causal, ring vs haoliu", mem_pair, "-", "-"])
-  growth = _ratio(temp_of("ring", t_mem), temp_of("ring", t_mem // 2))
-  table.append(
-    [f"ring temp growth T={t_mem // 2}->{t_mem} non-causal", fmt(growth), "~2 (linear in T)", "-"]
-  )
+    name = f"{impl} causal / ring non-causal time, T={t_time}"
+    table.append([name, _fmt(r), "<= 0.55", _check(r, 0.55)])
+  mem = f"{_fmt(temp_mib('ring', t_mem), '.1f')} vs {_fmt(temp_mib('haoliu', t_mem), '.1f')}"
+  table.append([f"temp MiB/dev T={t_mem} non-causal, ring vs haoliu", mem, "-", "-"])
+  pair = (8192, 16384) if {8192, 16384} <= set(seq_lens) else sorted(set(seq_lens))[-2:]
+  if len(pair) == 2:
+    small, large = pair
+    growth = _ratio(temp_mib("ring", large), temp_mib("ring", small))
+    name = f"ring temp growth T={small}->{large} non-causal"
+    table.append([name, _fmt(growth), f"~{large / small:g} (linear in T)", "-"])
   ring_row = _find(rows, "ring", t_time, False)
   sent = ring_row.sent.total if ring_row and ring_row.sent else None
-  table.append(
-    [
-      f"ring bytes sent / ideal ring, T={t_time} non-causal",
-      fmt(_ratio(sent, ideal_ring_bytes(t_time)[1])),
-      "~1.0",
-      "-",
-    ]
-  )
-  print(markdown_table(("target", "value", "target value", "met"), table))
+  ratio = _ratio(sent, ideal_ring_bytes(t_time)[1])
+  table.append([f"ring bytes sent / ideal ring, T={t_time} non-causal", _fmt(ratio), "~1.0", "-"])
+  print(markdown_table(("target", "value", "target", "met"), table))
 
 
 # ------------------------------------------------------------------------------------------
@@ -648,9 +645,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     help=f"smoke run: T={','.join(map(str, QUICK_SEQ_LENS))}, 1 repeat",
   )
   parser.add_argument("--repeats", type=int, default=3, help="timed calls per row (median)")
-  parser.add_argument(
-    "--impls", default=",".join(ALL_IMPLS), help=f"comma-separated subset of {','.join(ALL_IMPLS)}"
-  )
+  parser.add_argument("--impls", default=",".join(ALL_IMPLS), help=f"comma-separated subset of {','.join(ALL_IMPLS)}")
   parser.add_argument("--causal", choices=("both", "causal", "non-causal"), default="both")
   parser.add_argument(
     "--block",
@@ -663,9 +658,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     default=None,
     help="directory holding the `ringattention` package (e.g. a pip --target)",
   )
-  parser.add_argument(
-    "--haoliu-chunk", type=int, default=256, help="haoliu query/key chunk size (clamped to T/8)"
-  )
+  parser.add_argument("--haoliu-chunk", type=int, default=256, help="haoliu query/key chunk size (clamped to T/8)")
   parser.add_argument(
     "--mem-limit-gib",
     type=float,
@@ -677,12 +670,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   if args.quick:
     args.seq_lens, args.repeats = ",".join(map(str, QUICK_SEQ_LENS)), 1
   args.seq_lens = [int(t) for t in args.seq_lens.split(",")]
+  if bad := [t for t in args.seq_lens if t <= 0 or t % NUM_DEVICES]:
+    parser.error(f"--seq-lens {bad} must be positive multiples of {NUM_DEVICES}")
   args.impls = [i.strip() for i in args.impls.split(",")]
   if unknown := set(args.impls) - set(ALL_IMPLS):
     parser.error(f"unknown --impls {sorted(unknown)}; choose from {ALL_IMPLS}")
-  args.causal_modes = {"both": (False, True), "causal": (True,), "non-causal": (False,)}[
-    args.causal
-  ]
+  args.causal_modes = {"both": (False, True), "causal": (True,), "non-causal": (False,)}[args.causal]
   if args.block:
     q, _, kv = args.block.partition(",")
     args.block = (int(q), int(kv or q))
@@ -692,10 +685,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
   args = parse_args(argv)
   if jax.device_count() < NUM_DEVICES:
-    sys.exit(
-      f"need {NUM_DEVICES} devices, have {jax.device_count()} (XLA_FLAGS="
-      f"{os.environ.get('XLA_FLAGS')!r})"
-    )
+    sys.exit(f"need {NUM_DEVICES} devices, have {jax.device_count()} (XLA_FLAGS={os.environ.get('XLA_FLAGS')!r})")
   mesh = jax.make_mesh(
     (NUM_DEVICES,),
     (AXIS,),
@@ -712,7 +702,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     f"f32, fwd+bwd, repeats={args.repeats}"
   )
   args.peak = matmul_gflops(args.repeats)
-  print(f"one-device f32 matmul {MATMUL_N}^3: {args.peak:.1f} GFLOP/s (median)\n")
+  load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+  print(f"one-device f32 matmul {MATMUL_N}^3: {args.peak:.1f} GFLOP/s (median); load avg {load}\n")
 
   rows = []
   for seq_len in args.seq_lens:

@@ -11,6 +11,7 @@ The public surface (see README.md for the table):
 from flax_ringattn._src.backends import available as available_implementations
 from flax_ringattn._src.block_sizes import BlockSizes
 from flax_ringattn._src.layout import zigzag_inverse, zigzag_order, zigzag_positions
+from flax_ringattn._src.nnx.ring_mha import RingMultiHeadAttention, make_ring_attention_fn
 from flax_ringattn._src.reference import reference_attention
 from flax_ringattn._src.ring.op import ring_attention
 
@@ -18,7 +19,9 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
   "BlockSizes",
+  "RingMultiHeadAttention",
   "available_implementations",
+  "make_ring_attention_fn",
   "reference_attention",
   "ring_attention",
   "zigzag_inverse",

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import jax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 def has_explicit_axes(mesh, spec: P) -> bool:
   names = {a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))}
-  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
   return any(types[a] == AxisType.Explicit for a in names)
 
 
@@ -30,3 +31,7 @@ def axis_is_bound(axis_name) -> bool:
   except (NameError, ValueError, KeyError):
     return False
   return True
+
+
+def named(mesh, spec: P) -> NamedSharding:
+  return NamedSharding(mesh, spec)

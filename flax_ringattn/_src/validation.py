@@ -27,7 +27,9 @@ def check_qkv(q, k, v):
   if not (q.dtype == k.dtype == v.dtype):
     raise TypeError(f"q, k and v must share a dtype, got q.dtype={q.dtype}, k.dtype={k.dtype}, v.dtype={v.dtype}")
   if k.shape != v.shape:
-    raise ValueError(f"k and v must have the same shape [B, S, K, H], got k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}")
+    raise ValueError(
+      f"k and v must have the same shape [B, S, K, H], got k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}"
+    )
   B, T, N, H = q.shape
   Bk, S, K, Hk = k.shape
   if Bk != B:
@@ -48,8 +50,10 @@ def normalize_window(local_window_size):
     return None
   if isinstance(local_window_size, numbers.Integral) and not isinstance(local_window_size, bool):
     left = right = int(local_window_size)
-  elif isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2 and all(
-    isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in local_window_size
+  elif (
+    isinstance(local_window_size, (tuple, list))
+    and len(local_window_size) == 2
+    and all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in local_window_size)
   ):
     left, right = (int(w) for w in local_window_size)
   else:
@@ -65,7 +69,9 @@ def normalize_segment_ids(segment_ids, B: int, T: int, S: int):
     return None, None
   if isinstance(segment_ids, (tuple, list)):
     if len(segment_ids) != 2:
-      raise ValueError(f"segment_ids must be an array or a (q_segment_ids, kv_segment_ids) pair, got {len(segment_ids)} items")
+      raise ValueError(
+        f"segment_ids must be an array or a (q_segment_ids, kv_segment_ids) pair, got {len(segment_ids)} items"
+      )
     q_ids, kv_ids = segment_ids
   else:
     if T != S:

@@ -120,7 +120,11 @@ def _check_shard_lengths(T, S, n, load_balance, *, local, axis_name):
   for name, L in (("q_len", T), ("kv_len", S)):
     need = per if local else per * n
     if L % need:
-      why = "the zigzag layout splits each shard into two chunks" if load_balance else "q and k/v are split evenly over the ring"
+      why = (
+        "the zigzag layout splits each shard into two chunks"
+        if load_balance
+        else "q and k/v are split evenly over the ring"
+      )
       raise ValueError(
         f"{what} {name}={L} must be a multiple of {need} (ring_size={n} over axis {axis_name!r}, "
         f"load_balance={load_balance}): {why}"
@@ -141,7 +145,7 @@ def _ring_on_mesh(q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis
   used = [a for a in (axis_name, batch_axis, head_axis) if a is not None]
   if len(set(used)) != len(used):
     raise ValueError(f"axis_name, batch_axis and head_axis must be different mesh axes, got {used}")
-  sizes = dict(zip(names, mesh.axis_sizes))
+  sizes = dict(zip(names, mesh.axis_sizes, strict=True))
   n = sizes[axis_name]
   B, T, N, _ = q.shape
   S, K = k.shape[1], k.shape[2]

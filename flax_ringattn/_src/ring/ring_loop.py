@@ -54,6 +54,7 @@ def _ring_geometry(axis_name):
 
 def _hop_kind(spec: AttentionSpec, q_pos, kv_pos, q_seg, kv_seg):
   """EMPTY / PARTIAL / FULL for a whole (q shard, kv shard) pair."""
+
   def extent(pos, seg):
     if seg is None:
       return masks.Extent(pos.min(), pos.max())
@@ -160,9 +161,7 @@ def _ring_attention_bwd(cfg: RingConfig, res, do):
       zk = vma.like(jnp.zeros(k.shape, F32), k)
       return zq, zk, zk
 
-    dq_b, dk_b, dv_b = jax.lax.cond(
-      _hop_kind(spec, q_pos, kv_pos, q_seg, seg_t) != masks.EMPTY, compute, skip
-    )
+    dq_b, dk_b, dv_b = jax.lax.cond(_hop_kind(spec, q_pos, kv_pos, q_seg, seg_t) != masks.EMPTY, compute, skip)
     return dq + dq_b, (dkv_in[0] + dk_b, dkv_in[1] + dv_b)
 
   zeros_kv = vma.like(jnp.zeros(k.shape, F32), k)

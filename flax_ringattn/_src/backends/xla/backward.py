@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from flax_ringattn._src import vma
-from flax_ringattn._src.block_sizes import effective_tile
 from flax_ringattn._src.backends.xla import common as c
+from flax_ringattn._src.block_sizes import effective_tile
 
 
 def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec):
@@ -47,7 +47,9 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec):
         # lse = -inf only for rows with no visible key anywhere; their s is
         # -inf everywhere, so shifting by 0 gives p = 0 (not NaN).
         p = jnp.exp(s - jnp.where(jnp.isneginf(lse_i), 0.0, lse_i)[..., None])
-        dv = dv + jnp.einsum("bkgqt,bkgqh->bkth", p.astype(do_i.dtype), do_i, preferred_element_type=c.F32, precision=prec)
+        dv = dv + jnp.einsum(
+          "bkgqt,bkgqh->bkth", p.astype(do_i.dtype), do_i, preferred_element_type=c.F32, precision=prec
+        )
         dp = jnp.einsum("bkgqh,bkth->bkgqt", do_i, v_j, preferred_element_type=c.F32, precision=prec)
         ds = p * (dp - dl_i[..., None])
         if t is not None:

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from flax_ringattn._src import vma
-from flax_ringattn._src.block_sizes import effective_tile
 from flax_ringattn._src.backends.xla import common as c
+from flax_ringattn._src.block_sizes import effective_tile
 
 
 def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec):
@@ -68,7 +68,5 @@ def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec):
     lse = jnp.where(empty_row, -jnp.inf, m + jnp.log(jnp.where(empty_row, 1.0, l)))
     return o, lse
 
-  o_t, lse_t = jax.lax.map(
-    q_tile, (c.q_tiles(q, bq, K), c.pos_tiles(q_pos, bq), c.seg_tiles(q_seg, bq), kinds)
-  )
+  o_t, lse_t = jax.lax.map(q_tile, (c.q_tiles(q, bq, K), c.pos_tiles(q_pos, bq), c.seg_tiles(q_seg, bq), kinds))
   return c.q_untile(o_t), c.row_untile(lse_t)
