@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q -c constraints.txt
+# Tests are compile-bound and single-threaded: one worker per core.
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 
 .PHONY: demo test lint bench clean
 
@@ -21,7 +23,7 @@ demo: $(VENV)/.stamp-base
 
 test: $(VENV)/.stamp-test
 	$(PY) -m ruff check flax_ringattn tests examples benchmarks
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --durations=15
 
 lint: $(VENV)/.stamp-test
 	$(PY) -m ruff check flax_ringattn tests examples benchmarks
