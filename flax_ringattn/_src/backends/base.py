@@ -42,7 +42,7 @@ class AttentionSpec:
   mask: MaskSpec
   scale: float
   logits_soft_cap: float | None = None
-  block_sizes: BlockSizes = BlockSizes()
+  block_sizes: BlockSizes | None = None  # None: the backend's own default
   precision: object = None  # jax.lax.Precision for the XLA matmuls, or None
 
 

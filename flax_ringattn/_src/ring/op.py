@@ -61,7 +61,8 @@ def ring_attention(
       device then does the same causal work.
     implementation: block backend name (see `available_implementations()`), or
       None for the best available.
-    block_sizes: `BlockSizes` tiles for the block kernels.
+    block_sizes: `BlockSizes` tiles for the block kernels; None lets the
+      backend choose (XLA: 512 q x 128 kv, tuned on CPU).
     batch_axis, head_axis: mesh axes the batch and heads are sharded over (only
       with `mesh`; None means replicated).
     precision: matmul precision of the XLA backend (`jax.lax.Precision`).
@@ -74,9 +75,7 @@ def ring_attention(
   cap = validation.check_soft_cap(logits_soft_cap)
   scale = validation.check_scale(scale, H)
   q_seg, kv_seg = validation.normalize_segment_ids(segment_ids, B, T, S)
-  if block_sizes is None:
-    block_sizes = BlockSizes()
-  elif not isinstance(block_sizes, BlockSizes):
+  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise TypeError(f"block_sizes must be a flax_ringattn.BlockSizes, got {type(block_sizes).__name__}")
   if not isinstance(load_balance, bool):
     raise TypeError(f"load_balance must be a bool, got {load_balance!r}")

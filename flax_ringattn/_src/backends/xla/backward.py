@@ -13,7 +13,6 @@ import jax.numpy as jnp
 
 from flax_ringattn._src import vma
 from flax_ringattn._src.backends.xla import common as c
-from flax_ringattn._src.block_sizes import effective_tile
 
 
 def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec):
@@ -21,8 +20,7 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec):
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K
-  req_q, req_kv = spec.block_sizes.bwd
-  bq, bk = effective_tile(T, req_q), effective_tile(S, req_kv)
+  bq, bk = c.tiles(spec, T, S, backward=True)
   kinds = c.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, bq, bk)  # [nq, nk]
   prec = spec.precision
 

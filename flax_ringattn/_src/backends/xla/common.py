@@ -5,8 +5,23 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from flax_ringattn._src import masks
+from flax_ringattn._src.block_sizes import BlockSizes, effective_tile
 
 F32 = jnp.float32
+
+# Measured on a 2-core CPU for one 1024 x 1024 block, B=1, 4 heads, head_dim 64,
+# f32 (interleaved medians): narrow kv tiles keep the backward's score, p, dp
+# and ds tiles in cache (fwd+bwd 73 ms at 512x128 vs 87 ms at 512x512), and a q
+# tile of at most half a shard keeps zigzag chunks in separate tiles so causal
+# tiles can be skipped.
+DEFAULT_BLOCKS = BlockSizes(block_q=512, block_kv=128)
+
+
+def tiles(spec, T: int, S: int, *, backward: bool) -> tuple[int, int]:
+  """(bq, bk) tile sizes that divide T and S."""
+  blocks = spec.block_sizes or DEFAULT_BLOCKS
+  req_q, req_kv = blocks.bwd if backward else (blocks.block_q, blocks.block_kv)
+  return effective_tile(T, req_q), effective_tile(S, req_kv)
 
 
 def q_tiles(x, tile: int, kv_heads: int):

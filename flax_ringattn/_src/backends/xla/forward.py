@@ -13,7 +13,6 @@ import jax.numpy as jnp
 
 from flax_ringattn._src import vma
 from flax_ringattn._src.backends.xla import common as c
-from flax_ringattn._src.block_sizes import effective_tile
 
 
 def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec):
@@ -21,8 +20,7 @@ def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec):
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K
-  bq = effective_tile(T, spec.block_sizes.block_q)
-  bk = effective_tile(S, spec.block_sizes.block_kv)
+  bq, bk = c.tiles(spec, T, S, backward=False)
   kinds = c.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, bq, bk)  # [nq, nk]
 
   kt, vt = c.kv_tiles(k, bk), c.kv_tiles(v, bk)
