@@ -45,9 +45,11 @@ def reference_attention(
   cap = validation.check_soft_cap(logits_soft_cap)
   window = validation.normalize_window(local_window_size)
   q_seg, kv_seg = validation.normalize_segment_ids(segment_ids, B, T, S)
-  spec = masks.MaskSpec(is_causal=is_causal, window=window, has_segments=q_seg is not None)
-  q_pos = jnp.arange(T, dtype=jnp.int32) if q_positions is None else jnp.asarray(q_positions, jnp.int32)
-  kv_pos = jnp.arange(S, dtype=jnp.int32) if kv_positions is None else jnp.asarray(kv_positions, jnp.int32)
+  spec = masks.MaskSpec(
+    is_causal=validation.check_bool("is_causal", is_causal), window=window, has_segments=q_seg is not None
+  )
+  q_pos = validation.check_positions("q_positions", q_positions, T, "T")
+  kv_pos = validation.check_positions("kv_positions", kv_positions, S, "S")
 
   G = N // K
   qf = q.astype(jnp.float32).reshape(B, T, K, G, H)

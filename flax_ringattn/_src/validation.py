@@ -7,6 +7,7 @@ K kv heads, H head dim.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import jax
@@ -80,13 +81,13 @@ def normalize_segment_ids(segment_ids, B: int, T: int, S: int):
         "pass (q_segment_ids [B, T], kv_segment_ids [B, S]) for cross attention"
       )
     q_ids = kv_ids = segment_ids
-  for name, ids, L in (("q segment_ids", q_ids, T), ("kv segment_ids", kv_ids, S)):
+  for name, ids, L, letter in (("q segment_ids", q_ids, T, "T"), ("kv segment_ids", kv_ids, S, "S")):
     if not hasattr(ids, "shape"):
       raise TypeError(f"{name} must be an array, got {type(ids).__name__}")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
       raise TypeError(f"{name} must be an integer array, got dtype={ids.dtype}")
     if tuple(ids.shape) != (B, L):
-      raise ValueError(f"{name} must have shape [B, {'T' if L == T else 'S'}]=({B}, {L}), got {tuple(ids.shape)}")
+      raise ValueError(f"{name} must have shape [B, {letter}]=({B}, {L}), got {tuple(ids.shape)}")
   return jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32)
 
 
@@ -95,8 +96,8 @@ def check_soft_cap(logits_soft_cap):
     return None
   if not isinstance(logits_soft_cap, numbers.Real) or isinstance(logits_soft_cap, bool):
     raise TypeError(f"logits_soft_cap must be a positive float, got {logits_soft_cap!r}")
-  if not logits_soft_cap > 0:
-    raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap=}")
+  if not (logits_soft_cap > 0 and math.isfinite(logits_soft_cap)):
+    raise ValueError(f"logits_soft_cap must be > 0 and finite (None means no cap), got {logits_soft_cap=}")
   return float(logits_soft_cap)
 
 
@@ -105,4 +106,25 @@ def check_scale(scale, H: int) -> float:
     return H**-0.5
   if isinstance(scale, jax.Array) or not isinstance(scale, numbers.Real) or isinstance(scale, bool):
     raise TypeError(f"scale must be a Python float (it is baked into the kernel), got {scale!r}")
+  if not math.isfinite(scale):
+    raise ValueError(f"scale must be finite, got {scale=}")
   return float(scale)
+
+
+def check_bool(name: str, value) -> bool:
+  if not isinstance(value, bool):
+    raise TypeError(f"{name} must be a bool, got {value!r}")
+  return value
+
+
+def check_positions(name: str, positions, length: int, letter: str):
+  """Optional explicit token positions: an int array of shape [length]."""
+  if positions is None:
+    return jnp.arange(length, dtype=jnp.int32)
+  if not hasattr(positions, "shape"):
+    positions = jnp.asarray(positions)
+  if tuple(positions.shape) != (length,) or not jnp.issubdtype(positions.dtype, jnp.integer):
+    raise ValueError(
+      f"{name} must be an integer array of shape [{letter}]=({length},), got shape={tuple(positions.shape)}, dtype={positions.dtype}"
+    )
+  return jnp.asarray(positions, jnp.int32)

@@ -77,10 +77,8 @@ def ring_attention(
   q_seg, kv_seg = validation.normalize_segment_ids(segment_ids, B, T, S)
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise TypeError(f"block_sizes must be a flax_ringattn.BlockSizes, got {type(block_sizes).__name__}")
-  if not isinstance(load_balance, bool):
-    raise TypeError(f"load_balance must be a bool, got {load_balance!r}")
-  if not isinstance(is_causal, bool):
-    raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+  validation.check_bool("load_balance", load_balance)
+  validation.check_bool("is_causal", is_causal)
   spec = AttentionSpec(
     mask=masks.MaskSpec(is_causal=is_causal, window=window, has_segments=q_seg is not None),
     scale=scale,
