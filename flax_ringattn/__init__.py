@@ -2,8 +2,10 @@
 
 The public surface (see README.md for the table):
 
-* ops: `ring_attention`, `reference_attention`
-* layers: `RingMultiHeadAttention`, `make_ring_attention_fn`
+* ops: `ring_attention`, `paged_attention`, `reference_attention`,
+  `paged_reference_attention`
+* layers: `RingMultiHeadAttention`, `make_ring_attention_fn`,
+  `PagedMultiHeadAttention`; cache: `PagedKVCache`
 * layout helpers: `zigzag_order`, `zigzag_inverse`, `zigzag_positions`
 * configuration: `BlockSizes`, `available_implementations`
 """
@@ -11,7 +13,11 @@ The public surface (see README.md for the table):
 from flax_ringattn._src.backends import available as available_implementations
 from flax_ringattn._src.block_sizes import BlockSizes
 from flax_ringattn._src.layout import zigzag_inverse, zigzag_order, zigzag_positions
+from flax_ringattn._src.nnx.paged_mha import PagedMultiHeadAttention
 from flax_ringattn._src.nnx.ring_mha import RingMultiHeadAttention, make_ring_attention_fn
+from flax_ringattn._src.paged.cache import PagedKVCache
+from flax_ringattn._src.paged.op import paged_attention
+from flax_ringattn._src.paged.reference import paged_reference_attention
 from flax_ringattn._src.reference import reference_attention
 from flax_ringattn._src.ring.op import ring_attention
 
@@ -19,9 +25,13 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
   "BlockSizes",
+  "PagedKVCache",
+  "PagedMultiHeadAttention",
   "RingMultiHeadAttention",
   "available_implementations",
   "make_ring_attention_fn",
+  "paged_attention",
+  "paged_reference_attention",
   "reference_attention",
   "ring_attention",
   "zigzag_inverse",

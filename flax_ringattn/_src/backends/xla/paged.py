@@ -1,0 +1,203 @@
+"""XLA paged attention over a ragged batch: forward and backward.
+
+Loop nest (both passes): a `fori_loop` over the chunks of the schedule
+(`paged/metadata.py`: at most `block_q` rows of one sequence), and inside it a
+`while_loop` over the blocks of `pages_per_block` pages that the chunk can see
+(its causal and sliding-window range only).  Each step gathers one block of
+pages of every kv head (page-major layout: one contiguous copy per page), so
+the q heads of a GQA group share the K/V reads and nothing is repeated.
+
+Isolation: a step reads only the pages listed in the sequence's row of
+page_indices; slots past kv_lens or with an out-of-range page id are zeroed
+before use and masked, so NaN/garbage in pages not owned by the sequence can
+never reach its output (or, in the backward, receive gradient).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flax_ringattn._src.paged import common, metadata
+
+F32 = jnp.float32
+
+
+def _chunk_rows(ch, c, lens, kv_lens, block_q):
+  """Per-row positions and validity of chunk c."""
+  seq, row0, n = ch.seq[c], ch.row0[c], ch.num_rows[c]
+  r = jnp.arange(block_q)
+  first = kv_lens[seq] - lens[seq] + row0
+  return seq, first + r, r < n, first, first + jnp.maximum(n, 1) - 1
+
+
+def _kv_block_range(first_pos, last_pos, spec, block_tokens, max_blocks):
+  hi = jnp.clip(last_pos // block_tokens + 1, 0, max_blocks)
+  lo = 0 if spec.sliding_window is None else jnp.maximum(first_pos - spec.sliding_window + 1, 0) // block_tokens
+  return jnp.minimum(lo, hi), hi
+
+
+def _load_block(pages, scale, row_ids, kb, spec, page_size, kv_len_s, num_pages):
+  """Gathers block kb of one sequence: ([L, K, H] f32 zeroed where invalid, valid [L], ids [pb])."""
+  pb = spec.pages_per_block
+  ids = jax.lax.dynamic_slice_in_dim(row_ids, kb * pb, pb)
+  ok = (ids >= 0) & (ids < num_pages)
+  safe = jnp.clip(ids, 0, num_pages - 1)
+  x = common.dequantize(pages[safe], scale, safe)  # [pb, page_size, K, H]
+  L = pb * page_size
+  kv_pos = kb * L + jnp.arange(L)
+  valid = jnp.repeat(ok, page_size) & (kv_pos < kv_len_s)
+  x = x.reshape(L, *x.shape[2:])
+  return jnp.where(valid[:, None, None], x, 0.0), valid, kv_pos, ids, ok
+
+
+def _scores(q_c, k_blk, spec, pos, row_ok, kv_pos, kv_ok):
+  """[K, G, bq, L] scaled, capped, masked scores (and tanh for the cap's gradient)."""
+  s = jnp.einsum("qkgh,lkh->kgql", q_c, k_blk, preferred_element_type=F32) * spec.scale
+  t = None
+  if spec.logits_soft_cap is not None:
+    t = jnp.tanh(s / spec.logits_soft_cap)
+    s = spec.logits_soft_cap * t
+  mask = kv_ok[None] & (kv_pos[None] <= pos[:, None]) & row_ok[:, None]
+  if spec.sliding_window is not None:
+    mask = mask & (kv_pos[None] > pos[:, None] - spec.sliding_window)
+  return jnp.where(mask, s, -jnp.inf), t
+
+
+def _padded_page_table(page_indices, pb):
+  """Pads pages_per_seq to a multiple of pages_per_block with -1 (invalid) pages."""
+  pps = page_indices.shape[1]
+  extra = -pps % pb
+  if extra:
+    page_indices = jnp.pad(page_indices, ((0, 0), (0, extra)), constant_values=-1)
+  return page_indices
+
+
+def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, *, spec):
+  """Returns (out [T, N, H] in q.dtype, lse [T, N] float32; -inf for rows not in the batch)."""
+  T, N, H = q.shape
+  P, ps, K, _ = k_pages.shape
+  G, bq = N // K, spec.block_q
+  table = _padded_page_table(page_indices, spec.pages_per_block)
+  block_tokens = spec.pages_per_block * ps
+  max_blocks = table.shape[1] // spec.pages_per_block
+  lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
+  ch = metadata.chunk_schedule(cu_q_lens, num_seqs, T, bq)
+  # bq rows of padding so a chunk's window never runs off the end of q.
+  q_pad = jnp.pad(q, ((0, bq), (0, 0), (0, 0))).reshape(T + bq, K, G, H)
+
+  def chunk(c, carry):
+    out, lse = carry
+    seq, pos, row_ok, first, last = _chunk_rows(ch, c, lens, kv_lens, bq)
+    q_c = jax.lax.dynamic_slice_in_dim(q_pad, ch.q_start[c], bq)
+    lo, hi = _kv_block_range(first, last, spec, block_tokens, max_blocks)
+
+    def kv_step(state):
+      kb, m, l, acc = state
+      k_blk, kv_ok, kv_pos, _, _ = _load_block(k_pages, k_scale, table[seq], kb, spec, ps, kv_lens[seq], P)
+      v_blk, _, _, _, _ = _load_block(v_pages, v_scale, table[seq], kb, spec, ps, kv_lens[seq], P)
+      s, _ = _scores(q_c, k_blk, spec, pos, row_ok, kv_pos, kv_ok)
+      m_new = jnp.maximum(m, s.max(-1))
+      m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+      alpha = jnp.exp(m - m_safe)
+      p = jnp.exp(s - m_safe[..., None])
+      acc = alpha[..., None] * acc + jnp.einsum("kgql,lkh->kgqh", p, v_blk, preferred_element_type=F32)
+      return kb + 1, m_new, alpha * l + p.sum(-1), acc
+
+    init = (lo, jnp.full((K, G, bq), -jnp.inf, F32), jnp.zeros((K, G, bq), F32), jnp.zeros((K, G, bq, H), F32))
+    _, m, l, acc = jax.lax.while_loop(lambda st: st[0] < hi, kv_step, init)
+    empty = l == 0.0
+    o = (acc / jnp.where(empty, 1.0, l)[..., None]).transpose(2, 0, 1, 3).reshape(bq, N, H)
+    row_lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l))).transpose(2, 0, 1).reshape(bq, N)
+    start = ch.q_start[c]
+    o = jnp.where(row_ok[:, None, None], o, jax.lax.dynamic_slice_in_dim(out, start, bq))
+    row_lse = jnp.where(row_ok[:, None], row_lse, jax.lax.dynamic_slice_in_dim(lse, start, bq))
+    return jax.lax.dynamic_update_slice_in_dim(out, o, start, 0), jax.lax.dynamic_update_slice_in_dim(
+      lse, row_lse, start, 0
+    )
+
+  out0 = jnp.zeros((T + bq, N, H), F32)
+  lse0 = jnp.full((T + bq, N), -jnp.inf, F32)
+  out, lse = jax.lax.fori_loop(0, ch.count, chunk, (out0, lse0))
+  return out[:T].astype(q.dtype), lse[:T]
+
+
+def paged_bwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, out, lse, do, *, spec):
+  """(dq [T, N, H], dk_pages, dv_pages [P, page_size, K, H]) in float32.
+
+  Gradients reach only the page slots a sequence reads (scatter-added, so
+  shared prefix pages collect the gradient of every sequence that reads them);
+  for scaled (quantized) pages they are with respect to the stored values.
+  """
+  T, N, H = q.shape
+  P, ps, K, _ = k_pages.shape
+  G, bq, pb = N // K, spec.block_q, spec.pages_per_block
+  table = _padded_page_table(page_indices, pb)
+  block_tokens = pb * ps
+  max_blocks = table.shape[1] // pb
+  lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
+  ch = metadata.chunk_schedule(cu_q_lens, num_seqs, T, bq)
+  pad = lambda x: jnp.pad(x, ((0, bq),) + ((0, 0),) * (x.ndim - 1))
+  q_pad = pad(q).reshape(T + bq, K, G, H)
+  do_pad = pad(do).reshape(T + bq, K, G, H)
+  lse_pad = pad(lse).reshape(T + bq, K, G)
+  delta_pad = pad(jnp.sum(do.astype(F32) * out.astype(F32), -1)).reshape(T + bq, K, G)
+
+  def page_grad_scale(scale, ids):
+    # d(stored) = d(dequantized) * scale
+    if scale is None:
+      return 1.0
+    s = scale.astype(F32)
+    if s.ndim == 0:
+      return s
+    s = s[jnp.clip(ids, 0, P - 1)]
+    return s[:, None, :, None] if s.ndim == 2 else s[..., None]
+
+  def chunk(c, carry):
+    dq, dk_pages, dv_pages = carry
+    seq, pos, row_ok, first, last = _chunk_rows(ch, c, lens, kv_lens, bq)
+    start = ch.q_start[c]
+    q_c = jax.lax.dynamic_slice_in_dim(q_pad, start, bq)
+    do_c = jax.lax.dynamic_slice_in_dim(do_pad, start, bq).astype(F32)
+    lse_c = jax.lax.dynamic_slice_in_dim(lse_pad, start, bq).transpose(1, 2, 0)  # [K, G, bq]
+    delta_c = jax.lax.dynamic_slice_in_dim(delta_pad, start, bq).transpose(1, 2, 0)
+    lse_c = jnp.where(jnp.isneginf(lse_c), 0.0, lse_c)
+    lo, hi = _kv_block_range(first, last, spec, block_tokens, max_blocks)
+
+    def kv_step(state):
+      kb, dq_c, dk_pages, dv_pages = state
+      k_blk, kv_ok, kv_pos, ids, page_ok = _load_block(k_pages, k_scale, table[seq], kb, spec, ps, kv_lens[seq], P)
+      v_blk, _, _, _, _ = _load_block(v_pages, v_scale, table[seq], kb, spec, ps, kv_lens[seq], P)
+      s, t = _scores(q_c, k_blk, spec, pos, row_ok, kv_pos, kv_ok)
+      p = jnp.exp(s - lse_c[..., None])  # [K, G, bq, L]
+      dv_blk = jnp.einsum("kgql,qkgh->lkh", p, do_c)
+      dp = jnp.einsum("qkgh,lkh->kgql", do_c, v_blk)
+      ds = p * (dp - delta_c[..., None])
+      if t is not None:
+        ds = ds * (1.0 - t * t)
+      ds = ds * spec.scale
+      dq_c = dq_c + jnp.einsum("kgql,lkh->qkgh", ds, k_blk)
+      dk_blk = jnp.einsum("kgql,qkgh->lkh", ds, q_c.astype(F32))
+      # Scatter-add into the pages read; invalid page ids go nowhere (mode="drop").
+      target = jnp.where(page_ok, ids, P)
+      shape = (pb, ps, K, H)
+      keep = kv_ok[:, None, None]
+      dk_pages = dk_pages.at[target].add(
+        jnp.where(keep, dk_blk, 0.0).reshape(shape) * page_grad_scale(k_scale, ids), mode="drop"
+      )
+      dv_pages = dv_pages.at[target].add(
+        jnp.where(keep, dv_blk, 0.0).reshape(shape) * page_grad_scale(v_scale, ids), mode="drop"
+      )
+      return kb + 1, dq_c, dk_pages, dv_pages
+
+    init = (lo, jnp.zeros((bq, K, G, H), F32), dk_pages, dv_pages)
+    _, dq_c, dk_pages, dv_pages = jax.lax.while_loop(lambda st: st[0] < hi, kv_step, init)
+    dq_c = jnp.where(row_ok[:, None, None, None], dq_c, 0.0)
+    window = jax.lax.dynamic_slice_in_dim(dq, start, bq)
+    dq = jax.lax.dynamic_update_slice_in_dim(dq, window + dq_c, start, 0)
+    return dq, dk_pages, dv_pages
+
+  zeros_pages = jnp.zeros(k_pages.shape, F32)
+  dq0 = jnp.zeros((T + bq, K, G, H), F32)
+  dq, dk, dv = jax.lax.fori_loop(0, ch.count, chunk, (dq0, zeros_pages, zeros_pages))
+  return dq[:T].reshape(T, N, H), dk, dv

@@ -1,0 +1,175 @@
+"""`PagedMultiHeadAttention`: nnx.MultiHeadAttention serving a ragged batch from a paged KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from flax_ringattn._src.paged.cache import PagedKVCache
+from flax_ringattn._src.paged.op import paged_attention
+
+
+class PagedMultiHeadAttention(nnx.MultiHeadAttention):
+  """`nnx.MultiHeadAttention` for sampling: one call serves a mixed prefill/decode batch.
+
+  Same constructor and parameter tree as `nnx.MultiHeadAttention` (weights of an
+  existing layer or of a `RingMultiHeadAttention` load with `nnx.update`), plus
+  keyword-only `mesh` / `head_axis` (kv heads sharded over a tensor axis: the op
+  then runs under `shard_map` over it), `sliding_window`, `logits_soft_cap`,
+  `implementation` and `block_sizes`.
+
+  Usage::
+
+      layer.init_cache(num_pages=..., page_size=16, max_num_seqs=8, pages_per_seq=64)
+      y = layer(x, cu_q_lens=cu_q_lens, num_seqs=num_seqs)   # x: [T, features]
+      layer.free(done)                                        # done: [max_num_seqs] bool
+
+  `x` holds the new tokens of every sequence back to back (slot i owns rows
+  cu_q_lens[i] .. cu_q_lens[i + 1] - 1), so prefill, chunked prefill, decode and
+  speculative verification mix freely in one call.  Every layer keeps its own
+  pages and an identical page table (allocation is deterministic).
+  """
+
+  def __init__(
+    self,
+    num_heads: int,
+    in_features: int,
+    qkv_features: int | None = None,
+    out_features: int | None = None,
+    num_kv_heads: int | None = None,
+    in_kv_features: int | None = None,
+    *,
+    mesh=None,
+    head_axis=None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    implementation: str | None = None,
+    block_sizes=None,
+    dropout_rate: float = 0.0,
+    kernel_metadata: Mapping = MappingProxyType({}),
+    out_kernel_metadata: Mapping = MappingProxyType({}),
+    bias_metadata: Mapping = MappingProxyType({}),
+    out_bias_metadata: Mapping = MappingProxyType({}),
+    **kwargs,
+  ):
+    if dropout_rate:
+      raise NotImplementedError(f"PagedMultiHeadAttention does not implement dropout ({dropout_rate=})")
+    if head_axis is not None:
+      extra = {"mesh": mesh} if mesh is not None else {}
+      kernel_metadata = {"out_sharding": (None, head_axis, None), **extra, **kernel_metadata}
+      bias_metadata = {"out_sharding": (head_axis, None), **extra, **bias_metadata}
+      out_kernel_metadata = {"out_sharding": (head_axis, None, None), **extra, **out_kernel_metadata}
+      out_bias_metadata = {"out_sharding": (None,), **extra, **out_bias_metadata}
+    kwargs.setdefault("decode", False)
+    super().__init__(
+      num_heads,
+      in_features,
+      qkv_features,
+      out_features,
+      num_kv_heads,
+      in_kv_features,
+      dropout_rate=0.0,
+      kernel_metadata=kernel_metadata,
+      out_kernel_metadata=out_kernel_metadata,
+      bias_metadata=bias_metadata,
+      out_bias_metadata=out_bias_metadata,
+      **kwargs,
+    )
+    if mesh is not None and head_axis is not None:
+      size = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))[head_axis]
+      if self.num_kv_heads % size:
+        raise ValueError(f"num_kv_heads={self.num_kv_heads} must be a multiple of the {head_axis!r} axis size {size}")
+    self.mesh = mesh
+    self.head_axis = head_axis
+    self.sliding_window = sliding_window
+    self.logits_soft_cap = logits_soft_cap
+    self.implementation = implementation
+    self.block_sizes = block_sizes
+    self.kv_cache: nnx.Cache | None = nnx.data(None)
+
+  def init_cache(  # type: ignore[override]
+    self, *, num_pages: int, page_size: int, max_num_seqs: int, pages_per_seq: int, dtype=None
+  ):
+    """Creates the paged cache (`nnx.Cache` state); int8/float8 dtypes quantize per token."""
+    cache = PagedKVCache.create(
+      num_pages=num_pages,
+      page_size=page_size,
+      max_num_seqs=max_num_seqs,
+      pages_per_seq=pages_per_seq,
+      num_kv_heads=self.num_kv_heads,
+      head_dim=self.head_dim,
+      dtype=dtype if dtype is not None else (self.dtype or self.param_dtype),
+    )
+    if self.mesh is not None and self.head_axis is not None:
+      pages = jax.sharding.NamedSharding(self.mesh, P(None, None, self.head_axis, None))
+      cache = cache.__class__(
+        **{
+          **cache.__dict__,
+          "k_pages": jax.device_put(cache.k_pages, pages),
+          "v_pages": jax.device_put(cache.v_pages, pages),
+        }
+      )
+    self.kv_cache = nnx.Cache(cache)
+
+  def free(self, slots):
+    """Releases the pages of finished sequences (`slots` [max_num_seqs] bool); freed pages are zeroed."""
+    self.kv_cache.set_value(self._cache().free(slots))
+
+  def _cache(self) -> PagedKVCache:
+    if self.kv_cache is None:
+      raise ValueError("the paged cache is not initialised: call init_cache(...) first")
+    return self.kv_cache.get_value()
+
+  def __call__(self, inputs, *, cu_q_lens, num_seqs, sow_weights: bool = False, **unused):  # type: ignore[override]
+    if sow_weights:
+      raise NotImplementedError("sow_weights=True is not supported by PagedMultiHeadAttention")
+    if unused.get("mask") is not None:
+      raise NotImplementedError("PagedMultiHeadAttention takes no dense mask: causality comes from the cache positions")
+    if inputs.ndim != 2:
+      raise ValueError(f"inputs must be [max_num_batched_tokens, features] (rank 2), got shape {tuple(inputs.shape)}")
+    if inputs.shape[-1] != self.in_features:
+      raise ValueError(f"inputs has {inputs.shape[-1]} features but the layer expects in_features={self.in_features}")
+    query, key, value = self.query(inputs), self.key(inputs), self.value(inputs)
+    if self.normalize_qk:
+      query, key = self.query_ln(query), self.key_ln(key)
+    cache = self._cache().append(key, value, cu_q_lens, num_seqs)
+    self.kv_cache.set_value(cache)
+    options = dict(
+      sliding_window=self.sliding_window,
+      logits_soft_cap=self.logits_soft_cap,
+      implementation=self.implementation,
+      block_sizes=self.block_sizes,
+    )
+
+    def attend(q, k_pages, v_pages, k_scale, v_scale, kv_lens, table, cu, n):
+      return paged_attention(q, k_pages, v_pages, kv_lens, table, cu, n, k_scale=k_scale, v_scale=v_scale, **options)
+
+    args = (query, cache.k_pages, cache.v_pages, cache.k_scale, cache.v_scale, cache.kv_lens, cache.page_indices)
+    meta = (jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(num_seqs, jnp.int32))
+    if self.mesh is not None and self.head_axis is not None:
+      h = self.head_axis
+      scale_spec = None if cache.k_scale is None else P(None, None, h)
+      attend = jax.shard_map(
+        attend,
+        mesh=self.mesh,
+        in_specs=(
+          P(None, h, None),
+          P(None, None, h, None),
+          P(None, None, h, None),
+          scale_spec,
+          scale_spec,
+          P(),
+          P(),
+          P(),
+          P(),
+        ),
+        out_specs=P(None, h, None),
+        check_vma=False,
+      )
+    x = attend(*args, *meta)
+    return self.out(x)

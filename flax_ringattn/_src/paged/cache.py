@@ -1,0 +1,250 @@
+"""`PagedKVCache`: page-major K/V pages, page table, allocator, prefix sharing.
+
+A functional pytree (usable under jit and as `nnx.Cache` state): every method
+returns a new cache.  Slots are sequence indices 0 .. max_num_seqs - 1; the
+ragged batch of a step lists the new tokens of slot i at rows
+cu_q_lens[i] .. cu_q_lens[i + 1] - 1 (see `paged/metadata.py`).
+
+Invariants:
+* slot s owns page_indices[s, :ceil(kv_lens[s] / page_size)]; the rest of its
+  row is -1;
+* ref_counts[p] is the number of slots referencing page p (0 = free);
+* a free page holds zeros: `free` zeroes a page when its last reference goes,
+  so a new owner can never read a previous request's keys and values;
+* a write into a page shared by several slots first copies it (copy-on-write).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from flax_ringattn._src.paged import metadata
+
+_QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+  k_pages: jax.Array  # [P, page_size, K, H]
+  v_pages: jax.Array  # [P, page_size, K, H]
+  page_indices: jax.Array  # [S, pages_per_seq] int32, -1 = no page
+  kv_lens: jax.Array  # [S] int32 tokens stored per slot
+  ref_counts: jax.Array  # [P] int32
+  k_scale: jax.Array | None = None  # [P, page_size, K] for quantized pages
+  v_scale: jax.Array | None = None
+
+  @classmethod
+  def create(
+    cls,
+    *,
+    num_pages: int,
+    page_size: int,
+    max_num_seqs: int,
+    pages_per_seq: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype=jnp.float32,
+  ) -> PagedKVCache:
+    """An empty cache; int8 / float8 dtypes store per-token, per-head scales."""
+    for name, value in (
+      ("num_pages", num_pages),
+      ("page_size", page_size),
+      ("max_num_seqs", max_num_seqs),
+      ("pages_per_seq", pages_per_seq),
+      ("num_kv_heads", num_kv_heads),
+      ("head_dim", head_dim),
+    ):
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"PagedKVCache.create: {name} must be a positive int, got {name}={value!r}")
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    quantized = jnp.dtype(dtype).name in _QMAX
+    scale = jnp.zeros((num_pages, page_size, num_kv_heads), jnp.float32) if quantized else None
+    return cls(
+      k_pages=jnp.zeros(shape, dtype),
+      v_pages=jnp.zeros(shape, dtype),
+      page_indices=jnp.full((max_num_seqs, pages_per_seq), -1, jnp.int32),
+      kv_lens=jnp.zeros((max_num_seqs,), jnp.int32),
+      ref_counts=jnp.zeros((num_pages,), jnp.int32),
+      k_scale=scale,
+      v_scale=scale,
+    )
+
+  # -- shapes -----------------------------------------------------------------
+  @property
+  def num_pages(self) -> int:
+    return self.k_pages.shape[0]
+
+  @property
+  def page_size(self) -> int:
+    return self.k_pages.shape[1]
+
+  @property
+  def max_num_seqs(self) -> int:
+    return self.page_indices.shape[0]
+
+  @property
+  def pages_per_seq(self) -> int:
+    return self.page_indices.shape[1]
+
+  # -- queries ----------------------------------------------------------------
+  def num_free_pages(self):
+    return jnp.sum(self.ref_counts == 0)
+
+  def pages_needed(self, new_lens):
+    """Pages the slots need beyond what they hold to store `new_lens` [S] more tokens."""
+    ps = self.page_size
+    have = -(-self.kv_lens // ps)
+    need = -(-(self.kv_lens + new_lens) // ps)
+    cow = self._copy_on_write_mask(new_lens)
+    return jnp.sum(jnp.maximum(need - have, 0) + cow)
+
+  def utilization(self):
+    """Token slots holding data / token slots of allocated pages (shared pages counted once)."""
+    ps = self.page_size
+    j = jnp.arange(self.pages_per_seq)
+    filled = jnp.clip(self.kv_lens[:, None] - j[None] * ps, 0, ps)
+    ids = jnp.where(self.page_indices >= 0, self.page_indices, self.num_pages)
+    per_page = jnp.zeros((self.num_pages,), jnp.int32).at[ids].max(filled, mode="drop")
+    allocated = jnp.sum(self.ref_counts > 0) * ps
+    return jnp.where(allocated > 0, jnp.sum(per_page) / jnp.maximum(allocated, 1), 1.0)
+
+  # -- allocation ---------------------------------------------------------------
+  def _copy_on_write_mask(self, new_lens):
+    ps = self.page_size
+    j0 = self.kv_lens // ps
+    partial = (self.kv_lens % ps != 0) & (new_lens > 0)
+    page = jnp.take_along_axis(self.page_indices, jnp.clip(j0, 0, self.pages_per_seq - 1)[:, None], 1)[:, 0]
+    shared = self.ref_counts[jnp.clip(page, 0, self.num_pages - 1)] > 1
+    return (partial & (page >= 0) & shared).astype(jnp.int32)
+
+  def reserve(self, new_lens) -> PagedKVCache:
+    """Gives every slot the pages it needs for `new_lens` [S] more tokens.
+
+    Pages come from the free list in slot order.  A shared page about to be
+    written is first copied.  When the cache is full, the slots that cannot be
+    served get no page (their writes are dropped and reads masked): check
+    `pages_needed(new_lens) <= num_free_pages()` before admitting work.
+    """
+    ps, P, S, pps = self.page_size, self.num_pages, self.max_num_seqs, self.pages_per_seq
+    new_lens = jnp.asarray(new_lens, jnp.int32)
+    have = -(-self.kv_lens // ps)
+    need = jnp.minimum(-(-(self.kv_lens + new_lens) // ps), pps)
+    cow = self._copy_on_write_mask(new_lens)
+    extra = jnp.maximum(need - have, 0) + cow
+    offset = jnp.cumsum(extra) - extra
+    free_ids = jnp.nonzero(self.ref_counts == 0, size=P, fill_value=P)[0].astype(jnp.int32)
+    take = lambda rank: jnp.where(rank < P, free_ids[jnp.clip(rank, 0, P - 1)], P)
+
+    # Copy-on-write of the partially filled, shared page of each slot.
+    j0 = jnp.clip(self.kv_lens // ps, 0, pps - 1)
+    old = jnp.take_along_axis(self.page_indices, j0[:, None], 1)[:, 0]
+    fresh = jnp.where(cow > 0, take(offset), P)
+    ok_copy = fresh < P
+    k_pages = self.k_pages.at[fresh].set(self.k_pages[jnp.clip(old, 0, P - 1)], mode="drop")
+    v_pages = self.v_pages.at[fresh].set(self.v_pages[jnp.clip(old, 0, P - 1)], mode="drop")
+    k_scale, v_scale = self.k_scale, self.v_scale
+    if k_scale is not None:
+      k_scale = k_scale.at[fresh].set(k_scale[jnp.clip(old, 0, P - 1)], mode="drop")
+      v_scale = v_scale.at[fresh].set(v_scale[jnp.clip(old, 0, P - 1)], mode="drop")
+    refs = self.ref_counts.at[jnp.where(ok_copy, old, P)].add(-1, mode="drop")
+    # Two slots sharing a page may both copy it in the same step; the original
+    # then loses its last reference and, like any released page, is zeroed.
+    released = (refs <= 0) & (self.ref_counts > 0)
+    k_pages, v_pages, k_scale, v_scale = (_zero_pages(x, released) for x in (k_pages, v_pages, k_scale, v_scale))
+    table = self.page_indices.at[jnp.arange(S), j0].set(jnp.where(ok_copy, fresh, old))
+
+    # New pages for the tokens beyond what each slot holds.
+    j = jnp.arange(pps)[None]
+    grow = (j >= have[:, None]) & (j < need[:, None])
+    ids = jnp.where(grow, take(offset[:, None] + cow[:, None] + j - have[:, None]), P)
+    table = jnp.where(grow, jnp.where(ids < P, ids, -1), table)
+    refs = refs.at[jnp.where(ok_copy, fresh, P)].set(1, mode="drop")
+    refs = refs.at[ids.reshape(-1)].set(1, mode="drop")
+    return dataclasses.replace(
+      self, k_pages=k_pages, v_pages=v_pages, page_indices=table, ref_counts=refs, k_scale=k_scale, v_scale=v_scale
+    )
+
+  def append(self, k, v, cu_q_lens, num_seqs) -> PagedKVCache:
+    """Reserves pages and writes the new K/V [T, K, H] of a ragged batch; kv_lens grows."""
+    T = k.shape[0]
+    q_lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
+    cache = self.reserve(q_lens)
+    seq, start, valid = metadata.token_owner(cu_q_lens, num_seqs, T)
+    pos = cache.kv_lens[seq] + jnp.arange(T) - start
+    ps, P = cache.page_size, cache.num_pages
+    col = jnp.clip(pos // ps, 0, cache.pages_per_seq - 1)
+    page = cache.page_indices[seq, col]
+    ok = valid & (pos // ps < cache.pages_per_seq) & (page >= 0)
+    page = jnp.where(ok, page, P)
+    slot = pos % ps
+    k_pages, k_scale = _store(cache.k_pages, cache.k_scale, page, slot, k)
+    v_pages, v_scale = _store(cache.v_pages, cache.v_scale, page, slot, v)
+    return dataclasses.replace(
+      cache,
+      k_pages=k_pages,
+      v_pages=v_pages,
+      k_scale=k_scale,
+      v_scale=v_scale,
+      kv_lens=jnp.minimum(cache.kv_lens + q_lens, cache.pages_per_seq * ps),
+    )
+
+  def free(self, slots) -> PagedKVCache:
+    """Releases the pages of the slots where `slots` [S] is True; pages nobody
+    references any more are zeroed."""
+    slots = jnp.asarray(slots, bool)
+    P = self.num_pages
+    ids = jnp.where(slots[:, None] & (self.page_indices >= 0), self.page_indices, P)
+    refs = self.ref_counts.at[ids.reshape(-1)].add(-1, mode="drop")
+    released = (refs <= 0) & (self.ref_counts > 0)
+    refs = jnp.maximum(refs, 0)
+    return dataclasses.replace(
+      self,
+      k_pages=_zero_pages(self.k_pages, released),
+      v_pages=_zero_pages(self.v_pages, released),
+      k_scale=_zero_pages(self.k_scale, released),
+      v_scale=_zero_pages(self.v_scale, released),
+      page_indices=jnp.where(slots[:, None], -1, self.page_indices),
+      kv_lens=jnp.where(slots, 0, self.kv_lens),
+      ref_counts=refs,
+    )
+
+  def share_prefix(self, src, dst, num_tokens) -> PagedKVCache:
+    """Slot `dst` (empty) starts with the first `num_tokens` tokens of slot `src`,
+    referencing the same pages (no copy; a later write into the last, partial
+    page copies it first)."""
+    ps = self.page_size
+    n_pages = -(-num_tokens // ps)
+    j = jnp.arange(self.pages_per_seq)
+    shared = j < n_pages
+    row = jnp.where(shared, self.page_indices[src], -1)
+    ids = jnp.where(shared & (row >= 0), row, self.num_pages)
+    return dataclasses.replace(
+      self,
+      page_indices=self.page_indices.at[dst].set(row),
+      kv_lens=self.kv_lens.at[dst].set(jnp.minimum(num_tokens, self.kv_lens[src])),
+      ref_counts=self.ref_counts.at[ids].add(1, mode="drop"),
+    )
+
+
+def _zero_pages(x, released):
+  if x is None:
+    return None
+  return jnp.where(released.reshape((x.shape[0],) + (1,) * (x.ndim - 1)), jnp.zeros((), x.dtype), x)
+
+
+def _store(pages, scale, page, slot, x):
+  """Writes x [T, K, H] at (page, slot); quantizes per token and head when `scale` is kept."""
+  if scale is None:
+    return pages.at[page, slot].set(x.astype(pages.dtype), mode="drop"), None
+  qmax = _QMAX[jnp.dtype(pages.dtype).name]
+  xf = x.astype(jnp.float32)
+  s = jnp.max(jnp.abs(xf), axis=-1) / qmax  # [T, K]
+  s = jnp.where(s == 0, 1.0, s)
+  stored = xf / s[..., None]
+  if jnp.issubdtype(pages.dtype, jnp.integer):
+    stored = jnp.round(stored)
+  return pages.at[page, slot].set(stored.astype(pages.dtype), mode="drop"), scale.at[page, slot].set(s, mode="drop")

@@ -1,0 +1,116 @@
+"""Static configuration, validation and dequantisation for paged attention."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import jax.numpy as jnp
+
+from flax_ringattn._src import validation
+
+QUANTIZED_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PagedSpec:
+  """Everything static about one paged call (hashable)."""
+
+  scale: float
+  logits_soft_cap: float | None = None
+  sliding_window: int | None = None
+  block_q: int = 16  # rows of one sequence per chunk
+  pages_per_block: int = 8  # pages gathered per kv step
+  checked: bool = False
+
+
+def check_sliding_window(sliding_window):
+  if sliding_window is None:
+    return None
+  if not isinstance(sliding_window, numbers.Integral) or isinstance(sliding_window, bool):
+    raise TypeError(f"sliding_window must be an int or None, got {sliding_window!r}")
+  if sliding_window < 1:
+    raise ValueError(f"sliding_window must be >= 1 (tokens visible, including the token itself), got {sliding_window=}")
+  return int(sliding_window)
+
+
+def check_paged_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale):
+  """Static checks; returns (T, N, H, P, page_size, K, S, pages_per_seq)."""
+  for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+    if not hasattr(x, "shape"):
+      raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+  if q.ndim != 3:
+    raise ValueError(f"q must be [max_num_batched_tokens, N, H] (rank 3), got q.shape={tuple(q.shape)}")
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise TypeError(f"q must be floating point, got q.dtype={q.dtype}")
+  for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+    if x.ndim != 4:
+      raise ValueError(f"{name} must be [P, page_size, K, H] (rank 4), got {name}.shape={tuple(x.shape)}")
+  if k_pages.shape != v_pages.shape:
+    raise ValueError(
+      f"k_pages and v_pages must have the same shape, got {tuple(k_pages.shape)} and {tuple(v_pages.shape)}"
+    )
+  if k_pages.dtype != v_pages.dtype:
+    raise TypeError(f"k_pages and v_pages must share a dtype, got {k_pages.dtype} and {v_pages.dtype}")
+  T, N, H = q.shape
+  P, page_size, K, Hk = k_pages.shape
+  if Hk != H:
+    raise ValueError(f"head_dim differs: q.shape[2]={H} but k_pages.shape[3]={Hk}")
+  if K == 0 or N % K:
+    raise ValueError(f"the number of q heads N={N} must be a multiple of the number of kv heads K={K}")
+  quantized = jnp.dtype(k_pages.dtype).name in QUANTIZED_DTYPES
+  if not quantized and not jnp.issubdtype(k_pages.dtype, jnp.floating):
+    raise TypeError(f"k_pages/v_pages must be floating point or one of {QUANTIZED_DTYPES}, got {k_pages.dtype}")
+  for name, x in (
+    ("kv_lens", kv_lens),
+    ("page_indices", page_indices),
+    ("cu_q_lens", cu_q_lens),
+    ("num_seqs", num_seqs),
+  ):
+    if not hasattr(x, "shape"):
+      raise TypeError(f"{name} must be an int32 array, got {type(x).__name__}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise TypeError(f"{name} must be an integer array, got {name}.dtype={x.dtype}")
+  if page_indices.ndim != 2:
+    raise ValueError(f"page_indices must be [max_num_seqs, pages_per_seq], got shape {tuple(page_indices.shape)}")
+  S, pages_per_seq = page_indices.shape
+  if tuple(kv_lens.shape) != (S,):
+    raise ValueError(f"kv_lens must be [max_num_seqs]=({S},) like page_indices.shape[0], got {tuple(kv_lens.shape)}")
+  if tuple(cu_q_lens.shape) != (S + 1,):
+    raise ValueError(f"cu_q_lens must be [max_num_seqs + 1]=({S + 1},), got {tuple(cu_q_lens.shape)}")
+  if tuple(num_seqs.shape) != (1,):
+    raise ValueError(f"num_seqs must have shape (1,), got {tuple(num_seqs.shape)}")
+  for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+    if sc is None:
+      if quantized:
+        raise ValueError(f"{name} is required for quantized pages (dtype {k_pages.dtype})")
+      continue
+    if not hasattr(sc, "shape") or not jnp.issubdtype(sc.dtype, jnp.floating):
+      raise TypeError(
+        f"{name} must be a floating-point array (a Python float would be baked in and recompile), got {sc!r}"
+      )
+    if tuple(sc.shape) not in ((), (P, K), (P, page_size, K)):
+      raise ValueError(
+        f"{name} must have shape () (one scale), [P, K]=({P}, {K}) (per page and kv head) or "
+        f"[P, page_size, K]=({P}, {page_size}, {K}) (per token and kv head), got {tuple(sc.shape)}"
+      )
+  return T, N, H, P, page_size, K, S, pages_per_seq
+
+
+def dequantize(pages, scale, page_ids=None):
+  """pages [..., page_size, K, H] (gathered at `page_ids` if given) to float32 times scale."""
+  x = pages.astype(jnp.float32)
+  if scale is None:
+    return x
+  scale = scale.astype(jnp.float32)
+  if scale.ndim == 0:
+    return x * scale
+  if page_ids is not None:
+    scale = scale[page_ids]
+  if scale.ndim == x.ndim - 2:  # [..., K] per page
+    return x * scale[..., None, :, None]
+  return x * scale[..., None]  # [..., page_size, K] per token
+
+
+def check_scale(scale, H):
+  return validation.check_scale(scale, H)

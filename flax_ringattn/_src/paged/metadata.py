@@ -1,0 +1,70 @@
+"""Ragged-batch bookkeeping shared by the paged reference and every paged backend.
+
+A ragged batch packs the new tokens of up to S sequences into q [T, N, H]:
+sequence i owns rows cu_q_lens[i] .. cu_q_lens[i + 1] - 1, and its new tokens
+are the last q_len_i of its kv_lens[i] tokens, so row j of sequence i sits at
+position kv_lens[i] - q_len_i + j and sees the cached positions <= its own.
+
+Worked example, page_size 4, two sequences:
+  cu_q_lens = [0, 3, 4], kv_lens = [3, 9]       (a 3-token prefill, a decode)
+  rows 0, 1, 2 -> sequence 0, positions 0, 1, 2 (sees 0..0, 0..1, 0..2)
+  row 3        -> sequence 1, position 8        (sees 0..8: pages 0, 1, 2 of its row)
+
+Backends walk the batch in "chunks" of at most `block_q` rows of one sequence.
+The number of chunks is at most S + ceil(T / block_q), a static bound, so the
+schedule has static shapes and nothing recompiles when the batch mix changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+def seq_q_lens(cu_q_lens, num_seqs):
+  """[S] new-token count per sequence; 0 past num_seqs and for decreasing cu_q_lens."""
+  S = cu_q_lens.shape[0] - 1
+  lens = jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0)
+  return jnp.where(jnp.arange(S) < num_seqs[0], lens, 0)
+
+
+def token_owner(cu_q_lens, num_seqs, num_tokens: int):
+  """(seq [T], position [T], valid [T]) for every row of q."""
+  S = cu_q_lens.shape[0] - 1
+  t = jnp.arange(num_tokens, dtype=jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], t, side="right"), 0, S - 1).astype(jnp.int32)
+  lens = seq_q_lens(cu_q_lens, num_seqs)
+  start = cu_q_lens[seq]
+  valid = (t >= start) & (t - start < lens[seq])
+  return seq, start, valid
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Chunks:
+  """Static-size schedule of (sequence, rows) work items; entries >= count are unused."""
+
+  seq: jax.Array  # [C] sequence of each chunk
+  q_start: jax.Array  # [C] first row of q
+  row0: jax.Array  # [C] index of that row among the sequence's new tokens
+  num_rows: jax.Array  # [C] rows used (<= block_q)
+  count: jax.Array  # [] chunks in use
+
+
+def chunk_schedule(cu_q_lens, num_seqs, num_tokens: int, block_q: int) -> Chunks:
+  S = cu_q_lens.shape[0] - 1
+  C = S + -(-num_tokens // block_q)
+  lens = seq_q_lens(cu_q_lens, num_seqs)
+  per_seq = -(-lens // block_q)
+  ends = jnp.cumsum(per_seq)
+  starts = ends - per_seq
+  c = jnp.arange(C, dtype=jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(ends, c, side="right"), 0, S - 1).astype(jnp.int32)
+  row0 = (c - starts[seq]) * block_q
+  q_start = cu_q_lens[seq] + row0
+  num_rows = jnp.clip(lens[seq] - row0, 0, block_q)
+  # Rows past the end of q (only with inconsistent cu_q_lens) are never used.
+  num_rows = jnp.clip(jnp.minimum(num_rows, num_tokens - q_start), 0, block_q)
+  return Chunks(seq=seq, q_start=q_start, row0=row0, num_rows=num_rows, count=ends[-1].astype(jnp.int32))

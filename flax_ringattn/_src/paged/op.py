@@ -1,0 +1,175 @@
+"""`paged_attention`: ragged mixed prefill + decode attention over a paged KV cache.
+
+Public front end (validation, backend choice, opt-in dynamic checks) and the
+private differentiable core `_paged_attention` (custom_vjp).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+from flax_ringattn._src import validation
+from flax_ringattn._src.backends.xla import paged as xla_paged
+from flax_ringattn._src.block_sizes import BlockSizes
+from flax_ringattn._src.paged import common, metadata
+
+_IMPLEMENTATIONS = ("xla",)
+DEFAULT_PAGED_BLOCKS = BlockSizes(block_q=16, block_kv=128)
+
+
+def paged_attention(
+  q,
+  k_pages,
+  v_pages,
+  kv_lens,
+  page_indices,
+  cu_q_lens,
+  num_seqs,
+  *,
+  sliding_window: int | None = None,
+  logits_soft_cap: float | None = None,
+  scale: float | None = None,
+  k_scale=None,
+  v_scale=None,
+  implementation: str | None = None,
+  block_sizes: BlockSizes | None = None,
+  checked: bool = False,
+):
+  """Attention of a ragged batch of new tokens over their sequences' paged KV cache.
+
+  Args:
+    q: [T, N, H] new tokens of all sequences back to back (T =
+      max_num_batched_tokens; rows past cu_q_lens[num_seqs] are padding and
+      return 0).  Heads stay in the second-minor dimension, as projected.
+    k_pages, v_pages: [P, page_size, K, H] page-major caches (N % K == 0); float,
+      or int8 / float8 with `k_scale` / `v_scale`.
+    kv_lens: [S] tokens of each sequence in the cache, new tokens included.
+    page_indices: [S, pages_per_seq] page ids of each sequence, in order.
+    cu_q_lens: [S + 1] sequence i owns rows cu_q_lens[i] .. cu_q_lens[i+1]-1.
+    num_seqs: [1] sequences in use (dynamic: no recompilation).
+    sliding_window: each token sees at most this many tokens, itself included.
+    logits_soft_cap: c > 0: logits become c * tanh(logits / c).
+    scale: logit scale, default H ** -0.5.
+    k_scale, v_scale: float arrays, shape () or [P, K] (per page and kv head) or
+      [P, page_size, K] (per token); dequantised value = stored * scale.  Values
+      are data: changing them does not recompile.
+    implementation: "xla" (default; portable).
+    block_sizes: `BlockSizes(block_q=rows per chunk, block_kv=kv tokens per
+      step, a multiple of page_size)`.
+    checked: add `checkify` checks for the dynamic problems (page ids out of
+      range, kv_lens past a sequence's pages, decreasing cu_q_lens, more new
+      tokens than T or than kv_lens); run the call under
+      `jax.experimental.checkify.checkify`.  Without it, bad metadata can never
+      make a sequence read outside its own pages: such slots are masked.
+
+  Returns:
+    [T, N, H] in q.dtype.  Differentiable in q, k_pages and v_pages (gradients
+    are scatter-added into the pages each sequence reads).
+  """
+  T, N, H, P, ps, K, S, pps = common.check_paged_inputs(
+    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale
+  )
+  if implementation is not None and implementation not in _IMPLEMENTATIONS:
+    raise ValueError(f"unknown {implementation=} for paged_attention; available: {_IMPLEMENTATIONS}")
+  blocks = DEFAULT_PAGED_BLOCKS if block_sizes is None else block_sizes
+  if not isinstance(blocks, BlockSizes):
+    raise TypeError(f"block_sizes must be a flax_ringattn.BlockSizes, got {type(block_sizes).__name__}")
+  if blocks.block_kv % ps and ps % blocks.block_kv:
+    raise ValueError(f"block_sizes.block_kv={blocks.block_kv} must be a multiple of page_size={ps}")
+  spec = common.PagedSpec(
+    scale=validation.check_scale(scale, H),
+    logits_soft_cap=validation.check_soft_cap(logits_soft_cap),
+    sliding_window=common.check_sliding_window(sliding_window),
+    block_q=min(blocks.block_q, T),
+    pages_per_block=max(1, min(blocks.block_kv // ps, pps)),
+    checked=validation.check_bool("checked", checked),
+  )
+  kv_lens, page_indices, cu_q_lens, num_seqs = (
+    jnp.asarray(x, jnp.int32) for x in (kv_lens, page_indices, cu_q_lens, num_seqs)
+  )
+  if checked:
+    _dynamic_checks(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps)
+  return _paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, spec)
+
+
+def _dynamic_checks(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps):
+  S, pps = page_indices.shape
+  n = num_seqs[0]
+  live = jnp.arange(S) < n
+  checkify.check((n >= 0) & (n <= S), "num_seqs={n} must be in [0, max_num_seqs={S}]", n=n, S=jnp.int32(S))
+  steps = cu_q_lens[1:] - cu_q_lens[:-1]
+  checkify.check(
+    (cu_q_lens[0] == 0) & jnp.all(jnp.where(live, steps >= 0, True)),
+    "cu_q_lens must start at 0 and be non-decreasing over the first num_seqs + 1 entries",
+  )
+  total = cu_q_lens[jnp.clip(n, 0, S)]
+  checkify.check(
+    total <= T, "the batch has {total} new tokens, more than max_num_batched_tokens={T}", total=total, T=jnp.int32(T)
+  )
+  q_lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
+  checkify.check(
+    jnp.all(jnp.where(live, q_lens <= kv_lens, True)),
+    "a sequence has more new tokens than kv_lens (kv_lens must count the new tokens too)",
+  )
+  checkify.check(
+    jnp.all(jnp.where(live, kv_lens <= pps * ps, True)),
+    "kv_lens exceeds the pages of a sequence (pages_per_seq * page_size = {cap})",
+    cap=jnp.int32(pps * ps),
+  )
+  used = (jnp.arange(pps)[None] * ps < kv_lens[:, None]) & live[:, None]
+  bad = used & ((page_indices < 0) | (page_indices >= P))
+  checkify.check(~jnp.any(bad), "page_indices out of range [0, {P}) for pages a sequence uses", P=jnp.int32(P))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, spec):
+  out, _ = xla_paged.paged_fwd(
+    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, spec=spec
+  )
+  return out
+
+
+def _paged_attention_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, spec):
+  out, lse = xla_paged.paged_fwd(
+    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, spec=spec
+  )
+  return out, (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, out, lse)
+
+
+def _zero_cotangent(x):
+  if x is None:
+    return None
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    return jnp.zeros_like(x)
+  return jnp.zeros(x.shape, jax.dtypes.float0)
+
+
+def _paged_attention_bwd(spec, res, do):
+  q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, out, lse = res
+  dq, dk, dv = xla_paged.paged_bwd(
+    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, out, lse, do, spec=spec
+  )
+
+  def page_cotangent(g, pages):
+    if jnp.issubdtype(pages.dtype, jnp.floating):
+      return g.astype(pages.dtype)
+    return jnp.zeros(pages.shape, jax.dtypes.float0)  # int8 pages: not differentiable
+
+  return (
+    dq.astype(q.dtype),
+    page_cotangent(dk, k_pages),
+    page_cotangent(dv, v_pages),
+    None,
+    None,
+    None,
+    None,
+    _zero_cotangent(k_scale),
+    _zero_cotangent(v_scale),
+  )
+
+
+_paged_attention.defvjp(_paged_attention_fwd, _paged_attention_bwd)

@@ -1,0 +1,69 @@
+"""Jittable paged reference: gather every sequence's pages, dense masked attention.
+
+The oracle for the paged op (tests and benchmarks only).  Memory is
+O(T * pages_per_seq * page_size), fine at test sizes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flax_ringattn._src import validation
+from flax_ringattn._src.paged import common, metadata
+
+
+def paged_reference_attention(
+  q,
+  k_pages,
+  v_pages,
+  kv_lens,
+  page_indices,
+  cu_q_lens,
+  num_seqs,
+  *,
+  sliding_window=None,
+  logits_soft_cap=None,
+  scale=None,
+  k_scale=None,
+  v_scale=None,
+):
+  """Same arguments and result as `paged_attention`; rows past the batch are 0."""
+  T, N, H, P, ps, K, S, pps = common.check_paged_inputs(
+    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale
+  )
+  scale = validation.check_scale(scale, H)
+  cap = validation.check_soft_cap(logits_soft_cap)
+  window = common.check_sliding_window(sliding_window)
+  G, L = N // K, pps * ps
+
+  seq, start, valid = metadata.token_owner(cu_q_lens, num_seqs, T)
+  lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
+  pos = kv_lens[seq] - lens[seq] + (jnp.arange(T) - start)  # [T]
+
+  page_ok = (page_indices >= 0) & (page_indices < P)  # [S, pps]
+  ids = jnp.clip(page_indices, 0, P - 1)
+  kv_pos = jnp.arange(L)
+  kv_ok = jnp.repeat(page_ok, ps, axis=1) & (kv_pos[None] < kv_lens[:, None])  # [S, L]
+
+  def gather(pages, sc):
+    x = common.dequantize(pages[ids], sc, ids).reshape(S, L, K, H)
+    return jnp.where(kv_ok[..., None, None], x, 0.0)  # pages not owned never leak (NaN-safe)
+
+  k_seq, v_seq = gather(k_pages, k_scale), gather(v_pages, v_scale)
+  hi = jax.lax.Precision.HIGHEST
+  qf = q.astype(jnp.float32).reshape(T, K, G, H)
+  s = jnp.einsum("tkgh,tlkh->tkgl", qf, k_seq[seq], precision=hi) * scale
+  if cap is not None:
+    s = cap * jnp.tanh(s / cap)
+  mask = kv_ok[seq] & (kv_pos[None] <= pos[:, None]) & valid[:, None]
+  if window is not None:
+    mask = mask & (kv_pos[None] > pos[:, None] - window)
+  s = jnp.where(mask[:, None, None], s, -jnp.inf)
+  m = jax.lax.stop_gradient(s.max(-1, keepdims=True))
+  m = jnp.where(jnp.isneginf(m), 0.0, m)
+  p = jnp.exp(s - m)
+  l = p.sum(-1, keepdims=True)
+  p = p / jnp.where(l == 0.0, 1.0, l)
+  o = jnp.einsum("tkgl,tlkh->tkgh", p, v_seq[seq], precision=hi)
+  return o.reshape(T, N, H).astype(q.dtype)
