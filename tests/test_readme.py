@@ -14,3 +14,4 @@ def test_readme_python_blocks_run():
     exec(compile(block, str(README), "exec"), namespace)  # noqa: S102
   assert namespace["out"].shape == namespace["q"].shape
   assert float(namespace["loss"]) >= 0.0
+  assert namespace["y"].shape == (32, 64)
