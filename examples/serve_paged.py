@@ -1,0 +1,242 @@
+"""Serve the model trained by `train_long_context.py` with a paged KV cache and continuous batching.
+
+What it shows
+-------------
+* The checkpoint of the ring-attention model loads unchanged into the same
+  Transformer built with `flax_ringattn.PagedMultiHeadAttention` layers (same
+  parameter tree); no kernel code, no shard_map.
+* Continuous batching: a stream of retrieval requests with prompts of
+  different lengths (2k to 8k tokens).  Every step packs, into one ragged batch
+  of at most `--max-batched-tokens` rows, a chunk of the prompt of each request
+  still prefilling and two tokens (last answer, next query key) of each request
+  that is answering; finished requests free their slot and pages and a waiting
+  request takes them.  So almost every step mixes prefill and decode.
+* It prints each request's answers (generated value vs. the truth), the
+  retrieval accuracy, tokens/s and the page-cache utilisation.
+
+Run it after training (`make demo` runs both)::
+
+  python examples/train_long_context.py
+  python examples/serve_paged.py [--run-dir runs/train_long_context] [--requests 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+try:
+  import flax_ringattn
+except ImportError:  # running from a source checkout without `pip install -e .`
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+  import flax_ringattn
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _model  # noqa: E402
+from train_long_context import KVRetrievalTask  # noqa: E402
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--run-dir", default="runs/train_long_context", help="what train_long_context.py wrote")
+  p.add_argument("--requests", type=int, default=6, help="requests in the stream")
+  p.add_argument("--queries", type=int, default=6, help="answers generated per request")
+  p.add_argument("--prompt-lens", default="2048,4096,6144,8192", help="context lengths cycled over the requests")
+  p.add_argument("--max-seqs", type=int, default=3, help="concurrent sequences (cache slots)")
+  p.add_argument("--max-batched-tokens", type=int, default=1024, help="rows of one ragged batch")
+  p.add_argument("--page-size", type=int, default=16)
+  p.add_argument("--seed", type=int, default=1)
+  return p.parse_args(argv)
+
+
+def paged_attention_factory(config, rngs):
+  return flax_ringattn.PagedMultiHeadAttention(
+    config.num_heads, config.d_model, num_kv_heads=config.num_kv_heads, rngs=rngs
+  )
+
+
+def forward(model: _model.Transformer, tokens, positions, prev_tokens, cu_q_lens, num_seqs):
+  """The Transformer's forward pass on a ragged batch [T] (same modules, paged attention)."""
+  x = model.embed(tokens) + _model.sinusoidal_encoding(positions, model.config.d_model)
+  if model.shift is not None:
+    x = x + model.shift(model.embed(prev_tokens))
+  for block in model.blocks:
+    x = x + block.attn(block.norm1(x), cu_q_lens=cu_q_lens, num_seqs=num_seqs)
+    x = x + block.mlp_out(jax.nn.gelu(block.mlp_in(block.norm2(x))))
+  return model.head(model.norm(x))
+
+
+@nnx.jit
+def serve_step(model, tokens, positions, prev_tokens, cu_q_lens, num_seqs):
+  logits = forward(model, tokens, positions, prev_tokens, cu_q_lens, num_seqs)
+  return jnp.argmax(logits, axis=-1)
+
+
+@nnx.jit
+def free_slots(model, slots):
+  for block in model.blocks:
+    block.attn.free(slots)
+
+
+def cache_utilization(model):
+  return float(model.blocks[0].attn.kv_cache.get_value().utilization())
+
+
+@dataclasses.dataclass
+class Request:
+  """One retrieval request: a prompt ending in QUERY k1, then answers to k1..kq."""
+
+  rid: int
+  prompt: np.ndarray  # natural-order tokens up to and including the first query key
+  keys: list  # query keys, in order
+  values: list  # their true values
+  fed: int = 0  # tokens of the sequence already in the cache
+  last: int = 0  # the last token fed (BOS before the first)
+  answers: list = dataclasses.field(default_factory=list)
+  tail: list = dataclasses.field(default_factory=list)  # tokens to feed next while answering
+
+  @property
+  def prefilling(self):
+    return self.fed < len(self.prompt)
+
+  @property
+  def done(self):
+    return len(self.answers) == len(self.keys)
+
+
+def make_requests(args, vocab_size, rng):
+  requests = []
+  lens = [int(x) for x in args.prompt_lens.split(",")]
+  for r in range(args.requests):
+    task = KVRetrievalTask(lens[r % len(lens)], num_queries=args.queries, num_pairs=128)
+    if task.vocab_size != vocab_size:
+      raise SystemExit(
+        f"the checkpoint's vocabulary ({vocab_size}) does not match the retrieval task ({task.vocab_size})"
+      )
+    sample = task.sample(rng, 1)
+    seq = np.concatenate([sample["tokens"][0], sample["targets"][0, -1:]])
+    at = np.nonzero(sample["mask"][0])[0]  # positions of the query keys
+    requests.append(Request(r, seq[: at[0] + 1], list(seq[at]), list(seq[at + 1])))
+  return requests
+
+
+def main(args):
+  run_dir = pathlib.Path(args.run_dir)
+  if not (run_dir / _model.CONFIG_NAME).exists():
+    raise SystemExit(f"no trained model in {run_dir}: run examples/train_long_context.py first")
+  model = _model.load_model(run_dir, paged_attention_factory)
+  config = model.config
+  rng = np.random.default_rng(args.seed)
+  queue = make_requests(args, config.vocab_size, rng)
+  longest = max(len(r.prompt) + 2 * len(r.keys) for r in queue)
+  pages_per_seq = -(-longest // args.page_size)
+  for block in model.blocks:
+    block.attn.init_cache(
+      num_pages=args.max_seqs * pages_per_seq,
+      page_size=args.page_size,
+      max_num_seqs=args.max_seqs,
+      pages_per_seq=pages_per_seq,
+    )
+  print(
+    f"serving {len(queue)} requests (prompts {sorted({len(r.prompt) for r in queue})} tokens, {args.queries} answers each) "
+    f"with {args.max_seqs} slots x {pages_per_seq} pages of {args.page_size} tokens, "
+    f"<= {args.max_batched_tokens} tokens per step"
+  )
+
+  T, S = args.max_batched_tokens, args.max_seqs
+  slots: list[Request | None] = [None] * S
+  finished, steps, tokens_done, utils = [], 0, 0, []
+  mixed_steps = 0
+  start = None
+  while queue or any(slots):
+    for i in range(S):  # continuous batching: waiting requests take free slots
+      if slots[i] is None and queue:
+        slots[i] = queue.pop(0)
+    budget = T
+    rows = {}
+    for i, req in enumerate(slots):
+      if req is None:
+        continue
+      if req.prefilling:
+        # Leave room for the decodes of this step: chunked prefill.
+        n = min(len(req.prompt) - req.fed, max(budget - 2 * S, 0))
+        feed = list(req.prompt[req.fed : req.fed + n])
+      else:
+        feed = req.tail
+      if feed:
+        rows[i] = feed
+        budget -= len(feed)
+    tokens = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    prev = np.zeros(T, np.int32)
+    cu = np.zeros(S + 1, np.int32)
+    for i in range(S):
+      feed = rows.get(i, [])
+      a = cu[i]
+      cu[i + 1] = a + len(feed)
+      if feed:
+        req = slots[i]
+        tokens[a : a + len(feed)] = feed
+        positions[a : a + len(feed)] = req.fed + np.arange(len(feed))  # natural positions
+        prev[a : a + len(feed)] = [req.last, *feed[:-1]]  # token before each one (BOS=0 first)
+    kinds = {("prefill" if slots[i].prefilling else "decode") for i in rows}
+    mixed_steps += kinds == {"prefill", "decode"}
+    if start is None:
+      # Compile on the first step's shapes (they never change), then start the clock.
+      jax.block_until_ready(
+        serve_step(model, *map(jnp.asarray, (tokens, positions, prev, cu, np.array([S], np.int32))))
+      )
+      free_slots(model, jnp.ones((S,), bool))
+      start = time.perf_counter()
+    out = np.asarray(serve_step(model, *map(jnp.asarray, (tokens, positions, prev, cu, np.array([S], np.int32)))))
+    steps += 1
+    tokens_done += int(cu[-1])
+    utils.append(cache_utilization(model))
+    done_mask = np.zeros(S, bool)
+    for i, feed in rows.items():
+      req = slots[i]
+      req.fed += len(feed)
+      req.last = feed[-1]
+      if req.prefilling:
+        continue
+      answer = int(out[cu[i + 1] - 1])  # prediction after the last fed token: a query key
+      req.answers.append(answer)
+      if req.done:
+        done_mask[i] = True
+      else:
+        req.tail = [answer, req.keys[len(req.answers)]]
+    if done_mask.any():
+      free_slots(model, jnp.asarray(done_mask))
+      for i in np.nonzero(done_mask)[0]:
+        finished.append(slots[i])
+        slots[i] = None
+  elapsed = time.perf_counter() - start
+
+  correct = total = 0
+  for req in sorted(finished, key=lambda r: r.rid):
+    ok = [int(a) == int(v) for a, v in zip(req.answers, req.values, strict=True)]
+    correct, total = correct + sum(ok), total + len(ok)
+    shown = " ".join(
+      f"{int(a)}{'' if o else '(want ' + str(int(v)) + ')'}"
+      for a, v, o in zip(req.answers, req.values, ok, strict=True)
+    )
+    print(f"request {req.rid}: prompt {len(req.prompt):5d} tokens -> answers {shown}")
+  print(
+    f"accuracy {correct}/{total} = {correct / max(total, 1):.2f} (chance {1 / 64:.3f}); "
+    f"{steps} steps ({mixed_steps} mixed prefill+decode), {tokens_done} tokens in {elapsed:.1f} s = "
+    f"{tokens_done / elapsed:,.0f} tokens/s; page-cache utilisation mean {np.mean(utils):.1%}, "
+    f"min {np.min(utils):.1%}"
+  )
+  return {"accuracy": correct / max(total, 1), "steps": steps, "tokens_per_second": tokens_done / elapsed}
+
+
+if __name__ == "__main__":
+  main(parse_args())
