@@ -20,6 +20,7 @@ $(VENV)/.stamp-test: $(VENV)/.stamp-base
 
 demo: $(VENV)/.stamp-base
 	$(PY) examples/train_long_context.py
+	$(PY) examples/serve_paged.py
 
 test: $(VENV)/.stamp-test
 	$(PY) -m ruff check flax_ringattn tests examples benchmarks
