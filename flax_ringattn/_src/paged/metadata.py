@@ -53,10 +53,17 @@ class Chunks:
   count: jax.Array  # [] chunks in use
 
 
-def chunk_schedule(cu_q_lens, num_seqs, num_tokens: int, block_q: int) -> Chunks:
+def chunk_schedule(cu_q_lens, num_seqs, num_tokens: int, block_q: int, select=None, max_chunks=None) -> Chunks:
+  """Chunks of the sequences where `select` [S] is True (default: all).
+
+  `max_chunks` may tighten the static bound S + ceil(T / block_q) when the
+  caller knows more (the decode pass: one chunk per sequence).
+  """
   S = cu_q_lens.shape[0] - 1
-  C = S + -(-num_tokens // block_q)
+  C = S + -(-num_tokens // block_q) if max_chunks is None else max_chunks
   lens = seq_q_lens(cu_q_lens, num_seqs)
+  if select is not None:
+    lens = jnp.where(select, lens, 0)
   per_seq = -(-lens // block_q)
   ends = jnp.cumsum(per_seq)
   starts = ends - per_seq
@@ -64,7 +71,7 @@ def chunk_schedule(cu_q_lens, num_seqs, num_tokens: int, block_q: int) -> Chunks
   seq = jnp.clip(jnp.searchsorted(ends, c, side="right"), 0, S - 1).astype(jnp.int32)
   row0 = (c - starts[seq]) * block_q
   q_start = cu_q_lens[seq] + row0
-  num_rows = jnp.clip(lens[seq] - row0, 0, block_q)
+  num_rows = jnp.where(c < ends[-1], jnp.clip(lens[seq] - row0, 0, block_q), 0)
   # Rows past the end of q (only with inconsistent cu_q_lens) are never used.
   num_rows = jnp.clip(jnp.minimum(num_rows, num_tokens - q_start), 0, block_q)
   return Chunks(seq=seq, q_start=q_start, row0=row0, num_rows=num_rows, count=ends[-1].astype(jnp.int32))

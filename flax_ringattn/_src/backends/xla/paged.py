@@ -15,6 +15,8 @@ never reach its output (or, in the backward, receive gradient).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -64,6 +66,20 @@ def _scores(q_c, k_blk, spec, pos, row_ok, kv_pos, kv_ok):
   return jnp.where(mask, s, -jnp.inf), t
 
 
+def _passes(spec, lens):
+  """(rows per chunk, sequences) of each pass over the batch.
+
+  Sequences with one new token (decode) get a pass of one-row chunks, so a
+  decode never pays for `block_q` rows; the rest (prefill, chunked prefill,
+  speculative verification) go in chunks of `block_q` rows.  Both passes have
+  static shapes: the batch mix still never recompiles.
+  """
+  S = lens.shape[0]
+  if spec.block_q == 1:
+    return [(1, None, None)]
+  return [(spec.block_q, lens > 1, None), (1, lens == 1, S)]
+
+
 def _padded_page_table(page_indices, pb):
   """Pads pages_per_seq to a multiple of pages_per_block with -1 (invalid) pages."""
   pps = page_indices.shape[1]
@@ -77,16 +93,15 @@ def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
   """Returns (out [T, N, H] in q.dtype, lse [T, N] float32; -inf for rows not in the batch)."""
   T, N, H = q.shape
   P, ps, K, _ = k_pages.shape
-  G, bq = N // K, spec.block_q
+  G, pad = N // K, spec.block_q
   table = _padded_page_table(page_indices, spec.pages_per_block)
   block_tokens = spec.pages_per_block * ps
   max_blocks = table.shape[1] // spec.pages_per_block
   lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
-  ch = metadata.chunk_schedule(cu_q_lens, num_seqs, T, bq)
-  # bq rows of padding so a chunk's window never runs off the end of q.
-  q_pad = jnp.pad(q, ((0, bq), (0, 0), (0, 0))).reshape(T + bq, K, G, H)
+  # block_q rows of padding so a chunk's window never runs off the end of q.
+  q_pad = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(T + pad, K, G, H)
 
-  def chunk(c, carry):
+  def chunk(c, carry, ch, bq):
     out, lse = carry
     seq, pos, row_ok, first, last = _chunk_rows(ch, c, lens, kv_lens, bq)
     q_c = jax.lax.dynamic_slice_in_dim(q_pad, ch.q_start[c], bq)
@@ -116,9 +131,11 @@ def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
       lse, row_lse, start, 0
     )
 
-  out0 = jnp.zeros((T + bq, N, H), F32)
-  lse0 = jnp.full((T + bq, N), -jnp.inf, F32)
-  out, lse = jax.lax.fori_loop(0, ch.count, chunk, (out0, lse0))
+  carry = (jnp.zeros((T + pad, N, H), F32), jnp.full((T + pad, N), -jnp.inf, F32))
+  for bq, select, max_chunks in _passes(spec, lens):
+    ch = metadata.chunk_schedule(cu_q_lens, num_seqs, T, bq, select, max_chunks)
+    carry = jax.lax.fori_loop(0, ch.count, functools.partial(chunk, ch=ch, bq=bq), carry)
+  out, lse = carry
   return out[:T].astype(q.dtype), lse[:T]
 
 
@@ -131,17 +148,16 @@ def paged_bwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
   """
   T, N, H = q.shape
   P, ps, K, _ = k_pages.shape
-  G, bq, pb = N // K, spec.block_q, spec.pages_per_block
+  G, pad_rows, pb = N // K, spec.block_q, spec.pages_per_block
   table = _padded_page_table(page_indices, pb)
   block_tokens = pb * ps
   max_blocks = table.shape[1] // pb
   lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
-  ch = metadata.chunk_schedule(cu_q_lens, num_seqs, T, bq)
-  pad = lambda x: jnp.pad(x, ((0, bq),) + ((0, 0),) * (x.ndim - 1))
-  q_pad = pad(q).reshape(T + bq, K, G, H)
-  do_pad = pad(do).reshape(T + bq, K, G, H)
-  lse_pad = pad(lse).reshape(T + bq, K, G)
-  delta_pad = pad(jnp.sum(do.astype(F32) * out.astype(F32), -1)).reshape(T + bq, K, G)
+  pad = lambda x: jnp.pad(x, ((0, pad_rows),) + ((0, 0),) * (x.ndim - 1))
+  q_pad = pad(q).reshape(T + pad_rows, K, G, H)
+  do_pad = pad(do).reshape(T + pad_rows, K, G, H)
+  lse_pad = pad(lse).reshape(T + pad_rows, K, G)
+  delta_pad = pad(jnp.sum(do.astype(F32) * out.astype(F32), -1)).reshape(T + pad_rows, K, G)
 
   def page_grad_scale(scale, ids):
     # d(stored) = d(dequantized) * scale
@@ -153,7 +169,7 @@ def paged_bwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
     s = s[jnp.clip(ids, 0, P - 1)]
     return s[:, None, :, None] if s.ndim == 2 else s[..., None]
 
-  def chunk(c, carry):
+  def chunk(c, carry, ch, bq):
     dq, dk_pages, dv_pages = carry
     seq, pos, row_ok, first, last = _chunk_rows(ch, c, lens, kv_lens, bq)
     start = ch.q_start[c]
@@ -198,6 +214,9 @@ def paged_bwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
     return dq, dk_pages, dv_pages
 
   zeros_pages = jnp.zeros(k_pages.shape, F32)
-  dq0 = jnp.zeros((T + bq, K, G, H), F32)
-  dq, dk, dv = jax.lax.fori_loop(0, ch.count, chunk, (dq0, zeros_pages, zeros_pages))
+  carry = (jnp.zeros((T + pad_rows, K, G, H), F32), zeros_pages, zeros_pages)
+  for bq, select, max_chunks in _passes(spec, lens):
+    ch = metadata.chunk_schedule(cu_q_lens, num_seqs, T, bq, select, max_chunks)
+    carry = jax.lax.fori_loop(0, ch.count, functools.partial(chunk, ch=ch, bq=bq), carry)
+  dq, dk, dv = carry
   return dq[:T].reshape(T, N, H), dk, dv
