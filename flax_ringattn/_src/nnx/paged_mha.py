@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from flax_ringattn._src import sharding
 from flax_ringattn._src.paged.cache import PagedKVCache
 from flax_ringattn._src.paged.op import paged_attention
 
@@ -65,6 +66,13 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       bias_metadata = {"out_sharding": (head_axis, None), **extra, **bias_metadata}
       out_kernel_metadata = {"out_sharding": (head_axis, None, None), **extra, **out_kernel_metadata}
       out_bias_metadata = {"out_sharding": (None,), **extra, **out_bias_metadata}
+    if mesh is not None and head_axis is not None:
+      size = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)).get(head_axis)
+      kv = num_kv_heads if num_kv_heads is not None else num_heads
+      if size is None:
+        raise ValueError(f"head_axis={head_axis!r} is not an axis of the mesh (mesh axes: {tuple(mesh.axis_names)})")
+      if kv % size:
+        raise ValueError(f"num_kv_heads={kv} must be a multiple of the {head_axis!r} axis size {size}")
     kwargs.setdefault("decode", False)
     super().__init__(
       num_heads,
@@ -80,10 +88,6 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       out_bias_metadata=out_bias_metadata,
       **kwargs,
     )
-    if mesh is not None and head_axis is not None:
-      size = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))[head_axis]
-      if self.num_kv_heads % size:
-        raise ValueError(f"num_kv_heads={self.num_kv_heads} must be a multiple of the {head_axis!r} axis size {size}")
     self.mesh = mesh
     self.head_axis = head_axis
     self.sliding_window = sliding_window
@@ -105,20 +109,27 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       head_dim=self.head_dim,
       dtype=dtype if dtype is not None else (self.dtype or self.param_dtype),
     )
-    if self.mesh is not None and self.head_axis is not None:
-      pages = jax.sharding.NamedSharding(self.mesh, P(None, None, self.head_axis, None))
-      cache = cache.__class__(
-        **{
-          **cache.__dict__,
-          "k_pages": jax.device_put(cache.k_pages, pages),
-          "v_pages": jax.device_put(cache.v_pages, pages),
-        }
-      )
+    if self.mesh is not None:
+      # Pages split over the kv-head axis, the page table replicated: placed once
+      # here so the first jitted step does not see them move (and recompile).
+      h = self.head_axis
+
+      def place(path, x):
+        if x is None:
+          return None
+        name = path[0].name
+        spec = (
+          P(None, None, h, None) if name in ("k_pages", "v_pages") else P(None, None, h) if "scale" in name else P()
+        )
+        return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, spec))
+
+      cache = jax.tree_util.tree_map_with_path(place, cache)
     self.kv_cache = nnx.Cache(cache)
 
   def free(self, slots):
     """Releases the pages of finished sequences (`slots` [max_num_seqs] bool); freed pages are zeroed."""
-    self.kv_cache.set_value(self._cache().free(slots))
+    cache = self._cache().free(slots)
+    self.kv_cache.set_value(cache)
 
   def _cache(self) -> PagedKVCache:
     if self.kv_cache is None:
@@ -154,22 +165,20 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     if self.mesh is not None and self.head_axis is not None:
       h = self.head_axis
       scale_spec = None if cache.k_scale is None else P(None, None, h)
-      attend = jax.shard_map(
-        attend,
-        mesh=self.mesh,
-        in_specs=(
-          P(None, h, None),
-          P(None, None, h, None),
-          P(None, None, h, None),
-          scale_spec,
-          scale_spec,
-          P(),
-          P(),
-          P(),
-          P(),
-        ),
-        out_specs=P(None, h, None),
-        check_vma=False,
+      specs = (P(None, h, None), P(None, None, h, None), P(None, None, h, None), scale_spec, scale_spec)
+      specs = specs + (P(),) * 4
+      attend = jax.shard_map(attend, mesh=self.mesh, in_specs=specs, out_specs=P(None, h, None), check_vma=False)
+      # Explicit axes: shard_map wants its inputs already laid out as in_specs.
+      args = tuple(
+        x if x is None else sharding.constrain(x, self.mesh, spec)
+        for x, spec in zip((*args, *meta), specs, strict=True)
       )
+      meta = ()
     x = attend(*args, *meta)
-    return self.out(x)
+    out_sharding = None
+    if (
+      self.mesh is not None and self.head_axis is not None and sharding.has_explicit_axes(self.mesh, P(self.head_axis))
+    ):
+      # The out projection contracts the sharded heads: say where the sum lives.
+      out_sharding = sharding.named(self.mesh, P())
+    return self.out(x, out_sharding=out_sharding)

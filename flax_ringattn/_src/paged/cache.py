@@ -98,7 +98,7 @@ class PagedKVCache:
     """Pages the slots need beyond what they hold to store `new_lens` [S] more tokens."""
     ps = self.page_size
     have = -(-self.kv_lens // ps)
-    need = -(-(self.kv_lens + new_lens) // ps)
+    need = jnp.minimum(-(-(self.kv_lens + new_lens) // ps), self.pages_per_seq)  # as `reserve` caps it
     cow = self._copy_on_write_mask(new_lens)
     return jnp.sum(jnp.maximum(need - have, 0) + cow)
 
@@ -150,12 +150,15 @@ class PagedKVCache:
     if k_scale is not None:
       k_scale = k_scale.at[fresh].set(k_scale[jnp.clip(old, 0, P - 1)], mode="drop")
       v_scale = v_scale.at[fresh].set(v_scale[jnp.clip(old, 0, P - 1)], mode="drop")
-    refs = self.ref_counts.at[jnp.where(ok_copy, old, P)].add(-1, mode="drop")
+    # A copy that finds no free page must not write into the shared page: the
+    # slot lets go of it (its write is dropped, its reads of it masked).
+    lost = (cow > 0) & ~ok_copy
+    refs = self.ref_counts.at[jnp.where(cow > 0, old, P)].add(-1, mode="drop")
     # Two slots sharing a page may both copy it in the same step; the original
     # then loses its last reference and, like any released page, is zeroed.
     released = (refs <= 0) & (self.ref_counts > 0)
     k_pages, v_pages, k_scale, v_scale = (_zero_pages(x, released) for x in (k_pages, v_pages, k_scale, v_scale))
-    table = self.page_indices.at[jnp.arange(S), j0].set(jnp.where(ok_copy, fresh, old))
+    table = self.page_indices.at[jnp.arange(S), j0].set(jnp.where(ok_copy, fresh, jnp.where(lost, -1, old)))
 
     # New pages for the tokens beyond what each slot holds.
     j = jnp.arange(pps)[None]

@@ -23,20 +23,29 @@ import jax
 import jax.numpy as jnp
 
 
+def effective_cu(cu_q_lens, num_seqs):
+  """cu_q_lens as the kernels read it: entries past num_seqs repeat the total and
+  a decrease is flattened (cumulative max), so rows never belong to two
+  sequences, whatever the metadata says (checked mode reports such input)."""
+  S = cu_q_lens.shape[0] - 1
+  idx = jnp.minimum(jnp.arange(S + 1), jnp.clip(num_seqs[0], 0, S))
+  return jax.lax.cummax(cu_q_lens[idx], axis=0)
+
+
 def seq_q_lens(cu_q_lens, num_seqs):
   """[S] new-token count per sequence; 0 past num_seqs and for decreasing cu_q_lens."""
-  S = cu_q_lens.shape[0] - 1
-  lens = jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0)
-  return jnp.where(jnp.arange(S) < num_seqs[0], lens, 0)
+  cu = effective_cu(cu_q_lens, num_seqs)
+  return cu[1:] - cu[:-1]
 
 
 def token_owner(cu_q_lens, num_seqs, num_tokens: int):
   """(seq [T], position [T], valid [T]) for every row of q."""
   S = cu_q_lens.shape[0] - 1
   t = jnp.arange(num_tokens, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], t, side="right"), 0, S - 1).astype(jnp.int32)
-  lens = seq_q_lens(cu_q_lens, num_seqs)
-  start = cu_q_lens[seq]
+  cu = effective_cu(cu_q_lens, num_seqs)
+  seq = jnp.clip(jnp.searchsorted(cu[1:], t, side="right"), 0, S - 1).astype(jnp.int32)
+  lens = cu[1:] - cu[:-1]
+  start = cu[seq]
   valid = (t >= start) & (t - start < lens[seq])
   return seq, start, valid
 
@@ -70,7 +79,7 @@ def chunk_schedule(cu_q_lens, num_seqs, num_tokens: int, block_q: int, select=No
   c = jnp.arange(C, dtype=jnp.int32)
   seq = jnp.clip(jnp.searchsorted(ends, c, side="right"), 0, S - 1).astype(jnp.int32)
   row0 = (c - starts[seq]) * block_q
-  q_start = cu_q_lens[seq] + row0
+  q_start = effective_cu(cu_q_lens, num_seqs)[seq] + row0
   num_rows = jnp.where(c < ends[-1], jnp.clip(lens[seq] - row0, 0, block_q), 0)
   # Rows past the end of q (only with inconsistent cu_q_lens) are never used.
   num_rows = jnp.clip(jnp.minimum(num_rows, num_tokens - q_start), 0, block_q)

@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
+from jax.sharding import AxisType, PartitionSpec
 
 from flax_ringattn._src import validation
 from flax_ringattn._src.backends.xla import paged as xla_paged
@@ -93,7 +94,37 @@ def paged_attention(
   )
   if checked:
     _dynamic_checks(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps)
-  return _paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, spec)
+  args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
+  mesh = _explicit_mesh(args)
+  if mesh is None:
+    return _paged_attention(*args, spec)
+  # Arrays typed on an Explicit mesh (e.g. replicated parameters' outputs): the
+  # op works per device, so run it as a replicated shard_map over that mesh.
+  return jax.shard_map(
+    lambda *a: _paged_attention(*a, spec),
+    mesh=mesh,
+    in_specs=PartitionSpec(),
+    out_specs=PartitionSpec(),
+    check_vma=False,
+  )(*args)
+
+
+def _explicit_mesh(args):
+  mesh = None
+  for x in args:
+    if x is None:
+      continue
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    m = getattr(sharding, "mesh", None)
+    if m is None or not m.axis_names or not any(t == AxisType.Explicit for t in m.axis_types):
+      continue
+    if any(e is not None for e in sharding.spec):
+      raise ValueError(
+        f"paged_attention works per device: an input sharded as {sharding.spec} over Explicit mesh axes must be "
+        "split with jax.shard_map first (PagedMultiHeadAttention does this for kv heads with head_axis=...)"
+      )
+    mesh = m
+  return mesh
 
 
 def _dynamic_checks(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps):

@@ -1,0 +1,787 @@
+"""`paged_attention` against `paged_reference_attention` on random ragged batches.
+
+Every batch is built by `make_batch`: random q_lens / kv_lens per sequence, the
+pages of each live sequence drawn without repetition from a shuffled pool (the
+unused slots of a page-table row hold random page ids), padding rows at the end
+of q, and often fewer live sequences than max_num_seqs.  Shapes are shared by
+most tests so the jitted op and reference compile once per configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from jax.experimental import checkify
+from jax.sharding import NamedSharding, PartitionSpec
+from tolerances import assert_close
+
+import flax_ringattn as fr
+
+# Shared geometry: P pages of PS tokens, K kv heads (GQA 8:2), S slots of PPS pages, T rows.
+P, PS, K, N, H = 40, 4, 2, 8, 16
+S, PPS, T = 6, 6, 32
+CAP = PPS * PS
+SMALL = fr.BlockSizes(block_q=4, block_kv=8)  # several chunks per prefill, 3 kv blocks per sequence
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+_STATIC = ("sliding_window", "logits_soft_cap", "scale", "block_sizes", "implementation")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def op_fn(
+  q,
+  kp,
+  vp,
+  kv_lens,
+  pi,
+  cu,
+  ns,
+  k_scale=None,
+  v_scale=None,
+  sliding_window=None,
+  logits_soft_cap=None,
+  scale=None,
+  block_sizes=SMALL,
+  implementation=None,
+):
+  return fr.paged_attention(
+    q,
+    kp,
+    vp,
+    kv_lens,
+    pi,
+    cu,
+    ns,
+    k_scale=k_scale,
+    v_scale=v_scale,
+    sliding_window=sliding_window,
+    logits_soft_cap=logits_soft_cap,
+    scale=scale,
+    block_sizes=block_sizes,
+    implementation=implementation,
+  )
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC[:3])
+def ref_fn(
+  q, kp, vp, kv_lens, pi, cu, ns, k_scale=None, v_scale=None, sliding_window=None, logits_soft_cap=None, scale=None
+):
+  return fr.paged_reference_attention(
+    q,
+    kp,
+    vp,
+    kv_lens,
+    pi,
+    cu,
+    ns,
+    k_scale=k_scale,
+    v_scale=v_scale,
+    sliding_window=sliding_window,
+    logits_soft_cap=logits_soft_cap,
+    scale=scale,
+  )
+
+
+def _vjp(f, args, do, kw):
+  out, pullback = jax.vjp(lambda q, kp, vp: f(q, kp, vp, *args[3:], **kw), *args[:3])
+  return out, pullback(do)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def op_vjp(
+  args,
+  do,
+  k_scale=None,
+  v_scale=None,
+  sliding_window=None,
+  logits_soft_cap=None,
+  scale=None,
+  block_sizes=SMALL,
+  implementation=None,
+):
+  kw = dict(k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+  kw.update(scale=scale, block_sizes=block_sizes, implementation=implementation)
+  return _vjp(fr.paged_attention, args, do, kw)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC[:3])
+def ref_vjp(args, do, k_scale=None, v_scale=None, sliding_window=None, logits_soft_cap=None, scale=None):
+  kw = dict(k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+  return _vjp(fr.paged_reference_attention, args, do, dict(kw, scale=scale))
+
+
+# -- batches ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Batch:
+  q: jax.Array
+  k_pages: jax.Array
+  v_pages: jax.Array
+  kv_lens: jax.Array
+  page_indices: jax.Array
+  cu_q_lens: jax.Array
+  num_seqs: jax.Array
+  seqs: list  # (q_len, kv_len) of the live sequences
+  k_scale: jax.Array | None = None
+  v_scale: jax.Array | None = None
+
+  @property
+  def args(self):
+    return (self.q, self.k_pages, self.v_pages, self.kv_lens, self.page_indices, self.cu_q_lens, self.num_seqs)
+
+  @property
+  def scales(self):
+    return dict(k_scale=self.k_scale, v_scale=self.v_scale)
+
+  @property
+  def total(self):
+    return sum(ql for ql, _ in self.seqs)
+
+  def read_mask(self):
+    """[P, page_size] bool: the page slots some live sequence reads."""
+    num_pages, ps = self.k_pages.shape[:2]
+    table = np.asarray(self.page_indices)
+    mask = np.zeros((num_pages, ps), bool)
+    for i, (_, kv) in enumerate(self.seqs):
+      for t in range(kv):
+        p = table[i, t // ps]
+        if 0 <= p < num_pages:
+          mask[p, t % ps] = True
+    return mask
+
+  def replace(self, **kw):
+    return dataclasses.replace(self, **kw)
+
+
+def make_batch(
+  rng,
+  seqs,
+  *,
+  max_num_seqs=S,
+  pages_per_seq=PPS,
+  num_pages=P,
+  page_size=PS,
+  num_tokens=T,
+  num_kv_heads=K,
+  num_heads=N,
+  head_dim=H,
+  dtype=F32,
+  page_dtype=None,
+  scale_shape=None,
+  share_prefix=False,
+  exclude_pages=(),
+):
+  """A ragged batch whose live sequences are `seqs` = [(q_len, kv_len), ...]."""
+  n = len(seqs)
+  assert n <= max_num_seqs and sum(q for q, _ in seqs) <= num_tokens
+  assert all(0 <= q <= kv <= pages_per_seq * page_size for q, kv in seqs)
+  pool = [int(p) for p in rng.permutation(num_pages) if p not in exclude_pages]
+  # Unused entries (past a sequence's pages, rows of dead slots) are random ids.
+  table = rng.integers(0, num_pages, size=(max_num_seqs, pages_per_seq))
+  for i, (_, kv) in enumerate(seqs):
+    used = -(-kv // page_size)
+    table[i, :used] = pool[:used]
+    del pool[:used]
+  if share_prefix and n >= 2:
+    shared = min(-(-seqs[0][1] // page_size), -(-seqs[1][1] // page_size)) - 1
+    table[1, :shared] = table[0, :shared]
+  kv_lens = rng.integers(0, pages_per_seq * page_size + 1, size=max_num_seqs)  # garbage for dead slots
+  kv_lens[:n] = [kv for _, kv in seqs]
+  cu = np.zeros(max_num_seqs + 1, np.int64)
+  cu[1 : n + 1] = np.cumsum([q for q, _ in seqs])
+  cu[n + 1 :] = cu[n]
+  shape = (num_pages, page_size, num_kv_heads, head_dim)
+  page_dtype = dtype if page_dtype is None else page_dtype
+  if jnp.dtype(page_dtype) == jnp.int8:
+    pages = [jnp.asarray(rng.integers(-127, 128, size=shape), jnp.int8) for _ in range(2)]
+  elif jnp.issubdtype(page_dtype, jnp.floating) and jnp.dtype(page_dtype).itemsize == 1:
+    pages = [jnp.asarray(rng.normal(size=shape) * 40, F32).astype(page_dtype) for _ in range(2)]
+  else:
+    pages = [jnp.asarray(rng.normal(size=shape), page_dtype) for _ in range(2)]
+  scales = [None, None]
+  if scale_shape is not None:  # one name for both, or a (k, v) pair of names
+    full = {"scalar": (), "page": (num_pages, num_kv_heads), "token": (num_pages, page_size, num_kv_heads)}
+    names = (scale_shape, scale_shape) if isinstance(scale_shape, str) else scale_shape
+    scales = [jnp.asarray(rng.uniform(0.005, 0.03, size=full[name]), F32) for name in names]
+  return Batch(
+    q=jnp.asarray(rng.normal(size=(num_tokens, num_heads, head_dim)), dtype),  # padding rows too
+    k_pages=pages[0],
+    v_pages=pages[1],
+    kv_lens=jnp.asarray(kv_lens, jnp.int32),
+    page_indices=jnp.asarray(table, jnp.int32),
+    cu_q_lens=jnp.asarray(cu, jnp.int32),
+    num_seqs=jnp.asarray([n], jnp.int32),
+    seqs=list(seqs),
+    k_scale=scales[0],
+    v_scale=scales[1],
+  )
+
+
+def _random_seq(rng, kind, cap=CAP):
+  if kind == "decode":
+    return 1, int(rng.integers(1, cap + 1))
+  if kind == "prefill":
+    q = int(rng.integers(1, 6))
+    return q, q
+  if kind == "chunked":  # q_len < kv_len: a chunk of a prefill after a cached history
+    q = int(rng.integers(2, 6))
+    return q, int(rng.integers(q + 1, cap + 1))
+  raise ValueError(kind)
+
+
+def scenario(name, rng):
+  """(q_len, kv_len) of the live sequences of a named batch mix."""
+  if name == "decode":
+    return [_random_seq(rng, "decode") for _ in range(S)]
+  if name == "prefill":  # long prompts: several q chunks and kv blocks each
+    return [(q, q) for q in rng.integers(3, 11, size=3).tolist()]
+  if name == "chunked":
+    return [_random_seq(rng, "chunked") for _ in range(S)]
+  if name == "mixed":
+    return [_random_seq(rng, kind) for kind in rng.choice(["decode", "prefill", "chunked"], size=S)]
+  if name == "edge":
+    # q_len 0 with a history; an empty sequence; q_len 1 = kv_len 1; exactly full
+    # pages; a partial last page; a sequence filling all its pages.
+    return [(0, 7), (0, 0), (1, 1), (4, 8), (3, 10), (6, CAP)]
+  if name == "few":  # num_seqs < max_num_seqs
+    return [_random_seq(rng, kind) for kind in rng.choice(["decode", "prefill", "chunked"], size=2)]
+  if name == "none":  # num_seqs = 0: all rows are padding
+    return []
+  raise ValueError(name)
+
+
+SCENARIOS = ["decode", "prefill", "chunked", "mixed", "edge", "few", "none"]
+
+
+def numpy_oracle(b: Batch, *, sliding_window=None, logits_soft_cap=None, scale=None):
+  """Row-by-row float64 attention over the tokens of valid pages (independent of both implementations)."""
+  q = np.asarray(jnp.asarray(b.q, F32), np.float64)
+  num_pages, ps, kh, hd = b.k_pages.shape
+
+  def deq(pages, sc):
+    x = np.asarray(jnp.asarray(pages, F32), np.float64)
+    if sc is None:
+      return x
+    sc = np.asarray(sc, np.float64)
+    return x * (sc if sc.ndim == 0 else sc[:, None, :, None] if sc.ndim == 2 else sc[..., None])
+
+  kp, vp = deq(b.k_pages, b.k_scale), deq(b.v_pages, b.v_scale)
+  table, cu = np.asarray(b.page_indices), np.asarray(b.cu_q_lens)
+  groups = q.shape[1] // kh
+  scale = hd**-0.5 if scale is None else scale
+  out = np.zeros(q.shape)
+  for i, (ql, kv) in enumerate(b.seqs):
+    for j in range(ql):
+      row, pos = cu[i] + j, kv - ql + j
+      keys = [
+        t
+        for t in range(kv)
+        if t <= pos and 0 <= table[i, t // ps] < num_pages and (sliding_window is None or t > pos - sliding_window)
+      ]
+      if not keys:
+        continue
+      kk = np.stack([kp[table[i, t // ps], t % ps] for t in keys])  # [L, K, H]
+      vv = np.stack([vp[table[i, t // ps], t % ps] for t in keys])
+      for h in range(q.shape[1]):
+        s = kk[:, h // groups] @ q[row, h] * scale
+        if logits_soft_cap is not None:
+          s = logits_soft_cap * np.tanh(s / logits_soft_cap)
+        p = np.exp(s - s.max())
+        out[row, h] = (p / p.sum()) @ vv[:, h // groups]
+  return out
+
+
+def _check_fwd(b: Batch, dtype=F32, **kw):
+  out = op_fn(*b.args, **b.scales, **kw)
+  expected = ref_fn(*b.args, **b.scales, **{k: v for k, v in kw.items() if k in _STATIC[:3]})
+  assert out.shape == b.q.shape and out.dtype == b.q.dtype
+  assert_close(out, expected, dtype)
+  # Padding rows (past cu_q_lens[num_seqs]) are exactly 0.
+  np.testing.assert_array_equal(np.asarray(out[b.total :], F32), 0.0)
+  return out
+
+
+# -- forward --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_forward_matches_reference(name, seed):
+  rng = np.random.default_rng([seed, SCENARIOS.index(name)])
+  _check_fwd(make_batch(rng, scenario(name, rng)))
+
+
+def test_shared_prefix_pages():
+  """Two sequences reading the same pages (prefix sharing) are independent reads."""
+  rng = np.random.default_rng(7)
+  b = make_batch(rng, [(2, 21), (1, 17), (3, 9)], share_prefix=True)
+  assert int(b.page_indices[0, 0]) == int(b.page_indices[1, 0])
+  _check_fwd(b)
+
+
+def test_reference_matches_numpy_oracle():
+  rng = np.random.default_rng(11)
+  b = make_batch(rng, scenario("mixed", rng))
+  for kw in ({}, dict(sliding_window=5, logits_soft_cap=3.0, scale=0.5)):
+    np.testing.assert_allclose(np.asarray(ref_fn(*b.args, **kw)), numpy_oracle(b, **kw), atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16():
+  rng = np.random.default_rng(3)
+  _check_fwd(make_batch(rng, scenario("mixed", rng), dtype=BF16), BF16)
+
+
+def test_default_block_sizes():
+  rng = np.random.default_rng(4)
+  b = make_batch(rng, scenario("mixed", rng))
+  out = _check_fwd(b, block_sizes=None)
+  # Same numbers as the small blocks (a different loop nest over the same data).
+  assert_close(out, op_fn(*b.args), F32)
+
+
+def test_block_kv_smaller_than_page():
+  rng = np.random.default_rng(5)
+  _check_fwd(make_batch(rng, scenario("chunked", rng)), block_sizes=fr.BlockSizes(block_q=3, block_kv=2))
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 8], ids=["mqa_8to1", "mha_8to8"])
+def test_kv_head_groups(num_kv_heads):
+  rng = np.random.default_rng(num_kv_heads)
+  _check_fwd(make_batch(rng, scenario("mixed", rng), num_kv_heads=num_kv_heads))
+
+
+@pytest.mark.parametrize("window", [1, 5])
+def test_sliding_window(window):
+  rng = np.random.default_rng(window)
+  for name in ("mixed", "edge"):
+    _check_fwd(make_batch(rng, scenario(name, rng)), sliding_window=window)
+
+
+def test_logits_soft_cap():
+  rng = np.random.default_rng(8)
+  b = make_batch(rng, scenario("mixed", rng))
+  _check_fwd(b, logits_soft_cap=2.0, scale=1.0)  # large logits: the cap matters
+  _check_fwd(b, logits_soft_cap=5.0, sliding_window=6)
+
+
+SCALE_SHAPES = {"scalar": (), "page": (P, K), "token": (P, PS, K)}
+
+
+# Each scale shape appears for k and for v; a k/v pair may mix shapes.
+@pytest.mark.parametrize(
+  "page_dtype, scales",
+  [
+    ("int8", ("scalar", "page")),
+    ("int8", ("page", "token")),
+    ("int8", ("token", "scalar")),
+    ("float8_e4m3fn", ("scalar", "token")),
+    ("float8_e4m3fn", ("token", "page")),
+    ("float8_e4m3fn", ("page", "scalar")),
+  ],
+)
+def test_quantized_pages(page_dtype, scales):
+  rng = np.random.default_rng([9, len(scales[0]), len(scales[1])])
+  b = make_batch(rng, scenario("mixed", rng), page_dtype=jnp.dtype(page_dtype), scale_shape=scales)
+  assert b.k_pages.dtype == jnp.dtype(page_dtype)
+  assert (b.k_scale.shape, b.v_scale.shape) == (SCALE_SHAPES[scales[0]], SCALE_SHAPES[scales[1]])
+  _check_fwd(b)
+
+
+def _junk_tail(b: Batch):
+  """The batch with cu_q_lens entries past num_seqs overwritten by smaller (junk) values."""
+  cu = np.asarray(b.cu_q_lens).copy()
+  n = len(b.seqs)
+  cu[n + 1 :] = np.arange(len(cu) - n - 1)[::-1] % 3
+  return b.replace(cu_q_lens=jnp.asarray(cu, jnp.int32))
+
+
+def test_cu_q_lens_past_num_seqs_are_ignored():
+  """Only the first num_seqs + 1 entries of cu_q_lens matter (checked mode validates only those)."""
+  rng = np.random.default_rng(12)
+  b = make_batch(rng, [(3, 9), (2, 2), (4, 13)])
+  junk = _junk_tail(b)
+  assert not (np.diff(np.asarray(junk.cu_q_lens)) >= 0).all()
+  np.testing.assert_array_equal(np.asarray(op_fn(*junk.args)), np.asarray(op_fn(*b.args)))
+  assert _checked(*junk.args)[0].get() is None
+
+
+def test_reference_ignores_cu_q_lens_past_num_seqs():
+  rng = np.random.default_rng(12)
+  b = make_batch(rng, [(3, 9), (2, 2), (4, 13)])
+  assert_close(ref_fn(*_junk_tail(b).args), ref_fn(*b.args), F32)
+
+
+def test_replicated_inputs_on_explicit_mesh():
+  rng = np.random.default_rng(13)
+  b = make_batch(rng, [(3, 9), (1, 5)])
+  rep = NamedSharding(make_mesh((2,), ("sp",)), PartitionSpec())
+  placed = b.replace(
+    q=jax.device_put(b.q, rep), k_pages=jax.device_put(b.k_pages, rep), v_pages=jax.device_put(b.v_pages, rep)
+  )
+  assert_close(ref_fn(*placed.args), ref_fn(*b.args), F32)
+  assert_close(op_fn(*placed.args), ref_fn(*b.args), F32)
+
+
+# -- gradients ------------------------------------------------------------------------
+
+
+def _check_grads(b: Batch, dtype=F32, **kw):
+  rng = np.random.default_rng(100)
+  do = jnp.asarray(rng.normal(size=b.q.shape), dtype)
+  out, grads = op_vjp(b.args, do, **b.scales, **kw)
+  ref_out, ref_grads = ref_vjp(b.args, do, **b.scales, **{k: v for k, v in kw.items() if k in _STATIC[:3]})
+  assert_close(out, ref_out, dtype)
+  for g, x in zip(grads, b.args[:3], strict=True):
+    assert g.shape == x.shape and g.dtype == x.dtype
+  assert_close(grads, ref_grads, dtype, "grad")
+  np.testing.assert_array_equal(np.asarray(grads[0][b.total :], F32), 0.0)  # padding rows get no gradient
+  return out, grads
+
+
+@pytest.mark.parametrize("name", ["mixed", "edge", "prefill"])
+def test_grads_match_reference(name):
+  rng = np.random.default_rng([21, SCENARIOS.index(name)])
+  _check_grads(make_batch(rng, scenario(name, rng)))
+
+
+def test_grads_shared_pages_accumulate():
+  rng = np.random.default_rng(22)
+  _check_grads(make_batch(rng, [(3, 13), (2, 19), (1, 6)], share_prefix=True))
+
+
+def test_grads_window_soft_cap_gqa():
+  rng = np.random.default_rng(23)
+  _check_grads(make_batch(rng, scenario("mixed", rng)), sliding_window=6, logits_soft_cap=3.0, scale=0.5)
+
+
+def test_grads_mqa():
+  rng = np.random.default_rng(24)
+  _check_grads(make_batch(rng, scenario("chunked", rng), num_kv_heads=1))
+
+
+def test_grads_bfloat16():
+  rng = np.random.default_rng(25)
+  _check_grads(make_batch(rng, scenario("mixed", rng), dtype=BF16), BF16)
+
+
+def test_grads_scaled_float_pages():
+  """Float pages with k_scale [P, K] / v_scale [P, page_size, K]: gradients with respect to the stored values."""
+  rng = np.random.default_rng(26)
+  _check_grads(make_batch(rng, scenario("mixed", rng), scale_shape=("page", "token")))
+
+
+# -- isolation ------------------------------------------------------------------------
+
+
+def _poison(b: Batch, value):
+  """Fills every page slot no live sequence reads with `value`."""
+  unread = ~b.read_mask()[:, :, None, None]
+  fill = lambda x: jnp.where(unread, jnp.asarray(value, x.dtype), x)
+  return b.replace(k_pages=fill(b.k_pages), v_pages=fill(b.v_pages))
+
+
+@pytest.mark.parametrize("name", ["mixed", "edge"])
+def test_isolation_from_unread_pages(name):
+  rng = np.random.default_rng([31, SCENARIOS.index(name)])
+  b = make_batch(rng, scenario(name, rng))
+  assert (~b.read_mask()).any()
+  do = jnp.asarray(rng.normal(size=b.q.shape), F32)
+  out, (dq, dk, dv) = op_vjp(b.args, do)
+  read = b.read_mask()[:, :, None, None]
+  for value in (np.nan, 1e30, -1e30):
+    bad = _poison(b, value)
+    out_bad, (dq_bad, dk_bad, dv_bad) = op_vjp(bad.args, do)
+    np.testing.assert_array_equal(np.asarray(out_bad), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(dq_bad), np.asarray(dq))
+    np.testing.assert_array_equal(np.asarray(dk_bad), np.asarray(dk))
+    np.testing.assert_array_equal(np.asarray(dv_bad), np.asarray(dv))
+    assert np.isfinite(np.asarray(out_bad)).all() and np.isfinite(np.asarray(dq_bad)).all()
+    # Unread slots receive no gradient.
+    assert not np.asarray(jnp.where(read, 0.0, jnp.abs(dk_bad) + jnp.abs(dv_bad))).any()
+    # The reference is just as isolated.
+    np.testing.assert_array_equal(np.asarray(ref_fn(*bad.args)), np.asarray(ref_fn(*b.args)))
+
+
+def test_isolation_quantized_scales():
+  """NaN in the pages and scales of unread slots of an int8 cache does not leak."""
+  rng = np.random.default_rng(32)
+  b = make_batch(rng, scenario("mixed", rng), page_dtype=jnp.int8, scale_shape="token")
+  out = op_fn(*b.args, **b.scales)
+  unread = ~b.read_mask()[:, :, None]
+  poisoned = b.replace(
+    k_pages=jnp.where(unread[..., None], jnp.int8(-128), b.k_pages),
+    k_scale=jnp.where(unread, jnp.nan, b.k_scale),
+    v_scale=jnp.where(unread, jnp.inf, b.v_scale),
+  )
+  np.testing.assert_array_equal(np.asarray(op_fn(*poisoned.args, **poisoned.scales)), np.asarray(out))
+
+
+@pytest.mark.parametrize("bad_id", [-1, P, P + 7, -P])
+def test_out_of_range_page_ids_are_masked(bad_id):
+  """Without checks, an invalid page id in a used slot acts as an empty (masked) page."""
+  rng = np.random.default_rng(33)
+  # Pages 0 and P - 1 (where a clipped id would land) belong to nobody and hold NaN.
+  b = make_batch(rng, [(1, 17), (3, 11), (2, 2), (4, 9), (1, 5)], exclude_pages=(0, P - 1))
+  table = np.asarray(b.page_indices).copy()
+  table[0, 2] = bad_id  # the middle page of a decode
+  table[1, 0] = bad_id  # the first page of a chunked prefill
+  table[2, 0] = bad_id  # every page of a sequence: its rows see nothing and return 0
+  b = _poison(b.replace(page_indices=jnp.asarray(table, jnp.int32)), np.nan)
+  do = jnp.asarray(rng.normal(size=b.q.shape), F32)
+  out, (dq, dk, dv) = op_vjp(b.args, do)
+  np.testing.assert_allclose(np.asarray(out), numpy_oracle(b), atol=1e-5, rtol=1e-5)
+  assert_close(out, ref_fn(*b.args), F32)
+  cu = np.asarray(b.cu_q_lens)
+  np.testing.assert_array_equal(np.asarray(out[cu[2] : cu[3]]), 0.0)
+  for g in (dq, dk, dv):
+    assert np.isfinite(np.asarray(g)).all()
+  _, ref_grads = ref_vjp(b.args, do)
+  assert_close((dq, dk, dv), ref_grads, F32, "grad")
+
+
+# -- compilation ----------------------------------------------------------------------
+
+
+def test_compiles_once_over_changing_batches():
+  """200 steps of changing batch mix, page tables and int8 scale values: one trace, one compile."""
+  traces = []
+
+  @jax.jit
+  def step(q, kp, vp, kv_lens, pi, cu, ns, k_scale, v_scale):
+    traces.append(1)
+    return fr.paged_attention(q, kp, vp, kv_lens, pi, cu, ns, k_scale=k_scale, v_scale=v_scale, block_sizes=SMALL)
+
+  rng = np.random.default_rng(41)
+  base = make_batch(rng, [(1, 3)], page_dtype=jnp.int8, scale_shape="page")
+  kinds = ["decode", "prefill", "chunked"]
+  for i in range(200):
+    n = int(rng.integers(0, S + 1))
+    seqs = [_random_seq(rng, k) for k in rng.choice(kinds, size=n)]
+    b = make_batch(rng, seqs)  # new q, kv_lens, page table, cu_q_lens, num_seqs
+    k_scale = jnp.asarray(rng.uniform(0.001, 0.1, size=(P, K)), F32)
+    args = (b.q, base.k_pages, base.v_pages, *b.args[3:], k_scale, k_scale * 2)
+    out = step(*args)
+    if i % 40 == 0:
+      assert_close(out, ref_fn(*args), F32)
+  assert len(traces) == 1
+  assert step._cache_size() == 1
+
+
+# -- checked mode ---------------------------------------------------------------------
+
+
+@jax.jit
+def _checked(q, kp, vp, kv_lens, pi, cu, ns):
+  f = functools.partial(fr.paged_attention, checked=True, block_sizes=SMALL)
+  return checkify.checkify(f, errors=checkify.user_checks)(q, kp, vp, kv_lens, pi, cu, ns)
+
+
+def _good_checked_batch():
+  rng = np.random.default_rng(51)
+  return make_batch(rng, [(3, 3), (1, 9), (2, 12), (0, 4)])
+
+
+def _with(b: Batch, name, index, value):
+  x = np.asarray(getattr(b, name)).copy()
+  x[index] = value
+  return b.replace(**{name: jnp.asarray(x, jnp.int32)})
+
+
+CHECKED_PROBLEMS = {
+  "page_id_negative": (lambda b: _with(b, "page_indices", (1, 2), -1), "page_indices out of range"),
+  "page_id_too_large": (lambda b: _with(b, "page_indices", (2, 0), P), "page_indices out of range"),
+  "kv_lens_past_pages": (lambda b: _with(b, "kv_lens", 3, CAP + 1), "kv_lens exceeds the pages"),
+  "decreasing_cu_q_lens": (lambda b: _with(b, "cu_q_lens", 2, 2), "non-decreasing"),
+  "cu_q_lens_not_from_zero": (lambda b: _with(b, "cu_q_lens", 0, 1), "start at 0"),
+  "too_many_tokens": (  # 43 new tokens (each within its kv_lens) for T = 32 rows
+    lambda b: b.replace(
+      kv_lens=jnp.asarray([10, 9, 12, 24, 0, 0], jnp.int32),
+      cu_q_lens=jnp.asarray([0, 10, 11, 23, 43, 43, 43], jnp.int32),
+    ),
+    "the batch has 43 new tokens, more than max_num_batched_tokens=32",
+  ),
+  "q_len_over_kv_len": (lambda b: _with(b, "kv_lens", 0, 2), "more new tokens than kv_lens"),
+  "num_seqs_too_large": (lambda b: _with(b, "num_seqs", 0, S + 1), "num_seqs=7 must be in"),
+}
+
+
+def test_checked_good_batch_has_no_error():
+  b = _good_checked_batch()
+  err, out = _checked(*b.args)
+  assert err.get() is None
+  assert_close(out, ref_fn(*b.args), F32)
+  # Unused page-table entries and dead slots may hold anything.
+  table = np.asarray(b.page_indices).copy()
+  table[0, 1:] = -5
+  table[4:] = P + 100
+  err, _ = _checked(*b.replace(page_indices=jnp.asarray(table, jnp.int32)).args)
+  assert err.get() is None
+
+
+@pytest.mark.parametrize("problem", list(CHECKED_PROBLEMS))
+def test_checked_reports_dynamic_problems(problem):
+  corrupt, message = CHECKED_PROBLEMS[problem]
+  err, _ = _checked(*corrupt(_good_checked_batch()).args)
+  assert err.get() is not None and message in err.get(), err.get()
+
+
+def test_checked_requires_checkify():
+  b = _good_checked_batch()
+  with pytest.raises(ValueError, match="checkify"):
+    jax.jit(lambda *a: fr.paged_attention(*a, checked=True))(*b.args)
+
+
+# -- static errors --------------------------------------------------------------------
+
+
+def _static_args(page_dtype=F32):
+  """Small valid arguments as a dict (shapes only matter)."""
+  return dict(
+    q=jnp.zeros((8, 4, 8), F32),
+    k_pages=jnp.zeros((6, 4, 2, 8), page_dtype),
+    v_pages=jnp.zeros((6, 4, 2, 8), page_dtype),
+    kv_lens=jnp.zeros((3,), jnp.int32),
+    page_indices=jnp.zeros((3, 2), jnp.int32),
+    cu_q_lens=jnp.zeros((4,), jnp.int32),
+    num_seqs=jnp.zeros((1,), jnp.int32),
+  )
+
+
+_POSITIONAL = ("q", "k_pages", "v_pages", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
+
+
+def _call(op, page_dtype=F32, **changes):
+  a = _static_args(page_dtype)
+  kw = {k: v for k, v in changes.items() if k not in _POSITIONAL}
+  a.update({k: v for k, v in changes.items() if k in _POSITIONAL})
+  return op(*(a[k] for k in _POSITIONAL), **kw)
+
+
+STATIC_ERRORS = {
+  # paged/common.py: check_paged_inputs
+  "q_not_array": (dict(q=np.zeros((8, 4, 8)).tolist()), TypeError, "q must be an array"),
+  "pages_not_array": (dict(k_pages=1.0), TypeError, "k_pages must be an array"),
+  "q_rank": (dict(q=jnp.zeros((1, 8, 4, 8))), ValueError, r"q must be \[max_num_batched_tokens, N, H\] \(rank 3\)"),
+  "q_int": (dict(q=jnp.zeros((8, 4, 8), jnp.int32)), TypeError, "q must be floating point"),
+  "pages_rank": (dict(k_pages=jnp.zeros((6, 4, 16))), ValueError, r"k_pages must be \[P, page_size, K, H\]"),
+  "v_pages_rank": (dict(v_pages=jnp.zeros((6, 4, 2, 8, 1))), ValueError, r"v_pages must be \[P, page_size, K, H\]"),
+  "kv_shape_mismatch": (
+    dict(v_pages=jnp.zeros((7, 4, 2, 8))),
+    ValueError,
+    "k_pages and v_pages must have the same shape",
+  ),
+  "kv_dtype_mismatch": (dict(v_pages=jnp.zeros((6, 4, 2, 8), BF16)), TypeError, "must share a dtype"),
+  "head_dim": (
+    dict(k_pages=jnp.zeros((6, 4, 2, 4)), v_pages=jnp.zeros((6, 4, 2, 4))),
+    ValueError,
+    "head_dim differs",
+  ),
+  "heads_not_multiple": (
+    dict(k_pages=jnp.zeros((6, 4, 3, 8)), v_pages=jnp.zeros((6, 4, 3, 8))),
+    ValueError,
+    "must be a multiple of the number of kv heads",
+  ),
+  "zero_kv_heads": (
+    dict(k_pages=jnp.zeros((6, 4, 0, 8)), v_pages=jnp.zeros((6, 4, 0, 8))),
+    ValueError,
+    "multiple of the number of kv heads K=0",
+  ),
+  "int_pages": (
+    dict(k_pages=jnp.zeros((6, 4, 2, 8), jnp.int32), v_pages=jnp.zeros((6, 4, 2, 8), jnp.int32)),
+    TypeError,
+    "k_pages/v_pages must be floating point or one of",
+  ),
+  "kv_lens_list": (dict(kv_lens=[0, 0, 0]), TypeError, "kv_lens must be an int32 array"),
+  "kv_lens_float": (dict(kv_lens=jnp.zeros((3,), F32)), TypeError, "kv_lens must be an integer array"),
+  "num_seqs_float": (dict(num_seqs=jnp.zeros((1,), F32)), TypeError, "num_seqs must be an integer array"),
+  "page_indices_rank": (
+    dict(page_indices=jnp.zeros((6,), jnp.int32)),
+    ValueError,
+    r"page_indices must be \[max_num_seqs, pages_per_seq\]",
+  ),
+  "kv_lens_shape": (dict(kv_lens=jnp.zeros((4,), jnp.int32)), ValueError, r"kv_lens must be \[max_num_seqs\]=\(3,\)"),
+  "cu_q_lens_shape": (
+    dict(cu_q_lens=jnp.zeros((3,), jnp.int32)),
+    ValueError,
+    r"cu_q_lens must be \[max_num_seqs \+ 1\]=\(4,\)",
+  ),
+  "num_seqs_scalar": (dict(num_seqs=jnp.zeros((), jnp.int32)), ValueError, r"num_seqs must have shape \(1,\)"),
+  "scale_python_float": (dict(k_scale=0.5), TypeError, "k_scale must be a floating-point array"),
+  "scale_int_array": (dict(v_scale=jnp.ones((), jnp.int32)), TypeError, "v_scale must be a floating-point array"),
+  "scale_shape": (dict(k_scale=jnp.ones((6,), F32)), ValueError, r"k_scale must have shape \(\) \(one scale\)"),
+  "scale_shape_heads": (dict(v_scale=jnp.ones((6, 3), F32)), ValueError, r"\[P, K\]=\(6, 2\)"),
+  "scale_shape_tokens": (dict(k_scale=jnp.ones((6, 2, 2), F32)), ValueError, r"\[P, page_size, K\]=\(6, 4, 2\)"),
+  # paged/common.py: check_sliding_window
+  "window_float": (dict(sliding_window=2.5), TypeError, "sliding_window must be an int or None"),
+  "window_bool": (dict(sliding_window=True), TypeError, "sliding_window must be an int or None"),
+  "window_zero": (dict(sliding_window=0), ValueError, "sliding_window must be >= 1"),
+  "window_negative": (dict(sliding_window=-3), ValueError, "sliding_window must be >= 1"),
+  # validation.py checks reached through the paged front ends
+  "scale_array": (dict(scale=jnp.float32(0.5)), TypeError, "scale must be a Python float"),
+  "scale_inf": (dict(scale=float("inf")), ValueError, "scale must be finite"),
+  "soft_cap_str": (dict(logits_soft_cap="1"), TypeError, "logits_soft_cap must be a positive float"),
+  "soft_cap_zero": (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap must be > 0"),
+}
+
+OP_ONLY_ERRORS = {
+  # paged/op.py
+  "unknown_implementation": (dict(implementation="pallas"), ValueError, "unknown implementation='pallas'"),
+  "block_sizes_type": (dict(block_sizes=(16, 128)), TypeError, "block_sizes must be a flax_ringattn.BlockSizes"),
+  "block_kv_not_multiple": (
+    dict(block_sizes=fr.BlockSizes(block_q=4, block_kv=6)),
+    ValueError,
+    "block_sizes.block_kv=6 must be a multiple of page_size=4",
+  ),
+  "checked_not_bool": (dict(checked=1), TypeError, "checked must be a bool"),
+}
+
+
+@pytest.mark.parametrize("case", list(STATIC_ERRORS))
+@pytest.mark.parametrize("op", ["op", "reference"])
+def test_static_errors(op, case):
+  changes, exc, match = STATIC_ERRORS[case]
+  fn = fr.paged_attention if op == "op" else fr.paged_reference_attention
+  with pytest.raises(exc, match=match):
+    _call(fn, **changes)
+
+
+@pytest.mark.parametrize("case", list(OP_ONLY_ERRORS))
+def test_static_errors_op_only(case):
+  changes, exc, match = OP_ONLY_ERRORS[case]
+  with pytest.raises(exc, match=match):
+    _call(fr.paged_attention, **changes)
+
+
+@pytest.mark.parametrize("page_dtype", ["int8", "float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("missing", ["k_scale", "v_scale"])
+def test_quantized_pages_require_scales(page_dtype, missing):
+  scales = {"k_scale": jnp.ones((), F32), "v_scale": jnp.ones((), F32)}
+  del scales[missing]
+  for fn in (fr.paged_attention, fr.paged_reference_attention):
+    with pytest.raises(ValueError, match=f"{missing} is required for quantized pages"):
+      _call(fn, page_dtype=jnp.dtype(page_dtype), **scales)
+
+
+def test_valid_static_arguments_pass():
+  """The baseline of the error cases is itself valid (so each case tests one problem); traced only."""
+  valid = [
+    {},
+    dict(block_sizes=fr.BlockSizes(block_q=4, block_kv=2), sliding_window=3, implementation="xla"),
+    dict(k_scale=jnp.ones((), F32), v_scale=jnp.ones((6, 4, 2), F32), logits_soft_cap=1.0, scale=1.0, checked=False),
+  ]
+  for op in (fr.paged_attention, fr.paged_reference_attention):
+    for kw in valid:
+      if op is fr.paged_reference_attention:
+        kw = {k: v for k, v in kw.items() if k not in ("block_sizes", "implementation", "checked")}
+      out = jax.eval_shape(lambda kw=kw, op=op: _call(op, **kw))
+      assert out.shape == (8, 4, 8) and out.dtype == F32
+  for page_dtype in ("int8", "float8_e4m3fn", "float8_e5m2"):
+    scales = dict(k_scale=jnp.ones((6, 2), F32), v_scale=jnp.ones((), BF16))
+    jax.eval_shape(lambda d=page_dtype, s=scales: _call(fr.paged_attention, page_dtype=jnp.dtype(d), **s))
