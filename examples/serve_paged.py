@@ -92,7 +92,7 @@ def cache_utilization(model):
 
 @dataclasses.dataclass
 class Request:
-  """One retrieval request: a prompt ending in QUERY k1, then answers to k1..kq."""
+  """One retrieval request: a prompt ending in the first asked key, then answers to k1..kq."""
 
   rid: int
   prompt: np.ndarray  # natural-order tokens up to and including the first query key

@@ -1,0 +1,87 @@
+"""The examples run end to end at a tiny size (as subprocesses, like `make demo`)."""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+TRAIN = EXAMPLES / "train_long_context.py"
+TINY = ["--steps", "2", "--seq-len", "256", "--d-model", "32"]
+
+
+def _run(script: pathlib.Path, *args: str) -> str:
+  """Runs an example like a user would (8 CPU devices come from conftest's XLA_FLAGS); returns stdout."""
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+  env.setdefault("JAX_PLATFORMS", "cpu")
+  proc = subprocess.run(
+    [sys.executable, str(script), *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+  )
+  assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+  return proc.stdout
+
+
+def _check_run(stdout: str, out_dir: pathlib.Path) -> None:
+  first = float(re.search(r"^first loss: (\S+)", stdout, re.M).group(1))
+  last = float(re.search(r"^last loss: (\S+)", stdout, re.M).group(1))
+  assert math.isfinite(first) and math.isfinite(last), stdout
+  ckpt = out_dir / "checkpoint"
+  assert ckpt.is_dir() and any(ckpt.iterdir()), f"no checkpoint in {ckpt}"
+  assert (out_dir / "config.json").is_file()
+  png = out_dir / "loss.png"
+  assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert f"checkpoint: {ckpt}" in stdout and f"loss curve: {png}" in stdout
+
+
+@pytest.mark.slow
+def test_train_long_context_layer_then_load_and_serve(tmp_path):
+  """The default swap style with a one-step curriculum stage; its checkpoint then feeds
+  `_model.load_model` (plain nnx attention, one device) and `serve_paged.py`.  One test, so
+  that xdist workers do not each train the model."""
+  stdout = _run(TRAIN, "--out-dir", str(tmp_path), *TINY, "--curriculum", "128:1")
+  _check_run(stdout, tmp_path)
+  assert "attention=layer" in stdout and "mesh {'sp': 8}" in stdout
+  assert "1 steps of 2x128 -> 2 steps of 1x256" in stdout
+
+  sys.path.insert(0, str(EXAMPLES))
+  try:
+    import _model
+  finally:
+    sys.path.remove(str(EXAMPLES))
+  params = lambda m: jax.tree.leaves(nnx.state(m, nnx.Param))
+  model = _model.load_model(tmp_path)
+  fresh = _model.load_model(tmp_path, restore=False)
+  assert not all(np.array_equal(a, b) for a, b in zip(params(model), params(fresh), strict=True)), "not restored"
+  assert all(a.devices() == {jax.devices()[0]} for a in params(model))
+  tokens = np.zeros((1, 16), np.int32)
+  logits = model(tokens, np.arange(16)[None], _model.previous_tokens(tokens))
+  assert logits.shape == (1, 16, model.config.vocab_size)
+  assert np.isfinite(np.asarray(logits)).all()
+
+  # serve_paged.py builds its requests with train_long_context.KVRetrievalTask.
+  # Three requests on two slots: the third joins while another decodes (a mixed step).
+  args = ["--requests", "3", "--queries", "2", "--prompt-lens", "512", "--max-seqs", "2", "--max-batched-tokens", "256"]
+  served = _run(EXAMPLES / "serve_paged.py", "--run-dir", str(tmp_path), *args)
+  summary = re.search(r"^accuracy \d+/6 .*? \((\d+) mixed prefill\+decode\).*utilisation mean ([\d.]+)%", served, re.M)
+  assert summary, served
+  assert int(summary.group(1)) > 0, served
+  assert float(summary.group(2)) > 50.0, served
+
+
+@pytest.mark.slow
+def test_train_long_context_attention_fn_with_head_axis(tmp_path):
+  args = ["--attention", "attention_fn", "--mesh-shape", "4,2", "--curriculum", "none"]
+  stdout = _run(TRAIN, "--out-dir", str(tmp_path), *TINY, *args)
+  _check_run(stdout, tmp_path)
+  assert "attention=attention_fn" in stdout and "mesh {'sp': 4, 'tp': 2}" in stdout
