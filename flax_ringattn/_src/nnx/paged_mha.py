@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from flax_ringattn._src import sharding
+from flax_ringattn._src.nnx.common import head_sharding_metadata
 from flax_ringattn._src.paged.cache import PagedKVCache
 from flax_ringattn._src.paged.op import paged_attention
 
@@ -60,12 +61,14 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
   ):
     if dropout_rate:
       raise NotImplementedError(f"PagedMultiHeadAttention does not implement dropout ({dropout_rate=})")
-    if head_axis is not None:
-      extra = {"mesh": mesh} if mesh is not None else {}
-      kernel_metadata = {"out_sharding": (None, head_axis, None), **extra, **kernel_metadata}
-      bias_metadata = {"out_sharding": (head_axis, None), **extra, **bias_metadata}
-      out_kernel_metadata = {"out_sharding": (head_axis, None, None), **extra, **out_kernel_metadata}
-      out_bias_metadata = {"out_sharding": (None,), **extra, **out_bias_metadata}
+    metadata = head_sharding_metadata(
+      head_axis,
+      mesh,
+      kernel_metadata=kernel_metadata,
+      bias_metadata=bias_metadata,
+      out_kernel_metadata=out_kernel_metadata,
+      out_bias_metadata=out_bias_metadata,
+    )
     if mesh is not None and head_axis is not None:
       size = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)).get(head_axis)
       kv = num_kv_heads if num_kv_heads is not None else num_heads
@@ -82,10 +85,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       num_kv_heads,
       in_kv_features,
       dropout_rate=0.0,
-      kernel_metadata=kernel_metadata,
-      out_kernel_metadata=out_kernel_metadata,
-      bias_metadata=bias_metadata,
-      out_bias_metadata=out_bias_metadata,
+      **metadata,
       **kwargs,
     )
     self.mesh = mesh

@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from flax_ringattn._src import sharding
+from flax_ringattn._src.nnx.common import head_sharding_metadata
 from flax_ringattn._src.ring.op import ring_attention
 
 _MASK_ALTERNATIVES = (
@@ -102,13 +103,14 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       if len(mesh.axis_names) != 1:
         raise ValueError(f"mesh has axes {tuple(mesh.axis_names)}: pass seq_axis=... to name the sequence axis")
       seq_axis = mesh.axis_names[0]
-    if head_axis is not None:
-      # q/k/v kernels are [F, heads, H], biases [heads, H]; out kernel [N, H, F].
-      extra = {"mesh": mesh} if mesh is not None else {}
-      kernel_metadata = {"out_sharding": (None, head_axis, None), **extra, **kernel_metadata}
-      bias_metadata = {"out_sharding": (head_axis, None), **extra, **bias_metadata}
-      out_kernel_metadata = {"out_sharding": (head_axis, None, None), **extra, **out_kernel_metadata}
-      out_bias_metadata = {"out_sharding": (None,), **extra, **out_bias_metadata}
+    metadata = head_sharding_metadata(
+      head_axis,
+      mesh,
+      kernel_metadata=kernel_metadata,
+      bias_metadata=bias_metadata,
+      out_kernel_metadata=out_kernel_metadata,
+      out_bias_metadata=out_bias_metadata,
+    )
     super().__init__(
       num_heads,
       in_features,
@@ -117,10 +119,7 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       num_kv_heads,
       in_kv_features,
       dropout_rate=0.0,
-      kernel_metadata=kernel_metadata,
-      out_kernel_metadata=out_kernel_metadata,
-      bias_metadata=bias_metadata,
-      out_bias_metadata=out_bias_metadata,
+      **metadata,
       **kwargs,
     )
     self.mesh = mesh
