@@ -85,3 +85,10 @@ def test_train_long_context_attention_fn_with_head_axis(tmp_path):
   stdout = _run(TRAIN, "--out-dir", str(tmp_path), *TINY, *args)
   _check_run(stdout, tmp_path)
   assert "attention=attention_fn" in stdout and "mesh {'sp': 4, 'tp': 2}" in stdout
+
+
+def test_swap_into_existing_model():
+  stdout = _run(EXAMPLES / "swap_into_existing_model.py", "--seq-len", "256")
+  err = float(re.search(r"max \|ring - original\| = (\S+)", stdout).group(1))
+  assert err < 1e-4, stdout
+  assert "P(None, 'sp')" in stdout, stdout  # the activations really are sequence-sharded
