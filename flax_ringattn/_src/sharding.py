@@ -33,5 +33,15 @@ def axis_is_bound(axis_name) -> bool:
   return True
 
 
+def sequence_axis(mesh, axis, *, arg: str):
+  """`axis`, or the only axis of `mesh` when `axis` is None (`arg` names the keyword in the error)."""
+  if axis is not None or mesh is None:
+    return axis
+  names = tuple(mesh.axis_names)
+  if len(names) != 1:
+    raise ValueError(f"mesh has axes {names}: pass {arg}=... to say which one the sequence is sharded over")
+  return names[0]
+
+
 def named(mesh, spec: P) -> NamedSharding:
   return NamedSharding(mesh, spec)

@@ -99,10 +99,7 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       raise NotImplementedError(
         f"RingMultiHeadAttention does not implement attention dropout ({dropout_rate=}); use dropout_rate=0.0"
       )
-    if mesh is not None and seq_axis is None:
-      if len(mesh.axis_names) != 1:
-        raise ValueError(f"mesh has axes {tuple(mesh.axis_names)}: pass seq_axis=... to name the sequence axis")
-      seq_axis = mesh.axis_names[0]
+    seq_axis = sharding.sequence_axis(mesh, seq_axis, arg="seq_axis")
     metadata = head_sharding_metadata(
       head_axis,
       mesh,
@@ -223,10 +220,7 @@ def make_ring_attention_fn(
   for it.  A dense mask, bias, dropout and sow_weights (module=...) raise
   `NotImplementedError` naming the alternatives.
   """
-  if mesh is not None and seq_axis is None:
-    if len(mesh.axis_names) != 1:
-      raise ValueError(f"mesh has axes {tuple(mesh.axis_names)}: pass seq_axis=... to name the sequence axis")
-    seq_axis = mesh.axis_names[0]
+  seq_axis = sharding.sequence_axis(mesh, seq_axis, arg="seq_axis")
 
   def ring_attention_fn(
     query,

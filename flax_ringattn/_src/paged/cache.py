@@ -21,9 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from flax_ringattn._src.paged import metadata
-
-_QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+from flax_ringattn._src.paged import common, metadata
 
 
 @jax.tree_util.register_dataclass
@@ -61,7 +59,7 @@ class PagedKVCache:
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"PagedKVCache.create: {name} must be a positive int, got {name}={value!r}")
     shape = (num_pages, page_size, num_kv_heads, head_dim)
-    quantized = jnp.dtype(dtype).name in _QMAX
+    quantized = jnp.dtype(dtype).name in common.QUANTIZED_MAX
     scale = jnp.zeros((num_pages, page_size, num_kv_heads), jnp.float32) if quantized else None
     return cls(
       k_pages=jnp.zeros(shape, dtype),
@@ -243,7 +241,7 @@ def _store(pages, scale, page, slot, x):
   """Writes x [T, K, H] at (page, slot); quantizes per token and head when `scale` is kept."""
   if scale is None:
     return pages.at[page, slot].set(x.astype(pages.dtype), mode="drop"), None
-  qmax = _QMAX[jnp.dtype(pages.dtype).name]
+  qmax = common.QUANTIZED_MAX[jnp.dtype(pages.dtype).name]
   xf = x.astype(jnp.float32)
   s = jnp.max(jnp.abs(xf), axis=-1) / qmax  # [T, K]
   s = jnp.where(s == 0, 1.0, s)

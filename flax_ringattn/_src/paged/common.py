@@ -7,9 +7,9 @@ import numbers
 
 import jax.numpy as jnp
 
-from flax_ringattn._src import validation
-
-QUANTIZED_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+# Quantized page dtypes and the largest value each stores (for absmax scaling).
+QUANTIZED_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+QUANTIZED_DTYPES = tuple(QUANTIZED_MAX)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,7 +110,3 @@ def dequantize(pages, scale, page_ids=None):
   if scale.ndim == x.ndim - 2:  # [..., K] per page
     return x * scale[..., None, :, None]
   return x * scale[..., None]  # [..., page_size, K] per token
-
-
-def check_scale(scale, H):
-  return validation.check_scale(scale, H)

@@ -132,10 +132,7 @@ def _ring_on_mesh(q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis
   if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
   names = tuple(mesh.axis_names)
-  if axis_name is None:
-    if len(names) != 1:
-      raise ValueError(f"mesh has axes {names}: pass axis_name=... to say which one the sequence is sharded over")
-    axis_name = names[0]
+  axis_name = sharding.sequence_axis(mesh, axis_name, arg="axis_name")
   for role, ax in (("axis_name", axis_name), ("batch_axis", batch_axis), ("head_axis", head_axis)):
     if ax is not None and ax not in names:
       raise ValueError(f"{role}={ax!r} is not an axis of the mesh (mesh axes: {names})")

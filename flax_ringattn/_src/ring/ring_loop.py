@@ -53,14 +53,10 @@ def _ring_geometry(axis_name):
 
 
 def _hop_kind(spec: AttentionSpec, q_pos, kv_pos, q_seg, kv_seg):
-  """EMPTY / PARTIAL / FULL for a whole (q shard, kv shard) pair."""
-
-  def extent(pos, seg):
-    if seg is None:
-      return masks.Extent(pos.min(), pos.max())
-    return masks.Extent(pos.min(), pos.max(), seg.min(axis=1), seg.max(axis=1))
-
-  return masks.classify(spec.mask, extent(q_pos, q_seg), extent(kv_pos, kv_seg))
+  """EMPTY / PARTIAL / FULL for a whole (q shard, kv shard) pair: one tile each."""
+  q = masks.tile_extent(q_pos, q_seg, q_pos.shape[0])
+  kv = masks.tile_extent(kv_pos, kv_seg, kv_pos.shape[0])
+  return masks.classify(spec.mask, q, kv)[0]
 
 
 def _rotate(tree, axis_name, n):

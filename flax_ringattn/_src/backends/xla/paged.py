@@ -39,18 +39,25 @@ def _kv_block_range(first_pos, last_pos, spec, block_tokens, max_blocks):
   return jnp.minimum(lo, hi), hi
 
 
-def _load_block(pages, scale, row_ids, kb, spec, page_size, kv_len_s, num_pages):
-  """Gathers block kb of one sequence: ([L, K, H] f32 zeroed where invalid, valid [L], ids [pb])."""
+def _load_block(k_pages, v_pages, k_scale, v_scale, row_ids, kb, spec, page_size, kv_len_s, num_pages):
+  """Gathers K and V block kb of one sequence.
+
+  Returns (k, v) [L, K, H] float32 zeroed where invalid, valid [L], kv_pos [L],
+  page ids [pb] and their in-range mask [pb].
+  """
   pb = spec.pages_per_block
   ids = jax.lax.dynamic_slice_in_dim(row_ids, kb * pb, pb)
   ok = (ids >= 0) & (ids < num_pages)
   safe = jnp.clip(ids, 0, num_pages - 1)
-  x = common.dequantize(pages[safe], scale, safe)  # [pb, page_size, K, H]
   L = pb * page_size
   kv_pos = kb * L + jnp.arange(L)
   valid = jnp.repeat(ok, page_size) & (kv_pos < kv_len_s)
-  x = x.reshape(L, *x.shape[2:])
-  return jnp.where(valid[:, None, None], x, 0.0), valid, kv_pos, ids, ok
+
+  def gather(pages, scale):
+    x = common.dequantize(pages[safe], scale, safe)  # [pb, page_size, K, H]
+    return jnp.where(valid[:, None, None], x.reshape(L, *x.shape[2:]), 0.0)
+
+  return gather(k_pages, k_scale), gather(v_pages, v_scale), valid, kv_pos, ids, ok
 
 
 def _scores(q_c, k_blk, spec, pos, row_ok, kv_pos, kv_ok):
@@ -109,8 +116,9 @@ def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
 
     def kv_step(state):
       kb, m, l, acc = state
-      k_blk, kv_ok, kv_pos, _, _ = _load_block(k_pages, k_scale, table[seq], kb, spec, ps, kv_lens[seq], P)
-      v_blk, _, _, _, _ = _load_block(v_pages, v_scale, table[seq], kb, spec, ps, kv_lens[seq], P)
+      k_blk, v_blk, kv_ok, kv_pos, _, _ = _load_block(
+        k_pages, v_pages, k_scale, v_scale, table[seq], kb, spec, ps, kv_lens[seq], P
+      )
       s, _ = _scores(q_c, k_blk, spec, pos, row_ok, kv_pos, kv_ok)
       m_new = jnp.maximum(m, s.max(-1))
       m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
@@ -182,8 +190,9 @@ def paged_bwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
 
     def kv_step(state):
       kb, dq_c, dk_pages, dv_pages = state
-      k_blk, kv_ok, kv_pos, ids, page_ok = _load_block(k_pages, k_scale, table[seq], kb, spec, ps, kv_lens[seq], P)
-      v_blk, _, _, _, _ = _load_block(v_pages, v_scale, table[seq], kb, spec, ps, kv_lens[seq], P)
+      k_blk, v_blk, kv_ok, kv_pos, ids, page_ok = _load_block(
+        k_pages, v_pages, k_scale, v_scale, table[seq], kb, spec, ps, kv_lens[seq], P
+      )
       s, t = _scores(q_c, k_blk, spec, pos, row_ok, kv_pos, kv_ok)
       p = jnp.exp(s - lse_c[..., None])  # [K, G, bq, L]
       dv_blk = jnp.einsum("kgql,qkgh->lkh", p, do_c)
