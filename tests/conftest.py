@@ -1,15 +1,39 @@
-"""Test setup: 8 simulated CPU devices, shared mesh helpers."""
+"""Test setup: 8 simulated CPU devices, shared mesh helpers, the interpret-mode harness."""
 
+import importlib.util
 import os
+import sys
+import threading
+import traceback
+from pathlib import Path
 
 # Must happen before JAX initialises its backends.
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
+
+def _load_harness():
+  """flax_ringattn/_src/testing/interpret.py, loaded by path: importing the package would import JAX."""
+  path = Path(__file__).resolve().parents[1] / "flax_ringattn" / "_src" / "testing" / "interpret.py"
+  spec = importlib.util.spec_from_file_location("_flax_ringattn_interpret_harness", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+# Multi-device Pallas interpret-mode kernels deadlock when XLA's CPU thread pool is small (few cores): re-exec
+# this process with more (fake) CPUs before JAX starts.  xdist workers inherit the environment and do not re-exec.
+_harness = _load_harness()
+_harness.ensure_cpu_threads()
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
+
+# Per-test timeout (seconds) for tests marked `interpret`; an explicit @pytest.mark.timeout wins.
+INTERPRET_TIMEOUT_S = float(os.environ.get("FLAX_RINGATTN_INTERPRET_TIMEOUT", "180"))
 
 
 def make_mesh(shape, names, *, explicit: bool = True):
@@ -24,3 +48,86 @@ def make_mesh(shape, names, *, explicit: bool = True):
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
   assert jax.device_count() >= 8, f"tests need 8 CPU devices, got {jax.devices()}"
+
+
+def pytest_xdist_auto_num_workers(config):
+  """`-n auto`: one worker per real CPU, not per CPU the shim reports (PYTEST_XDIST_AUTO_NUM_WORKERS still wins)."""
+  del config
+  return None if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") else _harness.real_cpus()
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  for item in items:
+    if item.get_closest_marker("interpret") and not item.get_closest_marker("timeout"):
+      item.add_marker(pytest.mark.timeout(INTERPRET_TIMEOUT_S, method="thread"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item, settings):
+  """For `interpret` tests: pytest-timeout's thread method, followed by the likely causes of the hang."""
+  if item.get_closest_marker("interpret") is None or settings.method != "thread":
+    return None
+  timer = threading.Timer(settings.timeout, _interpret_timeout, (item, settings))
+  timer.name = f"interpret timeout {item.nodeid}"
+  timer.daemon = True
+
+  def cancel():
+    timer.cancel()
+    timer.join()
+
+  item.cancel_timeout = cancel
+  timer.start()
+  return True
+
+
+def _interpret_timeout(item, settings):
+  """Like pytest-timeout's thread method (captured output, every thread's stack, exit), plus the likely causes.
+
+  Writes to stderr: an xdist worker's stdout goes nowhere, its stderr is the controller's.
+  """
+  import pytest_timeout
+
+  if not settings.disable_debugger_detection and getattr(pytest_timeout, "is_debugging", lambda: False)():
+    return
+  out = sys.__stderr__ or sys.stderr  # fd 2, once the capture is suspended
+  try:
+    capman = item.config.pluginmanager.getplugin("capturemanager")
+    captured = (None, None)
+    if capman:
+      capman.suspend_global_capture(item)
+      captured = capman.read_global_capture()
+    out.write("\n" + _rule("Timeout", "+"))
+    for title, text in zip(("Captured stdout", "Captured stderr"), captured, strict=True):
+      if text:
+        out.write(_rule(title) + text + "\n")
+    names = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():
+      if ident != threading.get_ident():
+        out.write(_rule(f"Stack of {names.get(ident, '<unknown>')} ({ident})"))
+        out.write("".join(traceback.format_stack(frame)))
+    shim = "loaded" if os.environ.get(_harness.SHIM_ENV, "0") != "0" else "NOT loaded"
+    out.write(_rule("interpret-mode test timed out", "!"))
+    out.write(
+      f"{item.nodeid} ran past {settings.timeout:g}s: a Pallas TPU interpret-mode kernel is most likely deadlocked.\n"
+      "Likely causes:\n"
+      "  1. XLA's CPU thread pool is too small for the simulated devices: each device blocks a pool thread and the\n"
+      "     array copies in the interpreter's callbacks wait for a free one. This process sees "
+      f"{_harness.visible_cpus()} CPUs ({_harness.real_cpus()} real; CPU affinity shim {shim}).\n"
+      "     tests/conftest.py calls ensure_cpu_threads(), which needs a C compiler: look for its warning.\n"
+      "  2. A semaphore / DMA protocol bug in the kernel: a wait whose signal or DMA never comes, a mismatched\n"
+      "     semaphore count or copy size, or a barrier that not every device reaches. See the stacks above.\n"
+      "  3. Or it is only slow (interpret mode is, and more so on a loaded machine): the stacks show the simulated\n"
+      "     devices' Python callbacks only, not XLA's native code between them. Raise the limit with\n"
+      "     FLAX_RINGATTN_INTERPRET_TIMEOUT=<seconds> or @pytest.mark.timeout(<seconds>, method='thread') to tell.\n"
+    )
+    out.write(_rule("exiting", "!"))
+  except Exception:
+    traceback.print_exc()
+  finally:
+    out.flush()
+    os._exit(1)
+
+
+def _rule(title, char="~"):
+  return f" {title} ".center(100, char) + "\n"
