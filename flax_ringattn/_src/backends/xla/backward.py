@@ -1,9 +1,13 @@
 """XLA block backward: recompute probabilities from the final lse.
 
-Loop nest: `lax.scan` over kv tiles (dK/dV of the tile accumulate in the
-inner carry), `lax.scan` over q tiles inside it (each emits its dQ
-contribution, added to a dQ accumulator carried by the outer loop), and the
-same per-tile `lax.switch` on EMPTY / PARTIAL / FULL as the forward.
+Loop nest: `lax.fori_loop` over q tiles (the tile's dQ accumulates in the
+inner carry and is written into the dQ output once), `lax.fori_loop` over kv
+tiles inside it (each adds its dK/dV contribution into the dK/dV outputs in
+place), and the same per-tile `lax.switch` on EMPTY / PARTIAL / FULL as the
+forward.  Tiles are dynamic slices of the shards (no tile-major copies); dQ,
+dK and dV are carried by the outer loop, so a block costs its three outputs
+plus a few tiles of memory.  With bk < bq the per-pair read-modify-write is
+the small dK/dV tile, and each q-side tile (q, dO, lse, delta) is cut once.
 """
 
 from __future__ import annotations
@@ -24,28 +28,23 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec):
   kinds = c.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, bq, bk)  # [nq, nk]
   prec = spec.precision
 
-  q_xs = (
-    c.q_tiles(q, bq, K),
-    c.q_tiles(do, bq, K),
-    c.row_tiles(lse, bq, K),
-    c.row_tiles(delta, bq, K),
-    c.pos_tiles(q_pos, bq),
-    c.seg_tiles(q_seg, bq),
-  )
-
-  def kv_tile(dq_acc, xs):
-    k_j, v_j, kp_j, ks_j, kind_col = xs
+  def q_step(i, grads):
+    q_i, do_i = c.q_tile(q, i, bq, K), c.q_tile(do, i, bq, K)
+    lse_i, dl_i = c.row_tile(lse, i, bq, K), c.row_tile(delta, i, bq, K)
+    qp_i, qs_i = c.pos_tile(q_pos, i, bq), c.seg_tile(q_seg, i, bq)
+    # lse = -inf only for rows with no visible key anywhere; their s is -inf
+    # everywhere, so shifting by 0 gives p = 0 (not NaN).
+    shift = jnp.where(jnp.isneginf(lse_i), 0.0, lse_i)[..., None]
 
     def update(masked):
-      def f(carry, q_i, do_i, lse_i, dl_i, qp_i, qs_i):
-        dk, dv = carry
+      def f(carry, j):
+        dq_i, dk_j, dv_j = carry
+        k_j, v_j = c.kv_tile(k, j, bk), c.kv_tile(v, j, bk)
         s, t = c.scores(q_i, k_j, spec)
         if masked:
-          s = c.apply_mask(s, spec, qp_i, kp_j, qs_i, ks_j)
-        # lse = -inf only for rows with no visible key anywhere; their s is
-        # -inf everywhere, so shifting by 0 gives p = 0 (not NaN).
-        p = jnp.exp(s - jnp.where(jnp.isneginf(lse_i), 0.0, lse_i)[..., None])
-        dv = dv + jnp.einsum(
+          s = c.apply_mask(s, spec, qp_i, c.pos_tile(kv_pos, j, bk), qs_i, c.seg_tile(kv_seg, j, bk))
+        p = jnp.exp(s - shift)
+        dv_j = dv_j + jnp.einsum(
           "bkgqt,bkgqh->bkth", p.astype(do_i.dtype), do_i, preferred_element_type=c.F32, precision=prec
         )
         dp = jnp.einsum("bkgqh,bkth->bkgqt", do_i, v_j, preferred_element_type=c.F32, precision=prec)
@@ -53,26 +52,30 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec):
         if t is not None:
           ds = ds * (1.0 - t * t)  # d(cap * tanh(x / cap)) / dx
         ds = (ds * spec.scale).astype(q_i.dtype)
-        dq_i = jnp.einsum("bkgqt,bkth->bkgqh", ds, k_j, preferred_element_type=c.F32, precision=prec)
-        dk = dk + jnp.einsum("bkgqt,bkgqh->bkth", ds, q_i, preferred_element_type=c.F32, precision=prec)
-        return (dk, dv), dq_i
+        dq_i = dq_i + jnp.einsum("bkgqt,bkth->bkgqh", ds, k_j, preferred_element_type=c.F32, precision=prec)
+        dk_j = dk_j + jnp.einsum("bkgqt,bkgqh->bkth", ds, q_i, preferred_element_type=c.F32, precision=prec)
+        return dq_i, dk_j, dv_j
 
       return f
 
-    def skip(carry, *_):
-      return carry, vma.like(jnp.zeros((B, K, G, bq, H), c.F32), q)
+    branches = [lambda carry, _: carry, update(masked=True), update(masked=False)]
 
-    branches = [skip, update(masked=True), update(masked=False)]
+    def kv_step(j, carry):
+      dq_i, dk, dv = carry
+      # Only tiles pass through the switch, never the whole dK / dV.
+      tiles = (dq_i, c.kv_tile(dk, j, bk), c.kv_tile(dv, j, bk))
+      dq_i, dk_j, dv_j = jax.lax.switch(kinds[i, j], branches, tiles, j)
+      return dq_i, c.put_kv_tile(dk, dk_j, j), c.put_kv_tile(dv, dv_j, j)
 
-    def q_step(carry, xs):
-      *q_args, kind = xs
-      return jax.lax.switch(kind, branches, carry, *q_args)
+    dq, dk, dv = grads
+    dq_i = vma.like(jnp.zeros((B, K, G, bq, H), c.F32), q)
+    dq_i, dk, dv = jax.lax.fori_loop(0, S // bk, kv_step, (dq_i, dk, dv))
+    return c.put_q_tile(dq, dq_i, i), dk, dv
 
-    zeros_kv = vma.like(jnp.zeros((B, K, bk, H), c.F32), q)
-    (dk, dv), dq_t = jax.lax.scan(q_step, (zeros_kv, zeros_kv), (*q_xs, kind_col))
-    return dq_acc + dq_t, (dk, dv)
-
-  dq0 = vma.like(jnp.zeros((T // bq, B, K, G, bq, H), c.F32), q)
-  kv_xs = (c.kv_tiles(k, bk), c.kv_tiles(v, bk), c.pos_tiles(kv_pos, bk), c.seg_tiles(kv_seg, bk), kinds.T)
-  dq_t, (dk_t, dv_t) = jax.lax.scan(kv_tile, dq0, kv_xs)
-  return c.q_untile(dq_t), c.kv_untile(dk_t), c.kv_untile(dv_t)
+  # The gradient buffers wait for the hop's K/V and for delta (the end of the forward).
+  grads = (
+    vma.like(c.zeros_after((B, T, N, H), k, delta), q),
+    vma.like(c.zeros_after((B, S, K, H), k, delta), k),
+    vma.like(c.zeros_after((B, S, K, H), k, delta), k),
+  )
+  return jax.lax.fori_loop(0, T // bq, q_step, grads)

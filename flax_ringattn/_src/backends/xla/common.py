@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from flax_ringattn._src import masks
@@ -24,50 +25,75 @@ def tiles(spec, T: int, S: int, *, backward: bool) -> tuple[int, int]:
   return effective_tile(T, req_q), effective_tile(S, req_kv)
 
 
-def q_tiles(x, tile: int, kv_heads: int):
-  """[B, T, N, H] -> [T/tile, B, K, G, tile, H]: tile axis first so loops scan over it."""
-  B, T, N, H = x.shape
-  return x.reshape(B, T // tile, tile, kv_heads, N // kv_heads, H).transpose(1, 0, 3, 4, 2, 5)
+def zeros_after(shape, *deps):
+  """f32 zeros of `shape` that XLA cannot materialise before `deps` exist.
+
+  XLA:CPU's default scheduler is breadth-first (it runs every instruction as
+  soon as its operands are ready, for concurrency), so a plain `jnp.zeros`
+  feeding a loop is allocated at program start and stays live until its loop
+  runs: the output buffers of the hops outside the ring loops (the forward's
+  last, the backward's first and last) would sit through the whole forward.
+  Deriving the zero from one element of each dependency (a predicate that is
+  always false, even for NaN) keeps the buffer behind them.  Other schedulers
+  are unaffected; the cost is one scalar per call.
+  """
+  x = sum(d.reshape(-1)[0].astype(F32) for d in deps)
+  never = (x != x) & (x == x)
+  return jnp.broadcast_to(never.astype(F32), shape)
 
 
-def q_untile(x):
-  """Inverse of `q_tiles`."""
-  n, B, K, G, t, H = x.shape
-  return x.transpose(1, 0, 4, 2, 3, 5).reshape(B, n * t, K * G, H)
+# Tiles are cut from (and written back into) the shards in their own [B, L, ...]
+# layout with dynamic slices inside the loops: no tile-major copy of a whole
+# shard is ever made, so a block costs its outputs plus a few tiles of memory.
+# Inside a tile the heads lead ([B, K, G, tile, H]) so every matmul works on
+# contiguous per-head slabs; those transposes are tile-sized.
 
 
-def kv_tiles(x, tile: int):
-  """[B, S, K, H] -> [S/tile, B, K, tile, H]."""
-  B, S, K, H = x.shape
-  return x.reshape(B, S // tile, tile, K, H).transpose(1, 0, 3, 2, 4)
+def q_tile(x, i, tile: int, kv_heads: int):
+  """Tile `i` of [B, T, N, H] as [B, K, G, tile, H]."""
+  B, _, N, H = x.shape
+  x = jax.lax.dynamic_slice_in_dim(x, i * tile, tile, axis=1)
+  return x.reshape(B, tile, kv_heads, N // kv_heads, H).transpose(0, 2, 3, 1, 4)
 
 
-def kv_untile(x):
-  n, B, K, t, H = x.shape
-  return x.transpose(1, 0, 3, 2, 4).reshape(B, n * t, K, H)
+def put_q_tile(x, tile_value, i):
+  """Writes a [B, K, G, tile, H] tile into [B, T, N, H] at tile `i` (inverse of `q_tile`)."""
+  B, K, G, t, H = tile_value.shape
+  tile_value = tile_value.transpose(0, 3, 1, 2, 4).reshape(B, t, K * G, H).astype(x.dtype)
+  return jax.lax.dynamic_update_slice_in_dim(x, tile_value, i * t, axis=1)
 
 
-def row_tiles(x, tile: int, kv_heads: int):
-  """Per-row statistics [B, N, T] -> [T/tile, B, K, G, tile]."""
-  B, N, T = x.shape
-  return x.reshape(B, kv_heads, N // kv_heads, T // tile, tile).transpose(3, 0, 1, 2, 4)
+def kv_tile(x, j, tile: int):
+  """Tile `j` of [B, S, K, H] as [B, K, tile, H]."""
+  return jax.lax.dynamic_slice_in_dim(x, j * tile, tile, axis=1).transpose(0, 2, 1, 3)
 
 
-def row_untile(x):
-  n, B, K, G, t = x.shape
-  return x.transpose(1, 2, 3, 0, 4).reshape(B, K * G, n * t)
+def put_kv_tile(x, tile_value, j):
+  """Writes a [B, K, tile, H] tile into [B, S, K, H] at tile `j` (inverse of `kv_tile`)."""
+  t = tile_value.shape[2]
+  return jax.lax.dynamic_update_slice_in_dim(x, tile_value.transpose(0, 2, 1, 3).astype(x.dtype), j * t, axis=1)
 
 
-def pos_tiles(pos, tile: int):
-  return pos.reshape(pos.shape[0] // tile, tile)
+def row_tile(x, i, tile: int, kv_heads: int):
+  """Tile `i` of per-row statistics [B, N, T] as [B, K, G, tile]."""
+  B, N, _ = x.shape
+  return jax.lax.dynamic_slice_in_dim(x, i * tile, tile, axis=2).reshape(B, kv_heads, N // kv_heads, tile)
 
 
-def seg_tiles(seg, tile: int):
-  """[B, L] -> [L/tile, B, tile] (or None)."""
-  if seg is None:
-    return None
-  B, L = seg.shape
-  return seg.reshape(B, L // tile, tile).transpose(1, 0, 2)
+def put_row_tile(x, tile_value, i):
+  """Writes a [B, K, G, tile] tile into [B, N, T] at tile `i` (inverse of `row_tile`)."""
+  B, K, G, t = tile_value.shape
+  return jax.lax.dynamic_update_slice_in_dim(x, tile_value.reshape(B, K * G, t).astype(x.dtype), i * t, axis=2)
+
+
+def pos_tile(pos, i, tile: int):
+  """Tile `i` of positions [L] -> [tile]."""
+  return jax.lax.dynamic_slice_in_dim(pos, i * tile, tile)
+
+
+def seg_tile(seg, i, tile: int):
+  """Tile `i` of segment ids [B, L] -> [B, tile] (or None)."""
+  return None if seg is None else jax.lax.dynamic_slice_in_dim(seg, i * tile, tile, axis=1)
 
 
 def tile_kinds(mask_spec, q_pos, kv_pos, q_seg, kv_seg, bq: int, bk: int):

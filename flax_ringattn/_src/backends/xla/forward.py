@@ -1,9 +1,11 @@
 """XLA block forward: tiled online softmax, skipping EMPTY tiles.
 
-Loop nest: `lax.map` over q tiles, `lax.scan` over kv tiles, and a
+Loop nest: `lax.fori_loop` over q tiles, `lax.fori_loop` over kv tiles, and a
 `lax.switch` per tile pair on its class (EMPTY: nothing, FULL: no mask
-arithmetic, PARTIAL: elementwise mask).  At most one [bq, bk] f32 score tile
-per head is live, and XLA's conditional really skips the untaken branch.
+arithmetic, PARTIAL: elementwise mask).  Tiles are dynamic slices of the
+shards (no tile-major copies); each q tile's o and lse are written into the
+outputs carried by the outer loop.  At most one [bq, bk] f32 score tile per
+head is live, and XLA's conditional really skips the untaken branch.
 """
 
 from __future__ import annotations
@@ -23,18 +25,17 @@ def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec):
   bq, bk = c.tiles(spec, T, S, backward=False)
   kinds = c.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, bq, bk)  # [nq, nk]
 
-  kt, vt = c.kv_tiles(k, bk), c.kv_tiles(v, bk)
-  kpt, kst = c.pos_tiles(kv_pos, bk), c.seg_tiles(kv_seg, bk)
-
-  def q_tile(xs):
-    q_i, qp_i, qs_i, kind_row = xs
+  def q_step(i, out):
+    q_i = c.q_tile(q, i, bq, K)
+    qp_i, qs_i = c.pos_tile(q_pos, i, bq), c.seg_tile(q_seg, i, bq)
 
     def update(masked):
-      def f(carry, k_j, v_j, kp_j, ks_j):
+      def f(carry, j):
         m, l, acc = carry
+        k_j, v_j = c.kv_tile(k, j, bk), c.kv_tile(v, j, bk)
         s, _ = c.scores(q_i, k_j, spec)
         if masked:
-          s = c.apply_mask(s, spec, qp_i, kp_j, qs_i, ks_j)
+          s = c.apply_mask(s, spec, qp_i, c.pos_tile(kv_pos, j, bk), qs_i, c.seg_tile(kv_seg, j, bk))
         m_new = jnp.maximum(m, s.max(axis=-1))
         # A row with nothing visible yet keeps m = -inf; shift by 0 instead so
         # exp() gives 0 rather than exp(-inf + inf) = NaN.
@@ -49,22 +50,23 @@ def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec):
 
       return f
 
-    branches = [lambda carry, *_: carry, update(masked=True), update(masked=False)]
+    branches = [lambda carry, _: carry, update(masked=True), update(masked=False)]
 
-    def kv_step(carry, xs):
-      k_j, v_j, kp_j, ks_j, kind = xs
-      return jax.lax.switch(kind, branches, carry, k_j, v_j, kp_j, ks_j), None
+    def kv_step(j, carry):
+      return jax.lax.switch(kinds[i, j], branches, carry, j)
 
     init = (
       vma.like(jnp.full((B, K, G, bq), -jnp.inf, c.F32), q),
       vma.like(jnp.zeros((B, K, G, bq), c.F32), q),
       vma.like(jnp.zeros((B, K, G, bq, H), c.F32), q),
     )
-    (m, l, acc), _ = jax.lax.scan(kv_step, init, (kt, vt, kpt, kst, kind_row))
+    m, l, acc = jax.lax.fori_loop(0, S // bk, kv_step, init)
     empty_row = l == 0.0
-    o = acc / jnp.where(empty_row, 1.0, l)[..., None]
-    lse = jnp.where(empty_row, -jnp.inf, m + jnp.log(jnp.where(empty_row, 1.0, l)))
-    return o, lse
+    o_i = acc / jnp.where(empty_row, 1.0, l)[..., None]
+    lse_i = jnp.where(empty_row, -jnp.inf, m + jnp.log(jnp.where(empty_row, 1.0, l)))
+    o, lse = out
+    return c.put_q_tile(o, o_i, i), c.put_row_tile(lse, lse_i, i)
 
-  o_t, lse_t = jax.lax.map(q_tile, (c.q_tiles(q, bq, K), c.pos_tiles(q_pos, bq), c.seg_tiles(q_seg, bq), kinds))
-  return c.q_untile(o_t), c.row_untile(lse_t)
+  # The outputs wait for the hop's K (it comes out of the ring loop on the last hop).
+  out = (vma.like(c.zeros_after((B, T, N, H), k), q), vma.like(c.zeros_after((B, N, T), k), q))
+  return jax.lax.fori_loop(0, T // bq, q_step, out)
