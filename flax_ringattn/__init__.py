@@ -7,10 +7,12 @@ The public surface (see README.md for the table):
 * layers: `RingMultiHeadAttention`, `make_ring_attention_fn`,
   `PagedMultiHeadAttention`; cache: `PagedKVCache`
 * layout helpers: `zigzag_order`, `zigzag_inverse`, `zigzag_positions`
-* configuration: `BlockSizes`, `available_implementations`
+* configuration: `BlockSizes`, `plan_block_sizes` (TPU tiles that fit VMEM),
+  `available_implementations`
 """
 
 from flax_ringattn._src.backends import available as available_implementations
+from flax_ringattn._src.backends.pallas_tpu.planner import plan_block_sizes
 from flax_ringattn._src.block_sizes import BlockSizes
 from flax_ringattn._src.layout import zigzag_inverse, zigzag_order, zigzag_positions
 from flax_ringattn._src.nnx.paged_mha import PagedMultiHeadAttention
@@ -32,6 +34,7 @@ __all__ = [
   "make_ring_attention_fn",
   "paged_attention",
   "paged_reference_attention",
+  "plan_block_sizes",
   "reference_attention",
   "ring_attention",
   "zigzag_inverse",

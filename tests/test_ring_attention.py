@@ -8,6 +8,7 @@ NotImplementedError, and that is asserted instead (capability flags).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -19,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from tolerances import assert_close
 
 import flax_ringattn as fr
+from flax_ringattn._src.testing.interpret import interpret_params, no_races
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,9 +28,29 @@ class Backend:
   name: str
   unsupported: frozenset = frozenset()  # case names that must raise NotImplementedError
   extra: tuple = ()  # extra keyword arguments for ring_attention, as (key, value) pairs
+  blocks: fr.BlockSizes = fr.BlockSizes(block_q=4, block_kv=4)  # small: many tiles per shard
+  ring_sizes: tuple = (1, 2, 4, 8)
+  bf16_ring_sizes: tuple = (1, 4)
+  marks: tuple = ()
+  race_checked: bool = False  # Pallas interpret mode: assert the race detector found nothing
+
+  def checks(self):
+    return no_races() if self.race_checked else contextlib.nullcontext()
 
 
-BACKENDS = [Backend("xla")]
+BACKENDS = [
+  Backend("xla"),
+  # TPU tiles: q tiles of 16 rows (bf16 sublane packing), kv tiles of the whole shard (< 128 lanes).
+  Backend(
+    "pallas_tpu",
+    extra=(("interpret", interpret_params()),),  # race detector on
+    blocks=fr.BlockSizes(block_q=16, block_kv=128),
+    ring_sizes=(1, 2, 4),
+    bf16_ring_sizes=(1,),  # plus ring 4 for gqa, causal_lb and segments_lb (see _matrix): interpret mode is slow
+    marks=(pytest.mark.interpret,),
+    race_checked=True,
+  ),
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +83,6 @@ CASES = [
   Case("cross_causal_lb", S=32, is_causal=True, load_balance=True),
   Case("empty_rows", S=32, segments="cross", window=(4, 4)),
 ]
-
-BLOCKS = fr.BlockSizes(block_q=4, block_kv=4)
-
 
 def make_inputs(case: Case, dtype, seed=0):
   keys = jax.random.split(jax.random.PRNGKey(seed), 6)
@@ -123,7 +142,7 @@ def ring_with_grads(case: Case, backend: Backend, n: int, q, k, v, do, seg, *, e
       segment_ids=seg,
       load_balance=case.load_balance,
       implementation=backend.name,
-      block_sizes=BLOCKS,
+      block_sizes=backend.blocks,
       **dict(backend.extra),
       **_options(case),
     )
@@ -137,12 +156,13 @@ def ring_with_grads(case: Case, backend: Backend, n: int, q, k, v, do, seg, *, e
 
 
 def _matrix():
-  for backend in BACKENDS:
+  for b in BACKENDS:
     for case in CASES:
-      for n in (1, 2, 4, 8):
-        yield pytest.param(backend, case, n, jnp.float32, id=f"{backend.name}-{case.name}-ring{n}-f32")
-      for n in (1, 4) if case.name not in ("gqa", "causal_lb", "segments_lb") else (1, 4, 8):
-        yield pytest.param(backend, case, n, jnp.bfloat16, id=f"{backend.name}-{case.name}-ring{n}-bf16")
+      for n in b.ring_sizes:
+        yield pytest.param(b, case, n, jnp.float32, id=f"{b.name}-{case.name}-ring{n}-f32", marks=b.marks)
+      extra = b.ring_sizes[-1:] if case.name in ("gqa", "causal_lb", "segments_lb") else ()
+      for n in sorted(set(b.bf16_ring_sizes + extra)):
+        yield pytest.param(b, case, n, jnp.bfloat16, id=f"{b.name}-{case.name}-ring{n}-bf16", marks=b.marks)
 
 
 @pytest.mark.parametrize("backend,case,n,dtype", list(_matrix()))
@@ -152,7 +172,8 @@ def test_matches_reference(backend, case, n, dtype):
     with pytest.raises(NotImplementedError):
       ring_with_grads(case, backend, n, q, k, v, do, seg)
     return
-  out, grads = ring_with_grads(case, backend, n, q, k, v, do, seg)
+  with backend.checks():
+    out, grads = ring_with_grads(case, backend, n, q, k, v, do, seg)
   ref_out, ref_grads = reference_with_grads(case, q, k, v, do, seg)
   assert out.dtype == dtype and out.shape == q.shape
   assert_close(out, ref_out, dtype, "fwd")
@@ -161,7 +182,7 @@ def test_matches_reference(backend, case, n, dtype):
     assert_close(g, rg, dtype, "grad")
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+@pytest.mark.parametrize("backend", [pytest.param(b, id=b.name, marks=b.marks) for b in BACKENDS])
 def test_empty_rows_are_exact_zeros(backend):
   case = next(c for c in CASES if c.name == "empty_rows")
   q, k, v, do, seg = make_inputs(case, jnp.float32)
@@ -173,12 +194,13 @@ def test_empty_rows_are_exact_zeros(backend):
   assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(dq)).all()
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
+@pytest.mark.parametrize("backend", [pytest.param(b, id=b.name, marks=b.marks) for b in BACKENDS])
 def test_deterministic(backend):
   case = Case("det", N=8, K=2, is_causal=True, load_balance=True, segments="self")
   q, k, v, do, seg = make_inputs(case, jnp.float32, seed=3)
-  a = ring_with_grads(case, backend, 8, q, k, v, do, seg)
-  b = ring_with_grads(case, backend, 8, q, k, v, do, seg)
+  n = backend.ring_sizes[-1]
+  a = ring_with_grads(case, backend, n, q, k, v, do, seg)
+  b = ring_with_grads(case, backend, n, q, k, v, do, seg)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -209,7 +231,7 @@ def test_inside_user_shard_map(explicit):
 def test_single_device_without_mesh():
   case = Case("one", N=8, K=2, is_causal=True, window=(7, 0))
   q, k, v, do, seg = make_inputs(case, jnp.float32)
-  f = lambda q, k, v: fr.ring_attention(q, k, v, block_sizes=BLOCKS, **_options(case))
+  f = lambda q, k, v: fr.ring_attention(q, k, v, block_sizes=BACKENDS[0].blocks, **_options(case))
   out, vjp = jax.vjp(f, q, k, v)
   ref_out, ref_grads = reference_with_grads(case, q, k, v, do, seg)
   assert_close(out, ref_out, jnp.float32)

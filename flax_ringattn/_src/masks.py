@@ -52,17 +52,24 @@ def visible(spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None):
   Returns:
     bool array broadcastable to [B, T, S] (shape [1, T, S] without segments).
   """
-  qp = q_pos[:, None]
-  kp = kv_pos[None, :]
-  mask = jnp.ones((q_pos.shape[0], kv_pos.shape[0]), dtype=bool)
+  segs = (q_seg[:, :, None], kv_seg[:, None, :]) if spec.has_segments else (None, None)
+  return pair_visible(spec, q_pos[None, :, None], kv_pos[None, None, :], *segs)
+
+
+def pair_visible(spec: MaskSpec, qp, kp, qs=None, ks=None):
+  """Visibility of mutually broadcastable query / key position arrays.
+
+  The one place the mask rules live: `visible` calls it on whole shards and a
+  kernel calls it on a tile (qp [bq, 1] against kp [1, bk]).
+  """
+  mask = jnp.ones(jnp.broadcast_shapes(jnp.shape(qp), jnp.shape(kp)), dtype=bool)
   if spec.is_causal:
     mask = mask & (kp <= qp)
   if spec.window is not None:
     left, right = spec.window
     mask = mask & (kp >= qp - left) & (kp <= qp + right)
-  mask = mask[None]
   if spec.has_segments:
-    mask = mask & (q_seg[:, :, None] == kv_seg[:, None, :])
+    mask = mask & (qs == ks)
   return mask
 
 
@@ -114,3 +121,16 @@ def classify(spec: MaskSpec, q: Extent, kv: Extent):
     empty = empty | disjoint.all(axis=0)
     full = full & same.all(axis=0)
   return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int32)
+
+
+def tile_kinds(spec: MaskSpec, q_pos, kv_pos, q_seg, kv_seg, bq: int, bk: int):
+  """[T / bq, S / bk] table of EMPTY / PARTIAL / FULL for every tile pair of a block."""
+  qe = tile_extent(q_pos, q_seg, bq)
+  ke = tile_extent(kv_pos, kv_seg, bk)
+  col = lambda a: None if a is None else a[..., :, None]  # noqa: E731
+  row = lambda a: None if a is None else a[..., None, :]  # noqa: E731
+  return classify(
+    spec,
+    Extent(col(qe.pos_min), col(qe.pos_max), col(qe.seg_min), col(qe.seg_max)),
+    Extent(row(ke.pos_min), row(ke.pos_max), row(ke.seg_min), row(ke.seg_max)),
+  )

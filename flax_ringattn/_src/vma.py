@@ -24,3 +24,18 @@ def like(x, ref):
   want, have = _varying_axes(ref), _varying_axes(x)
   missing = tuple(sorted(want - have, key=str))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def unify(*xs):
+  """`xs` all marked varying over the union of their manual axes (e.g. the operands of one pallas_call)."""
+  want = frozenset().union(*(_varying_axes(x) for x in xs))
+  out = []
+  for x in xs:
+    missing = tuple(sorted(want - _varying_axes(x), key=str))
+    out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
+  return out
+
+
+def manual_axis_type(x):
+  """The manual-axis type of `x` for a `jax.ShapeDtypeStruct` (None outside JAX 0.10's vma tracking)."""
+  return getattr(jax.typeof(x), "mat", None)

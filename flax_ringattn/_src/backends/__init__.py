@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from flax_ringattn._src.backends.pallas_tpu import PallasTpuBackend, normalize_interpret
 from flax_ringattn._src.backends.xla import XlaBackend
 
-_BACKENDS = {"xla": XlaBackend()}
-# Preference order for implementation=None; later issues put Pallas first.
-_PREFERENCE = ("xla",)
+_BACKENDS = {"pallas_tpu": PallasTpuBackend(), "xla": XlaBackend()}
+# Preference order for implementation=None: the TPU kernels where they run, else XLA.
+_PREFERENCE = ("pallas_tpu", "xla")
 
 
 def available() -> tuple[str, ...]:
   return tuple(_BACKENDS)
 
 
-def get_backend(implementation: str | None, *, dtype, spec, shapes):
-  """The backend named `implementation`, or the best one that supports the call."""
+def get_backend(implementation: str | None, *, dtype, spec, shapes, interpret=None):
+  """The backend named `implementation`, or the best one that supports the call.
+
+  `interpret` (True or a `pltpu.InterpretParams`) runs a Pallas backend in
+  interpret mode; with implementation=None it selects the Pallas TPU backend.
+  """
+  interpret = normalize_interpret(interpret)
+  if interpret is not None:
+    if implementation is None:
+      implementation = "pallas_tpu"
+    if implementation != "pallas_tpu":
+      raise ValueError(f"interpret=... applies to implementation='pallas_tpu' only, got {implementation=}")
   if implementation is None:
     errors = []
     for name in _PREFERENCE:
@@ -31,5 +44,7 @@ def get_backend(implementation: str | None, *, dtype, spec, shapes):
   if implementation not in _BACKENDS:
     raise ValueError(f"unknown {implementation=}; available implementations: {available()}")
   backend = _BACKENDS[implementation]
+  if interpret is not None:
+    backend = dataclasses.replace(backend, interpret=interpret)
   backend.check_supported(dtype=dtype, spec=spec, shapes=shapes)
   return backend

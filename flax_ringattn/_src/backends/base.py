@@ -50,6 +50,10 @@ class BlockBackend(Protocol):
   """What the ring loop calls; see the module docstring for shapes."""
 
   name: str
+  # True when every ring member must call fwd / bwd the same number of times
+  # (the ring then never skips a masked hop with lax.cond; the kernels skip
+  # its tiles instead).
+  calls_must_be_uniform: bool
 
   def check_supported(self, *, dtype, spec: AttentionSpec, shapes: tuple[int, ...]) -> None:
     """Raises NotImplementedError for valid input this backend cannot run."""

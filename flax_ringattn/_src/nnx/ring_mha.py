@@ -61,7 +61,8 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       as sharding metadata and activations are constrained to it.
     batch_axis: mesh axis for the batch (data parallelism).
     load_balance: inputs are in zigzag order (see `zigzag_order`).
-    implementation, block_sizes: passed to `ring_attention`.
+    implementation, block_sizes, interpret: passed to `ring_attention`
+      (`interpret=True` runs the pallas_tpu kernels in TPU interpret mode on CPU).
     local_window_size, logits_soft_cap: mask / logit options of `ring_attention`
       applied on every call.
 
@@ -86,6 +87,7 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     load_balance: bool = False,
     implementation: str | None = None,
     block_sizes=None,
+    interpret=None,
     local_window_size=None,
     logits_soft_cap: float | None = None,
     dropout_rate: float = 0.0,
@@ -126,6 +128,7 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     self.load_balance = load_balance
     self.implementation = implementation
     self.block_sizes = block_sizes
+    self.interpret = interpret
     self.local_window_size = local_window_size
     self.logits_soft_cap = logits_soft_cap
 
@@ -187,6 +190,7 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       load_balance=self.load_balance,
       implementation=self.implementation,
       block_sizes=self.block_sizes,
+      interpret=self.interpret,
       batch_axis=self.batch_axis if mesh is not None else None,
       head_axis=self.head_axis if mesh is not None else None,
       precision=self.precision,
@@ -210,6 +214,7 @@ def make_ring_attention_fn(
   logits_soft_cap: float | None = None,
   implementation: str | None = None,
   block_sizes=None,
+  interpret=None,
 ):
   """An `attention_fn` for `nnx.MultiHeadAttention` that runs ring attention.
 
@@ -260,6 +265,7 @@ def make_ring_attention_fn(
       load_balance=load_balance,
       implementation=implementation,
       block_sizes=block_sizes,
+      interpret=interpret,
       batch_axis=batch_axis if mesh is not None else None,
       head_axis=head_axis if mesh is not None else None,
       precision=precision,

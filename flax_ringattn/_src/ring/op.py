@@ -34,6 +34,7 @@ def ring_attention(
   batch_axis=None,
   head_axis=None,
   precision=None,
+  interpret=None,
 ):
   """Ring attention with the semantics of `jax.nn.dot_product_attention`.
 
@@ -65,7 +66,10 @@ def ring_attention(
       backend choose (XLA: 512 q x 128 kv, tuned on CPU).
     batch_axis, head_axis: mesh axes the batch and heads are sharded over (only
       with `mesh`; None means replicated).
-    precision: matmul precision of the XLA backend (`jax.lax.Precision`).
+    precision: matmul precision of the block matmuls (`jax.lax.Precision`).
+    interpret: run the `pallas_tpu` kernels in Pallas TPU interpret mode (on
+      CPU): True, or a `jax.experimental.pallas.tpu.InterpretParams`.  Implies
+      implementation="pallas_tpu" when implementation is None.
 
   Returns:
     [B, T, N, H] in q.dtype, laid out like q.  Rows with no visible key are 0.
@@ -87,7 +91,9 @@ def ring_attention(
     precision=precision,
   )
   # Resolve the backend now so that a bad name fails here, not deep in tracing.
-  backend = backends.get_backend(implementation, dtype=q.dtype, spec=spec, shapes=(q.shape, k.shape))
+  backend = backends.get_backend(
+    implementation, dtype=q.dtype, spec=spec, shapes=(q.shape, k.shape), interpret=interpret
+  )
 
   if mesh is not None:
     return _ring_on_mesh(q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis, load_balance, spec, backend)
@@ -107,7 +113,7 @@ def ring_attention(
   else:
     n = 1
   _check_shard_lengths(T, S, n, load_balance, local=True, axis_name=axis_name)
-  cfg = RingConfig(axis_name=axis_name, load_balance=load_balance, spec=spec, implementation=backend.name)
+  cfg = RingConfig(axis_name=axis_name, load_balance=load_balance, spec=spec, backend=backend)
   return ring_attention_local(q, k, v, q_seg, kv_seg, cfg)
 
 
@@ -154,7 +160,7 @@ def _ring_on_mesh(q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis
 
   x_spec = P(batch_axis, axis_name, head_axis, None)
   seg_spec = P(batch_axis, axis_name)
-  cfg = RingConfig(axis_name=axis_name, load_balance=load_balance, spec=spec, implementation=backend.name)
+  cfg = RingConfig(axis_name=axis_name, load_balance=load_balance, spec=spec, backend=backend)
   q, k, v = (sharding.constrain(x, mesh, x_spec) for x in (q, k, v))
   if q_seg is not None:
     q_seg, kv_seg = (sharding.constrain(x, mesh, seg_spec) for x in (q_seg, kv_seg))

@@ -29,8 +29,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flax_ringattn._src import backends, masks, vma
-from flax_ringattn._src.backends.base import AttentionSpec
+from flax_ringattn._src import masks, vma
+from flax_ringattn._src.backends.base import AttentionSpec, BlockBackend
 from flax_ringattn._src.layout import shard_positions
 
 F32 = jnp.float32
@@ -43,7 +43,7 @@ class RingConfig:
   axis_name: object  # bound mesh axis of the ring, or None for a ring of one
   load_balance: bool
   spec: AttentionSpec
-  implementation: str
+  backend: BlockBackend  # a hashable backend instance (it may carry options such as `interpret`)
 
 
 def _ring_geometry(axis_name):
@@ -57,6 +57,18 @@ def _hop_kind(spec: AttentionSpec, q_pos, kv_pos, q_seg, kv_seg):
   q = masks.tile_extent(q_pos, q_seg, q_pos.shape[0])
   kv = masks.tile_extent(kv_pos, kv_seg, kv_pos.shape[0])
   return masks.classify(spec.mask, q, kv)[0]
+
+
+def _unless_empty(backend, kind, compute, skip):
+  """compute() for a hop with visible pairs, skip() for an EMPTY one.
+
+  A backend whose kernels every ring member must call equally often (Pallas
+  TPU interpret mode runs each kernel as a barrier-synchronised program over
+  all simulated devices) always computes; its kernel then skips every tile.
+  """
+  if backend.calls_must_be_uniform:
+    return compute()
+  return jax.lax.cond(kind != masks.EMPTY, compute, skip)
 
 
 def _rotate(tree, axis_name, n):
@@ -81,12 +93,13 @@ def _merge(o, lse, o_b, lse_b):
 def _ring_forward(q, k, v, q_seg, kv_seg, cfg: RingConfig):
   n, r = _ring_geometry(cfg.axis_name)
   spec = cfg.spec
-  backend = backends.get_backend(cfg.implementation, dtype=q.dtype, spec=spec, shapes=(q.shape, k.shape))
+  backend = cfg.backend
   B, T, N, H = q.shape
   S = k.shape[1]
   q_pos = shard_positions(r, n, T, cfg.load_balance)
 
-  def hop(t, kv, acc):
+  def part(t, kv):
+    """(o, lse) of hop t's block, or (0, -inf) when the whole block is masked."""
     k_t, v_t, seg_t = kv
     kv_pos = shard_positions((r - t) % n, n, S, cfg.load_balance)
 
@@ -99,20 +112,20 @@ def _ring_forward(q, k, v, q_seg, kv_seg, cfg: RingConfig):
         vma.like(jnp.full((B, N, T), -jnp.inf, F32), q),
       )
 
-    part = jax.lax.cond(_hop_kind(spec, q_pos, kv_pos, q_seg, seg_t) != masks.EMPTY, compute, skip)
-    return _merge(*acc, *part)
+    return _unless_empty(backend, _hop_kind(spec, q_pos, kv_pos, q_seg, seg_t), compute, skip)
 
-  acc = (
-    vma.like(jnp.zeros((B, T, N, H), F32), q),
-    vma.like(jnp.full((B, N, T), -jnp.inf, F32), q),
-  )
+  def hop(t, kv, acc):
+    return _merge(*acc, *part(t, kv))
+
   kv = (k, v, kv_seg)
+  # Hop 0's partial is the first accumulator (merging it into an empty one is
+  # the identity), so no zero accumulator is ever materialised.
   if n == 1:
-    return hop(0, kv, acc)
+    return part(0, kv)
   # Hop 0 works on the local shard while it is already on its way to r + 1;
   # hops 1 .. n-2 do the same with what arrived; hop n-1 sends nothing.
   kv_next = _rotate(kv, cfg.axis_name, n)
-  acc = hop(0, kv, acc)
+  acc = part(0, kv)
 
   def body(t, carry):
     kv, acc = carry
@@ -140,12 +153,13 @@ def _ring_attention_bwd(cfg: RingConfig, res, do):
   q, k, v, q_seg, kv_seg, out, lse = res
   n, r = _ring_geometry(cfg.axis_name)
   spec = cfg.spec
-  backend = backends.get_backend(cfg.implementation, dtype=q.dtype, spec=spec, shapes=(q.shape, k.shape))
+  backend = cfg.backend
   S = k.shape[1]
   q_pos = shard_positions(r, n, q.shape[1], cfg.load_balance)
   delta = jnp.swapaxes(jnp.sum(do.astype(F32) * out.astype(F32), axis=-1), 1, 2)  # [B, N, T]
 
-  def hop(t, kv, dq, dkv_in):
+  def part(t, kv):
+    """(dq, dk, dv) of hop t's block, or zeros when the whole block is masked."""
     k_t, v_t, seg_t = kv
     kv_pos = shard_positions((r - t) % n, n, S, cfg.load_balance)
 
@@ -157,17 +171,21 @@ def _ring_attention_bwd(cfg: RingConfig, res, do):
       zk = vma.like(jnp.zeros(k.shape, F32), k)
       return zq, zk, zk
 
-    dq_b, dk_b, dv_b = jax.lax.cond(_hop_kind(spec, q_pos, kv_pos, q_seg, seg_t) != masks.EMPTY, compute, skip)
+    return _unless_empty(backend, _hop_kind(spec, q_pos, kv_pos, q_seg, seg_t), compute, skip)
+
+  def hop(t, kv, dq, dkv_in):
+    dq_b, dk_b, dv_b = part(t, kv)
     return dq + dq_b, (dkv_in[0] + dk_b, dkv_in[1] + dv_b)
 
-  zeros_kv = vma.like(jnp.zeros(k.shape, F32), k)
-  dq = vma.like(jnp.zeros(q.shape, F32), q)
+  # Hop 0's gradients start the dq accumulator and the accumulators of the
+  # local shard (no zero accumulators).
   kv = (k, v, kv_seg)
   if n == 1:
-    dq, (dk, dv) = hop(0, kv, dq, (zeros_kv, zeros_kv))
+    dq, dk, dv = part(0, kv)
   else:
     kv_next = _rotate(kv, cfg.axis_name, n)
-    dq, pending = hop(0, kv, dq, (zeros_kv, zeros_kv))
+    dq, dk, dv = part(0, kv)
+    pending = (dk, dv)
 
     # At hop t, member r receives the accumulator of shard (r - t) mod n from
     # r - 1 (which finished adding to it at hop t - 1) while computing its own

@@ -8,6 +8,7 @@ from flax_ringattn._src.backends.xla.forward import block_fwd
 
 class XlaBackend:
   name = "xla"
+  calls_must_be_uniform = False
 
   def check_supported(self, *, dtype, spec, shapes) -> None:
     del dtype, spec, shapes  # every valid input is supported

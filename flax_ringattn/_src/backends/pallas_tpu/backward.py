@@ -1,0 +1,179 @@
+"""Pallas TPU block backward: probabilities recomputed from the final lse.
+
+Two kernels, each accumulating one gradient in VMEM over its innermost grid
+axis so that nothing is written twice:
+
+* dq:    grid (B, K, T / bq, S / bk), kv tiles innermost, dq of the q tile in
+         scratch;
+* dk/dv: grid (B, K, S / bk, T / bq), q tiles innermost, dk and dv of the kv
+         tile in scratch, summed over the G q heads of the group inside the
+         matmul (the group's rows are stacked, (G * bq, bk)).
+
+Both use the same tile-class and fetch-index tables as the forward (the dk/dv
+kernel on their transpose), so EMPTY tiles cost neither matmuls nor DMAs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from flax_ringattn._src.backends.pallas_tpu import common as c
+
+_NN = (((1,), (0,)), ((), ()))  # [m, k] x [k, n]
+_NT = (((1,), (1,)), ((), ()))  # [m, k] x [n, k]
+_TN = (((0,), (0,)), ((), ()))  # [k, m] x [k, n]
+
+
+def _q_side_specs(G, bq, H, row):
+  """q, do, lse, delta: the G heads of a group, bq rows, block index from `row`."""
+  return [
+    pl.BlockSpec((None, G, bq, H), row),
+    pl.BlockSpec((None, G, bq, H), row),
+    pl.BlockSpec((None, G, bq, 1), row),
+    pl.BlockSpec((None, G, bq, 1), row),
+  ]
+
+
+def _dtypes(dtype, has_segments, *, q_first):
+  q_side = (dtype, dtype, c.F32, c.F32)
+  kv_side = (dtype, dtype)
+  mask = (jnp.int32, jnp.int32) + ((jnp.int32,) * 2 if has_segments else ())
+  return (q_side + kv_side if q_first else kv_side + q_side) + mask
+
+
+def dq_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments) -> c.CallPlan:
+  G = N // K
+  row = lambda b, h, i, j, kinds, fetch: (b, h, i, 0)  # noqa: E731
+  kv = lambda b, h, i, j, kinds, fetch: (b, h, fetch[i, j], 0)  # noqa: E731
+  in_specs = [
+    *_q_side_specs(G, bq, H, row),
+    pl.BlockSpec((None, None, bk, H), kv),
+    pl.BlockSpec((None, None, bk, H), kv),
+    *c.mask_specs(
+      has_segments, bq, bk, lambda b, h, i, j, kinds, fetch: (b, i), lambda b, h, i, j, kinds, fetch: (b, fetch[i, j])
+    ),
+  ]
+  return c.CallPlan(
+    grid=(B, K, T // bq, S // bk),
+    in_specs=tuple(in_specs),
+    in_dtypes=_dtypes(dtype, has_segments, q_first=True),
+    out_specs=(pl.BlockSpec((None, G, bq, H), row),),
+    out_shapes=(jax.ShapeDtypeStruct((B, N, T, H), c.F32),),
+    scratch=(((G * bq, H), c.F32),),
+  )
+
+
+def dkv_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments) -> c.CallPlan:
+  G = N // K
+  row = lambda b, h, j, i, kinds, fetch: (b, h, fetch[j, i], 0)  # noqa: E731
+  kv = lambda b, h, j, i, kinds, fetch: (b, h, j, 0)  # noqa: E731
+  in_specs = [
+    pl.BlockSpec((None, None, bk, H), kv),
+    pl.BlockSpec((None, None, bk, H), kv),
+    *_q_side_specs(G, bq, H, row),
+    *c.mask_specs(
+      has_segments, bq, bk, lambda b, h, j, i, kinds, fetch: (b, fetch[j, i]), lambda b, h, j, i, kinds, fetch: (b, j)
+    ),
+  ]
+  out = pl.BlockSpec((None, None, bk, H), kv)
+  return c.CallPlan(
+    grid=(B, K, S // bk, T // bq),
+    in_specs=tuple(in_specs),
+    in_dtypes=_dtypes(dtype, has_segments, q_first=False),
+    out_specs=(out, out),
+    out_shapes=(jax.ShapeDtypeStruct((B, K, S, H), c.F32),) * 2,
+    scratch=(((bk, H), c.F32), ((bk, H), c.F32)),
+  )
+
+
+def _probs_and_dscores(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs, *, spec, masked):
+  """p [G * bq, bk] and dS [G * bq, bk] (d loss / d scaled logits, scale included) of one tile pair."""
+  s, t = c.scores(q_ref, k_ref, mask_refs, spec=spec, masked=masked)  # [G, bq, bk]
+  G, bq, bk = s.shape
+  lse = lse_ref[...]  # [G, bq, 1]
+  # lse = -inf only for rows with no visible key anywhere; their s is -inf
+  # everywhere, so shifting by 0 gives p = 0 (not NaN).
+  p = jnp.exp(s - jnp.where(jnp.isneginf(lse), 0.0, lse))
+  do = do_ref[...].reshape(G * bq, -1)
+  dp = jax.lax.dot_general(do, v_ref[...], _NT, preferred_element_type=c.F32, precision=spec.precision)
+  ds = p * (dp.reshape(G, bq, bk) - delta_ref[...])
+  if t is not None:
+    ds = ds * (1.0 - t * t)  # d(cap * tanh(x / cap)) / dx
+  return p.reshape(G * bq, bk), (ds * spec.scale).reshape(G * bq, bk), do
+
+
+def _dq_kernel(kinds_ref, fetch_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, *refs, spec, num_mask_refs):
+  del fetch_ref
+  mask_refs = refs[:num_mask_refs]
+  dq_ref, dq_sc = refs[num_mask_refs:]
+  i, j = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(j == 0)
+  def _init():
+    dq_sc[...] = jnp.zeros(dq_sc.shape, c.F32)
+
+  def update(masked):
+    _, ds, _ = _probs_and_dscores(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs, spec=spec, masked=masked)
+    k = k_ref[...]
+    dq_sc[...] += jax.lax.dot_general(
+      ds.astype(k.dtype), k, _NN, preferred_element_type=c.F32, precision=spec.precision
+    )
+
+  c.by_tile_kind(kinds_ref[i, j], update)
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _finish():
+    dq_ref[...] = dq_sc[...].reshape(dq_ref.shape)
+
+
+def _dkv_kernel(kinds_ref, fetch_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, spec, num_mask_refs):
+  del fetch_ref
+  mask_refs = refs[:num_mask_refs]
+  dk_ref, dv_ref, dk_sc, dv_sc = refs[num_mask_refs:]
+  j, i = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(i == 0)
+  def _init():
+    dk_sc[...] = jnp.zeros(dk_sc.shape, c.F32)
+    dv_sc[...] = jnp.zeros(dv_sc.shape, c.F32)
+
+  def update(masked):
+    p, ds, do = _probs_and_dscores(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs, spec=spec, masked=masked)
+    G, bq, H = q_ref.shape
+    q = q_ref[...].reshape(G * bq, H)
+    dv_sc[...] += jax.lax.dot_general(
+      p.astype(do.dtype), do, _TN, preferred_element_type=c.F32, precision=spec.precision
+    )
+    dk_sc[...] += jax.lax.dot_general(
+      ds.astype(q.dtype), q, _TN, preferred_element_type=c.F32, precision=spec.precision
+    )
+
+  c.by_tile_kind(kinds_ref[j, i], update)
+
+  @pl.when(i == pl.num_programs(3) - 1)
+  def _finish():
+    dk_ref[...] = dk_sc[...]
+    dv_ref[...] = dv_sc[...]
+
+
+def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret):
+  """See `backends/base.py` for the contract."""
+  dims, kinds, mask_ops = c.block_setup(spec, q, k, q_pos, kv_pos, q_seg, kv_seg, backward=True)
+  q_side = (c.heads_major(q), c.heads_major(do), lse[..., None], delta[..., None])
+  kv_side = (c.heads_major(k), c.heads_major(v))
+  n_mask = len(mask_ops)
+
+  (dq,) = c.call(
+    functools.partial(_dq_kernel, spec=spec, num_mask_refs=n_mask), dq_plan(**dims), 2, interpret=interpret,
+    name="ring_block_bwd_dq",
+  )(kinds, c.fetch_index(kinds), *q_side, *kv_side, *mask_ops)
+  kinds_t = kinds.T
+  dk, dv = c.call(
+    functools.partial(_dkv_kernel, spec=spec, num_mask_refs=n_mask), dkv_plan(**dims), 2, interpret=interpret,
+    name="ring_block_bwd_dkv",
+  )(kinds_t, c.fetch_index(kinds_t), *kv_side, *q_side, *mask_ops)
+  return c.heads_major(dq), c.heads_major(dk), c.heads_major(dv)

@@ -1,0 +1,236 @@
+"""TPU tile rules, call plans and tile math shared by the Pallas TPU kernels and the planner.
+
+Every buffer a kernel allocates is described here once, by `CallPlan`: the
+grid, the BlockSpecs of its operands and results, and its scratch shapes.  The
+kernels build their `pl.pallas_call` from a plan, and the VMEM footprint model
+of `planner.py` is tested against the footprint of the same plans, so the model
+cannot drift from the code.
+
+Layout inside the kernels: heads-major, q `[B, N, T, H]`, k/v `[B, K, S, H]`,
+so a tile's two minor dimensions are (tokens, head_dim).  Per-row statistics
+(lse, delta) are `[B, N, T, 1]` and per-tile scratch statistics are kept
+lane-replicated `[G, bq, 128]`, as TPU flash kernels do, so no kernel needs a
+lane <-> sublane relayout.  A kernel instance handles the G = N / K q heads of
+one kv head, so the kv tile is read once per group and the group's heads share
+one matmul.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from flax_ringattn._src import masks, vma
+
+LANES = 128  # minor (lane) dimension of a TPU vreg
+F32 = jnp.float32
+
+
+def sublanes(dtype) -> int:
+  """Second-minor alignment of a tile of `dtype`: 8 rows of 32 bits, packed for narrower types."""
+  return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallPlan:
+  """Everything about one pallas_call's buffers; `pl.pallas_call` is built from it."""
+
+  grid: tuple[int, ...]
+  in_specs: tuple  # BlockSpecs of the array operands (after the scalar prefetch)
+  in_dtypes: tuple
+  out_specs: tuple
+  out_shapes: tuple  # jax.ShapeDtypeStruct
+  scratch: tuple  # (shape, dtype) of VMEM scratch buffers
+
+
+def _padded_bytes(shape, dtype) -> int:
+  """VMEM bytes of one buffer: the two minor dims are padded to (sublanes, 128) tiles."""
+  shape = tuple(1 if d is None else d for d in shape)
+  if len(shape) == 1:
+    shape = (1, *shape)
+  *lead, rows, cols = shape
+  rows = -(-rows // sublanes(dtype)) * sublanes(dtype)
+  cols = -(-cols // LANES) * LANES
+  return math.prod(lead) * rows * cols * jnp.dtype(dtype).itemsize
+
+
+def plan_vmem_bytes(plan: CallPlan) -> int:
+  """VMEM a plan allocates: inputs and outputs double-buffered by the pipeline, plus scratch."""
+  total = 0
+  for spec, dtype in zip(plan.in_specs, plan.in_dtypes, strict=True):
+    total += 2 * _padded_bytes(spec.block_shape, dtype)
+  for spec, out in zip(plan.out_specs, plan.out_shapes, strict=True):
+    total += 2 * _padded_bytes(spec.block_shape, out.dtype)
+  for shape, dtype in plan.scratch:
+    total += _padded_bytes(shape, dtype)
+  return total
+
+
+def tpu_tile(length: int, requested: int, align: int, *, what: str) -> int:
+  """The tile for a `length`-token axis: the whole axis if it fits, else the largest aligned divisor."""
+  if length <= requested:
+    return length  # a block equal to the full dimension is always legal
+  t = (requested // align) * align
+  while t >= align:
+    if length % t == 0:
+      return t
+    t -= align
+  raise ValueError(
+    f"pallas_tpu: no {what} tile <= {requested} divides the shard length {length} in multiples of {align} "
+    f"(TPU tiles must be multiples of {align} or the whole axis); choose a shard length that is a multiple "
+    f"of {align} or BlockSizes with {what} >= {length}"
+  )
+
+
+def block_tiles(spec, q, k, *, backward: bool) -> tuple[int, int]:
+  """(bq, bk) for one block: q tiles sublane-aligned, kv tiles lane-aligned (the score tile's minor dim).
+
+  Without `spec.block_sizes` the planner picks the largest tiles that fit VMEM.
+  """
+  from flax_ringattn._src.backends.pallas_tpu import planner  # (planner imports this module)
+
+  _, T, N, H = q.shape
+  _, S, K, _ = k.shape
+  blocks = spec.block_sizes or planner.plan_block_sizes(
+    T, S, N, K, H, q.dtype, has_segments=spec.mask.has_segments, soft_cap=spec.logits_soft_cap is not None
+  )
+  req_q, req_kv = blocks.bwd if backward else (blocks.block_q, blocks.block_kv)
+  suffix = "_bwd" if backward else ""
+  return (
+    tpu_tile(T, req_q, sublanes(q.dtype), what=f"block_q{suffix}"),
+    tpu_tile(S, req_kv, LANES, what=f"block_kv{suffix}"),
+  )
+
+
+def block_setup(spec, q, k, q_pos, kv_pos, q_seg, kv_seg, *, backward: bool):
+  """What every kernel of one block needs: plan dimensions, the tile-class table and the mask operands."""
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  bq, bk = block_tiles(spec, q, k, backward=backward)
+  dims = dict(B=B, T=T, S=S, N=N, K=K, H=H, dtype=q.dtype, bq=bq, bk=bk, has_segments=q_seg is not None)
+  kinds = masks.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, bq, bk)  # [T/bq, S/bk]
+  return dims, kinds, mask_operands(q_pos, kv_pos, q_seg, kv_seg)
+
+
+def by_tile_kind(kind, update):
+  """Runs update(masked=False) on a FULL tile, update(masked=True) on a PARTIAL one, nothing on an EMPTY one."""
+  pl.when(kind == masks.FULL)(lambda: update(False))
+  pl.when(kind == masks.PARTIAL)(lambda: update(True))
+
+
+def fetch_index(kinds):
+  """For each grid step (row i, step j) the kv tile to fetch: j itself, or, on an EMPTY tile,
+  the tile fetched just before it in the row (the next non-empty one at the row's start).
+
+  The pipeline only issues a DMA when a block index changes, so skipped tiles
+  cost neither matmuls nor HBM traffic.
+  """
+  n = kinds.shape[-1]
+  j = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), kinds.shape)
+  live = kinds != 0
+  before = jax.lax.cummax(jnp.where(live, j, -1), axis=kinds.ndim - 1)
+  after = jax.lax.cummin(jnp.where(live, j, n), axis=kinds.ndim - 1, reverse=True)
+  return jnp.where(before >= 0, before, jnp.where(after < n, after, 0)).astype(jnp.int32)
+
+
+def heads_major(x):
+  """[B, L, heads, H] <-> [B, heads, L, H]."""
+  return x.transpose(0, 2, 1, 3)
+
+
+def mask_operands(q_pos, kv_pos, q_seg, kv_seg):
+  """Positions as a [T, 1] column and an [1, S] row (segment ids [B, T, 1] / [B, 1, S]),
+  so a kernel compares a (bq, 1) block with a (1, bk) block without relayout."""
+  ops = [q_pos.astype(jnp.int32)[:, None], kv_pos.astype(jnp.int32)[None, :]]
+  if q_seg is not None:
+    ops += [q_seg.astype(jnp.int32)[:, :, None], kv_seg.astype(jnp.int32)[:, None, :]]
+  return ops
+
+
+def scores(q_ref, k_ref, mask_refs, *, spec, masked: bool):
+  """Scaled, soft-capped and (if `masked`) masked f32 scores of one tile pair.
+
+  q_ref holds (G, bq, H) (the G heads of one kv head), k_ref (bk, H).  Returns
+  s [G, bq, bk] and t = tanh(raw / cap) [G, bq, bk] for the soft-cap gradient
+  (None without a cap).  Masked entries are -inf.
+  """
+  G, bq, H = q_ref.shape
+  q = q_ref[...].reshape(G * bq, H)  # reshape the value, never the ref (interpret mode)
+  s = jax.lax.dot_general(
+    q, k_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=F32, precision=spec.precision
+  )
+  s = (s * spec.scale).reshape(G, bq, -1)
+  t = None
+  if spec.logits_soft_cap is not None:
+    t = jnp.tanh(s / spec.logits_soft_cap)
+    s = spec.logits_soft_cap * t
+  if masked:
+    qp_ref, kp_ref, *seg_refs = mask_refs
+    segs = (seg_refs[0][...], seg_refs[1][...]) if seg_refs else (None, None)
+    vis = masks.pair_visible(spec.mask, qp_ref[...], kp_ref[...], *segs)  # [bq, bk]
+    s = jnp.where(vis[None], s, -jnp.inf)
+  return s, t
+
+
+def mask_specs(has_segments: bool, bq: int, bk: int, q_block, kv_block):
+  """BlockSpecs of `mask_operands`; q_block / kv_block map grid indices to (b, q tile) / (b, kv tile)."""
+  specs = [
+    pl.BlockSpec((bq, 1), lambda *g: (q_block(*g)[1], 0)),
+    pl.BlockSpec((1, bk), lambda *g: (0, kv_block(*g)[1])),
+  ]
+  if has_segments:
+    specs += [
+      pl.BlockSpec((None, bq, 1), lambda *g: (q_block(*g)[0], q_block(*g)[1], 0)),
+      pl.BlockSpec((None, 1, bk), lambda *g: (kv_block(*g)[0], 0, kv_block(*g)[1])),
+    ]
+  return specs
+
+
+def compiler_params(semantics, interpret):
+  if interpret is not None:
+    return pltpu.CompilerParams(dimension_semantics=semantics)
+  from flax_ringattn._src.backends.pallas_tpu import planner
+
+  # The planner keeps the footprint within SAFETY_MARGIN of VMEM; let Mosaic
+  # use nearly all of it (its default scoped limit is far lower on most chips).
+  limit = int(planner.VMEM_BYTES[planner.current_generation()] * 0.9)
+  return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit)
+
+
+def call(kernel, plan: CallPlan, num_prefetch: int, *, interpret, name: str):
+  """`pl.pallas_call` built from a plan (the only place the kernels are launched).
+
+  Inside `jax.shard_map(check_vma=True)` the operands are made to vary over the
+  same manual axes and the results are declared to vary over them too.
+  """
+  semantics = ("parallel",) * (len(plan.grid) - 1) + ("arbitrary",)
+
+  def run(*args):
+    args = vma.unify(*args)
+    mat = vma.manual_axis_type(args[0])
+    out_shapes = [jax.ShapeDtypeStruct(o.shape, o.dtype, manual_axis_type=mat) for o in plan.out_shapes]
+    return _pallas_call(kernel, plan, num_prefetch, semantics, out_shapes, interpret, name)(*args)
+
+  return run
+
+
+def _pallas_call(kernel, plan, num_prefetch, semantics, out_shapes, interpret, name):
+  return pl.pallas_call(
+    kernel,
+    grid_spec=pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=num_prefetch,
+      grid=plan.grid,
+      in_specs=list(plan.in_specs),
+      out_specs=list(plan.out_specs),
+      scratch_shapes=[pltpu.VMEM(shape, dtype) for shape, dtype in plan.scratch],
+    ),
+    out_shape=out_shapes,
+    compiler_params=compiler_params(semantics, interpret),
+    interpret=interpret,
+    name=name,
+  )

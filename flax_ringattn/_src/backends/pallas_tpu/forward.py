@@ -1,0 +1,97 @@
+"""Pallas TPU block forward: flash attention over one (q shard, kv shard) pair.
+
+Grid (B, K, T / bq, S / bk), kv tiles innermost.  One kernel instance owns the
+G = N / K q heads of one kv head for one q tile: the kv tile is fetched once
+and the group's heads share one (G * bq, H) x (H, bk) matmul, so GQA repeats
+nothing.  A scalar-prefetched table of tile classes (`masks.tile_kinds`) lets
+the kernel skip the matmuls of EMPTY tiles and the mask arithmetic of FULL
+ones, and a second table (`common.fetch_index`) points the K/V BlockSpecs of
+an EMPTY tile at the tile already in VMEM, so its DMA is skipped too.
+m / l / acc live in VMEM scratch across the kv axis (online softmax, f32).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from flax_ringattn._src.backends.pallas_tpu import common as c
+
+
+def fwd_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments) -> c.CallPlan:
+  G = N // K
+  q_map = lambda b, h, i, j, kinds, fetch: (b, i)  # noqa: E731
+  kv_map = lambda b, h, i, j, kinds, fetch: (b, fetch[i, j])  # noqa: E731
+  in_specs = [
+    pl.BlockSpec((None, G, bq, H), lambda b, h, i, j, kinds, fetch: (b, h, i, 0)),
+    pl.BlockSpec((None, None, bk, H), lambda b, h, i, j, kinds, fetch: (b, h, fetch[i, j], 0)),
+    pl.BlockSpec((None, None, bk, H), lambda b, h, i, j, kinds, fetch: (b, h, fetch[i, j], 0)),
+    *c.mask_specs(has_segments, bq, bk, q_map, kv_map),
+  ]
+  in_dtypes = (dtype, dtype, dtype, jnp.int32, jnp.int32) + ((jnp.int32,) * 2 if has_segments else ())
+  row = lambda b, h, i, j, kinds, fetch: (b, h, i, 0)  # noqa: E731
+  return c.CallPlan(
+    grid=(B, K, T // bq, S // bk),
+    in_specs=tuple(in_specs),
+    in_dtypes=in_dtypes,
+    out_specs=(pl.BlockSpec((None, G, bq, H), row), pl.BlockSpec((None, G, bq, 1), row)),
+    out_shapes=(jax.ShapeDtypeStruct((B, N, T, H), c.F32), jax.ShapeDtypeStruct((B, N, T, 1), c.F32)),
+    scratch=(((G, bq, c.LANES), c.F32), ((G, bq, c.LANES), c.F32), ((G, bq, H), c.F32)),
+  )
+
+
+def _kernel(kinds_ref, fetch_ref, q_ref, k_ref, v_ref, *refs, spec, num_mask_refs):
+  del fetch_ref  # used by the BlockSpecs only
+  mask_refs = refs[:num_mask_refs]
+  o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[num_mask_refs:]
+  i, j = pl.program_id(2), pl.program_id(3)
+  G, bq, H = acc_sc.shape
+
+  @pl.when(j == 0)
+  def _init():
+    m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, c.F32)
+    l_sc[...] = jnp.zeros(l_sc.shape, c.F32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, c.F32)
+
+  def update(masked):
+    s, _ = c.scores(q_ref, k_ref, mask_refs, spec=spec, masked=masked)  # [G, bq, bk]
+    m_prev = m_sc[...][..., :1]
+    m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+    # A row with nothing visible so far keeps m = -inf: shift by 0 instead, so
+    # exp() gives 0 rather than exp(-inf + inf) = NaN.
+    m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+    alpha = jnp.exp(m_prev - m_safe)
+    p = jnp.exp(s - m_safe)
+    l_new = alpha * l_sc[...][..., :1] + p.sum(axis=-1, keepdims=True)
+    v = v_ref[...]
+    pv = jax.lax.dot_general(
+      p.reshape(G * bq, -1).astype(v.dtype), v, (((1,), (0,)), ((), ())),
+      preferred_element_type=c.F32, precision=spec.precision,
+    )
+    acc_sc[...] = alpha * acc_sc[...] + pv.reshape(G, bq, H)
+    m_sc[...] = jnp.broadcast_to(m_new, m_sc.shape)
+    l_sc[...] = jnp.broadcast_to(l_new, l_sc.shape)
+
+  c.by_tile_kind(kinds_ref[i, j], update)
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _finish():
+    l = l_sc[...][..., :1]
+    empty = l == 0.0  # no visible key in the whole block: o = 0, lse = -inf
+    l_safe = jnp.where(empty, 1.0, l)
+    o_ref[...] = acc_sc[...] / l_safe
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m_sc[...][..., :1] + jnp.log(l_safe))
+
+
+def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret):
+  """See `backends/base.py` for the contract."""
+  dims, kinds, mask_ops = c.block_setup(spec, q, k, q_pos, kv_pos, q_seg, kv_seg, backward=False)
+  plan = fwd_plan(**dims)
+  kernel = functools.partial(_kernel, spec=spec, num_mask_refs=len(mask_ops))
+  o, lse = c.call(kernel, plan, 2, interpret=interpret, name="ring_block_fwd")(
+    kinds, c.fetch_index(kinds), c.heads_major(q), c.heads_major(k), c.heads_major(v), *mask_ops
+  )
+  return c.heads_major(o), lse[..., 0]

@@ -1,0 +1,226 @@
+"""VMEM-aware tile planner for the Pallas TPU block kernels.
+
+The footprint model lives here and only here: `footprint()` counts every
+buffer the forward, dq and dk/dv kernels allocate (pipelined input and output
+tiles twice, for double buffering; VMEM scratch once) plus the f32
+score-sized temporaries the kernel body keeps live.  `tests/test_planner.py`
+checks the buffer part against `common.plan_vmem_bytes` of the kernels' own
+`CallPlan`s, so a kernel change that adds a buffer fails a test until the model
+learns it.
+
+Per-generation VMEM capacities are per TensorCore, from JAX's own hardware
+table (`jax/_src/pallas/mosaic/tpu_info.py`, JAX 0.10.2, which cites each
+number); a test checks this table against `pltpu.get_tpu_info_for_chip`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from flax_ringattn._src.backends.pallas_tpu import common as c
+from flax_ringattn._src.block_sizes import BlockSizes
+
+MiB = 1024 * 1024
+
+# generation -> VMEM bytes per TensorCore (source: JAX 0.10.2 tpu_info.py).
+VMEM_BYTES = {
+  "v4": 16 * MiB,
+  "v5e": 128 * MiB,
+  "v5p": 64 * MiB,
+  "v6e": 128 * MiB,
+  "v7x": 64 * MiB,
+}
+# The fraction of VMEM a plan may use: Mosaic keeps internal scratch and
+# spills matmul operands, and a plan that fills VMEM exactly fails to compile.
+SAFETY_MARGIN = 0.75
+# Off TPU (interpret mode, or planning ahead) plan for the smallest VMEM.
+DEFAULT_GENERATION = "v4"
+# Larger tiles stop paying: a 1024-row q tile already feeds the MXU for many
+# cycles per DMA, while causal and window skipping get coarser with tile size.
+MAX_TILE = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class Footprint:
+  """VMEM bytes of one kernel: `buffers` (BlockSpec tiles and scratch) + `temporaries`."""
+
+  buffers: int
+  temporaries: int
+
+  @property
+  def total(self) -> int:
+    return self.buffers + self.temporaries
+
+
+def _tile(rows: int, cols: int, dtype, lead: int = 1) -> int:
+  """Bytes of a [lead, rows, cols] VMEM buffer padded to (sublane, lane) tiles."""
+  sub = c.sublanes(dtype)
+  return lead * (-(-rows // sub) * sub) * (-(-cols // c.LANES) * c.LANES) * jnp.dtype(dtype).itemsize
+
+
+def footprint(kernel: str, *, bq, bk, num_heads, num_kv_heads, head_dim, dtype, has_segments=False, soft_cap=False):
+  """Footprint of kernel 'fwd', 'dq' or 'dkv' at tiles (bq, bk)."""
+  G, H, f32, i32 = num_heads // num_kv_heads, head_dim, jnp.float32, jnp.int32
+  q_tile = _tile(bq, H, dtype, G)  # q or do: the G heads of a group
+  kv_tile = _tile(bk, H, dtype)
+  row_stat = _tile(bq, 1, f32, G)  # lse / delta, [G, bq, 1]
+  mask = _tile(bq, 1, i32) + _tile(1, bk, i32)  # positions
+  if has_segments:
+    mask *= 2
+  score = G * bq * bk * 4  # one f32 [G * bq, bk] tile
+  if kernel == "fwd":
+    inputs = q_tile + 2 * kv_tile + mask
+    outputs = _tile(bq, H, f32, G) + row_stat
+    scratch = 2 * _tile(bq, c.LANES, f32, G) + _tile(bq, H, f32, G)  # m, l, acc
+    temporaries = 2 * score  # s, p
+  elif kernel == "dq":
+    inputs = 2 * q_tile + 2 * row_stat + 2 * kv_tile + mask
+    outputs = _tile(bq, H, f32, G)
+    scratch = _tile(G * bq, H, f32)
+    temporaries = 3 * score  # s, p, dp / ds
+  elif kernel == "dkv":
+    inputs = 2 * kv_tile + 2 * q_tile + 2 * row_stat + mask
+    outputs = 2 * _tile(bk, H, f32)
+    scratch = 2 * _tile(bk, H, f32)
+    temporaries = 3 * score
+  else:
+    raise ValueError(f"kernel must be 'fwd', 'dq' or 'dkv', got {kernel!r}")
+  if soft_cap:
+    temporaries += score  # tanh(raw / cap), kept for the gradient
+  return Footprint(buffers=2 * (inputs + outputs) + scratch, temporaries=temporaries)
+
+
+def candidates(length: int, align: int) -> list[int]:
+  """Legal tiles for an axis of `length` tokens, ascending: aligned divisors, and the whole axis."""
+  out = {length} if length <= MAX_TILE else set()
+  out |= {t for t in range(align, min(length, MAX_TILE) + 1, align) if length % t == 0}
+  return sorted(out)
+
+
+def budget_bytes(generation: str) -> int:
+  if generation not in VMEM_BYTES:
+    raise ValueError(f"unknown TPU {generation=}; known generations: {tuple(VMEM_BYTES)}")
+  return int(VMEM_BYTES[generation] * SAFETY_MARGIN)
+
+
+def hbm_bytes(kernel: str, *, bq, bk, q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype) -> int:
+  """HBM bytes one block's kernel moves when every tile is live.
+
+  The forward and dq kernels stream all of K/V once per q tile, the dk/dv kernel
+  streams q, dO, lse and delta once per kv tile; the other operands move once.
+  This is what the planner minimises: within the VMEM budget, taller q tiles
+  (forward, dq) and wider kv tiles (dk/dv) cut the re-streaming.
+  """
+  b = jnp.dtype(dtype).itemsize
+  q_side = q_len * num_heads * head_dim * b  # q (or do)
+  kv_side = kv_len * num_kv_heads * head_dim * b  # k (or v)
+  stats = q_len * num_heads * 4  # lse or delta
+  out_q = q_len * num_heads * (head_dim + 1) * 4  # f32 o + lse, or dq
+  if kernel == "fwd":
+    return q_side + (q_len // bq) * 2 * kv_side + out_q
+  if kernel == "dq":
+    return 2 * q_side + 2 * stats + (q_len // bq) * 2 * kv_side + out_q
+  if kernel == "dkv":
+    return 2 * kv_side + (kv_len // bk) * (2 * q_side + 2 * stats) + 2 * kv_len * num_kv_heads * head_dim * 4
+  raise ValueError(f"kernel must be 'fwd', 'dq' or 'dkv', got {kernel!r}")
+
+
+def _best(kernels, q_len, kv_len, dtype, budget, **dims):
+  """The fitting (bq, bk) with the least HBM traffic, then the largest area.
+
+  HBM bytes never grow with either tile, so a tile one step larger than the
+  choice in either dimension does not fit (else it would have been chosen).
+  """
+  best, best_key = None, None
+  for bq in candidates(q_len, c.sublanes(dtype)):
+    for bk in candidates(kv_len, c.LANES):
+      need = max(footprint(k, bq=bq, bk=bk, dtype=dtype, **dims).total for k in kernels)
+      if need > budget:
+        continue
+      traffic = sum(
+        hbm_bytes(
+          k, bq=bq, bk=bk, q_len=q_len, kv_len=kv_len, dtype=dtype,
+          num_heads=dims["num_heads"], num_kv_heads=dims["num_kv_heads"], head_dim=dims["head_dim"],
+        )
+        for k in kernels
+      )
+      key = (traffic, -bq * bk, -bq)
+      if best_key is None or key < best_key:
+        best, best_key = (bq, bk), key
+  return best
+
+
+def current_generation() -> str:
+  """The generation of the attached TPU, or DEFAULT_GENERATION off TPU."""
+  if jax.default_backend() != "tpu":
+    return DEFAULT_GENERATION
+  from jax.experimental.pallas import tpu as pltpu
+
+  version = str(pltpu.get_tpu_info().chip_version.value).lower()
+  return {"7x": "v7x", "tpu7x": "v7x"}.get(version, version)
+
+
+def plan_block_sizes(
+  q_len: int,
+  kv_len: int,
+  num_heads: int,
+  num_kv_heads: int,
+  head_dim: int,
+  dtype,
+  *,
+  generation: str | None = None,
+  has_segments: bool = False,
+  soft_cap: bool = False,
+) -> BlockSizes:
+  """The largest tiles whose VMEM footprint fits `generation`'s budget.
+
+  Args:
+    q_len, kv_len: the lengths one block sees: the per-device shard lengths
+      of the ring (T / ring size and S / ring size).
+    num_heads, num_kv_heads, head_dim: N, K and H of the local shard.
+    dtype: the input dtype (float32 or bfloat16).
+    generation: 'v4', 'v5e', 'v5p', 'v6e' or 'v7x'; None: the attached TPU's,
+      or the smallest-VMEM generation off TPU.
+    has_segments, soft_cap: whether the call uses segment ids / a soft cap
+      (each adds buffers).
+
+  Returns:
+    `BlockSizes` with forward and backward tiles: of the legal tiles (at most
+    MAX_TILE) whose footprint fits, those with the least HBM traffic
+    (`hbm_bytes`), then the largest.
+  """
+  generation = current_generation() if generation is None else generation
+  budget = budget_bytes(generation)
+  for name, value in (("q_len", q_len), ("kv_len", kv_len), ("num_heads", num_heads),
+                      ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"plan_block_sizes: {name} must be a positive int, got {name}={value!r}")
+  if num_heads % num_kv_heads:
+    raise ValueError(f"plan_block_sizes: num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+  dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+              has_segments=has_segments, soft_cap=soft_cap)
+  fwd = _best(("fwd",), q_len, kv_len, dtype, budget, **dims)
+  bwd = _best(("dq", "dkv"), q_len, kv_len, dtype, budget, **dims)
+  if fwd is None or bwd is None:
+    qs, ks = candidates(q_len, c.sublanes(dtype)), candidates(kv_len, c.LANES)
+    if not qs or not ks:
+      raise ValueError(
+        f"plan_block_sizes: no legal TPU tile for q_len={q_len} (multiples of {c.sublanes(dtype)} up to {MAX_TILE}, "
+        f"or the whole axis up to {MAX_TILE}) or kv_len={kv_len} (multiples of {c.LANES}, same rule)"
+      )
+    smallest = footprint("dq", bq=qs[0], bk=ks[0], dtype=dtype, **dims).total
+    raise ValueError(
+      f"plan_block_sizes: no legal tiles for q_len={q_len}, kv_len={kv_len} fit the {generation} VMEM budget "
+      f"of {budget / MiB:.1f} MiB (smallest tiles need {smallest / MiB:.1f} MiB with {num_heads // num_kv_heads} "
+      f"q heads per kv head and head_dim={head_dim})"
+    )
+  return BlockSizes(block_q=fwd[0], block_kv=fwd[1], block_q_bwd=bwd[0], block_kv_bwd=bwd[1])
+
+
+def vmem_limit_bytes(plan_bytes: int, generation: str) -> int:
+  """The scoped VMEM limit to request for a kernel whose buffers need `plan_bytes`."""
+  return min(VMEM_BYTES[generation], max(32 * MiB, math.ceil(plan_bytes / SAFETY_MARGIN)))

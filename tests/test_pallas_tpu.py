@@ -1,0 +1,158 @@
+"""Pallas TPU backend specifics: multi-tile skipping, TPU lowering, selection and errors.
+
+The shared numerical suite (test_ring_attention.py) runs this backend on every
+feature case; these tests cover what only this backend has.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from flax import nnx
+from jax import export
+from jax.sharding import PartitionSpec as P
+from tolerances import assert_close
+
+import flax_ringattn as fr
+from flax_ringattn._src import masks
+from flax_ringattn._src.backends.base import AttentionSpec
+from flax_ringattn._src.backends.pallas_tpu import common
+from flax_ringattn._src.backends.pallas_tpu.backward import block_bwd
+from flax_ringattn._src.backends.pallas_tpu.forward import block_fwd
+from flax_ringattn._src.testing.interpret import interpret_params, no_races
+
+interpret = pytest.mark.interpret
+
+
+def test_fetch_index_points_empty_tiles_at_the_tile_in_vmem():
+  E, P_, F = masks.EMPTY, masks.PARTIAL, masks.FULL
+  kinds = jnp.array(
+    [
+      [F, P_, E, E],  # trailing empties keep the last live tile
+      [E, E, P_, F],  # leading empties fetch the first live tile early
+      [E, P_, E, F],  # a gap keeps the tile before it
+      [E, E, E, E],  # nothing live: tile 0, once
+    ]
+  )
+  np.testing.assert_array_equal(
+    np.asarray(common.fetch_index(kinds)), [[0, 1, 1, 1], [2, 2, 2, 3], [1, 1, 1, 3], [0, 0, 0, 0]]
+  )
+
+
+def _inputs(B, T, S, N, K, H, dtype, seed=0):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (B, S, K, H), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (B, S, K, H), jnp.float32).astype(dtype)
+  do = jax.random.normal(ks[3], (B, T, N, H), jnp.float32).astype(dtype)
+  return q, k, v, do
+
+
+MULTI_TILE = [
+  dict(is_causal=True),
+  dict(is_causal=True, local_window_size=(150, 0)),
+  dict(local_window_size=(40, 200)),
+  dict(is_causal=True, segments=True),
+]
+
+
+@interpret
+@pytest.mark.parametrize("opts", MULTI_TILE, ids=lambda o: "-".join(f"{k}" for k in o))
+@pytest.mark.parametrize("n", [1, 2])
+def test_many_tiles_per_shard(opts, n):
+  """Shards of 256 tokens in 2 kv tiles and 4 q tiles: tile skipping, fetch redirection and masks across tiles."""
+  opts = dict(opts)
+  B, T, N, K, H = 1, 256 * n, 4, 2, 32
+  q, k, v, do = _inputs(B, T, T, N, K, H, jnp.float32)
+  seg = None
+  if opts.pop("segments", False):
+    t = jnp.arange(T)
+    seg = ((t >= 90).astype(jnp.int32) + (t >= 200) + (t >= 400))[None]  # documents cross tile edges
+  mesh = make_mesh((n,), ("sp",))
+  blocks = fr.BlockSizes(block_q=64, block_kv=128)
+
+  def ring(q, k, v):
+    return fr.ring_attention(
+      q, k, v, mesh=mesh, segment_ids=seg, implementation="pallas_tpu", interpret=interpret_params(),
+      block_sizes=blocks, **opts,
+    )
+
+  with no_races():
+    out, vjp = jax.vjp(jax.jit(ring), q, k, v)
+    grads = vjp(do)
+  ref_out, ref_vjp = jax.vjp(lambda q, k, v: fr.reference_attention(q, k, v, segment_ids=seg, **opts), q, k, v)
+  assert_close(out, ref_out, jnp.float32)
+  assert_close(grads, ref_vjp(do), jnp.float32, "grad")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("segments,cap", [(False, None), (True, 30.0)], ids=["plain", "seg-cap"])
+def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, cap):
+  """jax.export runs the Pallas -> Mosaic lowering for TPU on this CPU machine: block shapes, index maps and
+  kernel ops must all be accepted by the TPU lowering (Mosaic's own compiler passes run only on a TPU)."""
+  spec = AttentionSpec(
+    mask=masks.MaskSpec(is_causal=True, window=(300, 0), has_segments=segments),
+    scale=0.1,
+    logits_soft_cap=cap,
+    block_sizes=fr.BlockSizes(block_q=128, block_kv=256),
+  )
+  B, T, N, K, H = 2, 512, 8, 2, 128
+  sds = jax.ShapeDtypeStruct
+  q, k = sds((B, T, N, H), dtype), sds((B, T, K, H), dtype)
+  pos = sds((T,), jnp.int32)
+  seg = sds((B, T), jnp.int32) if segments else None
+  stat = sds((B, N, T), jnp.float32)
+  fwd = jax.jit(lambda q, k, v, qp, kp, qs, ks: block_fwd(q, k, v, qp, kp, qs, ks, spec=spec, interpret=None))
+  bwd = jax.jit(
+    lambda q, k, v, do, lse, dl, qp, kp, qs, ks: block_bwd(q, k, v, do, lse, dl, qp, kp, qs, ks, spec=spec, interpret=None)
+  )
+  text = export.export(fwd, platforms=("tpu",))(q, k, k, pos, pos, seg, seg).mlir_module()
+  text += export.export(bwd, platforms=("tpu",))(q, k, k, q, stat, stat, pos, pos, seg, seg).mlir_module()
+  assert text.count("tpu_custom_call") == 3  # forward, dq, dk/dv
+
+
+def test_selection_and_errors():
+  q = k = v = jnp.zeros((1, 64, 2, 16))
+  if jax.default_backend() != "tpu":
+    assert "pallas_tpu" in fr.available_implementations()
+    with pytest.raises(NotImplementedError, match=r"pallas_tpu needs a TPU .* pass interpret=True"):
+      fr.ring_attention(q, k, v, implementation="pallas_tpu")
+    # implementation=None off TPU falls back to XLA (the result is checked elsewhere).
+    fr.ring_attention(q, k, v)
+  with pytest.raises(ValueError, match=r"interpret=... applies to implementation='pallas_tpu' only"):
+    fr.ring_attention(q, k, v, implementation="xla", interpret=True)
+  with pytest.raises(TypeError, match=r"interpret must be a bool, None or a .*InterpretParams, got 'yes'"):
+    fr.ring_attention(q, k, v, interpret="yes")
+  with pytest.raises(NotImplementedError, match=r"pallas_tpu supports float32 and bfloat16 inputs, got dtype=float16"):
+    h = q.astype(jnp.float16)
+    fr.ring_attention(h, h, h, implementation="pallas_tpu", interpret=True)
+
+
+@interpret
+def test_interpret_alone_selects_the_kernels():
+  q, k, v, _ = _inputs(1, 64, 64, 2, 2, 16, jnp.float32)
+  with no_races():
+    out = fr.ring_attention(q, k, v, is_causal=True, interpret=interpret_params())
+  assert_close(out, fr.reference_attention(q, k, v, is_causal=True), jnp.float32)
+
+
+@interpret
+def test_layer_with_interpret_matches_mha():
+  """The one-line swap, with the TPU kernels interpreted on a 2-device ring."""
+  mesh = make_mesh((2,), ("sp",))
+  kw = dict(num_heads=4, in_features=32, qkv_features=32, decode=False, rngs=nnx.Rngs(0))
+  mha = nnx.MultiHeadAttention(**kw)
+  ring = fr.RingMultiHeadAttention(
+    **kw, mesh=mesh, seq_axis="sp", implementation="pallas_tpu", interpret=interpret_params(),
+    block_sizes=fr.BlockSizes(block_q=32, block_kv=128),
+  )
+  nnx.update(ring, nnx.state(mha))
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 64, 32))
+  expected = mha(x, is_causal=True)
+  x = jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, P(None, "sp", None)))
+  with no_races():
+    got = ring(x, is_causal=True)
+  assert_close(got, expected, jnp.float32)
