@@ -76,8 +76,15 @@ def test_many_tiles_per_shard(opts, n):
 
   def ring(q, k, v):
     return fr.ring_attention(
-      q, k, v, mesh=mesh, segment_ids=seg, implementation="pallas_tpu", interpret=interpret_params(),
-      block_sizes=blocks, **opts,
+      q,
+      k,
+      v,
+      mesh=mesh,
+      segment_ids=seg,
+      implementation="pallas_tpu",
+      interpret=interpret_params(),
+      block_sizes=blocks,
+      **opts,
     )
 
   with no_races():
@@ -107,7 +114,9 @@ def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, cap):
   stat = sds((B, N, T), jnp.float32)
   fwd = jax.jit(lambda q, k, v, qp, kp, qs, ks: block_fwd(q, k, v, qp, kp, qs, ks, spec=spec, interpret=None))
   bwd = jax.jit(
-    lambda q, k, v, do, lse, dl, qp, kp, qs, ks: block_bwd(q, k, v, do, lse, dl, qp, kp, qs, ks, spec=spec, interpret=None)
+    lambda q, k, v, do, lse, dl, qp, kp, qs, ks: block_bwd(
+      q, k, v, do, lse, dl, qp, kp, qs, ks, spec=spec, interpret=None
+    )
   )
   text = export.export(fwd, platforms=("tpu",))(q, k, k, pos, pos, seg, seg).mlir_module()
   text += export.export(bwd, platforms=("tpu",))(q, k, k, q, stat, stat, pos, pos, seg, seg).mlir_module()
@@ -146,7 +155,11 @@ def test_layer_with_interpret_matches_mha():
   kw = dict(num_heads=4, in_features=32, qkv_features=32, decode=False, rngs=nnx.Rngs(0))
   mha = nnx.MultiHeadAttention(**kw)
   ring = fr.RingMultiHeadAttention(
-    **kw, mesh=mesh, seq_axis="sp", implementation="pallas_tpu", interpret=interpret_params(),
+    **kw,
+    mesh=mesh,
+    seq_axis="sp",
+    implementation="pallas_tpu",
+    interpret=interpret_params(),
     block_sizes=fr.BlockSizes(block_q=32, block_kv=128),
   )
   nnx.update(ring, nnx.state(mha))

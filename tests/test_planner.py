@@ -20,7 +20,9 @@ PLANS = {"fwd": forward.fwd_plan, "dq": backward.dq_plan, "dkv": backward.dkv_pl
 @pytest.mark.parametrize("has_segments", [False, True], ids=["", "seg"])
 def test_model_counts_exactly_the_kernels_buffers(kernel, dtype, has_segments):
   """The closed-form model equals the VMEM of the kernel's own BlockSpecs and scratch shapes."""
-  for (bq, bk), (N, K), H in itertools.product([(16, 128), (128, 256), (512, 128), (24, 384)], [(8, 2), (4, 4), (8, 1)], [64, 128, 80]):
+  for (bq, bk), (N, K), H in itertools.product(
+    [(16, 128), (128, 256), (512, 128), (24, 384)], [(8, 2), (4, 4), (8, 1)], [64, 128, 80]
+  ):
     plan = PLANS[kernel](B=2, T=4 * bq, S=2 * bk, N=N, K=K, H=H, dtype=dtype, bq=bq, bk=bk, has_segments=has_segments)
     model = planner.footprint(
       kernel, bq=bq, bk=bk, num_heads=N, num_kv_heads=K, head_dim=H, dtype=dtype, has_segments=has_segments

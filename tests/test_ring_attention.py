@@ -84,6 +84,7 @@ CASES = [
   Case("empty_rows", S=32, segments="cross", window=(4, 4)),
 ]
 
+
 def make_inputs(case: Case, dtype, seed=0):
   keys = jax.random.split(jax.random.PRNGKey(seed), 6)
   B, H = 2, 16

@@ -23,9 +23,7 @@ def normalize_interpret(interpret):
     return pltpu.InterpretParams()
   if isinstance(interpret, pltpu.InterpretParams):
     return interpret
-  raise TypeError(
-    f"interpret must be a bool, None or a jax.experimental.pallas.tpu.InterpretParams, got {interpret!r}"
-  )
+  raise TypeError(f"interpret must be a bool, None or a jax.experimental.pallas.tpu.InterpretParams, got {interpret!r}")
 
 
 def on_tpu() -> bool:

@@ -168,12 +168,18 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, in
   n_mask = len(mask_ops)
 
   (dq,) = c.call(
-    functools.partial(_dq_kernel, spec=spec, num_mask_refs=n_mask), dq_plan(**dims), 2, interpret=interpret,
+    functools.partial(_dq_kernel, spec=spec, num_mask_refs=n_mask),
+    dq_plan(**dims),
+    2,
+    interpret=interpret,
     name="ring_block_bwd_dq",
   )(kinds, c.fetch_index(kinds), *q_side, *kv_side, *mask_ops)
   kinds_t = kinds.T
   dk, dv = c.call(
-    functools.partial(_dkv_kernel, spec=spec, num_mask_refs=n_mask), dkv_plan(**dims), 2, interpret=interpret,
+    functools.partial(_dkv_kernel, spec=spec, num_mask_refs=n_mask),
+    dkv_plan(**dims),
+    2,
+    interpret=interpret,
     name="ring_block_bwd_dkv",
   )(kinds_t, c.fetch_index(kinds_t), *kv_side, *q_side, *mask_ops)
   return c.heads_major(dq), c.heads_major(dk), c.heads_major(dv)

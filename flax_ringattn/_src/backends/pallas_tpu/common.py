@@ -161,9 +161,7 @@ def scores(q_ref, k_ref, mask_refs, *, spec, masked: bool):
   """
   G, bq, H = q_ref.shape
   q = q_ref[...].reshape(G * bq, H)  # reshape the value, never the ref (interpret mode)
-  s = jax.lax.dot_general(
-    q, k_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=F32, precision=spec.precision
-  )
+  s = jax.lax.dot_general(q, k_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=F32, precision=spec.precision)
   s = (s * spec.scale).reshape(G, bq, -1)
   t = None
   if spec.logits_soft_cap is not None:

@@ -68,8 +68,11 @@ def _kernel(kinds_ref, fetch_ref, q_ref, k_ref, v_ref, *refs, spec, num_mask_ref
     l_new = alpha * l_sc[...][..., :1] + p.sum(axis=-1, keepdims=True)
     v = v_ref[...]
     pv = jax.lax.dot_general(
-      p.reshape(G * bq, -1).astype(v.dtype), v, (((1,), (0,)), ((), ())),
-      preferred_element_type=c.F32, precision=spec.precision,
+      p.reshape(G * bq, -1).astype(v.dtype),
+      v,
+      (((1,), (0,)), ((), ())),
+      preferred_element_type=c.F32,
+      precision=spec.precision,
     )
     acc_sc[...] = alpha * acc_sc[...] + pv.reshape(G, bq, H)
     m_sc[...] = jnp.broadcast_to(m_new, m_sc.shape)

@@ -143,8 +143,15 @@ def _best(kernels, q_len, kv_len, dtype, budget, **dims):
         continue
       traffic = sum(
         hbm_bytes(
-          k, bq=bq, bk=bk, q_len=q_len, kv_len=kv_len, dtype=dtype,
-          num_heads=dims["num_heads"], num_kv_heads=dims["num_kv_heads"], head_dim=dims["head_dim"],
+          k,
+          bq=bq,
+          bk=bk,
+          q_len=q_len,
+          kv_len=kv_len,
+          dtype=dtype,
+          num_heads=dims["num_heads"],
+          num_kv_heads=dims["num_kv_heads"],
+          head_dim=dims["head_dim"],
         )
         for k in kernels
       )
@@ -195,14 +202,20 @@ def plan_block_sizes(
   """
   generation = current_generation() if generation is None else generation
   budget = budget_bytes(generation)
-  for name, value in (("q_len", q_len), ("kv_len", kv_len), ("num_heads", num_heads),
-                      ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+  for name, value in (
+    ("q_len", q_len),
+    ("kv_len", kv_len),
+    ("num_heads", num_heads),
+    ("num_kv_heads", num_kv_heads),
+    ("head_dim", head_dim),
+  ):
     if not isinstance(value, int) or value < 1:
       raise ValueError(f"plan_block_sizes: {name} must be a positive int, got {name}={value!r}")
   if num_heads % num_kv_heads:
     raise ValueError(f"plan_block_sizes: num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-  dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-              has_segments=has_segments, soft_cap=soft_cap)
+  dims = dict(
+    num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, has_segments=has_segments, soft_cap=soft_cap
+  )
   fwd = _best(("fwd",), q_len, kv_len, dtype, budget, **dims)
   bwd = _best(("dq", "dkv"), q_len, kv_len, dtype, budget, **dims)
   if fwd is None or bwd is None:
