@@ -126,3 +126,22 @@ def test_unaligned_tiles_are_rejected(dtype, T, S, blocks, match):
   k = v = jnp.zeros((1, S, 2, 16), dtype)
   with pytest.raises(ValueError, match=match):
     _pallas(q, k, v, blocks)
+
+
+def test_grouped_heads_need_aligned_q_tiles():
+  q = jnp.zeros((1, 36, 4, 16))  # 2 q heads per kv head, the whole 36-row shard as one q tile
+  k = v = jnp.zeros((1, 64, 2, 16))
+  with pytest.raises(
+    ValueError, match=r"with 2 q heads per kv head the q tile must be a multiple of 8 rows .* q_len=36"
+  ):
+    _pallas(q, k, v, fr.BlockSizes(block_q=64, block_kv=128))
+  # The planner never picks such a tile: here there is no legal one.
+  with pytest.raises(ValueError, match=r"no legal TPU tile for q_len=36 .*with grouped heads it must be aligned"):
+    fr.plan_block_sizes(36, 64, 4, 2, 16, jnp.float32)
+  assert fr.plan_block_sizes(36, 64, 2, 2, 16, jnp.float32).block_q == 36  # without grouping the whole axis is fine
+
+
+def test_tile_tables_must_fit_smem():
+  x = jnp.zeros((1, 16384, 1, 8))
+  with pytest.raises(ValueError, match=r"2048 x 128 tiles .* need 2097152 bytes of tile tables in SMEM"):
+    _pallas(x, x, x, fr.BlockSizes(block_q=8, block_kv=128))

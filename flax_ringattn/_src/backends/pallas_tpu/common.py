@@ -28,6 +28,9 @@ from jax.experimental.pallas import tpu as pltpu
 from flax_ringattn._src import masks, vma
 
 LANES = 128  # minor (lane) dimension of a TPU vreg
+# SMEM is 1 MiB per core from v4 on (JAX's tpu_info); the two scalar-prefetched
+# tile tables of one kernel may use half of it.
+SMEM_TABLE_BYTES = 512 * 1024
 F32 = jnp.float32
 
 
@@ -101,10 +104,24 @@ def block_tiles(spec, q, k, *, backward: bool) -> tuple[int, int]:
   )
   req_q, req_kv = blocks.bwd if backward else (blocks.block_q, blocks.block_kv)
   suffix = "_bwd" if backward else ""
-  return (
-    tpu_tile(T, req_q, sublanes(q.dtype), what=f"block_q{suffix}"),
-    tpu_tile(S, req_kv, LANES, what=f"block_kv{suffix}"),
-  )
+  bq = tpu_tile(T, req_q, sublanes(q.dtype), what=f"block_q{suffix}")
+  bk = tpu_tile(S, req_kv, LANES, what=f"block_kv{suffix}")
+  if N > K and bq % sublanes(q.dtype):
+    # The G heads of a group are stacked into one (G * bq, H) matmul operand;
+    # Mosaic can only merge those dims when bq fills whole sublane tiles.
+    raise ValueError(
+      f"pallas_tpu: with {N // K} q heads per kv head the q tile must be a multiple of {sublanes(q.dtype)} rows "
+      f"for {jnp.dtype(q.dtype).name}, got the whole shard q_len={T}; use a shard length that is a multiple of "
+      f"{sublanes(q.dtype)} or implementation='xla'"
+    )
+  table = 2 * (T // bq) * (S // bk) * 4  # tile-class and fetch-index tables, scalar-prefetched into SMEM
+  if table > SMEM_TABLE_BYTES:
+    raise ValueError(
+      f"pallas_tpu: {T // bq} x {S // bk} tiles (q_len={T}, kv_len={S}, block_q{suffix}={bq}, block_kv{suffix}={bk}) "
+      f"need {table} bytes of tile tables in SMEM, more than {SMEM_TABLE_BYTES}; use larger tiles "
+      "(BlockSizes or block_sizes=None to let plan_block_sizes choose)"
+    )
+  return bq, bk
 
 
 def block_setup(spec, q, k, q_pos, kv_pos, q_seg, kv_seg, *, backward: bool):
@@ -194,9 +211,7 @@ def compiler_params(semantics, interpret):
     return pltpu.CompilerParams(dimension_semantics=semantics)
   from flax_ringattn._src.backends.pallas_tpu import planner
 
-  # The planner keeps the footprint within SAFETY_MARGIN of VMEM; let Mosaic
-  # use nearly all of it (its default scoped limit is far lower on most chips).
-  limit = int(planner.VMEM_BYTES[planner.current_generation()] * 0.9)
+  limit = planner.vmem_limit_bytes(planner.current_generation())
   return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit)
 
 

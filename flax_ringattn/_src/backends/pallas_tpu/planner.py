@@ -16,7 +16,6 @@ number); a test checks this table against `pltpu.get_tpu_info_for_chip`.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -76,21 +75,21 @@ def footprint(kernel: str, *, bq, bk, num_heads, num_kv_heads, head_dim, dtype, 
     inputs = q_tile + 2 * kv_tile + mask
     outputs = _tile(bq, H, f32, G) + row_stat
     scratch = 2 * _tile(bq, c.LANES, f32, G) + _tile(bq, H, f32, G)  # m, l, acc
-    temporaries = 2 * score  # s, p
+    temporaries = 3 * score  # s, its masked copy, p (and p cast to the input dtype)
   elif kernel == "dq":
     inputs = 2 * q_tile + 2 * row_stat + 2 * kv_tile + mask
     outputs = _tile(bq, H, f32, G)
     scratch = _tile(G * bq, H, f32)
-    temporaries = 3 * score  # s, p, dp / ds
+    temporaries = 5 * score  # s (masked), p, dp, ds, ds * scale cast for the matmul
   elif kernel == "dkv":
     inputs = 2 * kv_tile + 2 * q_tile + 2 * row_stat + mask
     outputs = 2 * _tile(bk, H, f32)
     scratch = 2 * _tile(bk, H, f32)
-    temporaries = 3 * score
+    temporaries = 5 * score  # as dq, plus p cast for dV sharing the same live range
   else:
     raise ValueError(f"kernel must be 'fwd', 'dq' or 'dkv', got {kernel!r}")
   if soft_cap:
-    temporaries += score  # tanh(raw / cap), kept for the gradient
+    temporaries += 2 * score  # raw / cap and tanh(raw / cap), kept for the gradient
   return Footprint(buffers=2 * (inputs + outputs) + scratch, temporaries=temporaries)
 
 
@@ -101,10 +100,14 @@ def candidates(length: int, align: int) -> list[int]:
   return sorted(out)
 
 
+def q_candidates(q_len: int, dtype, *, grouped: bool) -> list[int]:
+  """Legal q tiles; grouped heads (N > K) need sublane-aligned ones (see common.block_tiles)."""
+  sub = c.sublanes(dtype)
+  return [t for t in candidates(q_len, sub) if not grouped or t % sub == 0]
+
+
 def budget_bytes(generation: str) -> int:
-  if generation not in VMEM_BYTES:
-    raise ValueError(f"unknown TPU {generation=}; known generations: {tuple(VMEM_BYTES)}")
-  return int(VMEM_BYTES[generation] * SAFETY_MARGIN)
+  return int(vmem_bytes(generation) * SAFETY_MARGIN)
 
 
 def hbm_bytes(kernel: str, *, bq, bk, q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype) -> int:
@@ -119,9 +122,9 @@ def hbm_bytes(kernel: str, *, bq, bk, q_len, kv_len, num_heads, num_kv_heads, he
   q_side = q_len * num_heads * head_dim * b  # q (or do)
   kv_side = kv_len * num_kv_heads * head_dim * b  # k (or v)
   stats = q_len * num_heads * 4  # lse or delta
-  out_q = q_len * num_heads * (head_dim + 1) * 4  # f32 o + lse, or dq
+  out_q = q_len * num_heads * head_dim * 4  # f32 o or dq
   if kernel == "fwd":
-    return q_side + (q_len // bq) * 2 * kv_side + out_q
+    return q_side + (q_len // bq) * 2 * kv_side + out_q + stats  # + lse
   if kernel == "dq":
     return 2 * q_side + 2 * stats + (q_len // bq) * 2 * kv_side + out_q
   if kernel == "dkv":
@@ -136,7 +139,8 @@ def _best(kernels, q_len, kv_len, dtype, budget, **dims):
   choice in either dimension does not fit (else it would have been chosen).
   """
   best, best_key = None, None
-  for bq in candidates(q_len, c.sublanes(dtype)):
+  grouped = dims["num_heads"] > dims["num_kv_heads"]
+  for bq in q_candidates(q_len, dtype, grouped=grouped):
     for bk in candidates(kv_len, c.LANES):
       need = max(footprint(k, bq=bq, bk=bk, dtype=dtype, **dims).total for k in kernels)
       if need > budget:
@@ -162,13 +166,29 @@ def _best(kernels, q_len, kv_len, dtype, budget, **dims):
 
 
 def current_generation() -> str:
-  """The generation of the attached TPU, or DEFAULT_GENERATION off TPU."""
+  """The attached TPU's generation name ('v5e', ...), or DEFAULT_GENERATION off TPU.
+
+  A chip missing from VMEM_BYTES (v2, v3, v4i, 7, 8i, ...) is named by JAX's
+  chip version; `vmem_bytes` then asks JAX for its capacity.
+  """
   if jax.default_backend() != "tpu":
     return DEFAULT_GENERATION
   from jax.experimental.pallas import tpu as pltpu
 
   version = str(pltpu.get_tpu_info().chip_version.value).lower()
-  return {"7x": "v7x", "tpu7x": "v7x"}.get(version, version)
+  version = {"7x": "v7x", "tpu7x": "v7x"}.get(version, version)
+  return version if version.startswith("v") or version in VMEM_BYTES else f"v{version}"
+
+
+def vmem_bytes(generation: str) -> int:
+  """VMEM per TensorCore: the table for known generations, else JAX's own number for the attached chip."""
+  if generation in VMEM_BYTES:
+    return VMEM_BYTES[generation]
+  if jax.default_backend() == "tpu" and generation == current_generation():
+    from jax.experimental.pallas import tpu as pltpu
+
+    return int(pltpu.get_tpu_info().vmem_capacity_bytes)
+  raise ValueError(f"unknown TPU {generation=}; known generations: {tuple(VMEM_BYTES)}")
 
 
 def plan_block_sizes(
@@ -219,11 +239,13 @@ def plan_block_sizes(
   fwd = _best(("fwd",), q_len, kv_len, dtype, budget, **dims)
   bwd = _best(("dq", "dkv"), q_len, kv_len, dtype, budget, **dims)
   if fwd is None or bwd is None:
-    qs, ks = candidates(q_len, c.sublanes(dtype)), candidates(kv_len, c.LANES)
+    qs = q_candidates(q_len, dtype, grouped=num_heads > num_kv_heads)
+    ks = candidates(kv_len, c.LANES)
     if not qs or not ks:
+      whole = " (with grouped heads it must be aligned too)" if num_heads > num_kv_heads else ""
       raise ValueError(
         f"plan_block_sizes: no legal TPU tile for q_len={q_len} (multiples of {c.sublanes(dtype)} up to {MAX_TILE}, "
-        f"or the whole axis up to {MAX_TILE}) or kv_len={kv_len} (multiples of {c.LANES}, same rule)"
+        f"or the whole axis up to {MAX_TILE}{whole}) or kv_len={kv_len} (multiples of {c.LANES}, same rule)"
       )
     smallest = footprint("dq", bq=qs[0], bk=ks[0], dtype=dtype, **dims).total
     raise ValueError(
@@ -234,6 +256,8 @@ def plan_block_sizes(
   return BlockSizes(block_q=fwd[0], block_kv=fwd[1], block_q_bwd=bwd[0], block_kv_bwd=bwd[1])
 
 
-def vmem_limit_bytes(plan_bytes: int, generation: str) -> int:
-  """The scoped VMEM limit to request for a kernel whose buffers need `plan_bytes`."""
-  return min(VMEM_BYTES[generation], max(32 * MiB, math.ceil(plan_bytes / SAFETY_MARGIN)))
+def vmem_limit_bytes(generation: str) -> int:
+  """The scoped VMEM limit a kernel asks Mosaic for: nearly all of VMEM (the
+  planner keeps footprints within SAFETY_MARGIN; Mosaic's default scoped limit
+  is far lower on most chips)."""
+  return int(vmem_bytes(generation) * 0.9)
