@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from flax_ringattn._src import masks
-from flax_ringattn._src.backends.xla.common import tile_kinds
 from flax_ringattn._src.layout import shard_positions
 
 
@@ -41,7 +40,7 @@ def test_causal_and_window_classes_are_exact(spec, load_balance):
   for r, s in itertools.product(range(n), range(n)):
     qp = shard_positions(r, n, L, load_balance)
     kp = shard_positions(s, n, L, load_balance)
-    got = np.asarray(tile_kinds(spec, qp, kp, None, None, bq, bk))
+    got = np.asarray(masks.tile_kinds(spec, qp, kp, None, None, bq, bk))
     np.testing.assert_array_equal(got, _brute_kinds(spec, qp, kp, None, None, bq, bk), err_msg=f"{r=} {s=}")
 
 
@@ -50,7 +49,7 @@ def test_segment_classes_are_conservative():
   spec = masks.MaskSpec(is_causal=True, has_segments=True)
   pos = jnp.arange(32, dtype=jnp.int32)
   seg = jnp.asarray([[0] * 8 + [1] * 16 + [2] * 8, [0] * 16 + [1] * 16], jnp.int32)
-  got = np.asarray(tile_kinds(spec, pos, pos, seg, seg, 8, 8))
+  got = np.asarray(masks.tile_kinds(spec, pos, pos, seg, seg, 8, 8))
   brute = _brute_kinds(spec, pos, pos, seg, seg, 8, 8)
   assert not np.any((got == masks.EMPTY) & (brute != masks.EMPTY))
   assert not np.any((got == masks.FULL) & (brute != masks.FULL))
@@ -69,7 +68,8 @@ def test_causal_ring_skips_half_the_tiles():
     for r in range(n):
       qp = shard_positions(r, n, L, load_balance)
       kinds = [
-        np.asarray(tile_kinds(spec, qp, shard_positions(s, n, L, load_balance), None, None, t, t)) for s in range(n)
+        np.asarray(masks.tile_kinds(spec, qp, shard_positions(s, n, L, load_balance), None, None, t, t))
+        for s in range(n)
       ]
       per_device.append(sum(int((k != masks.EMPTY).sum()) for k in kinds))
     total = n * n * (L // t) ** 2

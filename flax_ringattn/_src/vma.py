@@ -20,20 +20,19 @@ def _varying_axes(x) -> frozenset:
   return frozenset(getattr(aval, "vma", ()))  # older JAX
 
 
-def like(x, ref):
-  want, have = _varying_axes(ref), _varying_axes(x)
-  missing = tuple(sorted(want - have, key=str))
+def _varying_over(x, want: frozenset):
+  missing = tuple(sorted(want - _varying_axes(x), key=str))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def like(x, ref):
+  return _varying_over(x, _varying_axes(ref))
 
 
 def unify(*xs):
   """`xs` all marked varying over the union of their manual axes (e.g. the operands of one pallas_call)."""
   want = frozenset().union(*(_varying_axes(x) for x in xs))
-  out = []
-  for x in xs:
-    missing = tuple(sorted(want - _varying_axes(x), key=str))
-    out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
-  return out
+  return [_varying_over(x, want) for x in xs]
 
 
 def manual_axis_type(x):

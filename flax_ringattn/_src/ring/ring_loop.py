@@ -54,9 +54,7 @@ def _ring_geometry(axis_name):
 
 def _hop_kind(spec: AttentionSpec, q_pos, kv_pos, q_seg, kv_seg):
   """EMPTY / PARTIAL / FULL for a whole (q shard, kv shard) pair: one tile each."""
-  q = masks.tile_extent(q_pos, q_seg, q_pos.shape[0])
-  kv = masks.tile_extent(kv_pos, kv_seg, kv_pos.shape[0])
-  return masks.classify(spec.mask, q, kv)[0]
+  return masks.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, q_pos.shape[0], kv_pos.shape[0])[0, 0]
 
 
 def _unless_empty(backend, kind, compute, skip):

@@ -52,8 +52,7 @@ class PallasTpuBackend:
       )
     if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
       raise NotImplementedError(f"pallas_tpu supports float32 and bfloat16 inputs, got dtype={jnp.dtype(dtype)}")
-    (_, T, _, _), (_, S, _, _) = shapes
-    del T, S  # the shard lengths are checked against the tiles when the block is traced
+    del shapes  # global shapes: the shard lengths are checked against the tiles when the block is traced
 
   def fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec):
     return block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec=spec, interpret=self.interpret)

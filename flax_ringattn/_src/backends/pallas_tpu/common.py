@@ -51,7 +51,7 @@ class CallPlan:
   scratch: tuple  # (shape, dtype) of VMEM scratch buffers
 
 
-def _padded_bytes(shape, dtype) -> int:
+def padded_bytes(shape, dtype) -> int:
   """VMEM bytes of one buffer: the two minor dims are padded to (sublanes, 128) tiles."""
   shape = tuple(1 if d is None else d for d in shape)
   if len(shape) == 1:
@@ -66,11 +66,11 @@ def plan_vmem_bytes(plan: CallPlan) -> int:
   """VMEM a plan allocates: inputs and outputs double-buffered by the pipeline, plus scratch."""
   total = 0
   for spec, dtype in zip(plan.in_specs, plan.in_dtypes, strict=True):
-    total += 2 * _padded_bytes(spec.block_shape, dtype)
+    total += 2 * padded_bytes(spec.block_shape, dtype)
   for spec, out in zip(plan.out_specs, plan.out_shapes, strict=True):
-    total += 2 * _padded_bytes(spec.block_shape, out.dtype)
+    total += 2 * padded_bytes(spec.block_shape, out.dtype)
   for shape, dtype in plan.scratch:
-    total += _padded_bytes(shape, dtype)
+    total += padded_bytes(shape, dtype)
   return total
 
 

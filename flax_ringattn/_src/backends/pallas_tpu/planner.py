@@ -19,6 +19,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 
 from flax_ringattn._src.backends.pallas_tpu import common as c
 from flax_ringattn._src.block_sizes import BlockSizes
@@ -57,8 +58,7 @@ class Footprint:
 
 def _tile(rows: int, cols: int, dtype, lead: int = 1) -> int:
   """Bytes of a [lead, rows, cols] VMEM buffer padded to (sublane, lane) tiles."""
-  sub = c.sublanes(dtype)
-  return lead * (-(-rows // sub) * sub) * (-(-cols // c.LANES) * c.LANES) * jnp.dtype(dtype).itemsize
+  return c.padded_bytes((lead, rows, cols), dtype)
 
 
 def footprint(kernel: str, *, bq, bk, num_heads, num_kv_heads, head_dim, dtype, has_segments=False, soft_cap=False):
@@ -173,8 +173,6 @@ def current_generation() -> str:
   """
   if jax.default_backend() != "tpu":
     return DEFAULT_GENERATION
-  from jax.experimental.pallas import tpu as pltpu
-
   version = str(pltpu.get_tpu_info().chip_version.value).lower()
   version = {"7x": "v7x", "tpu7x": "v7x"}.get(version, version)
   return version if version.startswith("v") or version in VMEM_BYTES else f"v{version}"
@@ -185,8 +183,6 @@ def vmem_bytes(generation: str) -> int:
   if generation in VMEM_BYTES:
     return VMEM_BYTES[generation]
   if jax.default_backend() == "tpu" and generation == current_generation():
-    from jax.experimental.pallas import tpu as pltpu
-
     return int(pltpu.get_tpu_info().vmem_capacity_bytes)
   raise ValueError(f"unknown TPU {generation=}; known generations: {tuple(VMEM_BYTES)}")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flax_ringattn._src import vma
+from flax_ringattn._src import masks, vma
 from flax_ringattn._src.backends.xla import common as c
 
 
@@ -25,7 +25,7 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec):
   S, K = k.shape[1], k.shape[2]
   G = N // K
   bq, bk = c.tiles(spec, T, S, backward=True)
-  kinds = c.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, bq, bk)  # [nq, nk]
+  kinds = masks.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, bq, bk)  # [nq, nk]
   prec = spec.precision
 
   def q_step(i, grads):

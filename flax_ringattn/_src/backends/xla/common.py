@@ -96,19 +96,6 @@ def seg_tile(seg, i, tile: int):
   return None if seg is None else jax.lax.dynamic_slice_in_dim(seg, i * tile, tile, axis=1)
 
 
-def tile_kinds(mask_spec, q_pos, kv_pos, q_seg, kv_seg, bq: int, bk: int):
-  """[T/bq, S/bk] table of masks.EMPTY / PARTIAL / FULL."""
-  qe = masks.tile_extent(q_pos, q_seg, bq)
-  ke = masks.tile_extent(kv_pos, kv_seg, bk)
-  col = lambda a: None if a is None else a[..., :, None]  # noqa: E731
-  row = lambda a: None if a is None else a[..., None, :]  # noqa: E731
-  return masks.classify(
-    mask_spec,
-    masks.Extent(col(qe.pos_min), col(qe.pos_max), col(qe.seg_min), col(qe.seg_max)),
-    masks.Extent(row(ke.pos_min), row(ke.pos_max), row(ke.seg_min), row(ke.seg_max)),
-  )
-
-
 def scores(q_i, k_j, spec):
   """Scaled (and soft-capped) f32 scores of one tile pair: [B, K, G, bq, bk].
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flax_ringattn._src import vma
+from flax_ringattn._src import masks, vma
 from flax_ringattn._src.backends.xla import common as c
 
 
@@ -23,7 +23,7 @@ def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec):
   S, K = k.shape[1], k.shape[2]
   G = N // K
   bq, bk = c.tiles(spec, T, S, backward=False)
-  kinds = c.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, bq, bk)  # [nq, nk]
+  kinds = masks.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, bq, bk)  # [nq, nk]
 
   def q_step(i, out):
     q_i = c.q_tile(q, i, bq, K)
