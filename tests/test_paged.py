@@ -19,6 +19,7 @@ import pytest
 from conftest import make_mesh
 from jax.experimental import checkify
 from jax.sharding import NamedSharding, PartitionSpec
+from paged_oracle import paged_oracle
 from tolerances import assert_close
 
 import flax_ringattn as fr
@@ -260,42 +261,9 @@ def scenario(name, rng):
 SCENARIOS = ["decode", "prefill", "chunked", "mixed", "edge", "few", "none"]
 
 
-def numpy_oracle(b: Batch, *, sliding_window=None, logits_soft_cap=None, scale=None):
-  """Row-by-row float64 attention over the tokens of valid pages (independent of both implementations)."""
-  q = np.asarray(jnp.asarray(b.q, F32), np.float64)
-  num_pages, ps, kh, hd = b.k_pages.shape
-
-  def deq(pages, sc):
-    x = np.asarray(jnp.asarray(pages, F32), np.float64)
-    if sc is None:
-      return x
-    sc = np.asarray(sc, np.float64)
-    return x * (sc if sc.ndim == 0 else sc[:, None, :, None] if sc.ndim == 2 else sc[..., None])
-
-  kp, vp = deq(b.k_pages, b.k_scale), deq(b.v_pages, b.v_scale)
-  table, cu = np.asarray(b.page_indices), np.asarray(b.cu_q_lens)
-  groups = q.shape[1] // kh
-  scale = hd**-0.5 if scale is None else scale
-  out = np.zeros(q.shape)
-  for i, (ql, kv) in enumerate(b.seqs):
-    for j in range(ql):
-      row, pos = cu[i] + j, kv - ql + j
-      keys = [
-        t
-        for t in range(kv)
-        if t <= pos and 0 <= table[i, t // ps] < num_pages and (sliding_window is None or t > pos - sliding_window)
-      ]
-      if not keys:
-        continue
-      kk = np.stack([kp[table[i, t // ps], t % ps] for t in keys])  # [L, K, H]
-      vv = np.stack([vp[table[i, t // ps], t % ps] for t in keys])
-      for h in range(q.shape[1]):
-        s = kk[:, h // groups] @ q[row, h] * scale
-        if logits_soft_cap is not None:
-          s = logits_soft_cap * np.tanh(s / logits_soft_cap)
-        p = np.exp(s - s.max())
-        out[row, h] = (p / p.sum()) @ vv[:, h // groups]
-  return out
+def numpy_oracle(b: Batch, **kw):
+  """The independent float64 oracle's output (`paged_oracle.py`; gradients: test_paged_oracle.py)."""
+  return paged_oracle(*b.args, k_scale=b.k_scale, v_scale=b.v_scale, **kw)[0]
 
 
 def _check_fwd(b: Batch, dtype=F32, **kw):

@@ -1,0 +1,121 @@
+"""An independent float64 oracle for paged attention: forward and gradients.
+
+Written apart from the library: it shares no helper with `paged_attention` or
+`paged_reference_attention` (no `dequantize`, no metadata code).  It walks the
+ragged batch token by token in plain numpy:
+
+* pages are widened to float64 by numpy itself (ml_dtypes handles float8), and
+  scaled here, one branch per scale shape: `()`, `[P, K]`, `[P, page_size, K]`;
+* sequence i owns rows cu_q_lens[i] .. cu_q_lens[i + 1] - 1 of q, and its q
+  tokens are the last q_len of its kv_len tokens, so row j has position
+  kv_len - q_len + j and sees keys t <= position (and t > position - window);
+* a key whose page id is out of range is invisible, as in the op's default mode.
+
+Gradients are the textbook softmax backward per row, with the soft cap's
+derivative, accumulated into the page slot each key was read from and taken
+with respect to the stored value (d stored = d dequantized * scale).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _widen(x) -> np.ndarray:
+  return np.asarray(x).astype(np.float64)
+
+
+def scale_factors(scale, num_pages: int, page_size: int, num_kv_heads: int) -> np.ndarray:
+  """[P, page_size, K] float64: the factor every stored value of (page, slot, kv head) is multiplied by."""
+  full = np.ones((num_pages, page_size, num_kv_heads))
+  if scale is None:
+    return full
+  s = _widen(scale)
+  if s.shape == ():
+    return full * s
+  if s.shape == (num_pages, num_kv_heads):  # per page and kv head
+    return full * s[:, None, :]
+  if s.shape == (num_pages, page_size, num_kv_heads):  # per token and kv head
+    return full * s
+  raise ValueError(f"oracle: unexpected scale shape {s.shape}")
+
+
+def _visible_keys(table_row, kv_len, pos, num_pages, page_size, sliding_window):
+  """(token t, page id, slot) of the keys row at `pos` may read."""
+  keys = []
+  for t in range(kv_len):
+    page = int(table_row[t // page_size])
+    if t > pos or not 0 <= page < num_pages:
+      continue
+    if sliding_window is not None and t <= pos - sliding_window:
+      continue
+    keys.append((t, page, t % page_size))
+  return keys
+
+
+def paged_oracle(
+  q,
+  k_pages,
+  v_pages,
+  kv_lens,
+  page_indices,
+  cu_q_lens,
+  num_seqs,
+  *,
+  k_scale=None,
+  v_scale=None,
+  do=None,
+  sliding_window=None,
+  logits_soft_cap=None,
+  scale=None,
+):
+  """float64 (out, (dq, dk_pages, dv_pages)); gradients only when `do` is given (else None)."""
+  qf = _widen(q)
+  T, N, H = qf.shape
+  P, ps, K, _ = k_pages.shape
+  ksf = scale_factors(k_scale, P, ps, K)
+  vsf = scale_factors(v_scale, P, ps, K)
+  kp = _widen(k_pages) * ksf[..., None]
+  vp = _widen(v_pages) * vsf[..., None]
+  table, cu, kv_lens = np.asarray(page_indices), np.asarray(cu_q_lens), np.asarray(kv_lens)
+  n = int(np.asarray(num_seqs)[0])
+  groups = N // K
+  scale = H**-0.5 if scale is None else scale
+  dof = None if do is None else _widen(do)
+  out = np.zeros((T, N, H))
+  dq, dkd, dvd = np.zeros((T, N, H)), np.zeros((P, ps, K, H)), np.zeros((P, ps, K, H))
+  for i in range(n):
+    q_len, kv_len = int(cu[i + 1] - cu[i]), int(kv_lens[i])
+    for j in range(q_len):
+      row, pos = int(cu[i]) + j, kv_len - q_len + j
+      keys = _visible_keys(table[i], kv_len, pos, P, ps, sliding_window)
+      if not keys:
+        continue  # a row with no visible key: output 0, gradient 0
+      pages = np.array([p for _, p, _ in keys])
+      slots = np.array([s for _, _, s in keys])
+      for h in range(N):
+        g = h // groups
+        kk, vv = kp[pages, slots, g], vp[pages, slots, g]  # [L, H]
+        x = kk @ qf[row, h] * scale
+        if logits_soft_cap is not None:
+          tanh = np.tanh(x / logits_soft_cap)
+          s = logits_soft_cap * tanh
+        else:
+          s = x
+        p = np.exp(s - s.max())
+        p /= p.sum()
+        out[row, h] = p @ vv
+        if dof is None:
+          continue
+        d_o = dof[row, h]
+        dp = vv @ d_o
+        ds = p * (dp - p @ dp)
+        if logits_soft_cap is not None:
+          ds = ds * (1.0 - tanh**2)
+        dq[row, h] = scale * ds @ kk
+        np.add.at(dkd, (pages, slots, g), scale * ds[:, None] * qf[row, h][None, :])
+        np.add.at(dvd, (pages, slots, g), p[:, None] * d_o[None, :])
+  if dof is None:
+    return out, None
+  # Gradients with respect to the stored values: d stored = d dequantized * scale.
+  return out, (dq, dkd * ksf[..., None], dvd * vsf[..., None])

@@ -1,0 +1,181 @@
+"""`paged_attention` against the independent float64 oracle (`paged_oracle.py`), forward and gradients.
+
+`test_paged.py` compares the op with `paged_reference_attention`, which shares
+code with it (dequantisation, q-length metadata).  Here every paged scenario and
+every quantized case is also checked against numpy code written apart from the
+library, and a mutation test proves that a wrong dequantisation inside the
+library fails these checks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from paged_oracle import paged_oracle
+from test_paged import BF16, F32, SCENARIOS, SMALL, Batch, make_batch, op_fn, op_vjp, ref_fn, scenario
+from tolerances import assert_close
+
+import flax_ringattn as fr
+from flax_ringattn._src.paged import common as paged_common
+
+
+def oracle(b: Batch, do=None, **kw):
+  return paged_oracle(*b.args, k_scale=b.k_scale, v_scale=b.v_scale, do=do, **kw)
+
+
+def _do(b: Batch, dtype=F32, seed=100):
+  return jnp.asarray(np.random.default_rng(seed).normal(size=b.q.shape), dtype)
+
+
+def check_against_oracle(b: Batch, dtype=F32, *, grads=True, page_grads=True, **kw):
+  """The op's output (and dq, dk, dv) equal the oracle's at the dtype's tolerance."""
+  if not grads:
+    out = op_fn(*b.args, **b.scales, **kw)
+    assert_close(out, oracle(b, **kw)[0], dtype)
+    return
+  do = _do(b, dtype)
+  out, (dq, dk, dv) = op_vjp(b.args, do, **b.scales, **kw)
+  ref_out, (ref_dq, ref_dk, ref_dv) = oracle(b, do, **kw)
+  assert_close(out, ref_out, dtype)
+  assert_close(dq, ref_dq, dtype, "grad")
+  if page_grads:
+    assert_close((dk, dv), (ref_dk, ref_dv), dtype, "grad")
+
+
+# -- the oracle itself --------------------------------------------------------------------
+
+
+def test_oracle_on_a_hand_computed_batch():
+  """One sequence, one head, H=1: the answer is written out by hand."""
+  q = np.zeros((4, 1, 1), np.float32)
+  q[:2, 0, 0] = [1.0, 2.0]
+  k_pages = np.zeros((3, 2, 1, 1), np.float32)
+  v_pages = np.zeros((3, 2, 1, 1), np.float32)
+  # kv tokens 0, 1, 2 live in page 2 slot 0, page 2 slot 1, page 0 slot 0.
+  k_pages[2, :, 0, 0], k_pages[0, 0, 0, 0] = [0.0, 1.0], 2.0
+  v_pages[2, :, 0, 0], v_pages[0, 0, 0, 0] = [1.0, 3.0], 5.0
+  args = (q, k_pages, v_pages, np.array([3]), np.array([[2, 0]]), np.array([0, 2]), np.array([1]))
+  k_scale = np.array([[0.5], [9.0], [2.0]])  # [P, K]: page 0 -> 0.5, page 2 -> 2
+  out, _ = paged_oracle(*args, k_scale=k_scale)
+  # Row 0 (position 1) sees keys 0, 1 = 0, 2 (scaled by 2): softmax(0, 2) over v = 1, 3.
+  w = np.exp([0.0, 2.0]) / np.exp([0.0, 2.0]).sum()
+  np.testing.assert_allclose(out[0, 0, 0], w @ [1.0, 3.0])
+  # Row 1 (position 2, q = 2) sees k = 0, 2, 1 (page 0 scaled by 0.5): logits 0, 4, 2.
+  w = np.exp([0.0, 4.0, 2.0]) / np.exp([0.0, 4.0, 2.0]).sum()
+  np.testing.assert_allclose(out[1, 0, 0], w @ [1.0, 3.0, 5.0])
+  np.testing.assert_array_equal(out[2:], 0.0)  # padding rows
+
+
+@pytest.mark.parametrize("shape", ["scalar", "page", "token"])
+def test_oracle_scale_shapes_by_hand(shape):
+  """Each scale shape multiplies exactly the stored values it names (page 1, slot 0, kv head 1 -> 3.0)."""
+  from paged_oracle import scale_factors
+
+  P_, ps, K_ = 2, 2, 2
+  sc = {"scalar": np.float32(3.0), "page": np.array([[1.0, 2.0], [5.0, 3.0]]), "token": np.ones((P_, ps, K_))}[shape]
+  if shape == "token":
+    sc[1, 0, 1] = 3.0
+  f = scale_factors(sc, P_, ps, K_)
+  assert f.shape == (P_, ps, K_) and f[1, 0, 1] == 3.0
+  expected = {"scalar": np.full((P_, ps, K_), 3.0), "page": np.array([[[1.0, 2.0]] * 2, [[5.0, 3.0]] * 2])}
+  if shape != "token":
+    np.testing.assert_array_equal(f, expected[shape])
+  else:
+    assert (f == 1.0).sum() == P_ * ps * K_ - 1
+
+
+# -- every scenario, forward and gradients -------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario_matches_oracle(name):
+  rng = np.random.default_rng([61, SCENARIOS.index(name)])
+  b = make_batch(rng, scenario(name, rng))
+  check_against_oracle(b)
+  # The reference the other tests trust agrees with the oracle too.
+  assert_close(ref_fn(*b.args), oracle(b)[0], F32)
+
+
+@pytest.mark.parametrize("name", ["mixed", "edge"])
+def test_window_soft_cap_match_oracle(name):
+  rng = np.random.default_rng([62, SCENARIOS.index(name)])
+  b = make_batch(rng, scenario(name, rng))
+  check_against_oracle(b, sliding_window=5, logits_soft_cap=3.0, scale=0.5)
+
+
+def test_mqa_shared_prefix_bf16_match_oracle():
+  rng = np.random.default_rng(63)
+  check_against_oracle(make_batch(rng, [(3, 13), (2, 19), (1, 6)], num_kv_heads=1, share_prefix=True))
+  b = make_batch(rng, scenario("mixed", rng), dtype=BF16)
+  check_against_oracle(b, BF16)
+
+
+# -- quantized and scaled pages ---------------------------------------------------------------
+
+# Every (page dtype, k scale shape, v scale shape) of test_paged.test_quantized_pages, plus each shape on both.
+QUANTIZED = [
+  ("int8", ("scalar", "page")),
+  ("int8", ("page", "token")),
+  ("int8", ("token", "scalar")),
+  ("int8", ("page", "page")),
+  ("float8_e4m3fn", ("scalar", "token")),
+  ("float8_e4m3fn", ("token", "page")),
+  ("float8_e4m3fn", ("page", "scalar")),
+  ("float8_e5m2", ("token", "token")),
+]
+
+
+@pytest.mark.parametrize("page_dtype, scales", QUANTIZED, ids=lambda x: x if isinstance(x, str) else "-".join(x))
+def test_quantized_pages_match_oracle(page_dtype, scales):
+  """Output and dq against the oracle (quantized pages have no float gradient of their own)."""
+  rng = np.random.default_rng([64, len(scales[0]), len(scales[1])])
+  b = make_batch(rng, scenario("mixed", rng), page_dtype=jnp.dtype(page_dtype), scale_shape=scales)
+  # Half the cases with window and soft cap (each extra configuration is another compile).
+  extra = dict(sliding_window=6, logits_soft_cap=4.0) if QUANTIZED.index((page_dtype, scales)) % 2 else {}
+  check_against_oracle(b, page_grads=False, **extra)
+
+
+@pytest.mark.parametrize("scales", [("scalar", "page"), ("page", "token"), ("token", "scalar")], ids="-".join)
+def test_scaled_float_page_grads_match_oracle(scales):
+  """Float pages with scales: dk/dv with respect to the stored values, for every scale shape."""
+  rng = np.random.default_rng([65, len(scales[0])])
+  check_against_oracle(make_batch(rng, scenario("mixed", rng), scale_shape=scales))
+
+
+# -- mutations: a wrong dequantisation must fail the oracle checks --------------------------------
+
+
+def _double_every_scale(pages, scale, page_ids=None):
+  return _REAL_DEQUANTIZE(pages, None if scale is None else 2.0 * scale, page_ids)
+
+
+def _head0_scale_for_every_head(pages, scale, page_ids=None):
+  if scale is not None and scale.ndim == 2:  # [P, K]: use kv head 0's scale everywhere
+    scale = jnp.broadcast_to(scale[:, :1], scale.shape)
+  return _REAL_DEQUANTIZE(pages, scale, page_ids)
+
+
+_REAL_DEQUANTIZE = paged_common.dequantize
+MUTATIONS = {"double_every_scale": _double_every_scale, "head0_scale_for_every_head": _head0_scale_for_every_head}
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+@pytest.mark.parametrize("page_dtype", ["int8", "float32"])
+def test_oracle_catches_wrong_dequantization(monkeypatch, mutation, page_dtype):
+  """With the library's dequantisation deliberately broken, the forward oracle check fails."""
+  rng = np.random.default_rng(66)
+  b = make_batch(rng, scenario("mixed", rng), page_dtype=jnp.dtype(page_dtype), scale_shape="page")
+  monkeypatch.setattr(paged_common, "dequantize", MUTATIONS[mutation])
+  mutated = _fresh_op(b)
+  monkeypatch.undo()
+  with pytest.raises(AssertionError):
+    assert_close(mutated, oracle(b)[0], F32)
+  # Unmutated, the same batch passes: the failure above is the mutation's.
+  assert_close(_fresh_op(b), oracle(b)[0], F32)
+
+
+def _fresh_op(b: Batch):
+  """The op traced anew: a new jitted function, so no cached trace of the other dequantisation is reused."""
+  return jax.jit(lambda *a: fr.paged_attention(*a, **b.scales, block_sizes=SMALL))(*b.args)
