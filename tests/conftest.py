@@ -56,6 +56,27 @@ def pytest_xdist_auto_num_workers(config):
   return None if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") else _harness.real_cpus()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+  """A passing `interpret` test must have read the race detector: at least one clean `no_races()` block.
+
+  Tests that run no race-checked kernel on purpose carry `@pytest.mark.races_not_read(reason)`.
+  """
+  check = item.get_closest_marker("interpret") and not item.get_closest_marker("races_not_read")
+  if check:
+    from flax_ringattn._src.testing import interpret as harness
+
+    before = harness.clean_race_checks()
+  result = yield
+  if check and harness.clean_race_checks() == before:
+    raise AssertionError(
+      f"{item.nodeid} is marked `interpret` but passed without a clean `no_races()` check: wrap the kernel "
+      "calls in `with no_races():` (flax_ringattn._src.testing.interpret), or mark the test "
+      "`@pytest.mark.races_not_read(reason)`"
+    )
+  return result
+
+
 def pytest_collection_modifyitems(config, items):
   del config
   for item in items:

@@ -92,6 +92,7 @@ def _all_to_first(mesh, rows, params):
   not sys.platform.startswith("linux") or not harness._compilers() or os.environ.get(harness.SHIM_ENV) == "0",
   reason="the CPU shim needs Linux and a C compiler (and is not turned off)",
 )
+@pytest.mark.races_not_read("checks the CPU shim only")
 def test_process_sees_enough_cpus():
   assert harness.visible_cpus() >= harness.DEFAULT_MIN_CPUS, (
     f"XLA's CPU thread pool is sized from {harness.visible_cpus()} CPUs; multi-device interpret-mode kernels may "
@@ -123,6 +124,7 @@ def test_remote_dma_ring_matches_ppermute(n, rows, dma_mode):
 
 
 @pytest.mark.parametrize("n", [2, 8])
+@pytest.mark.races_not_read("checks that no_races() fails")
 def test_no_races_fails_on_a_race(n):
   mesh = make_mesh((n,), (AXIS,))
   racy = _all_to_first(mesh, 128, harness.interpret_params(dma_execution_mode="eager"))
@@ -130,11 +132,13 @@ def test_no_races_fails_on_a_race(n):
     racy(_sharded_iota(mesh, 128))  # no block_until_ready: no_races waits for the kernel
 
 
+@pytest.mark.races_not_read("checks that no_races() fails")
 def test_no_races_fails_without_a_kernel():
   with pytest.raises(AssertionError, match="no Pallas interpret-mode kernel ran"), harness.no_races():
     jnp.ones(4).block_until_ready()
 
 
+@pytest.mark.races_not_read("no kernel")
 def test_interpret_params_default_detects_races():
   assert harness.interpret_params().detect_races
   assert harness.interpret_params(dma_execution_mode="eager").dma_execution_mode == "eager"
@@ -145,6 +149,7 @@ _HANG_CASE_ENV = "FLAX_RINGATTN_RUN_HANG_CASE"
 
 
 @pytest.mark.skipif(os.environ.get(_HANG_CASE_ENV) != "1", reason="run by test_timeout_names_the_likely_causes")
+@pytest.mark.races_not_read("hangs on purpose")
 def test_hang_case():
   """Deadlocks on purpose: device 0 waits for a DMA that nobody starts."""
   mesh = make_mesh((2,), (AXIS,))
@@ -167,6 +172,7 @@ def test_hang_case():
   f(_sharded_iota(mesh, 8)).block_until_ready()
 
 
+@pytest.mark.races_not_read("runs the hanging case in a child pytest")
 def test_timeout_names_the_likely_causes():
   """A hanging interpret-mode test ends (in a child pytest, 5 s timeout) with the message naming the likely causes."""
   env = {**os.environ, _HANG_CASE_ENV: "1", "FLAX_RINGATTN_INTERPRET_TIMEOUT": "5"}
@@ -181,3 +187,24 @@ def test_timeout_names_the_likely_causes():
     "in test_hang_case",
   ):
     assert text in proc.stderr, f"{text!r} missing from the child's stderr:\n{proc.stderr[-3000:]}"
+
+
+_NO_CHECK_CASE_ENV = "FLAX_RINGATTN_RUN_NO_CHECK_CASE"
+
+
+@pytest.mark.skipif(os.environ.get(_NO_CHECK_CASE_ENV) != "1", reason="run by test_interpret_tests_must_read_races")
+def test_no_check_case():
+  """Marked `interpret` (module pytestmark), runs a race-checked kernel, never reads the detector."""
+  mesh = make_mesh((2,), (AXIS,))
+  _ring_shift(mesh, 8, harness.interpret_params())(_sharded_iota(mesh, 8)).block_until_ready()
+
+
+@pytest.mark.races_not_read("runs the unchecked case in a child pytest")
+def test_interpret_tests_must_read_races():
+  """tests/conftest.py fails an `interpret` test that passed without a clean no_races() block."""
+  env = {**os.environ, _NO_CHECK_CASE_ENV: "1"}
+  env.pop("PYTEST_XDIST_WORKER", None)
+  cmd = [sys.executable, "-m", "pytest", f"{__file__}::test_no_check_case", "-q", "-n", "0", "-p", "no:cacheprovider"]
+  proc = subprocess.run(cmd, env=env, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0, proc.stdout + proc.stderr
+  assert "passed without a clean `no_races()` check" in proc.stdout, proc.stdout[-3000:]

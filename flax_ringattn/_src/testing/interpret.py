@@ -251,3 +251,13 @@ def no_races(*, expect_kernels: bool = True):
     )
   if expect_kernels and not states:
     raise AssertionError("no_races(): no Pallas interpret-mode kernel ran inside the block")
+  global _clean_checks
+  _clean_checks += bool(states)
+
+
+_clean_checks = 0  # no_races() blocks that ran at least one kernel and found no race (read by tests/conftest.py)
+
+
+def clean_race_checks() -> int:
+  """How many `no_races()` blocks have passed in this process; a test that ran none read no race detector."""
+  return _clean_checks
