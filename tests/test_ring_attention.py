@@ -1,9 +1,20 @@
 """The backend-agnostic numerical suite of ring_attention.
 
-Every backend in BACKENDS runs every case: forward and all three gradients
-against `reference_attention` (f32 1e-5, bf16 2e-2, from tolerances.py), for
-ring sizes 1, 2, 4 and 8.  A backend that cannot run a case must raise
-NotImplementedError, and that is asserted instead (capability flags).
+Every backend in BACKENDS runs every case in CASES: forward and all three
+gradients against `reference_attention` (f32 1e-5, bf16 2e-2, from
+tolerances.py).  A backend that cannot run a case must raise
+NotImplementedError, and that is asserted instead (capability flags).  What
+runs, per backend:
+
+* xla: ring sizes 1, 2, 4 and 8 in f32; 1 and 4 in bf16 (plus 8 for gqa,
+  causal_lb and segments_lb); tiles of 4 x 4 tokens, so every shard has many.
+* pallas_tpu (TPU interpret mode on CPU, race detector read after every run):
+  ring sizes 1 and 4, f32 and bf16, batch 1 and half the heads (GQA group
+  sizes kept), on shards of 2 x 2 tiles: self attention
+  256-token shards in 128-row q tiles and 128-lane kv tiles; cross attention
+  64-row q shards (two 32-row tiles) against 256-token kv shards.  Several kv
+  tiles accumulate per shard, and masked tiles redirect their fetch.  Ring
+  size 2 runs in test_pallas_tpu.py.
 """
 
 from __future__ import annotations
@@ -33,22 +44,36 @@ class Backend:
   bf16_ring_sizes: tuple = (1, 4)
   marks: tuple = ()
   race_checked: bool = False  # Pallas interpret mode: assert the race detector found nothing
+  # Shard geometry (self-attention shard length, cross-attention q shard length, BlockSizes for each) that
+  # replaces the cases' own lengths, or None to run the cases as written.
+  tiled_shards: tuple | None = None
 
   def checks(self):
     return no_races() if self.race_checked else contextlib.nullcontext()
 
+  def shape_case(self, case, n):
+    """The case at this backend's geometry for ring size n, and the block sizes to run it with."""
+    if self.tiled_shards is None:
+      return case, self.blocks
+    self_len, cross_q_len, self_blocks, cross_blocks = self.tiled_shards
+    # Interpret mode pays per grid step: one batch row and half the heads (same GQA group size) keep it fast.
+    small = dict(B=1, N=case.N // 2 if case.K > 1 else case.N, K=max(case.K // 2, 1))
+    if case.S != case.T:  # cross attention: short q shards against full kv shards
+      return dataclasses.replace(case, T=cross_q_len * n, S=self_len * n, **small), cross_blocks
+    return dataclasses.replace(case, T=self_len * n, S=self_len * n, **small), self_blocks
+
 
 BACKENDS = [
   Backend("xla"),
-  # TPU tiles: q tiles of 16 rows (bf16 sublane packing), kv tiles of the whole shard (< 128 lanes).
+  # TPU tiles (kv tiles of 128 lanes, q tiles a multiple of 16 rows for bf16): 2 x 2 tiles per shard.
   Backend(
     "pallas_tpu",
     extra=(("interpret", interpret_params()),),  # race detector on
-    blocks=fr.BlockSizes(block_q=16, block_kv=128),
-    ring_sizes=(1, 2, 4),
-    bf16_ring_sizes=(1,),  # plus ring 4 for gqa, causal_lb and segments_lb (see _matrix): interpret mode is slow
+    ring_sizes=(1, 4),
+    bf16_ring_sizes=(1, 4),
     marks=(pytest.mark.interpret,),
     race_checked=True,
+    tiled_shards=(256, 64, fr.BlockSizes(block_q=128, block_kv=128), fr.BlockSizes(block_q=32, block_kv=128)),
   ),
 ]
 
@@ -56,6 +81,7 @@ BACKENDS = [
 @dataclasses.dataclass(frozen=True)
 class Case:
   name: str
+  B: int = 2
   N: int = 4
   K: int = 4
   T: int = 64
@@ -87,7 +113,7 @@ CASES = [
 
 def make_inputs(case: Case, dtype, seed=0):
   keys = jax.random.split(jax.random.PRNGKey(seed), 6)
-  B, H = 2, 16
+  B, H = case.B, 16
   q = jax.random.normal(keys[0], (B, case.T, case.N, H), jnp.float32).astype(dtype)
   k = jax.random.normal(keys[1], (B, case.S, case.K, H), jnp.float32).astype(dtype)
   v = jax.random.normal(keys[2], (B, case.S, case.K, H), jnp.float32).astype(dtype)
@@ -124,7 +150,7 @@ def reference_with_grads(case: Case, q, k, v, do, seg):
   return run(q, k, v, do, seg)
 
 
-def ring_with_grads(case: Case, backend: Backend, n: int, q, k, v, do, seg, *, explicit=True):
+def ring_with_grads(case: Case, backend: Backend, n: int, q, k, v, do, seg, *, explicit=True, blocks=None):
   """Runs the ring on global arrays (natural order in, natural order out)."""
   mesh = make_mesh((n,), ("sp",), explicit=explicit)
   if case.load_balance:
@@ -143,7 +169,7 @@ def ring_with_grads(case: Case, backend: Backend, n: int, q, k, v, do, seg, *, e
       segment_ids=seg,
       load_balance=case.load_balance,
       implementation=backend.name,
-      block_sizes=backend.blocks,
+      block_sizes=backend.blocks if blocks is None else blocks,
       **dict(backend.extra),
       **_options(case),
     )
@@ -161,20 +187,21 @@ def _matrix():
     for case in CASES:
       for n in b.ring_sizes:
         yield pytest.param(b, case, n, jnp.float32, id=f"{b.name}-{case.name}-ring{n}-f32", marks=b.marks)
-      extra = b.ring_sizes[-1:] if case.name in ("gqa", "causal_lb", "segments_lb") else ()
+      extra = b.ring_sizes[-1:] if case.name in ("gqa", "causal_lb", "segments_lb") else ()  # xla: ring 8
       for n in sorted(set(b.bf16_ring_sizes + extra)):
         yield pytest.param(b, case, n, jnp.bfloat16, id=f"{b.name}-{case.name}-ring{n}-bf16", marks=b.marks)
 
 
 @pytest.mark.parametrize("backend,case,n,dtype", list(_matrix()))
 def test_matches_reference(backend, case, n, dtype):
+  case, blocks = backend.shape_case(case, n)
   q, k, v, do, seg = make_inputs(case, dtype)
   if case.name in backend.unsupported:
     with pytest.raises(NotImplementedError):
-      ring_with_grads(case, backend, n, q, k, v, do, seg)
+      ring_with_grads(case, backend, n, q, k, v, do, seg, blocks=blocks)
     return
   with backend.checks():
-    out, grads = ring_with_grads(case, backend, n, q, k, v, do, seg)
+    out, grads = ring_with_grads(case, backend, n, q, k, v, do, seg, blocks=blocks)
   ref_out, ref_grads = reference_with_grads(case, q, k, v, do, seg)
   assert out.dtype == dtype and out.shape == q.shape
   assert_close(out, ref_out, dtype, "fwd")
@@ -185,9 +212,10 @@ def test_matches_reference(backend, case, n, dtype):
 
 @pytest.mark.parametrize("backend", [pytest.param(b, id=b.name, marks=b.marks) for b in BACKENDS])
 def test_empty_rows_are_exact_zeros(backend):
-  case = next(c for c in CASES if c.name == "empty_rows")
+  case, blocks = backend.shape_case(next(c for c in CASES if c.name == "empty_rows"), 4)
   q, k, v, do, seg = make_inputs(case, jnp.float32)
-  out, (dq, _, _) = ring_with_grads(case, backend, 4, q, k, v, do, seg)
+  with backend.checks():
+    out, (dq, _, _) = ring_with_grads(case, backend, 4, q, k, v, do, seg, blocks=blocks)
   empty = np.asarray(seg[0] == 3)  # [B, T]
   assert empty.any() and not empty.all()
   assert np.all(np.asarray(out)[empty] == 0.0)
@@ -197,11 +225,12 @@ def test_empty_rows_are_exact_zeros(backend):
 
 @pytest.mark.parametrize("backend", [pytest.param(b, id=b.name, marks=b.marks) for b in BACKENDS])
 def test_deterministic(backend):
-  case = Case("det", N=8, K=2, is_causal=True, load_balance=True, segments="self")
-  q, k, v, do, seg = make_inputs(case, jnp.float32, seed=3)
   n = backend.ring_sizes[-1]
-  a = ring_with_grads(case, backend, n, q, k, v, do, seg)
-  b = ring_with_grads(case, backend, n, q, k, v, do, seg)
+  case, blocks = backend.shape_case(Case("det", N=8, K=2, is_causal=True, load_balance=True, segments="self"), n)
+  q, k, v, do, seg = make_inputs(case, jnp.float32, seed=3)
+  with backend.checks():
+    a = ring_with_grads(case, backend, n, q, k, v, do, seg, blocks=blocks)
+    b = ring_with_grads(case, backend, n, q, k, v, do, seg, blocks=blocks)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
