@@ -79,6 +79,11 @@ except ImportError:  # running from a checkout that is not installed
   import flax_ringattn
 from flax_ringattn import BlockSizes, PagedKVCache, paged_attention, paged_reference_attention
 
+# Exit status: 0 = outputs correct and every target met (with --quick: outputs correct); 1 = the ragged output
+# differs from paged_reference_attention (nothing is timed); 3 = a target was missed.  (2: argparse usage error.)
+EXIT_WRONG_RESULT = 1
+EXIT_TARGET_MISSED = 3
+
 NUM_Q_HEADS = 8
 NUM_KV_HEADS = 2
 HEAD_DIM = 128
@@ -527,7 +532,10 @@ def verdict(ok: bool) -> str:
   return "met" if ok else "**not met**"
 
 
-def print_table(work: Workload, st: StepTimes, traces: int, steps: int, step_s: float, util: dict, repeats: int):
+def print_table(
+  work: Workload, st: StepTimes, traces: int, steps: int, step_s: float, util: dict, repeats: int
+) -> list[str]:
+  """Prints the results table; returns the names of the targets missed."""
   n_dec = work.num_seqs - work.num_prefills
   tok = work.new_tokens
   rows = [("mixed step: ragged (one call)", fmt_tps(tok, med(st.ragged)), "", "")]
@@ -580,6 +588,7 @@ def print_table(work: Workload, st: StepTimes, traces: int, steps: int, step_s: 
   print("|---|---|---|---|")
   for row in rows:
     print("| " + " | ".join(row) + " |")
+  return [row[0] for row in rows if row[3] == verdict(False)]
 
 
 def work_line(work: Workload, lay: Layouts, bq: int, bkv: int) -> str:
@@ -683,6 +692,8 @@ def main(argv: Sequence[str] | None = None) -> None:
   tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
   print(work_line(work, lay, bq, bkv))
   print(f"check vs paged_reference_attention: max abs err {err:.2e} ({'ok' if err <= tol else 'FAILED'})")
+  if not err <= tol:  # also catches NaN
+    sys.exit(EXIT_WRONG_RESULT)
   t0 = time.perf_counter()
   times = time_interleaved(step_calls(attn, pool, lay, with_padded=not args.no_padded), args.repeats)
   st = StepTimes.from_times(times)
@@ -699,12 +710,15 @@ def main(argv: Sequence[str] | None = None) -> None:
   print()
   if args.quick:
     print("(--quick: smoke size; the targets are meant for the default size)\n")
-  print_table(work, st, traces, args.compile_steps, step_s, util, args.repeats)
+  missed = print_table(work, st, traces, args.compile_steps, step_s, util, args.repeats)
   print()
   print(f"{machine_line()}; ran {time.perf_counter() - start:.0f} s")
   if args.sweep:
     ints = lambda text: [int(x) for x in text.split(",") if x]
     run_sweep(pool, lay, work, args.repeats, ints(args.sweep_block_q), ints(args.sweep_block_kv))
+  if missed and not args.quick:
+    print(f"\ntargets missed: {'; '.join(missed)}")
+    sys.exit(EXIT_TARGET_MISSED)
 
 
 if __name__ == "__main__":

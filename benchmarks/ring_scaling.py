@@ -77,6 +77,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -98,6 +99,11 @@ GIB = 2**30
 FWD_FLOP_FACTOR = 4
 BWD_FLOP_FACTOR = 10
 HAOLIU_INSTALL = "pip install --no-deps --target /tmp/haoliu_pkg ringattention==0.1.2"
+
+# Exit status: 0 = outputs correct and every measured target met (with --quick: outputs correct); 1 = an output
+# differs from the reference (nothing is timed); 3 = a target was missed.  (2 is argparse's usage error.)
+EXIT_WRONG_RESULT = 1
+EXIT_TARGET_MISSED = 3
 
 Attention = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -392,6 +398,50 @@ def make_haoliu(ring_fn, mesh, causal: bool, seq_len: int, chunk: int) -> Attent
 # Measurement.
 
 
+CHECK_SEQ_LEN = 1024  # the correctness check's length: the dense reference stays small
+CHECK_TOL = 2e-4  # f32 output and gradients, |a - b| <= tol * (1 + |b|)
+
+
+def check_against_reference(args, mesh, haoliu_fn) -> list[str]:
+  """Every timed configuration's output and q/k/v gradients against `reference_attention` at CHECK_SEQ_LEN.
+
+  Returns one line per configuration; a line starting with FAILED means a wrong result.  The configurations
+  are built by the same factories as the timed rows (only T differs), so a wrong flag or layout shows here.
+  """
+  import flax_ringattn
+
+  sharding = NamedSharding(mesh, P(None, AXIS, None, None))
+  q, k, v, g = (np.asarray(x) for x in make_inputs(CHECK_SEQ_LEN, sharding, args.seed + 1))
+  lines = []
+  for causal in args.causal_modes:
+    reference = functools.partial(flax_ringattn.reference_attention, is_causal=causal)
+    expected = [np.asarray(reference(q, k, v))]
+    expected += [np.asarray(x) for x in fwd_bwd(reference, sharding)(q, k, v, g)]
+    for impl in args.impls:
+      if impl == "ring+lb" and not causal:
+        continue
+      if impl in ("ring", "ring+lb"):
+        attention = make_ring(mesh, causal, impl == "ring+lb", args.block)
+      elif impl == "allgather":
+        attention = make_allgather(causal)
+      elif haoliu_fn is not None:
+        attention = make_haoliu(haoliu_fn, mesh, causal, CHECK_SEQ_LEN, args.haoliu_chunk)
+      else:
+        continue
+      # ring+lb reads its inputs in zigzag order: permute them in, and the gradients back.
+      zz = impl == "ring+lb"
+      order = (lambda x: flax_ringattn.zigzag_order(x, NUM_DEVICES, axis=1)) if zz else (lambda x: x)
+      inverse = (lambda x: flax_ringattn.zigzag_inverse(x, NUM_DEVICES, axis=1)) if zz else (lambda x: x)
+      args_in = (order(q), order(k), order(v))
+      got = [jax.jit(attention)(*args_in), *fwd_bwd(attention, sharding)(*args_in, order(g))]
+      err = max(
+        float(np.max(np.abs(np.asarray(inverse(x)) - e) / (1 + np.abs(e)))) for x, e in zip(got, expected, strict=True)
+      )
+      ok = np.isfinite(err) and err <= CHECK_TOL
+      lines.append(f"{'ok' if ok else 'FAILED'}: {impl} causal={causal} T={CHECK_SEQ_LEN}: max rel err {err:.1e}")
+  return lines
+
+
 def fwd_bwd(attention: Attention, sharding: NamedSharding):
   """jit(grad of sum(attention(q, k, v) * g) w.r.t. q, k, v), gradients kept sharded."""
 
@@ -591,8 +641,11 @@ def _check(x: float | None, limit: float) -> str:
   return "n/a" if x is None else ("yes" if x <= limit else "NO")
 
 
-def print_targets(rows: Sequence[Row], seq_lens: Sequence[int]) -> None:
-  """Project targets, at T=8k (time, traffic) and 16k (memory), else at the largest T measured."""
+def print_targets(rows: Sequence[Row], seq_lens: Sequence[int]) -> list[str]:
+  """Project targets, at T=8k (time, traffic) and 16k (memory), else at the largest T measured.
+
+  Returns the names of the targets measured and missed ("n/a" rows, e.g. without haoliu, are not misses).
+  """
   t_time = 8192 if 8192 in seq_lens else max(seq_lens)
   t_mem = 16384 if 16384 in seq_lens else max(seq_lens)
 
@@ -625,6 +678,7 @@ def print_targets(rows: Sequence[Row], seq_lens: Sequence[int]) -> None:
   ratio = _ratio(sent, ideal_ring_bytes(t_time)[1])
   table.append([f"ring bytes sent / ideal ring, T={t_time} non-causal", _fmt(ratio), "~1.0", "-"])
   print(markdown_table(("target", "value", "target", "met"), table))
+  return [row[0] for row in table if row[3] == "NO"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -705,13 +759,21 @@ def main(argv: Sequence[str] | None = None) -> None:
   load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
   print(f"one-device f32 matmul {MATMUL_N}^3: {args.peak:.1f} GFLOP/s (median); load avg {load}\n")
 
+  if any(i.startswith("ring") for i in args.impls):
+    checks = check_against_reference(args, mesh, haoliu_fn)
+    print("\n".join(checks) + "\n")
+    if any(line.startswith("FAILED") for line in checks):
+      sys.exit(EXIT_WRONG_RESULT)
   rows = []
   for seq_len in args.seq_lens:
     print(f"T={seq_len} ...", file=sys.stderr)
     rows += measure_seq_len(seq_len, args, mesh, haoliu_fn)
   print_results(rows, args.peak, args.seq_lens)
   print()
-  print_targets(rows, args.seq_lens)
+  missed = print_targets(rows, args.seq_lens)
+  if missed and not args.quick:
+    print(f"\ntargets missed: {'; '.join(missed)}")
+    sys.exit(EXIT_TARGET_MISSED)
 
 
 if __name__ == "__main__":
