@@ -61,7 +61,7 @@ MULTI_TILE = [
 
 @interpret
 @pytest.mark.parametrize("opts", MULTI_TILE, ids=lambda o: "-".join(f"{k}" for k in o))
-@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("n", [2])  # rings 1 and 4 run on 2 x 2 tiles in the shared suite
 def test_many_tiles_per_shard(opts, n):
   """Shards of 256 tokens in 2 kv tiles and 4 q tiles: tile skipping, fetch redirection and masks across tiles."""
   opts = dict(opts)
