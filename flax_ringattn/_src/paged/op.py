@@ -13,10 +13,11 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 from jax.sharding import AxisType, PartitionSpec
 
+from flax_ringattn._src import paged_common as common
+from flax_ringattn._src import paged_metadata as metadata
 from flax_ringattn._src import validation
 from flax_ringattn._src.backends.xla import paged as xla_paged
 from flax_ringattn._src.block_sizes import BlockSizes
-from flax_ringattn._src.paged import common, metadata
 
 _IMPLEMENTATIONS = ("xla",)
 DEFAULT_PAGED_BLOCKS = BlockSizes(block_q=16, block_kv=128)
@@ -55,9 +56,11 @@ def paged_attention(
     sliding_window: each token sees at most this many tokens, itself included.
     logits_soft_cap: c > 0: logits become c * tanh(logits / c).
     scale: logit scale, default H ** -0.5.
-    k_scale, v_scale: float arrays, shape () or [P, K] (per page and kv head) or
-      [P, page_size, K] (per token); dequantised value = stored * scale.  Values
-      are data: changing them does not recompile.
+    k_scale, v_scale: Python floats, or float arrays of shape () or [P, K] (per
+      page and kv head) or [P, page_size, K] (per token); dequantised value =
+      stored * scale.  A float is converted to an array inside but is a constant
+      of the enclosing jit (a new value retraces); pass an array to change the
+      value without recompiling.
     implementation: "xla" (default; portable).
     block_sizes: `BlockSizes(block_q=rows per chunk, block_kv=kv tokens per
       step, a multiple of page_size)`.
@@ -71,6 +74,7 @@ def paged_attention(
     [T, N, H] in q.dtype.  Differentiable in q, k_pages and v_pages (gradients
     are scatter-added into the pages each sequence reads).
   """
+  k_scale, v_scale = common.normalize_scales(k_scale, v_scale)
   T, N, H, P, ps, K, S, pps = common.check_paged_inputs(
     q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale
   )
