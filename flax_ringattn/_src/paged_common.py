@@ -22,6 +22,8 @@ class PagedSpec:
   block_q: int = 16  # rows of one sequence per chunk
   pages_per_block: int = 8  # pages gathered per kv step
   checked: bool = False
+  implementation: str = "xla"  # the backend that runs the call ("xla" or "pallas_tpu")
+  interpret: object = None  # pallas_tpu only: None (compile for TPU) or a pltpu.InterpretParams
 
 
 def check_sliding_window(sliding_window):
