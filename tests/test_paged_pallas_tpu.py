@@ -9,12 +9,14 @@ with the race detector and asserts that it found nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax import export
 from test_paged import SCENARIOS, make_batch, numpy_oracle, scenario
 from tolerances import assert_close
@@ -23,6 +25,8 @@ import flax_ringattn as fr
 from flax_ringattn._src import paged_common
 from flax_ringattn._src.backends.pallas_tpu import common, planner
 from flax_ringattn._src.backends.pallas_tpu import paged as pallas_paged
+from flax_ringattn._src.nnx import paged_mha
+from flax_ringattn._src.paged import op as paged_ops
 from flax_ringattn._src.testing.interpret import interpret_params, no_races
 
 interpret = pytest.mark.interpret
@@ -314,3 +318,107 @@ def test_planner_fits_the_budget(generation):
   assert not taller or fit(taller[0], ppb) > budget  # the next taller q block would not fit
   with pytest.raises(ValueError, match="fits the v4 VMEM budget"):
     planner.plan_paged_block_sizes(512, 16, 64, 64, 1, 8192, BF16, generation="v4")
+
+
+# -- fused cache write ------------------------------------------------------------------------
+
+KV, HD = 2, 8
+CACHE = dict(num_pages=24, page_size=PS, max_num_seqs=4, pages_per_seq=4, num_kv_heads=KV, head_dim=HD)
+
+
+def _ragged(rng, lens, num_tokens=16, heads=8):
+  total = int(sum(lens))
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens), [total] * (4 - len(lens))]), jnp.int32)
+  k, v = (jnp.asarray(rng.normal(size=(num_tokens, KV, HD)), F32) for _ in range(2))
+  q = jnp.asarray(rng.normal(size=(num_tokens, heads, HD)), F32)
+  return q, k, v, cu, jnp.asarray([len(lens)], jnp.int32)
+
+
+@jax.jit
+def _separate(cache, q, k, v, cu, n):
+  cache = cache.append(k, v, cu, n)
+  out = fr.paged_attention(
+    q,
+    cache.k_pages,
+    cache.v_pages,
+    cache.kv_lens,
+    cache.page_indices,
+    cu,
+    n,
+    k_scale=cache.k_scale,
+    v_scale=cache.v_scale,
+    implementation="xla",
+  )
+  return out, cache
+
+
+@jax.jit
+def _fused(cache, q, k, v, cu, n):
+  cache, k_new, v_new, k_sc, v_sc = cache.reserve_append(k, v, cu, n)
+  out, k_pages, v_pages, k_scale, v_scale = paged_ops.paged_attention_with_cache_write(
+    q,
+    k_new,
+    v_new,
+    cache.k_pages,
+    cache.v_pages,
+    cache.kv_lens,
+    cache.page_indices,
+    cu,
+    n,
+    k_scale=cache.k_scale,
+    v_scale=cache.v_scale,
+    k_new_scale=k_sc,
+    v_new_scale=v_sc,
+    block_sizes=BLOCKS,
+    interpret=interpret_params(),
+  )
+  return out, dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale)
+
+
+@interpret
+def test_fused_write_equals_separate_append_int8_copy_on_write():
+  """Pages (and per-token scales) after a fused step equal those of PagedKVCache.append, including a step that
+  writes into a prefix-shared partial page (copy-on-write) and sequences crossing q blocks."""
+  rng = np.random.default_rng(81)
+  cache = fr.PagedKVCache.create(**CACHE, dtype=jnp.int8)
+  _, cache = _separate(cache, *_ragged(rng, [13, 3]))  # slot 0: a page and 5 of the next; slot 1: 3 tokens
+  cache = jax.jit(fr.PagedKVCache.share_prefix)(cache, 0, 2, 11)  # slot 2 shares slot 0's partial page
+  for lens in ([1, 2, 4], [5, 1, 1, 9], [0, 0, 1, 1]):  # the first writes into the shared page
+    batch = _ragged(rng, lens)
+    expected_out, expected = _separate(cache, *batch)
+    with no_races():
+      out, cache = jax.block_until_ready(_fused(cache, *batch))
+    for name in ("k_pages", "v_pages", "k_scale", "v_scale", "page_indices", "kv_lens", "ref_counts"):
+      np.testing.assert_array_equal(np.asarray(getattr(cache, name)), np.asarray(getattr(expected, name)), name)
+    assert_close(out, expected_out, F32)
+
+
+@interpret
+def test_layer_uses_fused_write():
+  """The layer with interpret=True takes the fused path and matches the XLA layer step by step."""
+  kw = dict(num_kv_heads=KV, rngs=nnx.Rngs(0))
+  fused = fr.PagedMultiHeadAttention(8, 16, 64, interpret=True, **kw)
+  plain = fr.PagedMultiHeadAttention(8, 16, 64, implementation="xla", num_kv_heads=KV, rngs=nnx.Rngs(0))
+  for layer in (fused, plain):
+    layer.init_cache(**{k: v for k, v in CACHE.items() if k not in ("num_kv_heads", "head_dim")})
+  calls = []
+  real = paged_ops.paged_attention_with_cache_write
+
+  def spy(*a, **k):
+    calls.append(1)
+    return real(*a, **k)
+
+  step = nnx.jit(lambda layer, x, cu, n: layer(x, cu_q_lens=cu, num_seqs=n))
+  rng = np.random.default_rng(82)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(paged_mha, "paged_attention_with_cache_write", spy)
+    for lens in ([9, 3], [1, 1, 6], [1, 1, 1, 1]):
+      _, _, _, cu, n = _ragged(rng, lens)
+      x = jnp.asarray(rng.normal(size=(16, 16)), F32)
+      with no_races():
+        y = jax.block_until_ready(step(fused, x, cu, n))
+      assert_close(y, step(plain, x, cu, n), F32)
+      np.testing.assert_array_equal(
+        np.asarray(fused.kv_cache.get_value().k_pages), np.asarray(plain.kv_cache.get_value().k_pages)
+      )
+  assert calls == [1]  # traced once: one compile across the changing batches

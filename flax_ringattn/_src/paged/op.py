@@ -83,6 +83,65 @@ def paged_attention(
     [T, N, H] in q.dtype.  Differentiable in q, k_pages and v_pages (gradients
     are scatter-added into the pages each sequence reads).
   """
+  spec, k_scale, v_scale = _spec_for(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    k_scale,
+    v_scale,
+    sliding_window=sliding_window,
+    logits_soft_cap=logits_soft_cap,
+    scale=scale,
+    implementation=implementation,
+    block_sizes=block_sizes,
+    checked=checked,
+    interpret=interpret,
+  )
+  T, P, ps = q.shape[0], k_pages.shape[0], k_pages.shape[1]
+  kv_lens, page_indices, cu_q_lens, num_seqs = (
+    jnp.asarray(x, jnp.int32) for x in (kv_lens, page_indices, cu_q_lens, num_seqs)
+  )
+  if checked:
+    _dynamic_checks(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps)
+  args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
+  mesh = _explicit_mesh(args)
+  if mesh is None:
+    return _paged_attention(*args, spec)
+  # Arrays typed on an Explicit mesh (e.g. replicated parameters' outputs): the
+  # op works per device, so run it as a replicated shard_map over that mesh.
+  return jax.shard_map(
+    lambda *a: _paged_attention(*a, spec),
+    mesh=mesh,
+    in_specs=PartitionSpec(),
+    out_specs=PartitionSpec(),
+    check_vma=False,
+  )(*args)
+
+
+def _spec_for(
+  q,
+  k_pages,
+  v_pages,
+  kv_lens,
+  page_indices,
+  cu_q_lens,
+  num_seqs,
+  k_scale,
+  v_scale,
+  *,
+  sliding_window,
+  logits_soft_cap,
+  scale,
+  implementation,
+  block_sizes,
+  checked,
+  interpret,
+):
+  """Static validation and backend choice: (PagedSpec, k_scale, v_scale as arrays)."""
   k_scale, v_scale = common.normalize_scales(k_scale, v_scale)
   T, N, H, P, ps, K, S, pps = common.check_paged_inputs(
     q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale
@@ -106,24 +165,119 @@ def paged_attention(
     implementation=implementation,
     interpret=interpret,
   )
+  return spec, k_scale, v_scale
+
+
+def uses_fused_cache_write(
+  q,
+  k_pages,
+  v_pages,
+  kv_lens,
+  page_indices,
+  cu_q_lens,
+  num_seqs,
+  *,
+  k_scale=None,
+  v_scale=None,
+  sliding_window=None,
+  logits_soft_cap=None,
+  scale=None,
+  implementation=None,
+  block_sizes=None,
+  interpret=None,
+):
+  """Whether `paged_attention_with_cache_write` runs for these arguments (pallas_tpu, per-token scales)."""
+  spec, k_scale, v_scale = _spec_for(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    k_scale,
+    v_scale,
+    sliding_window=sliding_window,
+    logits_soft_cap=logits_soft_cap,
+    scale=scale,
+    implementation=implementation,
+    block_sizes=block_sizes,
+    checked=False,
+    interpret=interpret,
+  )
+  return spec.implementation == "pallas_tpu" and all(x is None or x.ndim == 3 for x in (k_scale, v_scale))
+
+
+def paged_attention_with_cache_write(
+  q,
+  k_new,
+  v_new,
+  k_pages,
+  v_pages,
+  kv_lens,
+  page_indices,
+  cu_q_lens,
+  num_seqs,
+  *,
+  k_scale=None,
+  v_scale=None,
+  k_new_scale=None,
+  v_new_scale=None,
+  sliding_window=None,
+  logits_soft_cap=None,
+  scale=None,
+  implementation=None,
+  block_sizes=None,
+  interpret=None,
+):
+  """Attention with the fused cache write, when the call runs on pallas_tpu; else None (append separately).
+
+  k_new, v_new: [T, K, H] the new tokens' K/V as the pages store them, with per-token scales [T, K] for a
+  scaled cache; k_pages .. v_scale: the cache after `PagedKVCache.reserve_append` (pages reserved,
+  copy-on-write done, kv_lens grown).  Returns (out [T, N, H], k_pages, v_pages, k_scale, v_scale), the pages
+  with the new tokens written in the same launch (buffers aliased: donate them to update in place).  Serving
+  only: not differentiable.
+  """
+  spec, k_scale, v_scale = _spec_for(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    k_scale,
+    v_scale,
+    sliding_window=sliding_window,
+    logits_soft_cap=logits_soft_cap,
+    scale=scale,
+    implementation=implementation,
+    block_sizes=block_sizes,
+    checked=False,
+    interpret=interpret,
+  )
+  if spec.implementation != "pallas_tpu" or any(x is not None and x.ndim != 3 for x in (k_scale, v_scale)):
+    return None
   kv_lens, page_indices, cu_q_lens, num_seqs = (
     jnp.asarray(x, jnp.int32) for x in (kv_lens, page_indices, cu_q_lens, num_seqs)
   )
-  if checked:
-    _dynamic_checks(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps)
-  args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
-  mesh = _explicit_mesh(args)
-  if mesh is None:
-    return _paged_attention(*args, spec)
-  # Arrays typed on an Explicit mesh (e.g. replicated parameters' outputs): the
-  # op works per device, so run it as a replicated shard_map over that mesh.
-  return jax.shard_map(
-    lambda *a: _paged_attention(*a, spec),
-    mesh=mesh,
-    in_specs=PartitionSpec(),
-    out_specs=PartitionSpec(),
-    check_vma=False,
-  )(*args)
+  return pallas_paged.paged_fwd_write(
+    q,
+    k_new,
+    v_new,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    k_scale,
+    v_scale,
+    k_new_scale,
+    v_new_scale,
+    spec=spec,
+    interpret=spec.interpret,
+  )
 
 
 def _choose_backend(implementation, interpret, block_sizes, q, k_pages, k_scale, v_scale, pps, soft_cap):

@@ -66,6 +66,7 @@ class PagedDims:
   q_dtype: object
   page_dtype: object
   scale_rows: tuple  # (rows of k_scale, rows of v_scale) per page: 0 (no scale), 1 (per page) or ps (per token)
+  write: bool = False  # fused cache write: the new tokens' K/V (and per-token scales) go into their pages first
 
   @property
   def G(self) -> int:
@@ -101,7 +102,7 @@ def check_supported(q, k_pages, *, block_q, pages_per_block) -> tuple[int, int]:
   return bq, max(1, pages_per_block)
 
 
-def dims_of(q, k_pages, page_indices, k_scale, v_scale, *, bq, ppb) -> PagedDims:
+def dims_of(q, k_pages, page_indices, k_scale, v_scale, *, bq, ppb, write=False) -> PagedDims:
   T, N, H = q.shape
   P, ps, K, _ = k_pages.shape
   S, pps = page_indices.shape
@@ -120,6 +121,7 @@ def dims_of(q, k_pages, page_indices, k_scale, v_scale, *, bq, ppb) -> PagedDims
     q_dtype=jnp.dtype(q.dtype),
     page_dtype=jnp.dtype(k_pages.dtype),
     scale_rows=rows,
+    write=write,
   )
 
 
@@ -143,12 +145,22 @@ def _kv_scratch(d: PagedDims):
 def fwd_plan(d: PagedDims) -> c.CallPlan:
   num_scales = sum(1 for r in d.scale_rows if r)
   rows = d.bq * d.G
+  in_specs = [_row_block(d, (d.N, d.H)), _any(), _any(), *(_any() for _ in range(num_scales))]
+  in_dtypes = [d.q_dtype, d.page_dtype, d.page_dtype, *((c.F32,) * num_scales)]
+  out_specs = [_row_block(d, (d.N, d.H)), _row_block(d, (d.N,))]
+  out_shapes = [jax.ShapeDtypeStruct((d.T, d.N, d.H), d.q_dtype), jax.ShapeDtypeStruct((d.T, d.N), c.F32)]
+  if d.write:  # new K/V rows (and their per-token scales) in; the updated pages out (aliased, in HBM)
+    in_specs += [_row_block(d, (d.K, d.H))] * 2 + [_row_block(d, (d.K,))] * num_scales
+    in_dtypes += [d.page_dtype] * 2 + [c.F32] * num_scales
+    out_specs += [_any()] * (2 + num_scales)
+    pages = jax.ShapeDtypeStruct((d.P, d.ps, d.K, d.H), d.page_dtype)
+    out_shapes += [pages, pages] + [jax.ShapeDtypeStruct((d.P, d.ps, d.K), c.F32)] * num_scales
   return c.CallPlan(
     grid=(d.T // d.bq,),
-    in_specs=(_row_block(d, (d.N, d.H)), _any(), _any(), *(_any() for _ in range(num_scales))),
-    in_dtypes=(d.q_dtype, d.page_dtype, d.page_dtype, *((c.F32,) * num_scales)),
-    out_specs=(_row_block(d, (d.N, d.H)), _row_block(d, (d.N,))),
-    out_shapes=(jax.ShapeDtypeStruct((d.T, d.N, d.H), d.q_dtype), jax.ShapeDtypeStruct((d.T, d.N), c.F32)),
+    in_specs=tuple(in_specs),
+    in_dtypes=tuple(in_dtypes),
+    out_specs=tuple(out_specs),
+    out_shapes=tuple(out_shapes),
     scratch=(
       *_kv_scratch(d),
       ((d.K, rows, c.LANES), c.F32),  # m
@@ -322,7 +334,7 @@ def _dot(a, b, contract, dtype):
   )
 
 
-def _walk(d: PagedDims, spec, r: _Refs, q_lo, visit):
+def _walk(d: PagedDims, spec, r: _Refs, q_lo, visit, before_seq=None):
   """Calls visit(s, b, slot, copies, seq_start, seq_end, first_pos, kv_len) for every (sequence, kv block)
   that the rows [q_lo, q_lo + bq) can see, with block b's pages in VMEM slot `slot`."""
   q_hi = q_lo + d.bq
@@ -343,6 +355,8 @@ def _walk(d: PagedDims, spec, r: _Refs, q_lo, visit):
     if spec.sliding_window is not None:
       lo = jax.lax.div(jnp.maximum(lo_pos - spec.sliding_window + 1, 0), d.block_tokens)
     lo = jnp.minimum(lo, hi)
+    if before_seq is not None:
+      before_seq(s, seq_start, lo_row, hi_row, first_pos)
 
     @pl.when(lo < hi)
     def _():
@@ -388,7 +402,16 @@ def _split_scratch(d: PagedDims, refs):
 
 def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *rest, d: PagedDims, spec):
   scales_hbm, rest = _split_refs(d, rest)
+  new_refs = ()
+  if d.write:
+    new_k, new_v, *rest = rest
+    new_scales, rest = _split_refs(d, rest)
+    new_refs = (new_k, new_v, new_scales)
   o_ref, lse_ref, *rest = rest
+  if d.write:
+    # The page buffers are aliased to these outputs: read and write them there.
+    k_hbm, v_hbm, *rest = rest
+    scales_hbm, rest = _split_refs(d, rest)
   k_buf, v_buf, scale_bufs, rest = _split_scratch(d, rest)
   m_sc, l_sc, acc_sc, sem = rest
   r = _Refs(cu_ref, kv_lens_ref, table_ref, n_ref, k_hbm, v_hbm, scales_hbm, k_buf, v_buf, scale_bufs, sem)
@@ -420,7 +443,8 @@ def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *res
       acc = acc_sc[:, k * G : (k + 1) * G, :]
       acc_sc[:, k * G : (k + 1) * G, :] = alpha.reshape(d.bq, G, 1) * acc + pv.reshape(d.bq, G, d.H)
 
-  _walk(d, spec, r, q_lo, visit)
+  before_seq = functools.partial(_write_rows, d, r, new_refs, q_lo) if d.write else None
+  _walk(d, spec, r, q_lo, visit, before_seq)
   for k in range(d.K):
     l = l_sc[k][:, :1].reshape(d.bq, G, 1)
     m = m_sc[k][:, :1].reshape(d.bq, G, 1)
@@ -428,6 +452,36 @@ def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *res
     l_safe = jnp.where(empty, 1.0, l)
     o_ref[:, k * G : (k + 1) * G, :] = (acc_sc[:, k * G : (k + 1) * G, :] / l_safe).astype(o_ref.dtype)
     lse_ref[:, k * G : (k + 1) * G] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe)).reshape(d.bq, G)
+
+
+def _write_rows(d: PagedDims, r: _Refs, new_refs, q_lo, s, seq_start, lo_row, hi_row, first_pos):
+  """Fused cache write: rows [lo_row, hi_row) of sequence s go into their page slots before any read.
+
+  The grid runs in order, so the rows of a sequence in earlier q blocks are already stored when a later block
+  reads them; copy-on-write has already given the sequence its own copy of a shared page it writes into.
+  """
+  new_k, new_v, new_scales = new_refs
+  pairs = [(new_k, r.k_hbm), (new_v, r.v_hbm)]
+  pairs += [(a, b) for a, b in zip(new_scales, r.scales_hbm, strict=True) if a is not None]
+
+  def row(t, carry):
+    pos = first_pos + (t - seq_start)
+    entry = jax.lax.div(jnp.maximum(pos, 0), d.ps)
+    pid = r.table[s * d.ppt + jnp.minimum(entry, d.ppt - 1)]
+    ok = (pos >= 0) & (entry < d.ppt) & (pid >= 0) & (pid < d.P)
+    slot = jax.lax.rem(jnp.maximum(pos, 0), d.ps)
+    safe = jnp.clip(pid, 0, d.P - 1)
+
+    @pl.when(ok)
+    def _():
+      for src, dst in pairs:
+        copy = pltpu.make_async_copy(src.at[t - q_lo], dst.at[safe, slot], r.sem.at[2])
+        copy.start()
+        copy.wait()
+
+    return carry
+
+  jax.lax.fori_loop(lo_row, hi_row, row, 0)
 
 
 def _operands(d: PagedDims, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale):
@@ -449,10 +503,10 @@ def _operands(d: PagedDims, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale,
   return prefetch, tuple(scales)
 
 
-def _spec_dims(q, k_pages, page_indices, k_scale, v_scale, spec):
+def _spec_dims(q, k_pages, page_indices, k_scale, v_scale, spec, write=False):
   bq, ppb = check_supported(q, k_pages, block_q=spec.block_q, pages_per_block=spec.pages_per_block)
   scale_dims = [None if x is None else jnp.asarray(x) for x in (k_scale, v_scale)]
-  return dims_of(q, k_pages, page_indices, *scale_dims, bq=bq, ppb=ppb)
+  return dims_of(q, k_pages, page_indices, *scale_dims, bq=bq, ppb=ppb, write=write)
 
 
 def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, *, spec, interpret):
@@ -465,6 +519,67 @@ def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
   )
   out, lse = run(*prefetch, q, k_pages, v_pages, *scales)
   return out, lse
+
+
+def paged_fwd_write(
+  q,
+  k_new,
+  v_new,
+  k_pages,
+  v_pages,
+  kv_lens,
+  page_indices,
+  cu_q_lens,
+  num_seqs,
+  k_scale,
+  v_scale,
+  k_new_scale,
+  v_new_scale,
+  *,
+  spec,
+  interpret,
+):
+  """Forward with the fused cache write; not differentiable (serving).
+
+  k_new, v_new: [T, K, H] the new tokens' K/V as stored (page dtype; quantized by the caller), with their
+  per-token scales [T, K] when the cache keeps scales ([P, page_size, K]).  kv_lens and page_indices are the
+  cache's after the append (pages reserved, copy-on-write done).  Returns (out [T, N, H], k_pages, v_pages,
+  k_scale, v_scale); the page buffers are aliased to the results (donate them to update in place).
+  """
+  for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+    if sc is not None and sc.ndim != 3:
+      raise NotImplementedError(
+        f"the fused cache write stores per-token scales [P, page_size, K], got {name}.ndim={sc.ndim}"
+      )
+  d = _spec_dims(q, k_pages, page_indices, k_scale, v_scale, spec, write=True)
+  prefetch, _ = _operands(d, kv_lens, page_indices, cu_q_lens, num_seqs, None, None)
+  scales = tuple(x for x in (k_scale, v_scale) if x is not None)
+  new_scales = tuple(x.astype(c.F32) for x in (k_new_scale, v_new_scale) if x is not None)
+  operands = (
+    *prefetch,
+    q,
+    k_pages,
+    v_pages,
+    *scales,
+    k_new.astype(k_pages.dtype),
+    v_new.astype(v_pages.dtype),
+    *new_scales,
+  )
+  # Inputs 5, 6 (pages) and 7.. (scales) after the 4 prefetched arrays and q become outputs 2, 3, 4...
+  aliases = {5 + i: 2 + i for i in range(2 + len(scales))}
+  kernel = functools.partial(_fwd_kernel, d=d, spec=spec)
+  run = _launch(
+    kernel,
+    fwd_plan(d),
+    num_semaphores=3,
+    semantics=("arbitrary",),
+    aliases=aliases,
+    interpret=interpret,
+    name="paged_fwd_write",
+  )
+  out, _, k_pages, v_pages, *new = run(*operands)
+  k_scale, v_scale = (new.pop(0) if x is not None else None for x in (k_scale, v_scale))
+  return out, k_pages, v_pages, k_scale, v_scale
 
 
 # -- backward -----------------------------------------------------------------------------
