@@ -257,6 +257,20 @@ def test_lowers_for_tpu(dtype, page_dtype, scales, kw):
   assert text.count("tpu_custom_call") >= 2
 
 
+def test_fused_write_lowers_for_tpu():
+  sds = jax.ShapeDtypeStruct
+  Tq, N, K, H, P_, ps = 64, 16, 4, 128, 64, 16
+  spec = paged_common.PagedSpec(scale=0.1, block_q=32, pages_per_block=4)
+  meta = (sds((8,), jnp.int32), sds((8, 8), jnp.int32), sds((9,), jnp.int32), sds((1,), jnp.int32))
+  pages = sds((P_, ps, K, H), jnp.int8)
+  scale, new_scale = sds((P_, ps, K), F32), sds((Tq, K), F32)
+  new = sds((Tq, K, H), jnp.int8)
+  fn = jax.jit(lambda *a: pallas_paged.paged_fwd_write(*a, spec=spec, interpret=None))
+  args = (sds((Tq, N, H), BF16), new, new, pages, pages, *meta, scale, scale, new_scale, new_scale)
+  text = export.export(fn, platforms=("tpu",))(*args).mlir_module()
+  assert text.count("tpu_custom_call") == 1
+
+
 # -- planner --------------------------------------------------------------------------------
 
 
