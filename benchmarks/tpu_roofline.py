@@ -765,13 +765,12 @@ def paged_step_cost(seqs, bq: int, ppb: int, ps: int, p: Problem, tiled: bool) -
   for q_len, kv_len in seqs:
     first = kv_len - q_len
     for blk in range(row // bq, -(-(row + q_len) // bq) if q_len else row // bq):
-      lo, hi = max(row, blk * bq), min(row + q_len, (blk + 1) * bq)
+      hi = min(row + q_len, (blk + 1) * bq)  # last row of the sequence in this q block, + 1
       last_pos = first + (hi - 1 - row)
       blocks = last_pos // (ppb * ps) + 1
       pages = min(blocks * ppb, -(-kv_len // ps))
       kv_bytes += 2 * pages * page_bytes  # K and V
       flops += 2 * 2 * p.K * (bq * p.G) * (blocks * ppb * ps) * p.H  # s and pv per kv head
-      del lo
     row += q_len
   q_bytes = block_bytes((T, p.N, p.H), p.dtype, tiled)
   io = 2 * q_bytes + block_bytes((T, p.N), "float32", tiled)  # q in; o and lse out
