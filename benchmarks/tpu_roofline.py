@@ -47,6 +47,11 @@ is derived from this model, not measured: it ignores VPU work (exp, masking),
 the ~0.35 us per-grid-step overhead, XLA ops around the kernels (casts, the
 online-softmax merge, delta), megacore splitting, and DMA efficiency.
 
+A last model section walks one decode step and one mixed prefill + decode step through the ragged paged kernel
+(`_src/backends/pallas_tpu/paged.py`, blocks from `planner.plan_paged_block_sizes`): K/V bytes copied against
+each live byte once, grouped vs ungrouped decode MXU rows, ragged vs padded FLOPs, and the projected decode time
+against the HBM bound (`print_paged`).
+
 When a TPU is attached (`jax.default_backend() == "tpu"`) the script also times
 `ring_attention(..., implementation="pallas_tpu")` (a ring of one, at each
 per-device shard length) forward and forward+backward against
