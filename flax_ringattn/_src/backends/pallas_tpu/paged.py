@@ -12,7 +12,8 @@ precomputed schedule:
      blocks they can see (causal upper end, sliding-window lower end);
   3. for each kv block of `ppb` pages: async copies of the pages (all kv
      heads of a page are contiguous, so one copy per page and per K/V) into a
-     two-slot VMEM buffer; block b + 1 is in flight while block b is used;
+     two-slot VMEM buffer; the next block (of the same sequence, or the first
+     block of the next sequence) is in flight while block b is used;
   4. for each kv head: the G = N / K q heads of its group, folded to one
      (bq * G, H) operand (row r is token r // G, head r % G), meet the block
      in one matmul, so decode under 8:1 GQA fills 8 rows of the MXU per token.
@@ -334,51 +335,86 @@ def _dot(a, b, contract, dtype):
   )
 
 
-def _walk(d: PagedDims, spec, r: _Refs, q_lo, visit, before_seq=None):
-  """Calls visit(s, b, slot, copies, seq_start, seq_end, first_pos, kv_len) for every (sequence, kv block)
-  that the rows [q_lo, q_lo + bq) can see, with block b's pages in VMEM slot `slot`."""
+@dataclasses.dataclass(frozen=True)
+class _Seq:
+  """Where sequence s meets the q block: its rows, positions and the kv blocks [lo, hi) they can see."""
+
+  start: jax.Array  # first row of the sequence in q
+  end: jax.Array
+  kv_len: jax.Array
+  first_pos: jax.Array  # position of the sequence's first new token
+  lo_row: jax.Array  # its rows in this q block: [lo_row, hi_row)
+  hi_row: jax.Array
+  lo: jax.Array
+  hi: jax.Array
+
+
+def _seq_in_block(d: PagedDims, spec, r: _Refs, s, q_lo) -> _Seq:
+  seq_start, seq_end = r.cu[s], r.cu[s + 1]
+  kv_len = r.kv_lens[s]
+  lo_row, hi_row = jnp.maximum(seq_start, q_lo), jnp.minimum(seq_end, q_lo + d.bq)
+  first_pos = kv_len - (seq_end - seq_start)
+  lo_pos, hi_pos = first_pos + (lo_row - seq_start), first_pos + (hi_row - 1 - seq_start)
+  # lax.div/rem (truncating) on non-negative values: Mosaic lowers floor division through sign(), which
+  # needs the TPU generation at lowering time.
+  hi = jnp.where(hi_pos < 0, 0, jnp.minimum(jax.lax.div(hi_pos, d.block_tokens) + 1, d.max_blocks))
+  hi = jnp.where(hi_row > lo_row, hi, 0)
+  lo = jnp.zeros((), jnp.int32)
+  if spec.sliding_window is not None:
+    lo = jax.lax.div(jnp.maximum(lo_pos - spec.sliding_window + 1, 0), d.block_tokens)
+  return _Seq(seq_start, seq_end, kv_len, first_pos, lo_row, hi_row, jnp.minimum(lo, hi), hi)
+
+
+def _first_seq(d: PagedDims, r: _Refs, q_lo, n):
+  """The first sequence whose rows reach the q block (a scalar scan of cu_q_lens)."""
+  return jax.lax.while_loop(lambda s: (s < n) & (r.cu[jnp.minimum(s + 1, d.S)] <= q_lo), lambda s: s + 1, 0)
+
+
+def _walk(d: PagedDims, spec, r: _Refs, q_lo, visit):
+  """Calls visit(s, b, slot, copies, seq) for every (sequence, kv block) that the rows [q_lo, q_lo + bq) can
+  see, with block b's pages in VMEM slot `slot`.
+
+  One copy is always in flight ahead of the compute: the next block of the sequence, or, during its last
+  block, the first block of the next sequence (a decode batch is mostly one-block sequences).
+  """
   q_hi = q_lo + d.bq
   n = jnp.clip(r.num_seqs[0], 0, d.S)
-  first = jax.lax.while_loop(lambda s: (s < n) & (r.cu[jnp.minimum(s + 1, d.S)] <= q_lo), lambda s: s + 1, 0)
+  live = lambda s: (s < n) & (r.cu[jnp.minimum(s, d.S)] < q_hi)  # noqa: E731
 
-  def seq_step(s):
-    seq_start, seq_end = r.cu[s], r.cu[s + 1]
-    kv_len = r.kv_lens[s]
-    lo_row, hi_row = jnp.maximum(seq_start, q_lo), jnp.minimum(seq_end, q_hi)
-    first_pos = kv_len - (seq_end - seq_start)  # position of the sequence's first new token
-    lo_pos, hi_pos = first_pos + (lo_row - seq_start), first_pos + (hi_row - 1 - seq_start)
-    # lax.div/rem (truncating) on non-negative values: Mosaic lowers floor division through sign(), which
-    # needs the TPU generation at lowering time.
-    hi = jnp.where(hi_pos < 0, 0, jnp.minimum(jax.lax.div(hi_pos, d.block_tokens) + 1, d.max_blocks))
-    hi = jnp.where(hi_row > lo_row, hi, 0)
-    lo = 0
-    if spec.sliding_window is not None:
-      lo = jax.lax.div(jnp.maximum(lo_pos - spec.sliding_window + 1, 0), d.block_tokens)
-    lo = jnp.minimum(lo, hi)
-    if before_seq is not None:
-      before_seq(s, seq_start, lo_row, hi_row, first_pos)
+  def seq_step(carry):
+    s, slot, started = carry
+    g = _seq_in_block(d, spec, r, s, q_lo)
+    has_work = g.lo < g.hi
 
-    @pl.when(lo < hi)
+    @pl.when(has_work & ~started)
     def _():
-      _start(_page_copies(d, r, s, lo, jax.lax.rem(lo, 2), kv_len))
+      _start(_page_copies(d, r, s, g.lo, slot, g.kv_len))
 
-      def kv_step(b, carry):
-        slot = jax.lax.rem(b, 2)
+    s2 = jnp.minimum(s + 1, d.S - 1)
+    g2 = _seq_in_block(d, spec, r, s2, q_lo)
+    next_ok = live(s + 1) & (g2.lo < g2.hi)
 
-        @pl.when(b + 1 < hi)
-        def _():
-          _start(_page_copies(d, r, s, b + 1, jax.lax.rem(b + 1, 2), kv_len))
+    def kv_step(b, cur):
+      nxt = 1 - cur
 
-        copies = _page_copies(d, r, s, b, slot, kv_len)
-        _wait(copies)
-        visit(s, b, slot, copies, seq_start, seq_end, first_pos, kv_len)
-        return carry
+      @pl.when(b + 1 < g.hi)
+      def _():
+        _start(_page_copies(d, r, s, b + 1, nxt, g.kv_len))
 
-      jax.lax.fori_loop(lo, hi, kv_step, 0)
+      @pl.when((b + 1 == g.hi) & next_ok)
+      def _():
+        _start(_page_copies(d, r, s2, g2.lo, nxt, g2.kv_len))
 
-    return s + 1
+      copies = _page_copies(d, r, s, b, cur, g.kv_len)
+      _wait(copies)
+      visit(s, b, cur, copies, g)
+      return nxt
 
-  jax.lax.while_loop(lambda s: (s < n) & (r.cu[s] < q_hi), seq_step, first)
+    slot = jax.lax.fori_loop(g.lo, g.hi, kv_step, slot)
+    return s + 1, slot, has_work & next_ok
+
+  init = (_first_seq(d, r, q_lo, n), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.bool_))
+  jax.lax.while_loop(lambda c: live(c[0]), seq_step, init)
 
 
 def _split_refs(d: PagedDims, refs):
@@ -420,10 +456,10 @@ def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *res
   l_sc[...] = jnp.zeros(l_sc.shape, c.F32)
   acc_sc[...] = jnp.zeros(acc_sc.shape, c.F32)
 
-  def visit(s, b, slot, copies, seq_start, seq_end, first_pos, kv_len):
+  def visit(s, b, slot, copies, g):
     del s
-    valid = _kv_valid(d, copies, b, kv_len)
-    vis = _mask(d, spec, q_lo, seq_start, seq_end, first_pos, b, _kv_valid_row(d, copies, b, kv_len))
+    valid = _kv_valid(d, copies, b, g.kv_len)
+    vis = _mask(d, spec, q_lo, g.start, g.end, g.first_pos, b, _kv_valid_row(d, copies, b, g.kv_len))
     for k in range(d.K):
       kk, _ = _load_head(d, k_buf, scale_bufs[0], slot, k, valid)
       vv, _ = _load_head(d, v_buf, scale_bufs[1], slot, k, valid)
@@ -443,8 +479,9 @@ def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *res
       acc = acc_sc[:, k * G : (k + 1) * G, :]
       acc_sc[:, k * G : (k + 1) * G, :] = alpha.reshape(d.bq, G, 1) * acc + pv.reshape(d.bq, G, d.H)
 
-  before_seq = functools.partial(_write_rows, d, r, new_refs, q_lo) if d.write else None
-  _walk(d, spec, r, q_lo, visit, before_seq)
+  if d.write:
+    _write_block(d, spec, r, new_refs, q_lo)
+  _walk(d, spec, r, q_lo, visit)
   for k in range(d.K):
     l = l_sc[k][:, :1].reshape(d.bq, G, 1)
     m = m_sc[k][:, :1].reshape(d.bq, G, 1)
@@ -454,12 +491,25 @@ def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *res
     lse_ref[:, k * G : (k + 1) * G] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe)).reshape(d.bq, G)
 
 
-def _write_rows(d: PagedDims, r: _Refs, new_refs, q_lo, s, seq_start, lo_row, hi_row, first_pos):
-  """Fused cache write: rows [lo_row, hi_row) of sequence s go into their page slots before any read.
+def _write_block(d: PagedDims, spec, r: _Refs, new_refs, q_lo):
+  """Fused cache write: the block's rows go into their page slots before the walk reads any page.
 
   The grid runs in order, so the rows of a sequence in earlier q blocks are already stored when a later block
   reads them; copy-on-write has already given the sequence its own copy of a shared page it writes into.
   """
+  q_hi = q_lo + d.bq
+  n = jnp.clip(r.num_seqs[0], 0, d.S)
+
+  def seq_step(s):
+    g = _seq_in_block(d, spec, r, s, q_lo)
+    _write_rows(d, r, new_refs, q_lo, s, g.start, g.lo_row, g.hi_row, g.first_pos)
+    return s + 1
+
+  live = lambda s: (s < n) & (r.cu[jnp.minimum(s, d.S)] < q_hi)  # noqa: E731
+  jax.lax.while_loop(live, seq_step, _first_seq(d, r, q_lo, n))
+
+
+def _write_rows(d: PagedDims, r: _Refs, new_refs, q_lo, s, seq_start, lo_row, hi_row, first_pos):
   new_k, new_v, new_scales = new_refs
   pairs = [(new_k, r.k_hbm), (new_v, r.v_hbm)]
   pairs += [(a, b) for a, b in zip(new_scales, r.scales_hbm, strict=True) if a is not None]
@@ -597,10 +647,10 @@ def _bwd_kernel(
   G, q_lo, rows = d.G, pl.program_id(0) * d.bq, d.bq * d.G
   dq_sc[...] = jnp.zeros(dq_sc.shape, c.F32)
 
-  def visit(s, b, slot, copies, seq_start, seq_end, first_pos, kv_len):
+  def visit(s, b, slot, copies, g):
     del s
-    valid = _kv_valid(d, copies, b, kv_len)
-    vis = _mask(d, spec, q_lo, seq_start, seq_end, first_pos, b, _kv_valid_row(d, copies, b, kv_len))
+    valid = _kv_valid(d, copies, b, g.kv_len)
+    vis = _mask(d, spec, q_lo, g.start, g.end, g.first_pos, b, _kv_valid_row(d, copies, b, g.kv_len))
     for k in range(d.K):
       kk, k_sc = _load_head(d, k_buf, scale_bufs[0], slot, k, valid)
       vv, v_sc = _load_head(d, v_buf, scale_bufs[1], slot, k, valid)
