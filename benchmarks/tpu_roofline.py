@@ -47,6 +47,11 @@ is derived from this model, not measured: it ignores VPU work (exp, masking),
 the ~0.35 us per-grid-step overhead, XLA ops around the kernels (casts, the
 online-softmax merge, delta), megacore splitting, and DMA efficiency.
 
+A last model section walks one decode step and one mixed prefill + decode step through the ragged paged kernel
+(`_src/backends/pallas_tpu/paged.py`, blocks from `planner.plan_paged_block_sizes`): K/V bytes copied against
+each live byte once, grouped vs ungrouped decode MXU rows, ragged vs padded FLOPs, and the projected decode time
+against the HBM bound (`print_paged`).
+
 When a TPU is attached (`jax.default_backend() == "tpu"`) the script also times
 `ring_attention(..., implementation="pallas_tpu")` (a ring of one, at each
 per-device shard length) forward and forward+backward against
@@ -741,6 +746,113 @@ def time_on_tpu(args, p: Problem, seq_lens: Sequence[int], mask_names: Sequence[
 # ------------------------------------------------------------------------------------------
 
 
+# ------------------------------------------------------------------------------------------
+# The ragged paged attention kernel (`_src/backends/pallas_tpu/paged.py`), one decode step and one mixed step.
+#
+# Model of the kernel's walk: a grid step per q block of bq rows; for each sequence with rows in the block, the
+# kv blocks its rows can see (ppb pages each) are copied page by page, only pages below kv_len (so a sequence's
+# pages are read once per q block holding its rows), and every kv head's matmuls run on the whole folded
+# (bq * G, ppb * page) tile, whatever share of the rows belongs to the sequence.
+
+
+def paged_workload(num_decodes: int, prefill: int, num_prefills: int, max_history: int) -> list[tuple[int, int]]:
+  """(q_len, kv_len) per sequence: decodes with histories evenly spread over 64 .. max_history, then prefills."""
+  hist = np.linspace(64, max_history, num_decodes).astype(int) if num_decodes else []
+  return [(1, int(h)) for h in hist] + [(prefill, prefill)] * num_prefills
+
+
+def paged_step_cost(seqs, bq: int, ppb: int, ps: int, p: Problem, tiled: bool) -> dict:
+  """FLOPs and HBM bytes of one forward launch of the paged kernel over `seqs`, walked as the kernel does."""
+  T = -(-sum(q for q, _ in seqs) // bq) * bq
+  page_bytes = block_bytes((ps, p.K, p.H), p.dtype, tiled)
+  flops = kv_bytes = 0
+  row = 0
+  for q_len, kv_len in seqs:
+    first = kv_len - q_len
+    for blk in range(row // bq, -(-(row + q_len) // bq) if q_len else row // bq):
+      hi = min(row + q_len, (blk + 1) * bq)  # last row of the sequence in this q block, + 1
+      last_pos = first + (hi - 1 - row)
+      blocks = last_pos // (ppb * ps) + 1
+      pages = min(blocks * ppb, -(-kv_len // ps))
+      kv_bytes += 2 * pages * page_bytes  # K and V
+      flops += 2 * 2 * p.K * (bq * p.G) * (blocks * ppb * ps) * p.H  # s and pv per kv head
+    row += q_len
+  q_bytes = block_bytes((T, p.N, p.H), p.dtype, tiled)
+  io = 2 * q_bytes + block_bytes((T, p.N), "float32", tiled)  # q in; o and lse out
+  useful_kv = sum(2 * kv * p.K * p.H * p.itemsize for _, kv in seqs)  # each live K/V byte once
+  useful_flops = sum(
+    2 * 2 * p.N * p.H * sum(first + j + 1 for j in range(q)) for q, first in ((q, kv - q) for q, kv in seqs)
+  )
+  return dict(
+    T=T, flops=flops, kv_bytes=kv_bytes, bytes=kv_bytes + io, min_kv=useful_kv, useful=useful_flops, steps=T // bq
+  )
+
+
+def padded_flops(seqs, p: Problem) -> int:
+  """A padded batch: every sequence's q padded to the longest q_len and its kv to the longest kv_len."""
+  qm, km = max(q for q, _ in seqs), max(kv for _, kv in seqs)
+  return 2 * 2 * len(seqs) * p.N * qm * km * p.H
+
+
+MXU_ROWS = {"v4": 128, "v5e": 128, "v5p": 128, "v6e": 256, "v7x": 256}  # systolic array height per generation
+STEP_OVERHEAD_S = 0.35e-6  # per grid step (see the module docstring)
+
+
+def print_paged(gens: Sequence[str], p: Problem, args, tiled: bool) -> None:
+  ps = args.page_size
+  decode = paged_workload(args.paged_decodes, 0, 0, args.paged_history)
+  mixed = paged_workload(args.paged_decodes, args.paged_prefill, 2, args.paged_history)
+  print(
+    f"\nPaged kernel (model): page {ps}, {args.paged_decodes} decodes with histories 64..{args.paged_history}"
+    f" (decode step), the same + 2 prefills of {args.paged_prefill} (mixed step); N={p.N} K={p.K} H={p.H} {p.dtype}."
+  )
+  print("  KV x min: K/V bytes the kernel copies / each live K/V byte once (tiled pages pad K to the sublanes).")
+  print("  MXU rows: useful rows of the decode QK^T matmul per MXU pass, grouped (G q heads of a kv head in one")
+  print("  matmul) vs ungrouped (one q head); the q block computes bq * G rows per sequence, G of them useful.")
+  print("  ragged/padded: FLOPs of the mixed step, kernel walk vs a batch padded to the longest q and kv.")
+  print("  t_proj: decode step, max(FLOPs / peak, bytes / HBM) + grid-step overhead; HBM bound: live K/V + q/o once")
+  print("  at HBM speed; mixed us: t_proj of the mixed step.  q blk: plan = plan_paged_block_sizes, min = one sublane")
+  print("  tile.  rows/useful: rows the decode matmul computes per useful row (= bq).")
+  print(
+    f"  {'gen':4} {'q blk':>4} {'bq':>4} {'pages/blk':>9} {'KV MB':>8} {'KV x min':>8} {'MXU grouped':>11} {'ungrouped':>9} "
+    f"{'rows/useful':>11} {'ragged/padded':>13} {'t_proj us':>9} {'HBM bound us':>12} {'bound/proj':>10} "
+    f"{'mixed us':>10}"
+  )
+  for g in gens:
+    hw = hardware(g)
+    try:
+      bs = planner.plan_paged_block_sizes(
+        max(-(-len(decode) // 16) * 16, 16),
+        ps,
+        -(-args.paged_history // ps),
+        p.N,
+        p.K,
+        p.H,
+        jnp.dtype(p.dtype),
+        generation=g,
+      )
+    except ValueError as e:
+      print(f"  {g:4} error: {e}")
+      continue
+    # The planner's q block (tall: a prefill re-reads its pages once per q block) and the shortest legal one
+    # (a decode computes bq * G rows for G useful ones): the kernel's decode/prefill trade-off.
+    for label, bq in (("plan", bs.block_q), ("min", common.sublanes(jnp.dtype(p.dtype)))):
+      ppb = bs.block_kv // ps
+      dc = paged_step_cost(decode, bq, ppb, ps, p, tiled)
+      mx = paged_step_cost(mixed, bq, ppb, ps, p, tiled)
+      t_proj = max(dc["flops"] / hw.peak, dc["bytes"] / hw.hbm_bw) + dc["steps"] * STEP_OVERHEAD_S
+      t_mixed = max(mx["flops"] / hw.peak, mx["bytes"] / hw.hbm_bw) + mx["steps"] * STEP_OVERHEAD_S
+      io_min = 2 * len(decode) * p.N * p.H * p.itemsize
+      t_bound = (dc["min_kv"] + io_min) / hw.hbm_bw
+      rows = MXU_ROWS[g]
+      print(
+        f"  {g:4} {label:>4} {bq:>4} {ppb:>9} {dc['kv_bytes'] / MB:>8.1f} {dc['kv_bytes'] / dc['min_kv']:>8.2f} "
+        f"{100 * min(p.G, rows) / rows:>10.1f}% {100 / rows:>8.1f}% {bq:>11} "
+        f"{mx['flops'] / padded_flops(mixed, p):>13.3f} {t_proj * 1e6:>9.1f} {t_bound * 1e6:>12.1f} "
+        f"{t_bound / t_proj:>10.2f} {t_mixed * 1e6:>10.1f}"
+      )
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
     description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -770,6 +882,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     help="on a TPU, time jax.nn.dot_product_attention only if its f32 scores fit in this",
   )
   parser.add_argument("--quick", action="store_true", help="tiny run (T=16k), a few seconds")
+  parser.add_argument("--page-size", type=int, default=16, help="paged kernel: tokens per page")
+  parser.add_argument("--paged-decodes", type=int, default=64, help="paged kernel: decode sequences per step")
+  parser.add_argument("--paged-history", type=int, default=4096, help="paged kernel: longest decode history")
+  parser.add_argument("--paged-prefill", type=int, default=512, help="paged kernel: new tokens per prefill")
   args = parser.parse_args(argv)
   args.generations = [g.strip() for g in args.generations.split(",") if g.strip()]
   args.masks = [m.strip() for m in args.masks.split(",") if m.strip()]
@@ -837,6 +953,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
   ici_masks = [m for m in ("full", "causal-lb") if m in args.masks] or args.masks[:1]
   print_ici(results, args.generations, args.seq_lens, ici_masks, p)
+  print_paged(args.generations, p, args, tiled)
   time_on_tpu(args, p, args.seq_lens, args.masks, tiled)
   print(f"\n(model run took {time.perf_counter() - t0:.1f} s)")
   return 0

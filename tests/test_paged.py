@@ -633,7 +633,7 @@ def _call(op, page_dtype=F32, **changes):
 
 
 STATIC_ERRORS = {
-  # paged/common.py: check_paged_inputs
+  # paged_common.py: check_paged_inputs
   "q_not_array": (dict(q=np.zeros((8, 4, 8)).tolist()), TypeError, "q must be an array"),
   "pages_not_array": (dict(k_pages=1.0), TypeError, "k_pages must be an array"),
   "q_rank": (dict(q=jnp.zeros((1, 8, 4, 8))), ValueError, r"q must be \[max_num_batched_tokens, N, H\] \(rank 3\)"),
@@ -681,12 +681,12 @@ STATIC_ERRORS = {
     r"cu_q_lens must be \[max_num_seqs \+ 1\]=\(4,\)",
   ),
   "num_seqs_scalar": (dict(num_seqs=jnp.zeros((), jnp.int32)), ValueError, r"num_seqs must have shape \(1,\)"),
-  "scale_python_float": (dict(k_scale=0.5), TypeError, "k_scale must be a floating-point array"),
-  "scale_int_array": (dict(v_scale=jnp.ones((), jnp.int32)), TypeError, "v_scale must be a floating-point array"),
+  "scale_str": (dict(k_scale="0.5"), TypeError, "k_scale must be a Python float or a floating-point array"),
+  "scale_int_array": (dict(v_scale=jnp.ones((), jnp.int32)), TypeError, "v_scale must be a Python float or a"),
   "scale_shape": (dict(k_scale=jnp.ones((6,), F32)), ValueError, r"k_scale must have shape \(\) \(one scale\)"),
   "scale_shape_heads": (dict(v_scale=jnp.ones((6, 3), F32)), ValueError, r"\[P, K\]=\(6, 2\)"),
   "scale_shape_tokens": (dict(k_scale=jnp.ones((6, 2, 2), F32)), ValueError, r"\[P, page_size, K\]=\(6, 4, 2\)"),
-  # paged/common.py: check_sliding_window
+  # paged_common.py: check_sliding_window
   "window_float": (dict(sliding_window=2.5), TypeError, "sliding_window must be an int or None"),
   "window_bool": (dict(sliding_window=True), TypeError, "sliding_window must be an int or None"),
   "window_zero": (dict(sliding_window=0), ValueError, "sliding_window must be >= 1"),

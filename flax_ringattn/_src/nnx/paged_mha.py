@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -13,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from flax_ringattn._src import sharding
 from flax_ringattn._src.nnx.common import head_sharding_metadata
 from flax_ringattn._src.paged.cache import PagedKVCache
-from flax_ringattn._src.paged.op import paged_attention
+from flax_ringattn._src.paged.op import paged_attention, paged_attention_with_cache_write, uses_fused_cache_write
 
 
 class PagedMultiHeadAttention(nnx.MultiHeadAttention):
@@ -23,7 +24,12 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
   existing layer or of a `RingMultiHeadAttention` load with `nnx.update`), plus
   keyword-only `mesh` / `head_axis` (kv heads sharded over a tensor axis: the op
   then runs under `shard_map` over it), `sliding_window`, `logits_soft_cap`,
-  `implementation` and `block_sizes`.
+  `implementation`, `block_sizes` and `interpret` (as for `paged_attention`).
+
+  On pallas_tpu (a TPU with implementation=None, or interpret=...), without
+  `head_axis`, a step writes the new tokens' K/V into their pages inside the
+  attention kernel (fused cache write; the page buffers are aliased to its
+  results) after reserving pages (copy-on-write included) in XLA.
 
   Usage::
 
@@ -52,6 +58,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     logits_soft_cap: float | None = None,
     implementation: str | None = None,
     block_sizes=None,
+    interpret=None,
     dropout_rate: float = 0.0,
     kernel_metadata: Mapping = MappingProxyType({}),
     out_kernel_metadata: Mapping = MappingProxyType({}),
@@ -94,6 +101,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     self.logits_soft_cap = logits_soft_cap
     self.implementation = implementation
     self.block_sizes = block_sizes
+    self.interpret = interpret
     self.kv_cache: nnx.Cache | None = nnx.data(None)
 
   def init_cache(  # type: ignore[override]
@@ -136,6 +144,38 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       raise ValueError("the paged cache is not initialised: call init_cache(...) first")
     return self.kv_cache.get_value()
 
+  def _fused_step(self, query, key, value, cu_q_lens, num_seqs, options):
+    """Reserve pages in XLA, then attend and write the new K/V in one kernel; None where that kernel does not
+    run (XLA backend, unsupported shapes): the caller appends and attends separately."""
+    cache = self._cache()
+    cu, n = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(num_seqs, jnp.int32)
+    state = (cache.k_pages, cache.v_pages, cache.kv_lens, cache.page_indices, cu, n)
+    if not uses_fused_cache_write(query, *state, k_scale=cache.k_scale, v_scale=cache.v_scale, **options):
+      return None
+    cache, k_new, v_new, k_sc, v_sc = cache.reserve_append(key, value, cu, n)
+    result = paged_attention_with_cache_write(
+      query,
+      k_new,
+      v_new,
+      cache.k_pages,
+      cache.v_pages,
+      cache.kv_lens,
+      cache.page_indices,
+      cu,
+      n,
+      k_scale=cache.k_scale,
+      v_scale=cache.v_scale,
+      k_new_scale=k_sc,
+      v_new_scale=v_sc,
+      **options,
+    )
+    if result is None:
+      return None
+    out, k_pages, v_pages, k_scale, v_scale = result
+    cache = dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale)
+    self.kv_cache.set_value(cache)
+    return out
+
   def __call__(self, inputs, *, cu_q_lens, num_seqs, sow_weights: bool = False, **unused):  # type: ignore[override]
     if sow_weights:
       raise NotImplementedError("sow_weights=True is not supported by PagedMultiHeadAttention")
@@ -148,14 +188,19 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     query, key, value = self.query(inputs), self.key(inputs), self.value(inputs)
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
-    cache = self._cache().append(key, value, cu_q_lens, num_seqs)
-    self.kv_cache.set_value(cache)
     options = dict(
       sliding_window=self.sliding_window,
       logits_soft_cap=self.logits_soft_cap,
       implementation=self.implementation,
       block_sizes=self.block_sizes,
+      interpret=self.interpret,
     )
+    if self.mesh is None or self.head_axis is None:
+      fused = self._fused_step(query, key, value, cu_q_lens, num_seqs, options)
+      if fused is not None:
+        return self.out(fused)
+    cache = self._cache().append(key, value, cu_q_lens, num_seqs)
+    self.kv_cache.set_value(cache)
 
     def attend(q, k_pages, v_pages, k_scale, v_scale, kv_lens, table, cu, n):
       return paged_attention(q, k_pages, v_pages, kv_lens, table, cu, n, k_scale=k_scale, v_scale=v_scale, **options)

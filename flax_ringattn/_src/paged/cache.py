@@ -3,7 +3,7 @@
 A functional pytree (usable under jit and as `nnx.Cache` state): every method
 returns a new cache.  Slots are sequence indices 0 .. max_num_seqs - 1; the
 ragged batch of a step lists the new tokens of slot i at rows
-cu_q_lens[i] .. cu_q_lens[i + 1] - 1 (see `paged/metadata.py`).
+cu_q_lens[i] .. cu_q_lens[i + 1] - 1 (see `_src/paged_metadata.py`).
 
 Invariants:
 * slot s owns page_indices[s, :ceil(kv_lens[s] / page_size)]; the rest of its
@@ -21,7 +21,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from flax_ringattn._src.paged import common, metadata
+from flax_ringattn._src import paged_common as common
+from flax_ringattn._src import paged_metadata as metadata
 
 
 @jax.tree_util.register_dataclass
@@ -174,6 +175,25 @@ class PagedKVCache:
     T = k.shape[0]
     q_lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
     cache = self.reserve(q_lens)
+    return cache._write(k, v, cu_q_lens, num_seqs, q_lens, T)
+
+  def reserve_append(self, k, v, cu_q_lens, num_seqs):
+    """`append` without the page writes, for a kernel that writes the new tokens itself (the fused write).
+
+    Returns (cache, stored_k, stored_v, k_token_scale, v_token_scale): the cache with its pages reserved
+    (copy-on-write done) and kv_lens grown, and the new K/V [T, K, H] as the pages store them (quantized, with
+    per-token scales [T, K], when the cache keeps scales; else the scales are None).
+    """
+    q_lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
+    cache = self.reserve(q_lens)
+    k_store, k_sc = _quantize(cache.k_pages.dtype, cache.k_scale is not None, k)
+    v_store, v_sc = _quantize(cache.v_pages.dtype, cache.v_scale is not None, v)
+    cap = cache.pages_per_seq * cache.page_size
+    cache = dataclasses.replace(cache, kv_lens=jnp.minimum(cache.kv_lens + q_lens, cap))
+    return cache, k_store, v_store, k_sc, v_sc
+
+  def _write(self, k, v, cu_q_lens, num_seqs, q_lens, T) -> PagedKVCache:
+    cache = self
     seq, start, valid = metadata.token_owner(cu_q_lens, num_seqs, T)
     pos = cache.kv_lens[seq] + jnp.arange(T) - start
     ps, P = cache.page_size, cache.num_pages
@@ -237,15 +257,22 @@ def _zero_pages(x, released):
   return jnp.where(released.reshape((x.shape[0],) + (1,) * (x.ndim - 1)), jnp.zeros((), x.dtype), x)
 
 
-def _store(pages, scale, page, slot, x):
-  """Writes x [T, K, H] at (page, slot); quantizes per token and head when `scale` is kept."""
-  if scale is None:
-    return pages.at[page, slot].set(x.astype(pages.dtype), mode="drop"), None
-  qmax = common.QUANTIZED_MAX[jnp.dtype(pages.dtype).name]
+def _quantize(dtype, scaled: bool, x):
+  """x [T, K, H] as pages of `dtype` store it, and its per-token scales [T, K] (None without scales)."""
+  if not scaled:
+    return x.astype(dtype), None
+  qmax = common.QUANTIZED_MAX[jnp.dtype(dtype).name]
   xf = x.astype(jnp.float32)
   s = jnp.max(jnp.abs(xf), axis=-1) / qmax  # [T, K]
   s = jnp.where(s == 0, 1.0, s)
   stored = xf / s[..., None]
-  if jnp.issubdtype(pages.dtype, jnp.integer):
+  if jnp.issubdtype(dtype, jnp.integer):
     stored = jnp.round(stored)
-  return pages.at[page, slot].set(stored.astype(pages.dtype), mode="drop"), scale.at[page, slot].set(s, mode="drop")
+  return stored.astype(dtype), s
+
+
+def _store(pages, scale, page, slot, x):
+  """Writes x [T, K, H] at (page, slot); quantizes per token and head when `scale` is kept."""
+  stored, s = _quantize(pages.dtype, scale is not None, x)
+  pages = pages.at[page, slot].set(stored, mode="drop")
+  return pages, None if scale is None else scale.at[page, slot].set(s, mode="drop")

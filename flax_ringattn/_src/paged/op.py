@@ -13,12 +13,15 @@ import jax.numpy as jnp
 from jax.experimental import checkify
 from jax.sharding import AxisType, PartitionSpec
 
-from flax_ringattn._src import validation
+from flax_ringattn._src import backends, validation
+from flax_ringattn._src import paged_common as common
+from flax_ringattn._src import paged_metadata as metadata
+from flax_ringattn._src.backends.pallas_tpu import paged as pallas_paged
+from flax_ringattn._src.backends.pallas_tpu import planner
 from flax_ringattn._src.backends.xla import paged as xla_paged
 from flax_ringattn._src.block_sizes import BlockSizes
-from flax_ringattn._src.paged import common, metadata
 
-_IMPLEMENTATIONS = ("xla",)
+_IMPLEMENTATIONS = ("pallas_tpu", "xla")
 DEFAULT_PAGED_BLOCKS = BlockSizes(block_q=16, block_kv=128)
 
 
@@ -39,6 +42,7 @@ def paged_attention(
   implementation: str | None = None,
   block_sizes: BlockSizes | None = None,
   checked: bool = False,
+  interpret=None,
 ):
   """Attention of a ragged batch of new tokens over their sequences' paged KV cache.
 
@@ -55,40 +59,49 @@ def paged_attention(
     sliding_window: each token sees at most this many tokens, itself included.
     logits_soft_cap: c > 0: logits become c * tanh(logits / c).
     scale: logit scale, default H ** -0.5.
-    k_scale, v_scale: float arrays, shape () or [P, K] (per page and kv head) or
-      [P, page_size, K] (per token); dequantised value = stored * scale.  Values
-      are data: changing them does not recompile.
-    implementation: "xla" (default; portable).
+    k_scale, v_scale: Python floats, or float arrays of shape () or [P, K] (per
+      page and kv head) or [P, page_size, K] (per token); dequantised value =
+      stored * scale.  A float is converted to an array inside but is a constant
+      of the enclosing jit (a new value retraces); pass an array to change the
+      value without recompiling.
+    implementation: "pallas_tpu" (the ragged paged Pallas TPU kernel,
+      `_src/backends/pallas_tpu/paged.py`), "xla" (portable), or None: the
+      TPU kernel on a TPU when it supports the call, else XLA.
     block_sizes: `BlockSizes(block_q=rows per chunk, block_kv=kv tokens per
-      step, a multiple of page_size)`.
+      step, a multiple of page_size)`.  None: (16, 128) on XLA; on pallas_tpu
+      `plan_paged_block_sizes`, which fits both kernels in the chip's VMEM.
     checked: add `checkify` checks for the dynamic problems (page ids out of
       range, kv_lens past a sequence's pages, decreasing cu_q_lens, more new
       tokens than T or than kv_lens); run the call under
       `jax.experimental.checkify.checkify`.  Without it, bad metadata can never
       make a sequence read outside its own pages: such slots are masked.
+    interpret: run the pallas_tpu kernel in Pallas TPU interpret mode (on CPU):
+      True or a `jax.experimental.pallas.tpu.InterpretParams`.  Implies
+      implementation="pallas_tpu" when implementation is None.
 
   Returns:
     [T, N, H] in q.dtype.  Differentiable in q, k_pages and v_pages (gradients
     are scatter-added into the pages each sequence reads).
   """
-  T, N, H, P, ps, K, S, pps = common.check_paged_inputs(
-    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale
+  spec, k_scale, v_scale = _spec_for(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    k_scale,
+    v_scale,
+    sliding_window=sliding_window,
+    logits_soft_cap=logits_soft_cap,
+    scale=scale,
+    implementation=implementation,
+    block_sizes=block_sizes,
+    checked=checked,
+    interpret=interpret,
   )
-  if implementation is not None and implementation not in _IMPLEMENTATIONS:
-    raise ValueError(f"unknown {implementation=} for paged_attention; available: {_IMPLEMENTATIONS}")
-  blocks = DEFAULT_PAGED_BLOCKS if block_sizes is None else block_sizes
-  if not isinstance(blocks, BlockSizes):
-    raise TypeError(f"block_sizes must be a flax_ringattn.BlockSizes, got {type(block_sizes).__name__}")
-  if blocks.block_kv % ps and ps % blocks.block_kv:
-    raise ValueError(f"block_sizes.block_kv={blocks.block_kv} must be a multiple of page_size={ps}")
-  spec = common.PagedSpec(
-    scale=validation.check_scale(scale, H),
-    logits_soft_cap=validation.check_soft_cap(logits_soft_cap),
-    sliding_window=common.check_sliding_window(sliding_window),
-    block_q=min(blocks.block_q, T),
-    pages_per_block=max(1, min(blocks.block_kv // ps, pps)),
-    checked=validation.check_bool("checked", checked),
-  )
+  T, P, ps = q.shape[0], k_pages.shape[0], k_pages.shape[1]
   kv_lens, page_indices, cu_q_lens, num_seqs = (
     jnp.asarray(x, jnp.int32) for x in (kv_lens, page_indices, cu_q_lens, num_seqs)
   )
@@ -107,6 +120,194 @@ def paged_attention(
     out_specs=PartitionSpec(),
     check_vma=False,
   )(*args)
+
+
+def _spec_for(
+  q,
+  k_pages,
+  v_pages,
+  kv_lens,
+  page_indices,
+  cu_q_lens,
+  num_seqs,
+  k_scale,
+  v_scale,
+  *,
+  sliding_window,
+  logits_soft_cap,
+  scale,
+  implementation,
+  block_sizes,
+  checked,
+  interpret,
+):
+  """Static validation and backend choice: (PagedSpec, k_scale, v_scale as arrays)."""
+  k_scale, v_scale = common.normalize_scales(k_scale, v_scale)
+  T, N, H, P, ps, K, S, pps = common.check_paged_inputs(
+    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale
+  )
+  if implementation is not None and implementation not in _IMPLEMENTATIONS:
+    raise ValueError(f"unknown {implementation=} for paged_attention; available: {_IMPLEMENTATIONS}")
+  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+    raise TypeError(f"block_sizes must be a flax_ringattn.BlockSizes, got {type(block_sizes).__name__}")
+  if block_sizes is not None and block_sizes.block_kv % ps and ps % block_sizes.block_kv:
+    raise ValueError(f"block_sizes.block_kv={block_sizes.block_kv} must be a multiple of page_size={ps}")
+  implementation, interpret, blocks = _choose_backend(
+    implementation, interpret, block_sizes, q, k_pages, k_scale, v_scale, pps, logits_soft_cap
+  )
+  spec = common.PagedSpec(
+    scale=validation.check_scale(scale, H),
+    logits_soft_cap=validation.check_soft_cap(logits_soft_cap),
+    sliding_window=common.check_sliding_window(sliding_window),
+    block_q=min(blocks.block_q, T),
+    pages_per_block=max(1, min(blocks.block_kv // ps, pps)),
+    checked=validation.check_bool("checked", checked),
+    implementation=implementation,
+    interpret=interpret,
+  )
+  return spec, k_scale, v_scale
+
+
+def uses_fused_cache_write(
+  q,
+  k_pages,
+  v_pages,
+  kv_lens,
+  page_indices,
+  cu_q_lens,
+  num_seqs,
+  *,
+  k_scale=None,
+  v_scale=None,
+  sliding_window=None,
+  logits_soft_cap=None,
+  scale=None,
+  implementation=None,
+  block_sizes=None,
+  interpret=None,
+):
+  """Whether `paged_attention_with_cache_write` runs for these arguments (pallas_tpu, per-token scales)."""
+  spec, k_scale, v_scale = _spec_for(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    k_scale,
+    v_scale,
+    sliding_window=sliding_window,
+    logits_soft_cap=logits_soft_cap,
+    scale=scale,
+    implementation=implementation,
+    block_sizes=block_sizes,
+    checked=False,
+    interpret=interpret,
+  )
+  return spec.implementation == "pallas_tpu" and all(x is None or x.ndim == 3 for x in (k_scale, v_scale))
+
+
+def paged_attention_with_cache_write(
+  q,
+  k_new,
+  v_new,
+  k_pages,
+  v_pages,
+  kv_lens,
+  page_indices,
+  cu_q_lens,
+  num_seqs,
+  *,
+  k_scale=None,
+  v_scale=None,
+  k_new_scale=None,
+  v_new_scale=None,
+  sliding_window=None,
+  logits_soft_cap=None,
+  scale=None,
+  implementation=None,
+  block_sizes=None,
+  interpret=None,
+):
+  """Attention with the fused cache write, when the call runs on pallas_tpu; else None (append separately).
+
+  k_new, v_new: [T, K, H] the new tokens' K/V as the pages store them, with per-token scales [T, K] for a
+  scaled cache; k_pages .. v_scale: the cache after `PagedKVCache.reserve_append` (pages reserved,
+  copy-on-write done, kv_lens grown).  Returns (out [T, N, H], k_pages, v_pages, k_scale, v_scale), the pages
+  with the new tokens written in the same launch (buffers aliased: donate them to update in place).  Serving
+  only: not differentiable.
+  """
+  spec, k_scale, v_scale = _spec_for(
+    q,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    k_scale,
+    v_scale,
+    sliding_window=sliding_window,
+    logits_soft_cap=logits_soft_cap,
+    scale=scale,
+    implementation=implementation,
+    block_sizes=block_sizes,
+    checked=False,
+    interpret=interpret,
+  )
+  if spec.implementation != "pallas_tpu" or any(x is not None and x.ndim != 3 for x in (k_scale, v_scale)):
+    return None
+  kv_lens, page_indices, cu_q_lens, num_seqs = (
+    jnp.asarray(x, jnp.int32) for x in (kv_lens, page_indices, cu_q_lens, num_seqs)
+  )
+  return pallas_paged.paged_fwd_write(
+    q,
+    k_new,
+    v_new,
+    k_pages,
+    v_pages,
+    kv_lens,
+    page_indices,
+    cu_q_lens,
+    num_seqs,
+    k_scale,
+    v_scale,
+    k_new_scale,
+    v_new_scale,
+    spec=spec,
+    interpret=spec.interpret,
+  )
+
+
+def _choose_backend(implementation, interpret, block_sizes, q, k_pages, k_scale, v_scale, pps, soft_cap):
+  """(implementation, interpret, blocks) with the ring's rules: `interpret` implies pallas_tpu; pallas_tpu off
+  TPU without `interpret` raises NotImplementedError; None picks pallas_tpu on a TPU when it supports the call.
+
+  Blocks: `block_sizes`, else the planner's choice for the TPU kernel, else DEFAULT_PAGED_BLOCKS.
+  """
+  # The block backends' registry applies those rules (and their errors) once for both ops.
+  backend = backends.get_backend(implementation, dtype=q.dtype, spec=None, shapes=None, interpret=interpret)
+  if backend.name != "pallas_tpu":
+    return backend.name, None, DEFAULT_PAGED_BLOCKS if block_sizes is None else block_sizes
+  T, N, H = q.shape
+  _, ps, K, _ = k_pages.shape
+  try:
+    blocks = block_sizes
+    if blocks is None:
+      rows = tuple(0 if x is None else (1 if x.ndim < 3 else ps) for x in (k_scale, v_scale))
+      try:
+        blocks = planner.plan_paged_block_sizes(
+          T, ps, pps, N, K, H, q.dtype, k_pages.dtype, scale_rows=rows, soft_cap=soft_cap is not None
+        )
+      except ValueError as e:
+        raise NotImplementedError(str(e)) from None
+    pallas_paged.check_supported(q, k_pages, block_q=blocks.block_q, pages_per_block=max(1, blocks.block_kv // ps))
+  except NotImplementedError:
+    if implementation is None and interpret is None:  # chosen automatically: the portable backend instead
+      return "xla", None, DEFAULT_PAGED_BLOCKS if block_sizes is None else block_sizes
+    raise
+  return "pallas_tpu", backend.interpret, blocks
 
 
 def _explicit_mesh(args):
@@ -156,18 +357,26 @@ def _dynamic_checks(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps):
   checkify.check(~jnp.any(bad), "page_indices out of range [0, {P}) for pages a sequence uses", P=jnp.int32(P))
 
 
+def _backend_fwd(*args, spec):
+  if spec.implementation == "pallas_tpu":
+    return pallas_paged.paged_fwd(*args, spec=spec, interpret=spec.interpret)
+  return xla_paged.paged_fwd(*args, spec=spec)
+
+
+def _backend_bwd(*args, spec):
+  if spec.implementation == "pallas_tpu":
+    return pallas_paged.paged_bwd(*args, spec=spec, interpret=spec.interpret)
+  return xla_paged.paged_bwd(*args, spec=spec)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
 def _paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, spec):
-  out, _ = xla_paged.paged_fwd(
-    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, spec=spec
-  )
+  out, _ = _backend_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, spec=spec)
   return out
 
 
 def _paged_attention_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, spec):
-  out, lse = xla_paged.paged_fwd(
-    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, spec=spec
-  )
+  out, lse = _backend_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, spec=spec)
   return out, (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, out, lse)
 
 
@@ -181,7 +390,7 @@ def _zero_cotangent(x):
 
 def _paged_attention_bwd(spec, res, do):
   q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, out, lse = res
-  dq, dk, dv = xla_paged.paged_bwd(
+  dq, dk, dv = _backend_bwd(
     q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, out, lse, do, spec=spec
   )
 

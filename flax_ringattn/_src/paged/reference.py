@@ -9,8 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from flax_ringattn._src import paged_common as common
+from flax_ringattn._src import paged_metadata as metadata
 from flax_ringattn._src import validation
-from flax_ringattn._src.paged import common, metadata
 
 
 def paged_reference_attention(
@@ -29,6 +30,7 @@ def paged_reference_attention(
   v_scale=None,
 ):
   """Same arguments and result as `paged_attention`; rows past the batch are 0."""
+  k_scale, v_scale = common.normalize_scales(k_scale, v_scale)
   T, N, H, P, ps, K, S, pps = common.check_paged_inputs(
     q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale
   )

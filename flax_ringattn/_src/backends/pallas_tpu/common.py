@@ -65,10 +65,13 @@ def padded_bytes(shape, dtype) -> int:
 def plan_vmem_bytes(plan: CallPlan) -> int:
   """VMEM a plan allocates: inputs and outputs double-buffered by the pipeline, plus scratch."""
   total = 0
+  # Operands left in HBM (memory_space=pl.ANY: no block shape) take no VMEM; the kernel copies them itself.
   for spec, dtype in zip(plan.in_specs, plan.in_dtypes, strict=True):
-    total += 2 * padded_bytes(spec.block_shape, dtype)
+    if spec.block_shape is not None:
+      total += 2 * padded_bytes(spec.block_shape, dtype)
   for spec, out in zip(plan.out_specs, plan.out_shapes, strict=True):
-    total += 2 * padded_bytes(spec.block_shape, out.dtype)
+    if spec.block_shape is not None:
+      total += 2 * padded_bytes(spec.block_shape, out.dtype)
   for shape, dtype in plan.scratch:
     total += padded_bytes(shape, dtype)
   return total

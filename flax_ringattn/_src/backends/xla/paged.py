@@ -1,7 +1,7 @@
 """XLA paged attention over a ragged batch: forward and backward.
 
 Loop nest (both passes): a `fori_loop` over the chunks of the schedule
-(`paged/metadata.py`: at most `block_q` rows of one sequence), and inside it a
+(`paged_metadata.py`: at most `block_q` rows of one sequence), and inside it a
 `while_loop` over the blocks of `pages_per_block` pages that the chunk can see
 (its causal and sliding-window range only).  Each step gathers one block of
 pages of every kv head (page-major layout: one contiguous copy per page), so
@@ -20,7 +20,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flax_ringattn._src.paged import common, metadata
+from flax_ringattn._src import paged_common as common
+from flax_ringattn._src import paged_metadata as metadata
 
 F32 = jnp.float32
 

@@ -22,6 +22,8 @@ class PagedSpec:
   block_q: int = 16  # rows of one sequence per chunk
   pages_per_block: int = 8  # pages gathered per kv step
   checked: bool = False
+  implementation: str = "xla"  # the backend that runs the call ("xla" or "pallas_tpu")
+  interpret: object = None  # pallas_tpu only: None (compile for TPU) or a pltpu.InterpretParams
 
 
 def check_sliding_window(sliding_window):
@@ -32,6 +34,19 @@ def check_sliding_window(sliding_window):
   if sliding_window < 1:
     raise ValueError(f"sliding_window must be >= 1 (tokens visible, including the token itself), got {sliding_window=}")
   return int(sliding_window)
+
+
+def normalize_scales(k_scale, v_scale):
+  """Python floats (as JAX's ragged paged attention takes them) become float32 arrays of shape ().
+
+  A float is a compile-time constant of the caller's jit: a new value retraces.  An array does not.
+  """
+  out = []
+  for sc in (k_scale, v_scale):
+    if isinstance(sc, numbers.Real) and not isinstance(sc, (bool, numbers.Integral)):
+      sc = jnp.asarray(sc, jnp.float32)
+    out.append(sc)
+  return tuple(out)
 
 
 def check_paged_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale):
@@ -87,7 +102,8 @@ def check_paged_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, nu
       continue
     if not hasattr(sc, "shape") or not jnp.issubdtype(sc.dtype, jnp.floating):
       raise TypeError(
-        f"{name} must be a floating-point array (a Python float would be baked in and recompile), got {sc!r}"
+        f"{name} must be a Python float or a floating-point array (an array avoids recompiling when the value "
+        f"changes), got {sc!r}"
       )
     if tuple(sc.shape) not in ((), (P, K), (P, page_size, K)):
       raise ValueError(

@@ -1,0 +1,444 @@
+"""The Pallas TPU ragged paged attention kernel (`_src/backends/pallas_tpu/paged.py`) in TPU interpret mode.
+
+Batches come from tests/test_paged.py (`make_batch`, `scenario`) in a geometry
+the kernel tiles (page_size 8 for float32, 16 for bfloat16).  Each jitted
+function is compiled once per static configuration and then fed many batches
+(interpret-mode compiles dominate the cost).  Every interpret-mode call runs
+with the race detector and asserts that it found nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax import export
+from test_paged import SCENARIOS, make_batch, numpy_oracle, scenario
+from tolerances import assert_close
+
+import flax_ringattn as fr
+from flax_ringattn._src import paged_common
+from flax_ringattn._src.backends.pallas_tpu import common, planner
+from flax_ringattn._src.backends.pallas_tpu import paged as pallas_paged
+from flax_ringattn._src.nnx import paged_mha
+from flax_ringattn._src.paged import op as paged_ops
+from flax_ringattn._src.testing.interpret import interpret_params, no_races
+
+interpret = pytest.mark.interpret
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+# P pages of PS tokens, PPS pages per sequence, T rows in q blocks of 8, kv blocks of 2 pages.
+P, PS, PPS, T, S = 32, 8, 4, 32, 6
+GEOM = dict(num_pages=P, page_size=PS, pages_per_seq=PPS, num_tokens=T, max_num_seqs=S, num_heads=8, head_dim=8)
+BLOCKS = fr.BlockSizes(block_q=8, block_kv=16)
+_STATIC = ("sliding_window", "logits_soft_cap", "scale", "blocks")
+
+
+def _op(impl, *args, k_scale=None, v_scale=None, blocks=BLOCKS, **kw):
+  if impl == "reference":
+    return fr.paged_reference_attention(*args, k_scale=k_scale, v_scale=v_scale, **kw)
+  return fr.paged_attention(
+    *args, k_scale=k_scale, v_scale=v_scale, block_sizes=blocks, interpret=interpret_params(), **kw
+  )
+
+
+@functools.partial(jax.jit, static_argnames=("impl", *_STATIC))
+def vjp_fn(args, do, k_scale=None, v_scale=None, *, impl, **kw):
+  out, pullback = jax.vjp(
+    lambda q, kp, vp: _op(impl, q, kp, vp, *args[3:], k_scale=k_scale, v_scale=v_scale, **kw), *args[:3]
+  )
+  return out, pullback(do)
+
+
+@functools.partial(jax.jit, static_argnames=("impl", *_STATIC))
+def fwd_fn(args, k_scale=None, v_scale=None, *, impl, **kw):
+  return _op(impl, *args, k_scale=k_scale, v_scale=v_scale, **kw)
+
+
+def _poison(b, value=np.nan):
+  """Every page slot no live sequence reads (foreign pages, tails past kv_lens) set to `value`."""
+  unread = ~b.read_mask()[:, :, None, None]
+  fill = lambda x: jnp.where(unread, jnp.asarray(value, x.dtype), x)  # noqa: E731
+  return b.replace(k_pages=fill(b.k_pages), v_pages=fill(b.v_pages))
+
+
+def _check_vjp(b, dtype=F32, **kw):
+  """Kernel forward and gradients against the reference; NaN in unread slots changes nothing."""
+  rng = np.random.default_rng(100)
+  do = jnp.asarray(rng.normal(size=b.q.shape), dtype)
+  ref_out, ref_grads = vjp_fn(b.args, do, **b.scales, impl="reference", **kw)
+  poisoned = _poison(b)
+  with no_races():
+    out, grads = vjp_fn(poisoned.args, do, **b.scales, impl="pallas_tpu", **kw)
+    jax.block_until_ready((out, grads))
+  assert out.shape == b.q.shape and out.dtype == b.q.dtype
+  assert_close(out, ref_out, dtype)
+  assert_close(grads, ref_grads, dtype, "grad")
+  np.testing.assert_array_equal(np.asarray(out[b.total :], F32), 0.0)  # padding rows
+  np.testing.assert_array_equal(np.asarray(grads[0][b.total :], F32), 0.0)
+  unread = ~b.read_mask()[:, :, None, None]
+  for g in grads[1:]:  # slots no sequence reads receive no gradient
+    assert not np.asarray(jnp.where(unread, g, 0.0)).any()
+  return out, grads
+
+
+@interpret
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_matches_reference_gqa(name):
+  """Ragged mixes (prefill, chunked prefill, decode, q_len 0 and 1, partial and full pages, num_seqs < S and
+  = 0) with 4:1 GQA, forward and gradients, foreign pages and tails NaN-poisoned."""
+  rng = np.random.default_rng([71, SCENARIOS.index(name)])
+  b = make_batch(rng, scenario(name, rng), num_kv_heads=2, **GEOM)
+  _check_vjp(b)
+
+
+@interpret
+def test_rows_spanning_q_blocks_and_shared_prefix():
+  """Sequences cross the 8-row q blocks; two read the same prefix pages (their dK/dV add up)."""
+  rng = np.random.default_rng(72)
+  b = make_batch(rng, [(11, 27), (6, 22), (1, 1), (9, 9), (0, 5), (4, 32)], share_prefix=True, num_kv_heads=2, **GEOM)
+  assert int(b.page_indices[0, 0]) == int(b.page_indices[1, 0])
+  _check_vjp(b)
+
+
+@interpret
+def test_out_of_range_page_ids_are_masked():
+  rng = np.random.default_rng(73)
+  b = make_batch(rng, [(1, 25), (3, 19), (2, 2), (4, 9)], exclude_pages=(0, P - 1), num_kv_heads=2, **GEOM)
+  table = np.asarray(b.page_indices).copy()
+  table[0, 1], table[1, 0], table[2, 0] = -1, P, P + 7
+  b = b.replace(page_indices=jnp.asarray(table, jnp.int32))
+  out, _ = _check_vjp(b)
+  np.testing.assert_allclose(np.asarray(out), numpy_oracle(_poison(b)), atol=1e-5, rtol=1e-5)
+
+
+@interpret
+def test_window_soft_cap_mqa_shared_prefix():
+  rng = np.random.default_rng(74)
+  b = make_batch(rng, [(3, 21), (2, 26), (7, 7), (1, 12)], share_prefix=True, num_kv_heads=1, **GEOM)
+  _check_vjp(b, sliding_window=5, logits_soft_cap=3.0, scale=0.5)
+  _check_vjp(
+    make_batch(rng, scenario("mixed", rng), num_kv_heads=1, **GEOM), sliding_window=5, logits_soft_cap=3.0, scale=0.5
+  )
+
+
+@interpret
+def test_scaled_float_pages_gradients():
+  """k_scale [P, K] and v_scale [P, page_size, K] on float pages: gradients with respect to the stored values."""
+  rng = np.random.default_rng(75)
+  _check_vjp(make_batch(rng, scenario("mixed", rng), num_kv_heads=2, scale_shape=("page", "token"), **GEOM))
+
+
+@interpret
+def test_bfloat16():
+  rng = np.random.default_rng(76)
+  geom = dict(GEOM, page_size=16, pages_per_seq=2)
+  b = make_batch(rng, [(1, 25), (5, 5), (3, 17), (0, 4), (9, 30)], num_kv_heads=2, dtype=BF16, **geom)
+  _check_vjp(b, BF16, blocks=fr.BlockSizes(block_q=16, block_kv=32))  # bf16 q blocks: 16-row sublane tiles
+
+
+@interpret
+@pytest.mark.parametrize(
+  "page_dtype, scales, blocks",
+  [("int8", ("token", "page"), BLOCKS), ("float8_e4m3fn", ("scalar", "token"), None)],
+  ids=["int8", "fp8-planned-blocks"],
+)
+def test_quantized_pages_compile_once(page_dtype, scales, blocks):
+  """int8 / fp8 pages with every scale shape; changing batch mixes, tables and scale values reuse one compile.
+
+  The fp8 case leaves the blocks to `plan_paged_block_sizes`."""
+  rng = np.random.default_rng([77, len(page_dtype)])
+  traces = []
+
+  @jax.jit
+  def step(args, k_scale, v_scale):
+    traces.append(1)
+    return _op("pallas_tpu", *args, k_scale=k_scale, v_scale=v_scale, blocks=blocks)
+
+  for i, name in enumerate(["mixed", "decode", "prefill", "edge"]):
+    b = make_batch(
+      rng, scenario(name, rng), num_kv_heads=2, page_dtype=jnp.dtype(page_dtype), scale_shape=scales, **GEOM
+    )
+    with no_races():
+      out = jax.block_until_ready(step(b.args, b.k_scale * (i + 1), b.v_scale))
+    assert_close(out, fwd_fn(b.args, b.k_scale * (i + 1), b.v_scale, impl="reference"), F32)
+  assert len(traces) == 1 and step._cache_size() == 1
+
+
+def test_float_scales_reach_the_kernel_as_arrays():
+  rng = np.random.default_rng(78)
+  b = make_batch(rng, [(1, 9)], num_kv_heads=2, page_dtype=jnp.int8, scale_shape="scalar", **GEOM)
+  jaxpr = str(jax.make_jaxpr(lambda *a: _op("pallas_tpu", *a, k_scale=0.02, v_scale=0.01))(*b.args))
+  assert "pallas_call" in jaxpr
+
+
+# -- backend choice and errors ------------------------------------------------------------
+
+
+def _uses_pallas(**kw):
+  rng = np.random.default_rng(79)
+  b = make_batch(rng, [(1, 9)], num_kv_heads=2, **GEOM)
+  return "pallas_call" in str(jax.make_jaxpr(lambda *a: fr.paged_attention(*a, block_sizes=BLOCKS, **kw))(*b.args))
+
+
+def test_backend_choice():
+  assert _uses_pallas(interpret=True)  # interpret implies pallas_tpu
+  assert _uses_pallas(implementation="pallas_tpu", interpret=interpret_params())
+  assert not _uses_pallas()  # None off TPU: XLA
+  assert not _uses_pallas(implementation="xla")
+
+
+def _small(page_size=PS, dtype=F32):
+  return (
+    jnp.zeros((16, 4, 8), dtype),
+    jnp.zeros((6, page_size, 2, 8), dtype),
+    jnp.zeros((6, page_size, 2, 8), dtype),
+    jnp.zeros((3,), jnp.int32),
+    jnp.zeros((3, 2), jnp.int32),
+    jnp.zeros((4,), jnp.int32),
+    jnp.zeros((1,), jnp.int32),
+  )
+
+
+def _traces_pallas(*args, **kw):
+  return "pallas_call" in str(jax.make_jaxpr(lambda *a: fr.paged_attention(*a, **kw))(*args))
+
+
+@pytest.mark.skipif(jax.default_backend() == "tpu", reason="checks the off-TPU error")
+def test_pallas_tpu_off_tpu_needs_interpret():
+  with pytest.raises(NotImplementedError, match="pallas_tpu needs a TPU"):
+    fr.paged_attention(*_small(), implementation="pallas_tpu")
+
+
+def test_interpret_with_xla_is_an_error():
+  with pytest.raises(ValueError, match="interpret=... applies to implementation='pallas_tpu' only"):
+    fr.paged_attention(*_small(), implementation="xla", interpret=True)
+  with pytest.raises(TypeError, match="interpret must be a bool, None or"):
+    fr.paged_attention(*_small(), interpret="yes")
+
+
+def test_unsupported_shapes_raise_not_implemented():
+  with pytest.raises(NotImplementedError, match="page_size to be a multiple of 8 for float32"):
+    fr.paged_attention(*_small(page_size=4), interpret=True)
+  with pytest.raises(NotImplementedError, match="page_size to be a multiple of 16 for bfloat16"):
+    fr.paged_attention(*_small(page_size=8, dtype=BF16), interpret=True)
+  q = jnp.zeros((20, 4, 8), F32)  # 20 rows: no 8-aligned q block <= 16 divides them
+  with pytest.raises(NotImplementedError, match="no block_q tile <= 16 divides"):
+    fr.paged_attention(q, *_small()[1:], interpret=True, block_sizes=fr.BlockSizes(block_q=16, block_kv=8))
+  # The planner takes the whole axis instead (a block equal to the array is always legal).
+  assert _traces_pallas(q, *_small()[1:], interpret=True)
+
+
+# -- Mosaic lowering ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "dtype, page_dtype, scales, kw",
+  [
+    (F32, F32, None, dict(sliding_window=5, logits_soft_cap=3.0)),
+    (BF16, "int8", ("token", "page"), {}),
+    (BF16, "float8_e4m3fn", ("scalar", "scalar"), {}),
+  ],
+)
+def test_lowers_for_tpu(dtype, page_dtype, scales, kw):
+  """jax.export runs the Pallas -> Mosaic lowering of the forward and backward kernels for TPU on CPU."""
+  rng = np.random.default_rng(80)
+  geom = dict(GEOM, page_size=16, pages_per_seq=2)
+  b = make_batch(
+    rng, [(1, 9)], num_kv_heads=2, dtype=dtype, page_dtype=jnp.dtype(page_dtype), scale_shape=scales, **geom
+  )
+  spec = paged_common.PagedSpec(scale=0.3, block_q=16, pages_per_block=2, **kw)
+  args = (*b.args, b.k_scale, b.v_scale)
+  fwd = jax.jit(lambda *a: pallas_paged.paged_fwd(*a, spec=spec, interpret=None))
+  text = export.export(fwd, platforms=("tpu",))(*args).mlir_module()
+  out = jax.ShapeDtypeStruct(b.q.shape, dtype)
+  lse = jax.ShapeDtypeStruct(b.q.shape[:2], F32)
+  bwd = jax.jit(lambda *a: pallas_paged.paged_bwd(*a, spec=spec, interpret=None))
+  text += export.export(bwd, platforms=("tpu",))(*args, out, lse, out).mlir_module()
+  assert text.count("tpu_custom_call") >= 2
+
+
+def test_fused_write_lowers_for_tpu():
+  sds = jax.ShapeDtypeStruct
+  Tq, N, K, H, P_, ps = 64, 16, 4, 128, 64, 16
+  spec = paged_common.PagedSpec(scale=0.1, block_q=32, pages_per_block=4)
+  meta = (sds((8,), jnp.int32), sds((8, 8), jnp.int32), sds((9,), jnp.int32), sds((1,), jnp.int32))
+  pages = sds((P_, ps, K, H), jnp.int8)
+  scale, new_scale = sds((P_, ps, K), F32), sds((Tq, K), F32)
+  new = sds((Tq, K, H), jnp.int8)
+  fn = jax.jit(lambda *a: pallas_paged.paged_fwd_write(*a, spec=spec, interpret=None))
+  args = (sds((Tq, N, H), BF16), new, new, pages, pages, *meta, scale, scale, new_scale, new_scale)
+  text = export.export(fn, platforms=("tpu",))(*args).mlir_module()
+  assert text.count("tpu_custom_call") == 1
+
+
+# -- planner --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_dtype", [jnp.bfloat16, jnp.int8], ids=["bf16", "int8"])
+@pytest.mark.parametrize("kernel", ["paged_fwd", "paged_bwd"])
+def test_planner_model_counts_exactly_the_kernels_buffers(kernel, page_dtype):
+  """The planner's paged model equals the VMEM of the kernel's own BlockSpecs and scratch shapes."""
+  plans = {"paged_fwd": pallas_paged.fwd_plan, "paged_bwd": pallas_paged.bwd_plan}
+  for bq, ppb, ps, (N, K), H, rows in [
+    (16, 4, 16, (8, 2), 128, (0, 0)),
+    (128, 8, 16, (32, 8), 128, (1, 16)),
+    (256, 32, 16, (16, 1), 256, (16, 1)),
+    (64, 2, 32, (4, 4), 64, (1, 1)),
+  ]:
+    rows = rows if page_dtype == jnp.int8 else (0, 0)
+    d = pallas_paged.PagedDims(
+      T=2 * bq,
+      N=N,
+      K=K,
+      H=H,
+      P=64,
+      ps=ps,
+      S=8,
+      ppt=4 * ppb,
+      bq=bq,
+      ppb=ppb,
+      q_dtype=jnp.dtype(BF16),
+      page_dtype=jnp.dtype(page_dtype),
+      scale_rows=rows,
+    )
+    model = planner.paged_footprint(
+      kernel,
+      bq=bq,
+      pages_per_block=ppb,
+      page_size=ps,
+      num_heads=N,
+      num_kv_heads=K,
+      head_dim=H,
+      dtype=BF16,
+      page_dtype=page_dtype,
+      scale_rows=rows,
+    )
+    assert model.buffers == common.plan_vmem_bytes(plans[kernel](d)), (kernel, bq, ppb, ps, N, K, H, rows)
+
+
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v7x"])
+def test_planner_fits_the_budget(generation):
+  dims = dict(num_heads=32, num_kv_heads=8, head_dim=128, dtype=BF16, page_dtype=BF16)
+  blocks = planner.plan_paged_block_sizes(512, 16, 64, **dims, generation=generation)
+  bq, ppb = blocks.block_q, blocks.block_kv // 16
+  assert 512 % bq == 0 and bq % 16 == 0 and ppb * 16 <= planner.PAGED_MAX_BLOCK_TOKENS
+  budget = planner.budget_bytes(generation)
+  fit = lambda bq, ppb: max(  # noqa: E731
+    planner.paged_footprint(k, bq=bq, pages_per_block=ppb, page_size=16, **dims).total
+    for k in ("paged_fwd", "paged_bwd")
+  )
+  assert fit(bq, ppb) <= budget
+  taller = [t for t in planner.candidates(512, 16) if bq < t <= planner.PAGED_MAX_BLOCK_Q]
+  assert not taller or fit(taller[0], ppb) > budget  # the next taller q block would not fit
+  with pytest.raises(ValueError, match="fits the v4 VMEM budget"):
+    planner.plan_paged_block_sizes(512, 16, 64, 64, 1, 8192, BF16, generation="v4")
+
+
+# -- fused cache write ------------------------------------------------------------------------
+
+KV, HD = 2, 8
+CACHE = dict(num_pages=24, page_size=PS, max_num_seqs=4, pages_per_seq=4, num_kv_heads=KV, head_dim=HD)
+
+
+def _ragged(rng, lens, num_tokens=16, heads=8):
+  total = int(sum(lens))
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens), [total] * (4 - len(lens))]), jnp.int32)
+  k, v = (jnp.asarray(rng.normal(size=(num_tokens, KV, HD)), F32) for _ in range(2))
+  q = jnp.asarray(rng.normal(size=(num_tokens, heads, HD)), F32)
+  return q, k, v, cu, jnp.asarray([len(lens)], jnp.int32)
+
+
+@jax.jit
+def _separate(cache, q, k, v, cu, n):
+  cache = cache.append(k, v, cu, n)
+  out = fr.paged_attention(
+    q,
+    cache.k_pages,
+    cache.v_pages,
+    cache.kv_lens,
+    cache.page_indices,
+    cu,
+    n,
+    k_scale=cache.k_scale,
+    v_scale=cache.v_scale,
+    implementation="xla",
+  )
+  return out, cache
+
+
+@jax.jit
+def _fused(cache, q, k, v, cu, n):
+  cache, k_new, v_new, k_sc, v_sc = cache.reserve_append(k, v, cu, n)
+  out, k_pages, v_pages, k_scale, v_scale = paged_ops.paged_attention_with_cache_write(
+    q,
+    k_new,
+    v_new,
+    cache.k_pages,
+    cache.v_pages,
+    cache.kv_lens,
+    cache.page_indices,
+    cu,
+    n,
+    k_scale=cache.k_scale,
+    v_scale=cache.v_scale,
+    k_new_scale=k_sc,
+    v_new_scale=v_sc,
+    block_sizes=BLOCKS,
+    interpret=interpret_params(),
+  )
+  return out, dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale)
+
+
+@interpret
+def test_fused_write_equals_separate_append_int8_copy_on_write():
+  """Pages (and per-token scales) after a fused step equal those of PagedKVCache.append, including a step that
+  writes into a prefix-shared partial page (copy-on-write) and sequences crossing q blocks."""
+  rng = np.random.default_rng(81)
+  cache = fr.PagedKVCache.create(**CACHE, dtype=jnp.int8)
+  _, cache = _separate(cache, *_ragged(rng, [13, 3]))  # slot 0: a page and 5 of the next; slot 1: 3 tokens
+  cache = jax.jit(fr.PagedKVCache.share_prefix)(cache, 0, 2, 11)  # slot 2 shares slot 0's partial page
+  for lens in ([1, 2, 4], [5, 1, 1, 9], [0, 0, 1, 1]):  # the first writes into the shared page
+    batch = _ragged(rng, lens)
+    expected_out, expected = _separate(cache, *batch)
+    with no_races():
+      out, cache = jax.block_until_ready(_fused(cache, *batch))
+    for name in ("k_pages", "v_pages", "k_scale", "v_scale", "page_indices", "kv_lens", "ref_counts"):
+      np.testing.assert_array_equal(np.asarray(getattr(cache, name)), np.asarray(getattr(expected, name)), name)
+    assert_close(out, expected_out, F32)
+
+
+@interpret
+def test_layer_uses_fused_write():
+  """The layer with interpret=True takes the fused path and matches the XLA layer step by step."""
+  kw = dict(num_kv_heads=KV, rngs=nnx.Rngs(0))
+  fused = fr.PagedMultiHeadAttention(8, 16, 64, interpret=True, **kw)
+  plain = fr.PagedMultiHeadAttention(8, 16, 64, implementation="xla", num_kv_heads=KV, rngs=nnx.Rngs(0))
+  for layer in (fused, plain):
+    layer.init_cache(**{k: v for k, v in CACHE.items() if k not in ("num_kv_heads", "head_dim")})
+  calls = []
+  real = paged_ops.paged_attention_with_cache_write
+
+  def spy(*a, **k):
+    calls.append(1)
+    return real(*a, **k)
+
+  step = nnx.jit(lambda layer, x, cu, n: layer(x, cu_q_lens=cu, num_seqs=n))
+  rng = np.random.default_rng(82)
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(paged_mha, "paged_attention_with_cache_write", spy)
+    for lens in ([9, 3], [1, 1, 6], [1, 1, 1, 1]):
+      _, _, _, cu, n = _ragged(rng, lens)
+      x = jnp.asarray(rng.normal(size=(16, 16)), F32)
+      with no_races():
+        y = jax.block_until_ready(step(fused, x, cu, n))
+      assert_close(y, step(plain, x, cu, n), F32)
+      np.testing.assert_array_equal(
+        np.asarray(fused.kv_cache.get_value().k_pages), np.asarray(plain.kv_cache.get_value().k_pages)
+      )
+  assert calls == [1]  # traced once: one compile across the changing batches
