@@ -18,7 +18,7 @@ from test_paged import BF16, F32, SCENARIOS, SMALL, Batch, make_batch, op_fn, op
 from tolerances import assert_close
 
 import flax_ringattn as fr
-from flax_ringattn._src.paged import common as paged_common
+from flax_ringattn._src import paged_common
 
 
 def oracle(b: Batch, do=None, **kw):
