@@ -247,3 +247,14 @@ def test_ring_lowers_to_triton_for_cuda(monkeypatch):
   text = export.export(grad, **kw)(q, k, k).mlir_module()
   for name in ("ring_block_fwd_gpu", "ring_block_bwd_dq_gpu", "ring_block_bwd_dkv_gpu"):
     assert f'name = "{name}"' in text, name
+
+
+def test_current_arch(monkeypatch):
+  class Gpu:
+    compute_capability = "9.0"
+
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jax, "devices", lambda *a: [Gpu()])
+  assert planner.current_arch() == "sm_90"
+  Gpu.compute_capability = "12.0"  # not in the table: the least shared memory of sm_80 .. sm_120
+  assert planner.current_arch() == "sm_86"

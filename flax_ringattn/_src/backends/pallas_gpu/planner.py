@@ -49,13 +49,20 @@ DEFAULT_ARCH = "sm_80"  # off GPU (interpret mode, tests): the A100's limits
 
 
 def current_arch() -> str:
-  """'sm_XY' of the first attached GPU, or DEFAULT_ARCH off GPU."""
+  """'sm_XY' of the first attached GPU, or DEFAULT_ARCH off GPU.  A GPU the table does not know is planned as
+  the known arch with the least shared memory among those from sm_80 up to it (consumer and datacenter parts
+  of one generation differ: sm_86 has 99 KiB, sm_80 163 KiB)."""
   if jax.default_backend() != "gpu":
     return DEFAULT_ARCH
   cc = getattr(jax.devices()[0], "compute_capability", None)
   if not cc:
     return DEFAULT_ARCH
-  return "sm_" + str(cc).replace(".", "")
+  arch = "sm_" + str(cc).replace(".", "")
+  if arch in SMEM_PER_BLOCK:
+    return arch
+  cc = int(arch[3:])
+  known = [a for a in SMEM_PER_BLOCK if 80 <= int(a[3:]) <= cc] or list(SMEM_PER_BLOCK)
+  return min(known, key=SMEM_PER_BLOCK.get)
 
 
 def smem_bytes(arch: str) -> int:
