@@ -100,7 +100,7 @@ def by_tile_kind(kind, carry, update):
 
 
 def tiles(spec, q, k, *, backward: bool):
-  """(bq, bk) in tokens, G and the dimensions of one block."""
+  """(bq, bk) in tokens for one block (see `planner.block_tiles`)."""
   _, T, N, H = q.shape
   _, S, K, _ = k.shape
   bq, bk = planner.block_tiles(spec.block_sizes, T=T, S=S, N=N, K=K, H=H, dtype=q.dtype, backward=backward)
