@@ -38,3 +38,8 @@ def unify(*xs):
 def manual_axis_type(x):
   """The manual-axis type of `x` for a `jax.ShapeDtypeStruct` (None outside JAX 0.10's vma tracking)."""
   return getattr(jax.typeof(x), "mat", None)
+
+
+def varying_axes(x) -> frozenset:
+  """The manual axes `x` varies over (empty outside shard_map or without the vma check)."""
+  return _varying_axes(x)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
+from flax_ringattn._src.backends import pallas_gpu
 from flax_ringattn._src.backends.pallas_tpu import PallasTpuBackend, normalize_interpret
 from flax_ringattn._src.backends.xla import XlaBackend
 
-_BACKENDS = {"pallas_tpu": PallasTpuBackend(), "xla": XlaBackend()}
-# Preference order for implementation=None: the TPU kernels where they run, else XLA.
-_PREFERENCE = ("pallas_tpu", "xla")
+_BACKENDS = {"pallas_tpu": PallasTpuBackend(), "pallas_gpu": pallas_gpu.PallasGpuBackend(), "xla": XlaBackend()}
+# Preference order for implementation=None: the TPU kernels where they run, the GPU kernels where they run, else XLA.
+_PREFERENCE = ("pallas_tpu", "pallas_gpu", "xla")
+_log = logging.getLogger("flax_ringattn")
 
 
 def available() -> tuple[str, ...]:
@@ -21,13 +24,22 @@ def get_backend(implementation: str | None, *, dtype, spec, shapes, interpret=No
 
   `interpret` (True or a `pltpu.InterpretParams`) runs a Pallas backend in
   interpret mode; with implementation=None it selects the Pallas TPU backend.
+  With implementation="pallas_gpu" it must be True or False (Pallas's generic
+  interpreter).
   """
+  if implementation == "pallas_gpu":
+    backend = dataclasses.replace(_BACKENDS["pallas_gpu"], interpret=pallas_gpu.normalize_interpret(interpret))
+    backend.check_supported(dtype=dtype, spec=spec, shapes=shapes)
+    return backend
   interpret = normalize_interpret(interpret)
   if interpret is not None:
     if implementation is None:
       implementation = "pallas_tpu"
     if implementation != "pallas_tpu":
-      raise ValueError(f"interpret=... applies to implementation='pallas_tpu' only, got {implementation=}")
+      raise ValueError(
+        f"interpret=... applies to implementation='pallas_tpu' only (or 'pallas_gpu' with interpret=True), "
+        f"got {implementation=}"
+      )
   if implementation is None:
     errors = []
     for name in _PREFERENCE:
@@ -36,6 +48,7 @@ def get_backend(implementation: str | None, *, dtype, spec, shapes, interpret=No
         backend.check_supported(dtype=dtype, spec=spec, shapes=shapes)
       except NotImplementedError as e:
         errors.append(f"{name}: {e}")
+        _log.info("implementation=None skips %s: %s", name, e)
         continue
       return backend
     raise NotImplementedError("no backend supports this call: " + "; ".join(errors))

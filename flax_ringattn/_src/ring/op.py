@@ -69,7 +69,9 @@ def ring_attention(
     precision: matmul precision of the block matmuls (`jax.lax.Precision`).
     interpret: run the `pallas_tpu` kernels in Pallas TPU interpret mode (on
       CPU): True, or a `jax.experimental.pallas.tpu.InterpretParams`.  Implies
-      implementation="pallas_tpu" when implementation is None.
+      implementation="pallas_tpu" when implementation is None.  With
+      implementation="pallas_gpu", True runs the GPU kernels in Pallas's
+      generic interpreter (on CPU).
 
   Returns:
     [B, T, N, H] in q.dtype, laid out like q.  Rows with no visible key are 0.

@@ -1,0 +1,162 @@
+"""Pallas Triton block backward: probabilities recomputed from the final lse.
+
+Two kernels, each owning one gradient tile and looping over the other side's
+tiles, so no gradient is written twice and no atomics are needed:
+
+* dq:    grid (B, K, T / bq), loop over kv tiles, dq of the G * bq stacked
+         rows in registers;
+* dk/dv: grid (B, K, S / bk), loop over q tiles, dk and dv of the kv tile in
+         registers, summed over the G q heads of the group inside the matmul
+         (the group's rows are stacked, see `common`).
+
+Both read the forward's tile-class table (the dk/dv kernel along its columns),
+so EMPTY tiles load nothing and run no matmul.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from flax_ringattn._src import masks
+from flax_ringattn._src.backends.pallas_gpu import common as c
+
+
+def _probs_and_dscores(q, k, v, do, lse, delta, qp, kp, qs, ks, *, spec, masked):
+  """p [R, bk] and dS [R, bk] (d loss / d scaled logits, scale included) of one tile pair."""
+  s, t = c.scores(q, k, qp, kp, qs, ks, spec=spec, masked=masked)
+  # lse = -inf only for rows with no visible key anywhere; their s is -inf
+  # everywhere, so shifting by 0 gives p = 0 (not NaN).
+  p = jnp.exp(s - jnp.where(lse == -jnp.inf, 0.0, lse)[:, None])
+  dp = c.dot(do, v, c.NT, spec)
+  ds = p * (dp - delta[:, None])
+  if t is not None:
+    ds = ds * (1.0 - t * t)  # d(cap * tanh(x / cap)) / dx
+  return p, ds * spec.scale
+
+
+def _dq_kernel(kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec, bk):
+  seg_refs, dq_ref = refs[:-1], refs[-1]
+  i = pl.program_id(2)
+  q, do, lse, delta, qp = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], qp_ref[...]
+  qs = seg_refs[0][...] if seg_refs else None
+  nk = k_ref.shape[0] // bk
+
+  def body(j, dq):
+    def update(dq, masked):
+      kv = pl.ds(pl.multiple_of(j * bk, bk), bk)
+      k, v = k_ref[kv, :], v_ref[kv, :]
+      kp = kp_ref[kv] if masked else None
+      ks = seg_refs[1][kv] if masked and seg_refs else None
+      _, ds = _probs_and_dscores(q, k, v, do, lse, delta, qp, kp, qs, ks, spec=spec, masked=masked)
+      return dq + c.dot(ds.astype(k.dtype), k, c.NN, spec)
+
+    return c.by_tile_kind(kinds_ref[i, j], dq, update)
+
+  dq_ref[...] = jax.lax.fori_loop(0, nk, body, jnp.zeros(q.shape, c.F32))
+
+
+def _dkv_kernel(kinds_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *refs, spec, rows):
+  seg_refs, (dk_ref, dv_ref) = refs[:-2], refs[-2:]
+  j = pl.program_id(2)
+  k, v = k_ref[...], v_ref[...]
+  kp = kp_ref[...]
+  ks = seg_refs[1][...] if seg_refs else None
+  nq = q_ref.shape[0] // rows
+
+  def body(i, carry):
+    def update(carry, masked):
+      dk, dv = carry
+      r = pl.ds(pl.multiple_of(i * rows, rows), rows)
+      q, do, lse, delta = q_ref[r, :], do_ref[r, :], lse_ref[r], delta_ref[r]
+      qp = qp_ref[r] if masked else None
+      qs = seg_refs[0][r] if masked and seg_refs else None
+      p, ds = _probs_and_dscores(q, k, v, do, lse, delta, qp, kp, qs, ks, spec=spec, masked=masked)
+      dv = dv + c.dot(p.astype(do.dtype), do, c.TN, spec)
+      dk = dk + c.dot(ds.astype(q.dtype), q, c.TN, spec)
+      return dk, dv
+
+    return c.by_tile_kind(kinds_ref[i, j], carry, update)
+
+  zeros = jnp.zeros(k.shape, c.F32)
+  dk, dv = jax.lax.fori_loop(0, nq, body, (zeros, zeros))
+  dk_ref[...] = dk
+  dv_ref[...] = dv
+
+
+def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret):
+  """See `backends/base.py` for the contract."""
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  G = N // K
+  bq, bk = c.tiles(spec, q, k, backward=True)
+  R = G * bq
+  kinds = masks.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, bq, bk)  # [T / bq, S / bk]
+  qp, qs = c.row_mask_operands(q_pos, q_seg, G)
+  kp = kv_pos.astype(jnp.int32)
+  q_side = [c.group_rows(q, K), c.group_rows(do, K), c.group_stats(lse, K), c.group_stats(delta, K)]
+  kv_side = [c.group_rows(k, K), c.group_rows(v, K)]
+  has_seg = q_seg is not None
+  segs = [qs, kv_seg.astype(jnp.int32)] if has_seg else []
+  common = dict(rows=R, bk=bk, head_dim=H, dtype=q.dtype, interpret=interpret)
+  table = pl.BlockSpec(kinds.shape, lambda b, h, x: (0, 0))
+
+  # dq: a program per q tile; kv side whole.
+  tile_q = lambda b, h, i: (b, h, i, 0)  # noqa: E731
+  whole = lambda b, h, x: (b, h, 0, 0)  # noqa: E731
+  dq_specs = [
+    table,
+    pl.BlockSpec((None, None, R, H), tile_q),
+    pl.BlockSpec((None, None, R, H), tile_q),
+    pl.BlockSpec((None, None, R), lambda b, h, i: (b, h, i)),
+    pl.BlockSpec((None, None, R), lambda b, h, i: (b, h, i)),
+    pl.BlockSpec((None, None, S, H), whole),
+    pl.BlockSpec((None, None, S, H), whole),
+    pl.BlockSpec((R,), lambda b, h, i: (i,)),
+    pl.BlockSpec((S,), lambda b, h, i: (0,)),
+  ]
+  if has_seg:
+    dq_specs += [pl.BlockSpec((None, R), lambda b, h, i: (b, i)), pl.BlockSpec((None, S), lambda b, h, i: (b, 0))]
+  (dq,) = c.call(
+    functools.partial(_dq_kernel, spec=spec, bk=bk),
+    grid=(B, K, T // bq),
+    in_specs=dq_specs,
+    out_specs=[pl.BlockSpec((None, None, R, H), tile_q)],
+    out_shapes=[jax.ShapeDtypeStruct((B, K, T * G, H), c.F32)],
+    kernel_name="dq",
+    name="ring_block_bwd_dq_gpu",
+    **common,
+  )(kinds, *q_side, *kv_side, qp, kp, *segs)
+
+  # dk/dv: a program per kv tile; q side whole.
+  tile_kv = lambda b, h, j: (b, h, j, 0)  # noqa: E731
+  dkv_specs = [
+    table,
+    pl.BlockSpec((None, None, bk, H), tile_kv),
+    pl.BlockSpec((None, None, bk, H), tile_kv),
+    pl.BlockSpec((None, None, T * G, H), whole),
+    pl.BlockSpec((None, None, T * G, H), whole),
+    pl.BlockSpec((None, None, T * G), lambda b, h, j: (b, h, 0)),
+    pl.BlockSpec((None, None, T * G), lambda b, h, j: (b, h, 0)),
+    pl.BlockSpec((T * G,), lambda b, h, j: (0,)),
+    pl.BlockSpec((bk,), lambda b, h, j: (j,)),
+  ]
+  if has_seg:
+    dkv_specs += [
+      pl.BlockSpec((None, T * G), lambda b, h, j: (b, 0)),
+      pl.BlockSpec((None, bk), lambda b, h, j: (b, j)),
+    ]
+  dk, dv = c.call(
+    functools.partial(_dkv_kernel, spec=spec, rows=R),
+    grid=(B, K, S // bk),
+    in_specs=dkv_specs,
+    out_specs=[pl.BlockSpec((None, None, bk, H), tile_kv)] * 2,
+    out_shapes=[jax.ShapeDtypeStruct((B, K, S, H), c.F32)] * 2,
+    kernel_name="dkv",
+    name="ring_block_bwd_dkv_gpu",
+    **common,
+  )(kinds, *kv_side, *q_side, qp, kp, *segs)
+  return c.ungroup_rows(dq, N), c.ungroup_rows(dk, K), c.ungroup_rows(dv, K)

@@ -1,0 +1,153 @@
+"""Layout, tile math and the launch helper shared by the Pallas Triton kernels.
+
+Layout inside the kernels: the G = N / K q heads of one kv head are stacked
+token-major into rows, q `[B, N, T, H]` -> `[B, K, T * G, H]` with row
+r = t * G + g, so that one kernel instance reads its kv tile once for the whole
+group and the group shares one (G * bq, H) x (H, bk) matmul; every block is 2D
+and no kernel reshapes a tensor (Triton's reshapes are restrictive).  Per-row
+positions and segment ids are repeated G times to match the rows; the tile of
+a row block is still `bq` tokens, so the tile-class table of
+`masks.tile_kinds` applies unchanged.
+
+Triton programs of a grid run in parallel, so (unlike the TPU kernels, which
+accumulate over an "arbitrary" grid axis) each kernel owns one output tile and
+loops over the other operand's tiles inside, with `lax.fori_loop`.  A
+`lax.switch` on the tile class makes EMPTY tiles load nothing and run no
+matmul, and FULL tiles skip the mask arithmetic.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec as P
+
+from flax_ringattn._src import masks, vma
+from flax_ringattn._src.backends.pallas_gpu import planner
+
+F32 = jnp.float32
+NT = (((1,), (1,)), ((), ()))  # [m, k] x [n, k]
+NN = (((1,), (0,)), ((), ()))  # [m, k] x [k, n]
+TN = (((0,), (0,)), ((), ()))  # [k, m] x [k, n]
+
+
+def group_rows(x, K):
+  """[B, T, N, H] -> [B, K, T * G, H] (row t * G + g is token t of q head k * G + g)."""
+  B, T, N, H = x.shape
+  G = N // K
+  return x.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)
+
+
+def ungroup_rows(x, N):
+  """Inverse of `group_rows`: [B, K, T * G, H] -> [B, T, N, H]."""
+  B, K, R, H = x.shape
+  G = N // K
+  return x.reshape(B, K, R // G, G, H).transpose(0, 2, 1, 3, 4).reshape(B, R // G, N, H)
+
+
+def group_stats(x, K):
+  """[B, N, T] -> [B, K, T * G] (the rows of `group_rows`)."""
+  B, N, T = x.shape
+  G = N // K
+  return x.reshape(B, K, G, T).transpose(0, 1, 3, 2).reshape(B, K, T * G)
+
+
+def ungroup_stats(x, N):
+  B, K, R = x.shape
+  G = N // K
+  return x.reshape(B, K, R // G, G).transpose(0, 1, 3, 2).reshape(B, N, R // G)
+
+
+def dot(a, b, dims, spec):
+  return jax.lax.dot_general(a, b, dims, preferred_element_type=F32, precision=spec.precision)
+
+
+def row_mask_operands(q_pos, q_seg, G):
+  """Positions [T * G] and segment ids [B, T * G] (or None) of the stacked q rows."""
+  rows = jnp.repeat(q_pos.astype(jnp.int32), G)
+  seg = None if q_seg is None else jnp.repeat(q_seg.astype(jnp.int32), G, axis=1)
+  return rows, seg
+
+
+def scores(q, k, qp, kp, qs, ks, *, spec, masked: bool):
+  """Scaled, soft-capped and (if `masked`) masked f32 scores of one tile pair.
+
+  q [R, H], k [bk, H]; qp [R] / kp [bk] positions, qs [R] / ks [bk] segment ids
+  or None.  Returns s [R, bk] (masked entries -inf) and t = tanh(raw / cap) for
+  the soft-cap gradient (None without a cap).
+  """
+  s = dot(q, k, NT, spec) * spec.scale
+  t = None
+  if spec.logits_soft_cap is not None:
+    t = jnp.tanh(s / spec.logits_soft_cap)
+    s = spec.logits_soft_cap * t
+  if masked:
+    segs = (qs[:, None], ks[None, :]) if spec.mask.has_segments else (None, None)
+    vis = masks.pair_visible(spec.mask, qp[:, None], kp[None, :], *segs)
+    s = jnp.where(vis, s, -jnp.inf)
+  return s, t
+
+
+def by_tile_kind(kind, carry, update):
+  """update(carry, masked=...) on PARTIAL / FULL tiles; an EMPTY tile returns `carry` untouched (no loads)."""
+  return jax.lax.switch(
+    jnp.clip(kind, masks.EMPTY, masks.FULL),
+    [lambda c: c, lambda c: update(c, masked=True), lambda c: update(c, masked=False)],
+    carry,
+  )
+
+
+def tiles(spec, q, k, *, backward: bool):
+  """(bq, bk) in tokens for one block (see `planner.block_tiles`)."""
+  _, T, N, H = q.shape
+  _, S, K, _ = k.shape
+  bq, bk = planner.block_tiles(spec.block_sizes, T=T, S=S, N=N, K=K, H=H, dtype=q.dtype, backward=backward)
+  return bq, bk
+
+
+def call(kernel, *, grid, in_specs, out_specs, out_shapes, kernel_name, rows, bk, head_dim, dtype, interpret, name):
+  """`pl.pallas_call` for the Triton lowering (or Pallas's generic interpreter when `interpret`).
+
+  Inside `jax.shard_map(check_vma=True)`, compiled: the operands are made to
+  vary over the same manual axes and the results are declared to vary over
+  them too (as the TPU backend does).  Interpreted: the generic interpreter
+  evaluates the kernel's loops, traced on refs without varying-axes types, on
+  the varying operands, which JAX 0.10.2 rejects ("Scan carry input and output
+  got mismatched varying manual axes").  So the call runs in a nested
+  shard_map over no axes with check_vma=False, on copies of the operands made
+  there (an op traced without the check drops the varying-axes type), and its
+  results are marked varying again outside.
+  """
+  cfg = planner.launch_config(kernel_name, rows=rows, bk=bk, head_dim=head_dim, dtype=dtype)
+
+  def launch(*args, manual_axis_type=None):
+    shapes = [jax.ShapeDtypeStruct(o.shape, o.dtype, manual_axis_type=manual_axis_type) for o in out_shapes]
+    return pl.pallas_call(
+      kernel,
+      grid=grid,
+      in_specs=list(in_specs),
+      out_specs=list(out_specs),
+      out_shape=shapes,
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      interpret=bool(interpret),
+      name=name,
+    )(*args)
+
+  def unchecked(*args):
+    return launch(*[jax.lax.max(x, x) for x in args])  # max(x, x) = x, traced without the vma check
+
+  def run(*args):
+    args = vma.unify(*args)
+    if not any(vma.varying_axes(a) for a in args):
+      return launch(*args)
+    if not interpret:
+      return launch(*args, manual_axis_type=vma.manual_axis_type(args[0]))
+    mesh = jax.sharding.get_abstract_mesh()
+    outs = jax.shard_map(unchecked, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=frozenset(), check_vma=False)(
+      *args
+    )
+    return [vma.like(o, args[0]) for o in outs]
+
+  return run

@@ -1,0 +1,96 @@
+"""Pallas Triton block forward: flash attention over one (q shard, kv shard) pair.
+
+Grid (B, K, T / bq): one program owns the G * bq stacked rows of one q tile
+(the G q heads of one kv head, see `common`) and loops over the kv tiles with
+m / l / acc carried in registers (online softmax, f32).  The tile-class table
+of `masks.tile_kinds` decides per kv tile: EMPTY loads nothing, FULL skips the
+mask, PARTIAL applies `masks.pair_visible`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from flax_ringattn._src import masks
+from flax_ringattn._src.backends.pallas_gpu import common as c
+
+
+def _kernel(kinds_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec, bk):
+  seg_refs, (o_ref, lse_ref) = refs[:-2], refs[-2:]
+  i = pl.program_id(2)
+  q = q_ref[...]
+  qp = qp_ref[...]
+  qs = seg_refs[0][...] if seg_refs else None
+  R, H = q.shape
+  nk = k_ref.shape[0] // bk
+
+  def body(j, carry):
+    def update(carry, masked):
+      m, l, acc = carry
+      kv = pl.ds(pl.multiple_of(j * bk, bk), bk)
+      k, v = k_ref[kv, :], v_ref[kv, :]
+      kp = kp_ref[kv] if masked else None
+      ks = seg_refs[1][kv] if masked and seg_refs else None
+      s, _ = c.scores(q, k, qp, kp, qs, ks, spec=spec, masked=masked)
+      m_new = jnp.maximum(m, s.max(axis=1))
+      # A row with nothing visible so far keeps m = -inf: shift by 0 instead,
+      # so exp() gives 0 rather than exp(-inf + inf) = NaN.
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp(m - m_safe)
+      p = jnp.exp(s - m_safe[:, None])
+      acc = alpha[:, None] * acc + c.dot(p.astype(v.dtype), v, c.NN, spec)
+      return m_new, alpha * l + p.sum(axis=1), acc
+
+    return c.by_tile_kind(kinds_ref[i, j], carry, update)
+
+  init = (jnp.full((R,), -jnp.inf, c.F32), jnp.zeros((R,), c.F32), jnp.zeros((R, H), c.F32))
+  m, l, acc = jax.lax.fori_loop(0, nk, body, init)
+  empty = l == 0.0  # no visible key in the whole block: o = 0, lse = -inf
+  l_safe = jnp.where(empty, 1.0, l)
+  o_ref[...] = acc / l_safe[:, None]
+  lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
+
+
+def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret):
+  """See `backends/base.py` for the contract."""
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  G = N // K
+  bq, bk = c.tiles(spec, q, k, backward=False)
+  R = G * bq
+  kinds = masks.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, bq, bk)  # [T / bq, S / bk]
+  qp, qs = c.row_mask_operands(q_pos, q_seg, G)
+  in_specs = [
+    pl.BlockSpec(kinds.shape, lambda b, h, i: (0, 0)),
+    pl.BlockSpec((None, None, R, H), lambda b, h, i: (b, h, i, 0)),
+    pl.BlockSpec((None, None, S, H), lambda b, h, i: (b, h, 0, 0)),
+    pl.BlockSpec((None, None, S, H), lambda b, h, i: (b, h, 0, 0)),
+    pl.BlockSpec((R,), lambda b, h, i: (i,)),
+    pl.BlockSpec((S,), lambda b, h, i: (0,)),
+  ]
+  args = [kinds, c.group_rows(q, K), c.group_rows(k, K), c.group_rows(v, K), qp, kv_pos.astype(jnp.int32)]
+  if q_seg is not None:
+    in_specs += [pl.BlockSpec((None, R), lambda b, h, i: (b, i)), pl.BlockSpec((None, S), lambda b, h, i: (b, 0))]
+    args += [qs, kv_seg.astype(jnp.int32)]
+  o, lse = c.call(
+    functools.partial(_kernel, spec=spec, bk=bk),
+    grid=(B, K, T // bq),
+    in_specs=in_specs,
+    out_specs=[
+      pl.BlockSpec((None, None, R, H), lambda b, h, i: (b, h, i, 0)),
+      pl.BlockSpec((None, None, R), lambda b, h, i: (b, h, i)),
+    ],
+    out_shapes=[jax.ShapeDtypeStruct((B, K, T * G, H), c.F32), jax.ShapeDtypeStruct((B, K, T * G), c.F32)],
+    kernel_name="fwd",
+    rows=R,
+    bk=bk,
+    head_dim=H,
+    dtype=q.dtype,
+    interpret=interpret,
+    name="ring_block_fwd_gpu",
+  )(*args)
+  return c.ungroup_rows(o, N), c.ungroup_stats(lse, N)

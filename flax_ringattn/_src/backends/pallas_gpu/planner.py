@@ -1,0 +1,181 @@
+"""GPU tile rules and launch planner of the Pallas Triton kernels.
+
+Triton tensors have power-of-two sizes and `tl.dot` wants every matmul
+dimension >= 16, so a tile here is a power of two: q tiles hold `bq` tokens of
+the G = N / K q heads of one kv head, stacked into R = G * bq rows (R >= 16);
+kv tiles hold bk >= 16 tokens; head_dim H is a power of two >= 16.
+
+Shared memory model (per thread block; what Triton's software pipeliner keeps
+in shared memory, the rest lives in registers)::
+
+    fwd  : R*H (q)          + stages * 2*bk*H (k, v)          + R*bk (p, relayout for p @ v)
+    dq   : 2*R*H (q, do)    + stages * 2*bk*H (k, v)          + 2*R*bk (p, ds)
+    dkv  : 2*bk*H (k, v)    + stages * (2*R*H + 2*R*4) (q, do, lse, delta) + 2*R*bk (p, ds)
+
+in bytes of the input dtype (statistics in f32).  It is a model, checked
+against nothing on a GPU yet (no GPU was available when it was written): it
+errs on the generous side and keeps a safety margin below each GPU's opt-in
+shared memory per block (`SMEM_PER_BLOCK`).  `launch_config` picks the deepest
+pipeline (num_stages 3, 2, then 1) that fits and raises a ValueError naming
+the tile, the GPU and the bytes when even one stage does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from flax_ringattn._src.block_sizes import BlockSizes
+
+KiB = 1024
+MIN_DOT = 16  # tl.dot: every matmul dimension >= 16
+SAFETY_MARGIN = 0.9
+
+# Opt-in shared memory per thread block (CUDA programming guide, "Compute capabilities", table 21),
+# and dense (non-sparse) bf16 tensor-core peak in TFLOP/s (vendor datasheets, SXM parts where both exist).
+SMEM_PER_BLOCK = {
+  "sm_70": 96 * KiB,  # V100
+  "sm_75": 64 * KiB,  # T4
+  "sm_80": 163 * KiB,  # A100
+  "sm_86": 99 * KiB,  # A10, A40, RTX 30xx
+  "sm_89": 99 * KiB,  # L4, L40S, RTX 40xx
+  "sm_90": 227 * KiB,  # H100, H200
+  "sm_100": 227 * KiB,  # B200
+}
+BF16_PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "L4": 121.0, "L40S": 362.0, "B200": 2250.0}
+DEFAULT_ARCH = "sm_80"  # off GPU (interpret mode, tests): the A100's limits
+
+
+def current_arch() -> str:
+  """'sm_XY' of the first attached GPU, or DEFAULT_ARCH off GPU.  A GPU the table does not know is planned as
+  the known arch with the least shared memory among those from sm_80 up to it (consumer and datacenter parts
+  of one generation differ: sm_86 has 99 KiB, sm_80 163 KiB)."""
+  if jax.default_backend() != "gpu":
+    return DEFAULT_ARCH
+  cc = getattr(jax.devices()[0], "compute_capability", None)
+  if not cc:
+    return DEFAULT_ARCH
+  arch = "sm_" + str(cc).replace(".", "")
+  if arch in SMEM_PER_BLOCK:
+    return arch
+  cc = int(arch[3:])
+  known = [a for a in SMEM_PER_BLOCK if 80 <= int(a[3:]) <= cc] or list(SMEM_PER_BLOCK)
+  return min(known, key=SMEM_PER_BLOCK.get)
+
+
+def smem_bytes(arch: str) -> int:
+  if arch not in SMEM_PER_BLOCK:
+    raise ValueError(f"unknown GPU {arch=}; known: {tuple(SMEM_PER_BLOCK)}")
+  return SMEM_PER_BLOCK[arch]
+
+
+def smem_model(kernel: str, *, rows: int, bk: int, head_dim: int, dtype, stages: int) -> int:
+  """Shared memory bytes of one thread block (see the module docstring)."""
+  b = jnp.dtype(dtype).itemsize
+  R, H = rows, head_dim
+  if kernel == "fwd":
+    return R * H * b + stages * 2 * bk * H * b + R * bk * b
+  if kernel == "dq":
+    return 2 * R * H * b + stages * 2 * bk * H * b + 2 * R * bk * b
+  if kernel == "dkv":
+    return 2 * bk * H * b + stages * (2 * R * H * b + 2 * R * 4) + 2 * R * bk * b
+  raise ValueError(f"kernel must be 'fwd', 'dq' or 'dkv', got {kernel!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+  num_warps: int
+  num_stages: int
+  smem_bytes: int  # the model's estimate for that many stages
+
+
+def launch_config(kernel: str, *, rows: int, bk: int, head_dim: int, dtype, arch: str | None = None) -> LaunchConfig:
+  """Warps and pipeline stages for one kernel's tile; ValueError when the tile cannot fit shared memory."""
+  arch = current_arch() if arch is None else arch
+  budget = int(smem_bytes(arch) * SAFETY_MARGIN)
+  # 4 warps (128 threads) per 64-row tile, 8 for the big 128 x 128 ones: the f32 accumulators of
+  # rows x head_dim then stay within ~128 registers per thread.
+  warps = 8 if rows * max(bk, head_dim) >= 128 * 128 else 4
+  for stages in (3, 2, 1):
+    need = smem_model(kernel, rows=rows, bk=bk, head_dim=head_dim, dtype=dtype, stages=stages)
+    if need <= budget:
+      return LaunchConfig(warps, stages, need)
+  need = smem_model(kernel, rows=rows, bk=bk, head_dim=head_dim, dtype=dtype, stages=1)
+  raise ValueError(
+    f"pallas_gpu: the {kernel} tile of {rows} q rows x {bk} kv tokens with head_dim={head_dim} "
+    f"({jnp.dtype(dtype).name}) needs about {need} bytes of shared memory, more than the {budget} bytes usable on "
+    f"{arch} ({smem_bytes(arch)} per block, {SAFETY_MARGIN:.0%} margin); use smaller BlockSizes "
+    "(or block_sizes=None to let the planner choose)"
+  )
+
+
+def pow2_tile(length: int, requested: int, minimum: int, *, what: str) -> int:
+  """The largest power of two <= requested that divides `length` and is >= minimum.
+
+  ValueError for a request below the minimum, NotImplementedError for a shard length without such a factor
+  (valid input this backend cannot tile).
+  """
+  t = 1
+  while t * 2 <= min(requested, length):
+    t *= 2
+  while t >= minimum:
+    if length % t == 0:
+      return t
+    t //= 2
+  if requested < minimum:
+    raise ValueError(
+      f"pallas_gpu: BlockSizes {what}={requested} is below the smallest GPU tile here, {minimum} tokens "
+      f"(Triton matmul dimensions are >= {MIN_DOT})"
+    )
+  raise NotImplementedError(
+    f"pallas_gpu: no power-of-two {what} tile in [{minimum}, {requested}] divides the shard length {length} "
+    f"(Triton tiles are powers of two and matmul dimensions >= {MIN_DOT}); use a shard length with a power-of-two "
+    f"factor >= {minimum}, or implementation='xla'"
+  )
+
+
+def q_tile_minimum(group: int) -> int:
+  """Fewest q tokens per tile: the tile's G * bq stacked rows are a matmul dimension (>= 16)."""
+  return max(1, MIN_DOT // group)
+
+
+def block_tiles(block_sizes: BlockSizes | None, *, T: int, S: int, N: int, K: int, H: int, dtype, backward: bool):
+  """(bq, bk) in tokens for one block: the requested `BlockSizes`, or the planner's choice."""
+  G = N // K
+  blocks = block_sizes or plan_block_sizes(T, S, N, K, H, dtype)
+  req_q, req_kv = blocks.bwd if backward else (blocks.block_q, blocks.block_kv)
+  suffix = "_bwd" if backward else ""
+  bq = pow2_tile(T, req_q, q_tile_minimum(G), what=f"block_q{suffix}")
+  bk = pow2_tile(S, req_kv, MIN_DOT, what=f"block_kv{suffix}")
+  return bq, bk
+
+
+def plan_block_sizes(q_len: int, kv_len: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype, *, arch=None):
+  """Tiles for the GPU kernels: 128 stacked q rows x 64 kv tokens forward, 64 x 64 backward (shrunk to fit).
+
+  Targets the tile shapes of flash-attention kernels in Triton (a 128-row forward tile, smaller backward tiles
+  because each keeps two gradients in registers); tiles shrink to divide the shard and to fit shared memory.
+  """
+  G = num_heads // num_kv_heads
+  out = []
+  for rows_target, bk_target, kernels in ((128, 64, ("fwd",)), (64, 64, ("dq", "dkv"))):
+    bq = pow2_tile(q_len, max(1, rows_target // G), q_tile_minimum(G), what="block_q")
+    bk = pow2_tile(kv_len, bk_target, MIN_DOT, what="block_kv")
+    # Shrink the larger of the two until every kernel fits (launch_config raises if even 16 x 16 does not).
+    while True:
+      try:
+        for k in kernels:
+          launch_config(k, rows=G * bq, bk=bk, head_dim=head_dim, dtype=dtype, arch=arch)
+        break
+      except ValueError:
+        if G * bq >= bk and G * bq > MIN_DOT and bq > 1:
+          bq //= 2
+        elif bk > MIN_DOT:
+          bk //= 2
+        else:
+          raise
+    out.append((bq, bk))
+  (fq, fk), (bq, bk) = out
+  return BlockSizes(block_q=fq, block_kv=fk, block_q_bwd=bq, block_kv_bwd=bk)

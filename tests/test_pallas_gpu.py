@@ -1,0 +1,265 @@
+"""Pallas GPU (Triton) backend specifics: selection and errors, planner, tile skipping, float16.
+
+The shared numerical suite (test_ring_attention.py) runs this backend on every
+feature case in Pallas's generic interpreter; these tests cover what only this
+backend has.  Off GPU the kernels run with interpret=True; on a GPU
+(`benchmarks/gpu_check.sh`) the tests marked `gpu` run them compiled.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from jax import export
+from jax.experimental.pallas import tpu as pltpu
+from tolerances import assert_close
+
+import flax_ringattn as fr
+from flax_ringattn._src import masks
+from flax_ringattn._src.backends import get_backend, pallas_gpu
+from flax_ringattn._src.backends.base import AttentionSpec
+from flax_ringattn._src.backends.pallas_gpu import PallasGpuBackend, planner
+from flax_ringattn._src.backends.pallas_gpu.backward import block_bwd
+from flax_ringattn._src.backends.pallas_gpu.forward import block_fwd
+
+
+def interpret(test):
+  """The `interpret` timeout; Pallas's generic interpreter has no race detector (and these kernels no DMAs)."""
+  return pytest.mark.races_not_read("Triton interpret mode: no race detector")(pytest.mark.interpret(test))
+
+
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU  # on a GPU the same tests run the compiled Triton kernels
+
+
+def _inputs(B, T, S, N, K, H, dtype, seed=0):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (B, S, K, H), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (B, S, K, H), jnp.float32).astype(dtype)
+  do = jax.random.normal(ks[3], (B, T, N, H), jnp.float32).astype(dtype)
+  return q, k, v, do
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the errors raised off GPU")
+def test_selection_and_errors_off_gpu(caplog):
+  q = k = v = jnp.zeros((1, 64, 2, 16))
+  assert "pallas_gpu" in fr.available_implementations()
+  with pytest.raises(NotImplementedError, match=r"pallas_gpu needs an NVIDIA GPU \(default backend is 'cpu'\); pass "):
+    fr.ring_attention(q, k, v, implementation="pallas_gpu")
+  with pytest.raises(NotImplementedError, match=r"pallas_gpu needs an NVIDIA GPU"):
+    fr.ring_attention(q, k, v, implementation="pallas_gpu", interpret=False)
+  # implementation=None skips the GPU kernels off GPU, says why, and runs XLA.
+  with caplog.at_level(logging.INFO, logger="flax_ringattn"):
+    spec = AttentionSpec(mask=masks.MaskSpec(), scale=0.25)
+    backend = get_backend(None, dtype=jnp.float32, spec=spec, shapes=(q.shape, k.shape))
+  assert backend.name == "xla"
+  assert "implementation=None skips pallas_gpu: pallas_gpu needs an NVIDIA GPU" in caplog.text
+
+
+def test_interpret_argument_errors():
+  q = k = v = jnp.zeros((1, 64, 2, 16))
+  with pytest.raises(TypeError, match=r"implementation='pallas_gpu' runs in Pallas's generic interpreter: interpret "):
+    fr.ring_attention(q, k, v, implementation="pallas_gpu", interpret=pltpu.InterpretParams())
+  with pytest.raises(TypeError, match=r"interpret must be True, False or None, got 'yes'"):
+    fr.ring_attention(q, k, v, implementation="pallas_gpu", interpret="yes")
+  with pytest.raises(ValueError, match=r"applies to implementation='pallas_tpu' only \(or 'pallas_gpu' with interpret"):
+    fr.ring_attention(q, k, v, implementation="xla", interpret=True)
+
+
+def test_unsupported_shapes_and_dtypes():
+  spec = AttentionSpec(mask=masks.MaskSpec(), scale=0.25)
+  backend = PallasGpuBackend(interpret=True)
+  with pytest.raises(
+    NotImplementedError, match=r"pallas_gpu supports float32, bfloat16 and float16 inputs, got dtype="
+  ):
+    backend.check_supported(dtype=jnp.int8, spec=spec, shapes=((1, 64, 2, 16), (1, 64, 2, 16)))
+  with pytest.raises(NotImplementedError, match=r"power-of-two head_dim >= 16 \(Triton tensor sizes\), got H=24"):
+    x = jnp.zeros((1, 64, 2, 24))
+    fr.ring_attention(x, x, x, implementation="pallas_gpu", interpret=True)
+  with pytest.raises(NotImplementedError, match=r"power-of-two number of q heads per kv head .* got N=6, K=2 \(3 per"):
+    fr.ring_attention(
+      jnp.zeros((1, 64, 6, 16)), *[jnp.zeros((1, 64, 2, 16))] * 2, implementation="pallas_gpu", interpret=True
+    )
+
+
+@interpret
+def test_tile_errors():
+  x = jnp.zeros((1, 40, 2, 16))  # 40 = 8 * 5: no power-of-two tile >= 16 divides it
+  with pytest.raises(
+    NotImplementedError, match=r"no power-of-two block_q tile in \[16, 512\] divides the shard length 40"
+  ):
+    fr.ring_attention(x, x, x, implementation="pallas_gpu", interpret=True, block_sizes=fr.BlockSizes())
+  y = jnp.zeros((1, 64, 2, 16))
+  with pytest.raises(ValueError, match=r"BlockSizes block_kv=8 is below the smallest GPU tile here, 16 tokens"):
+    fr.ring_attention(y, y, y, implementation="pallas_gpu", interpret=True, block_sizes=fr.BlockSizes(block_kv=8))
+
+
+def test_planner():
+  # The table's GPUs: the default tiles fit, with the 128-row forward tile at head_dim 128, GQA 4:1, bf16.
+  for arch in planner.SMEM_PER_BLOCK:
+    b = planner.plan_block_sizes(4096, 4096, 32, 8, 128, jnp.bfloat16, arch=arch)
+    for kernel, (bq, bk) in (("fwd", (b.block_q, b.block_kv)), ("dq", b.bwd), ("dkv", b.bwd)):
+      cfg = planner.launch_config(kernel, rows=4 * bq, bk=bk, head_dim=128, dtype=jnp.bfloat16, arch=arch)
+      assert cfg.smem_bytes <= planner.SMEM_PER_BLOCK[arch] * planner.SAFETY_MARGIN
+  h100 = planner.plan_block_sizes(4096, 4096, 32, 8, 128, jnp.bfloat16, arch="sm_90")
+  assert (4 * h100.block_q, h100.block_kv) == (128, 64)
+  # A T4 cannot hold bf16 tiles of 128 rows at head_dim 256 and must shrink them.
+  t4 = planner.plan_block_sizes(4096, 4096, 8, 8, 256, jnp.bfloat16, arch="sm_75")
+  assert t4.block_q < 128 and t4.bwd[0] < 64
+  with pytest.raises(ValueError, match=r"the dq tile of 16 q rows x 16 kv tokens with head_dim=256 \(float32\)"):
+    planner.plan_block_sizes(4096, 4096, 8, 8, 256, jnp.float32, arch="sm_75")  # not even the smallest tile fits
+  with pytest.raises(ValueError, match=r"pallas_gpu: the fwd tile of 256 q rows x 256 kv tokens with head_dim=256 "):
+    planner.launch_config("fwd", rows=256, bk=256, head_dim=256, dtype=jnp.float32, arch="sm_75")
+  with pytest.raises(
+    ValueError, match=r"needs about \d+ bytes of shared memory, more than the \d+ bytes usable on sm_75"
+  ):
+    planner.launch_config("dkv", rows=256, bk=256, head_dim=256, dtype=jnp.float32, arch="sm_75")
+  with pytest.raises(ValueError, match=r"unknown GPU arch='sm_1'"):
+    planner.smem_bytes("sm_1")
+  with pytest.raises(ValueError, match=r"kernel must be 'fwd', 'dq' or 'dkv', got 'x'"):
+    planner.smem_model("x", rows=16, bk=16, head_dim=16, dtype=jnp.float32, stages=1)
+
+
+def _poisoned_block(monkeypatch=None, kinds=None):
+  """Causal block whose last kv tile lies after every query: EMPTY for all q tiles, filled with NaN."""
+  B, T, S, N, K, H = 1, 32, 48, 4, 2, 16
+  q, k, v, do = _inputs(B, T, S, N, K, H, jnp.float32)
+  q_pos, kv_pos = jnp.arange(T), jnp.arange(S)  # keys 32..47 are in no query's past
+  k = k.at[:, T:].set(jnp.nan)
+  v = v.at[:, T:].set(jnp.nan)
+  spec = AttentionSpec(
+    mask=masks.MaskSpec(is_causal=True), scale=0.25, block_sizes=fr.BlockSizes(block_q=8, block_kv=16)
+  )
+  if kinds is not None:
+    monkeypatch.setattr(masks, "tile_kinds", lambda *a: jnp.full((T // 8, S // 16), kinds, jnp.int32))
+  # Operands as arguments, not closed-over constants (XLA would try to constant-fold the interpreted kernels).
+  fwd = jax.jit(lambda q, k, v, qp, kp: block_fwd(q, k, v, qp, kp, None, None, spec=spec, interpret=INTERPRET))
+  bwd = jax.jit(
+    lambda q, k, v, do, lse, dl, qp, kp: block_bwd(
+      q, k, v, do, lse, dl, qp, kp, None, None, spec=spec, interpret=INTERPRET
+    )
+  )
+  o, lse = fwd(q, k, v, q_pos, kv_pos)
+  delta = jnp.einsum("btnh,btnh->bnt", do, o)
+  grads = bwd(q, k, v, do, lse, delta, q_pos, kv_pos)
+  return (q, k, v, do), (o, lse), grads
+
+
+@interpret
+def test_empty_tiles_load_nothing(monkeypatch):
+  """NaN in the EMPTY kv tile: any load or matmul of it would turn 0 * NaN into NaN in o, dq, dk or dv."""
+  (q, k, v, _), (o, lse), (dq, dk, dv) = _poisoned_block()
+  T = q.shape[1]
+  ref = fr.reference_attention(q, k[:, :T], v[:, :T], is_causal=True, scale=0.25)
+  assert_close(o, ref, jnp.float32)
+  for g in (o, lse, dq, dk[:, :T], dv[:, :T]):
+    assert np.isfinite(np.asarray(g)).all()
+  assert np.all(np.asarray(dk[:, T:]) == 0.0) and np.all(np.asarray(dv[:, T:]) == 0.0)
+  # The test can fail: with every tile classed PARTIAL the poisoned tile is loaded and multiplied.
+  _, (o, _), (dq, _, _) = _poisoned_block(monkeypatch, masks.PARTIAL)
+  assert np.isnan(np.asarray(o)).any() and np.isnan(np.asarray(dq)).any()
+
+
+@interpret
+def test_full_tiles_skip_the_mask(monkeypatch):
+  """A tile classed FULL runs no mask arithmetic: forcing FULL on a causal block gives unmasked attention."""
+  B, T, N, K, H = 1, 32, 2, 2, 16
+  q, k, v, _ = _inputs(B, T, T, N, K, H, jnp.float32)
+  pos = jnp.arange(T)
+  spec = AttentionSpec(
+    mask=masks.MaskSpec(is_causal=True), scale=0.25, block_sizes=fr.BlockSizes(block_q=16, block_kv=16)
+  )
+  monkeypatch.setattr(masks, "tile_kinds", lambda *a: jnp.full((2, 2), masks.FULL, jnp.int32))
+  fwd = jax.jit(lambda q, k, v, qp, kp: block_fwd(q, k, v, qp, kp, None, None, spec=spec, interpret=INTERPRET))
+  o, _ = fwd(q, k, v, pos, pos)
+  assert_close(o, fr.reference_attention(q, k, v, scale=0.25), jnp.float32)
+
+
+@interpret
+def test_float16():
+  B, T, N, K, H = 1, 64, 4, 2, 16
+  q, k, v, do = _inputs(B, T, T, N, K, H, jnp.float16)
+
+  def ring(q, k, v):
+    return fr.ring_attention(
+      q,
+      k,
+      v,
+      is_causal=True,
+      implementation="pallas_gpu",
+      interpret=INTERPRET,
+      block_sizes=fr.BlockSizes(block_q=16, block_kv=16),
+    )
+
+  out, vjp = jax.vjp(jax.jit(ring), q, k, v)
+  grads = vjp(do)
+  ref_out, ref_vjp = jax.vjp(lambda q, k, v: fr.reference_attention(q, k, v, is_causal=True), q, k, v)
+  assert out.dtype == jnp.float16 and all(g.dtype == jnp.float16 for g in grads)
+  assert_close(out, ref_out, jnp.float16)
+  assert_close(grads, ref_vjp(do), jnp.float16, "grad")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("segments,cap", [(False, None), (True, 30.0)], ids=["plain", "seg-cap"])
+def test_kernels_lower_to_triton_for_cuda(dtype, segments, cap):
+  """jax.export runs the Pallas -> Triton IR lowering for CUDA on this CPU machine: block shapes, loads, loops,
+  tile-class branches and kernel ops must all be accepted by the Triton lowering (Triton's own compiler runs
+  only on a GPU, so this cannot catch what it would reject)."""
+  spec = AttentionSpec(
+    mask=masks.MaskSpec(is_causal=True, window=(300, 0), has_segments=segments), scale=0.1, logits_soft_cap=cap
+  )
+  B, T, N, K, H = 2, 512, 8, 2, 128
+  sds = jax.ShapeDtypeStruct
+  q, k = sds((B, T, N, H), dtype), sds((B, T, K, H), dtype)
+  pos = sds((T,), jnp.int32)
+  seg = sds((B, T), jnp.int32) if segments else None
+  stat = sds((B, N, T), jnp.float32)
+  fwd = jax.jit(lambda q, k, v, qp, kp, qs, ks: block_fwd(q, k, v, qp, kp, qs, ks, spec=spec, interpret=False))
+  bwd = jax.jit(
+    lambda q, k, v, do, lse, dl, qp, kp, qs, ks: block_bwd(
+      q, k, v, do, lse, dl, qp, kp, qs, ks, spec=spec, interpret=False
+    )
+  )
+  # The Triton custom call has no export compatibility guarantee; we only lower, never serialise for later.
+  triton = "__gpu$xla.gpu.triton"
+  kw = dict(platforms=("cuda",), disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)])
+  text = export.export(fwd, **kw)(q, k, k, pos, pos, seg, seg).mlir_module()
+  text += export.export(bwd, **kw)(q, k, k, q, stat, stat, pos, pos, seg, seg).mlir_module()
+  assert text.count(f"@{triton}") == 3  # forward, dq, dk/dv
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices")
+def test_ring_lowers_to_triton_for_cuda(monkeypatch):
+  """The compiled path inside the ring's shard_map (varying-axes types declared on the kernels' results):
+  forward and backward of a 2-device ring lower to Triton kernels for CUDA."""
+  monkeypatch.setattr(pallas_gpu, "on_gpu", lambda: True)
+  mesh = make_mesh((2,), ("sp",))
+  q, k = jax.ShapeDtypeStruct((1, 256, 8, 64), jnp.bfloat16), jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out = fr.ring_attention(q, k, v, mesh=mesh, is_causal=True, implementation="pallas_gpu", interpret=False)
+    return out.astype(jnp.float32).sum()
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  triton = "__gpu$xla.gpu.triton"
+  kw = dict(platforms=("cuda",), disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)])
+  text = export.export(grad, **kw)(q, k, k).mlir_module()
+  for name in ("ring_block_fwd_gpu", "ring_block_bwd_dq_gpu", "ring_block_bwd_dkv_gpu"):
+    assert f'name = "{name}"' in text, name
+
+
+def test_current_arch(monkeypatch):
+  class Gpu:
+    compute_capability = "9.0"
+
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jax, "devices", lambda *a: [Gpu()])
+  assert planner.current_arch() == "sm_90"
+  Gpu.compute_capability = "12.0"  # not in the table: the least shared memory of sm_80 .. sm_120
+  assert planner.current_arch() == "sm_86"
