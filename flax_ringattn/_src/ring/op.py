@@ -125,12 +125,12 @@ def ring_attention(
     strategies.check_heads(strategy, axis_name, jax.lax.axis_size(axes[-1]), N, K)
   else:
     n = 1
-  _check_shard_lengths(T, S, n, load_balance, local=True, axis_name=axis_name)
+  _check_shard_lengths(T, S, n, load_balance, local=True, axis_name=axis_name, strategy=strategy)
   cfg = RingConfig(axis_name=axis_name, load_balance=load_balance, spec=spec, backend=backend)
   return strategies.attention_local(q, k, v, q_seg, kv_seg, strategy=strategy, cfg=cfg)
 
 
-def _check_shard_lengths(T, S, n, load_balance, *, local, axis_name):
+def _check_shard_lengths(T, S, n, load_balance, *, local, axis_name, strategy="ring"):
   per = 2 if load_balance else 1
   what = "local shard" if local else "global"
   for name, L in (("q_len", T), ("kv_len", S)):
@@ -143,7 +143,7 @@ def _check_shard_lengths(T, S, n, load_balance, *, local, axis_name):
       )
       raise ValueError(
         f"{what} {name}={L} must be a multiple of {need} (ring_size={n} over axis {axis_name!r}, "
-        f"load_balance={load_balance}): {why}"
+        f"load_balance={load_balance}): {why}" + (f" (strategy={strategy!r})" if strategy != "ring" else "")
       )
 
 
@@ -173,7 +173,7 @@ def _ring_on_mesh(
     n *= sizes[ax]
   B, T, N, _ = q.shape
   S, K = k.shape[1], k.shape[2]
-  _check_shard_lengths(T, S, n, load_balance, local=False, axis_name=axis_name)
+  _check_shard_lengths(T, S, n, load_balance, local=False, axis_name=axis_name, strategy=strategy)
   if batch_axis is not None and B % sizes[batch_axis]:
     raise ValueError(f"batch size B={B} must be a multiple of the {batch_axis!r} mesh axis size {sizes[batch_axis]}")
   if head_axis is not None and K % sizes[head_axis]:

@@ -64,6 +64,8 @@ def check_axes(strategy: str, axis_name):
   other strategies take one axis (a tuple for the plain ring is the in-kernel
   ring's business and passes through untouched).
   """
+  if axis_name is None:
+    return ()  # one device: every strategy is attention on the local arrays
   if strategy == "ulysses_ring":
     if not (isinstance(axis_name, (tuple, list)) and len(axis_name) == 2):
       raise ValueError(
@@ -84,8 +86,6 @@ def check_axes(strategy: str, axis_name):
       f"strategy={strategy!r} takes one mesh axis, got {axis_name=!r}; for two axes use "
       "strategy='ulysses_ring' with axis_name=(ring_axis, ulysses_axis)"
     )
-  if axis_name is None:
-    return ()
   return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
