@@ -388,3 +388,66 @@ def test_ulysses_ring_axis_also_used_as_head_axis():
   mesh = make_mesh((2, 2, 2), ("ring", "uly", "tp"))
   with pytest.raises(ValueError, match=r"axis_name, batch_axis and head_axis must be different mesh axes, got \["):
     fr.ring_attention(*_qkv(), mesh=mesh, axis_name=("ring", "uly"), head_axis="uly", strategy="ulysses_ring")
+
+
+# --------------------------------------------------------------------------------------------
+# suggest_strategy
+# --------------------------------------------------------------------------------------------
+
+
+class _FakeDevice:
+  def __init__(self, i, per_process):
+    self.id, self.process_index = i, i // per_process
+
+
+class _FakeMesh:
+  """Two processes x 4 devices, as a multi-process mesh looks to suggest_strategy (no runtime needed)."""
+
+  def __init__(self, shape, names):
+    self.axis_names, self.axis_sizes = names, shape
+    self.devices = np.array([_FakeDevice(i, 4) for i in range(8)], dtype=object).reshape(shape)
+
+
+def test_suggest_strategy_lists_every_candidate_with_time_and_memory():
+  advice = fr.suggest_strategy(make_mesh((8,), ("sp",)), 32768, 8, 2, 128, jnp.bfloat16, hardware="tpu_v5p")
+  assert {c.strategy for c in advice.candidates} == {"ring", "ulysses", "all_gather"}
+  assert advice.strategy == advice.candidates[0].strategy and advice.candidates[0].feasible
+  times = [c.time_s for c in advice.candidates]
+  assert times == sorted(times) and all(t > 0 for t in times)
+  mem = {c.strategy: c.memory_bytes for c in advice.candidates}
+  assert mem["all_gather"] > mem["ring"]  # the gathered K/V grow with S, the ring's shards with S / n
+  ring_4k, ring_32k = (
+    {c.strategy: c for c in fr.suggest_strategy(make_mesh((8,), ("sp",)), T, 8, 2, 128, jnp.bfloat16).candidates}[
+      "ring"
+    ].memory_bytes
+    for T in (4096, 32768)
+  )
+  assert ring_32k == pytest.approx(8 * ring_4k)  # linear in T / n
+
+
+def test_suggest_strategy_marks_ulysses_infeasible_when_heads_do_not_divide():
+  advice = fr.suggest_strategy(make_mesh((8,), ("sp",)), 4096, 6, 2, 64, jnp.float32, hardware="h100")
+  uly = next(c for c in advice.candidates if c.strategy == "ulysses")
+  assert not uly.feasible and "N=6 q heads do not split over 8 devices" in uly.note
+  assert advice.strategy != "ulysses"
+
+
+def test_suggest_strategy_puts_the_ring_across_processes():
+  """On 2 processes x 4 devices the ring axis of ulysses_ring is the process axis, the all-to-all stays inside."""
+  mesh = _FakeMesh((2, 4), ("host", "local"))
+  advice = fr.suggest_strategy(mesh, 32768, 8, 8, 128, jnp.bfloat16, hardware="h100")
+  pairs = [c.axis_name for c in advice.candidates if c.strategy == "ulysses_ring"]
+  assert pairs == [("host", "local")], pairs
+  assert advice.strategy == "ulysses_ring" and advice.factoring == (("host", 2), ("local", 4))
+
+
+def test_suggest_strategy_errors():
+  mesh = make_mesh((8,), ("sp",))
+  with pytest.raises(ValueError, match=r"unknown hardware='tpu_v9'; choose one of \('tpu_v5e', "):
+    fr.suggest_strategy(mesh, 4096, 8, 2, 64, jnp.float32, hardware="tpu_v9")
+  with pytest.raises(ValueError, match=r"axis_name='cp': 'cp' is not an axis of the mesh"):
+    fr.suggest_strategy(mesh, 4096, 8, 2, 64, jnp.float32, axis_name="cp")
+  with pytest.raises(ValueError, match=r"num_heads=8 must be a multiple of num_kv_heads=3"):
+    fr.suggest_strategy(mesh, 4096, 8, 3, 64, jnp.float32)
+  with pytest.raises(ValueError, match=r"seq_len must be a positive int, got seq_len=0"):
+    fr.suggest_strategy(mesh, 0, 8, 2, 64, jnp.float32)
