@@ -91,8 +91,8 @@ def check(T, N, K, H, *, against_reference: bool) -> list[str]:
   """Every strategy's fwd + grads vs the reference (or vs the ring); returns the failures."""
   got = {s: results(s, T, N, K, H) for s in STRATEGIES}
   if against_reference:
-    q, k, v, g = (np.random.default_rng(0).standard_normal(s, np.float32) for s in
-                  ((1, T, N, H), (1, T, K, H), (1, T, K, H), (1, T, N, H)))  # fmt: skip
+    rng = np.random.default_rng(0)  # the draws of `inputs`, in its order
+    q, k, v, g = (rng.standard_normal(s, np.float32) for s in ((1, T, N, H), (1, T, K, H), (1, T, K, H), (1, T, N, H)))
     pos = fr.zigzag_positions(T, 8)
     ref = lambda q, k, v: fr.reference_attention(q, k, v, is_causal=True, q_positions=pos, kv_positions=pos)  # noqa: E731
     out, vjp = jax.vjp(ref, q, k, v)

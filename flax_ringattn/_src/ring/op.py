@@ -91,6 +91,8 @@ def ring_attention(
   validation.check_bool("load_balance", load_balance)
   validation.check_bool("is_causal", is_causal)
   strategy = strategies.check_strategy(strategy)
+  if strategy != "ring" and isinstance(axis_name, list):
+    axis_name = tuple(axis_name)  # a hashable static argument
   spec = AttentionSpec(
     mask=masks.MaskSpec(is_causal=is_causal, window=window, has_segments=q_seg is not None),
     scale=scale,

@@ -29,7 +29,10 @@ transposes the all-to-alls (an all-to-all back) and the kv-head repeat (a sum).
 Head offsets (for per-head randomness such as attention dropout, whose mask is
 a function of the global (batch, head, q pos, kv pos)): after the Ulysses
 all-to-all, member u of the Ulysses axis holds q heads [u * N / U, (u + 1) *
-N / U) of the heads it received; `ulysses_head_offset` gives that offset.
+N / U) of the N heads of its input shard, i.e. a global head offset of
+`jax.lax.axis_index(ulysses_axis) * N / U` (plus the head_axis offset, if
+any) that the block call must receive; all_gather and the ring keep every
+head, offset 0.
 """
 
 from __future__ import annotations
@@ -129,11 +132,6 @@ def _heads_to_seq(x, axis):
 
 def _gather_seq(seg, axis):
   return None if seg is None else jax.lax.all_gather(seg, axis, axis=1, tiled=True)
-
-
-def ulysses_head_offset(ulysses_axis, local_heads: int):
-  """Offset of this device's q heads (after the all-to-all) among the heads of its input shard."""
-  return jax.lax.axis_index(ulysses_axis) * local_heads
 
 
 def _ulysses(q, k, v, q_seg, kv_seg, cfg: RingConfig, ring_axis, ulysses_axis):
