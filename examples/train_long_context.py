@@ -47,6 +47,7 @@ Run it
   python examples/train_long_context.py                      # 8 simulated CPU devices, 8192 tokens
   python examples/train_long_context.py --attention attention_fn --mesh-shape 4,2
   python examples/train_long_context.py --data-file some_text_file.txt --curriculum none
+  python examples/train_long_context.py --num-processes 2  # 2 JAX processes x 4 CPU devices (gloo)
 
 Without an accelerator (or with `JAX_PLATFORMS=cpu`) the script asks XLA for
 8 host devices (or as many as `--mesh-shape` needs) unless `XLA_FLAGS` already
@@ -95,6 +96,13 @@ def parse_args(argv=None) -> argparse.Namespace:
   )
   p.add_argument("--num-keys", type=int, default=8, help="KV task: keys per table (default: %(default)s)")
   p.add_argument("--num-values", type=int, default=64, help="KV task: value vocabulary (default: %(default)s)")
+  p.add_argument(
+    "--num-processes",
+    type=int,
+    default=1,
+    help="run as N local JAX processes (CPU devices split between them, gloo collectives; see\n"
+    "flax_ringattn.launch); on a TPU slice or GPU cluster start one copy per host instead",
+  )
   args = p.parse_args(argv)
   args.mesh_shape = _parse_mesh_shape(p, args.mesh_shape)
   args.curriculum = _parse_curriculum(p, args.curriculum)
@@ -142,8 +150,30 @@ def request_host_devices(mesh_shape) -> None:
   os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
+def relaunch(args, argv) -> int:
+  """--num-processes N: this script again as N processes, each with its share of the CPU devices."""
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from flax_ringattn import launch
+
+  n = math.prod(args.mesh_shape) if args.mesh_shape else 8
+  if n % args.num_processes:
+    raise SystemExit(f"--num-processes {args.num_processes} must divide the {n} devices of the mesh")
+  rest, skip = [], False
+  for a in argv:  # drop --num-processes so that the children run the training
+    if skip or a.startswith("--num-processes"):
+      skip = a == "--num-processes"
+      continue
+    rest.append(a)
+  procs = launch.spawn([sys.executable, os.path.abspath(__file__), *rest], args.num_processes,
+                       devices_per_process=n // args.num_processes)  # fmt: skip
+  codes = launch.wait_all(procs)
+  return next((c for c in codes if c != 0), 0)
+
+
 if __name__ == "__main__":
   ARGS = parse_args()
+  if ARGS.num_processes > 1:
+    sys.exit(relaunch(ARGS, sys.argv[1:]))
   request_host_devices(ARGS.mesh_shape)
 
 import dataclasses
@@ -171,6 +201,13 @@ if str(pathlib.Path(__file__).resolve().parent) not in sys.path:
 import _model
 
 SEQ_AXIS, HEAD_AXIS = "sp", "tp"
+
+# A process started by `--num-processes` / `python -m flax_ringattn.launch` joins the others here (no-op otherwise).
+from flax_ringattn.launch import initialize_from_env
+
+if __name__ == "__main__":
+  initialize_from_env()
+MAIN = jax.process_index() == 0 if __name__ == "__main__" else True
 
 
 # ------------------------------------------------------------------------------------------
@@ -333,10 +370,18 @@ def make_mesh(mesh_shape):
   return jax.make_mesh(mesh_shape, names, axis_types=auto, devices=devices[: math.prod(mesh_shape)])
 
 
+def to_mesh(x, sharding):
+  """`x` (the same value on every process) on `sharding`, which may span processes."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return jax.device_put(x, sharding)
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
 def place_on_mesh(tree, mesh):
   """Puts an nnx state on the mesh: heads on 'tp' where the metadata says so, the rest replicated."""
   specs = nnx.get_partition_spec(tree)
-  return jax.device_put(tree, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+  return jax.tree.map(lambda x, s: to_mesh(x, NamedSharding(mesh, s)), tree, specs)
 
 
 @nnx.jit
@@ -428,16 +473,17 @@ def main(args: argparse.Namespace) -> dict:
   optimizer = nnx.Optimizer(model, optax.adamw(lr, b1=0.8, b2=0.98, weight_decay=0.01), wrt=nnx.Param)
   nnx.update(optimizer, place_on_mesh(nnx.state(optimizer), mesh))
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  say = print if MAIN else (lambda *a, **k: None)
 
-  print(
+  say(
     f"devices: {mesh.devices.size} x {mesh.devices.flat[0].platform}, mesh {dict(mesh.shape)}, "
     f"attention={args.attention}, load_balance={load_balance}"
   )
-  print(
+  say(
     f"task: {f'byte LM on {args.data_file}' if args.data_file else 'key-value retrieval'}; model: {n_params:,} params"
   )
   plan = " -> ".join(f"{n} steps of {b}x{length}" for length, b, n in stages)
-  print(f"schedule: {plan} ({args.seq_len // num_shards} tokens per device at {args.seq_len})")
+  say(f"schedule: {plan} ({args.seq_len // num_shards} tokens per device at {args.seq_len})")
 
   from tqdm import tqdm
 
@@ -445,11 +491,12 @@ def main(args: argparse.Namespace) -> dict:
   data_sharding = NamedSharding(mesh, P(None, SEQ_AXIS))
   history = {"loss": [], "accuracy": [], "seq_len": [], "seconds": []}
   start = time.perf_counter()
-  bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+  bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, disable=not MAIN)
   for length, batch_size, steps in stages:
     stage_task = dataclasses.replace(task, seq_len=length)
     for _ in range(steps):
-      batch = jax.device_put(make_batch(stage_task, rng, batch_size, num_shards, load_balance), data_sharding)
+      batch = make_batch(stage_task, rng, batch_size, num_shards, load_balance)
+      batch = {k: to_mesh(v, data_sharding) for k, v in batch.items()}
       t0 = time.perf_counter()
       loss, accuracy = train_step(model, optimizer, batch)
       loss, accuracy = float(loss), float(accuracy)
@@ -478,11 +525,14 @@ def main(args: argparse.Namespace) -> dict:
   checkpointer.save(ckpt_dir, nnx.state(model, nnx.Param))
   checkpointer.wait_until_finished()
   checkpointer.close()
-  config_path = _model.save_config(config, out_dir)
+  config_path = out_dir / _model.CONFIG_NAME
   png = out_dir / "loss.png"
-  save_loss_curve(png, history, stages, chance, accuracy_label)
   metrics = {**history, "chance_accuracy": chance, "total_seconds": total, "tokens_per_second": tokens_per_second}
   metrics["args"] = {k: v for k, v in vars(args).items()}
+  if not MAIN:  # every process trained and checkpointed its shards; one writes the files and reports
+    return metrics
+  _model.save_config(config, out_dir)
+  save_loss_curve(png, history, stages, chance, accuracy_label)
   (out_dir / "metrics.json").write_text(json.dumps(metrics) + "\n")
 
   loss, acc = history["loss"], history["accuracy"]

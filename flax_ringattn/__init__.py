@@ -7,10 +7,13 @@ The public surface (see README.md for the table):
 * layers: `RingMultiHeadAttention`, `make_ring_attention_fn`,
   `PagedMultiHeadAttention`; cache: `PagedKVCache`
 * layout helpers: `zigzag_order`, `zigzag_inverse`, `zigzag_positions`
+* strategies: `suggest_strategy` (cost model; `Hardware`, `StrategyAdvice`,
+  `StrategyEstimate`)
 * configuration: `BlockSizes`, `plan_block_sizes` (TPU tiles that fit VMEM),
   `available_implementations`
 """
 
+from flax_ringattn._src.advisor import Hardware, StrategyAdvice, StrategyEstimate, suggest_strategy
 from flax_ringattn._src.backends import available as available_implementations
 from flax_ringattn._src.backends.pallas_tpu.planner import plan_block_sizes
 from flax_ringattn._src.block_sizes import BlockSizes
@@ -27,6 +30,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
   "BlockSizes",
+  "Hardware",
   "PagedKVCache",
   "PagedMultiHeadAttention",
   "RingMultiHeadAttention",
@@ -37,6 +41,9 @@ __all__ = [
   "plan_block_sizes",
   "reference_attention",
   "ring_attention",
+  "StrategyAdvice",
+  "StrategyEstimate",
+  "suggest_strategy",
   "zigzag_inverse",
   "zigzag_order",
   "zigzag_positions",

@@ -95,3 +95,17 @@ def shard_positions(shard, num_shards, shard_len: int, load_balance: bool):
   lo = shard * half + jnp.arange(half, dtype=jnp.int32)
   hi = (2 * num_shards - 1 - shard) * half + jnp.arange(half, dtype=jnp.int32)
   return jnp.concatenate([lo, hi])
+
+
+def gathered_positions(first_shard, count: int, num_shards: int, shard_len: int, load_balance: bool):
+  """Global positions of `count` consecutive shards, first_shard .. first_shard + count - 1, concatenated.
+
+  After an all-to-all (Ulysses) or an all-gather over the sequence axis, a device
+  holds the shards of several ring members side by side in member order; their
+  positions are those of each member's shard (`shard_positions`), so the zigzag
+  layout carries over.  Worked example, 4 shards of 4 tokens, zigzag, all
+  gathered: [0 1 14 15 | 2 3 12 13 | 4 5 10 11 | 6 7 8 9].
+  """
+  if count == 1:
+    return shard_positions(first_shard, num_shards, shard_len, load_balance)
+  return jnp.concatenate([shard_positions(first_shard + j, num_shards, shard_len, load_balance) for j in range(count)])

@@ -61,6 +61,8 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       as sharding metadata and activations are constrained to it.
     batch_axis: mesh axis for the batch (data parallelism).
     load_balance: inputs are in zigzag order (see `zigzag_order`).
+    strategy: "ring" (default), "ulysses", "all_gather" or "ulysses_ring"
+      (then seq_axis=(ring_axis, ulysses_axis)); see `ring_attention`.
     implementation, block_sizes, interpret: passed to `ring_attention`
       (`interpret=True` runs the pallas_tpu kernels in TPU interpret mode on CPU).
     local_window_size, logits_soft_cap: mask / logit options of `ring_attention`
@@ -85,6 +87,7 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     head_axis=None,
     batch_axis=None,
     load_balance: bool = False,
+    strategy: str = "ring",
     implementation: str | None = None,
     block_sizes=None,
     interpret=None,
@@ -126,6 +129,7 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     self.head_axis = head_axis
     self.batch_axis = batch_axis
     self.load_balance = load_balance
+    self.strategy = strategy
     self.implementation = implementation
     self.block_sizes = block_sizes
     self.interpret = interpret
@@ -188,6 +192,7 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       local_window_size=self.local_window_size,
       logits_soft_cap=self.logits_soft_cap,
       load_balance=self.load_balance,
+      strategy=self.strategy,
       implementation=self.implementation,
       block_sizes=self.block_sizes,
       interpret=self.interpret,
@@ -215,6 +220,7 @@ def make_ring_attention_fn(
   implementation: str | None = None,
   block_sizes=None,
   interpret=None,
+  strategy: str = "ring",
 ):
   """An `attention_fn` for `nnx.MultiHeadAttention` that runs ring attention.
 
@@ -222,7 +228,8 @@ def make_ring_attention_fn(
   The returned function accepts every keyword flax passes (mask, dropout_rng,
   dropout_rate, broadcast_dropout, deterministic, dtype, precision, module,
   is_causal, ...); `is_causal` is on when either this factory or the call asks
-  for it.  A dense mask, bias, dropout and sow_weights (module=...) raise
+  for it.  `strategy` picks the sequence-parallel strategy (see `ring_attention`;
+  "ulysses_ring" takes seq_axis=(ring_axis, ulysses_axis)).  A dense mask, bias, dropout and sow_weights (module=...) raise
   `NotImplementedError` naming the alternatives.
   """
   seq_axis = sharding.sequence_axis(mesh, seq_axis, arg="seq_axis")
@@ -263,6 +270,7 @@ def make_ring_attention_fn(
       local_window_size=local_window_size,
       logits_soft_cap=logits_soft_cap,
       load_balance=load_balance,
+      strategy=strategy,
       implementation=implementation,
       block_sizes=block_sizes,
       interpret=interpret,

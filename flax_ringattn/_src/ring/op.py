@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 from flax_ringattn._src import backends, masks, sharding, validation
 from flax_ringattn._src.backends.base import AttentionSpec
 from flax_ringattn._src.block_sizes import BlockSizes
-from flax_ringattn._src.ring.ring_loop import RingConfig, ring_attention_local
+from flax_ringattn._src.ring import strategies
+from flax_ringattn._src.ring.ring_loop import RingConfig
 
 
 def ring_attention(
@@ -35,6 +36,7 @@ def ring_attention(
   head_axis=None,
   precision=None,
   interpret=None,
+  strategy: str = "ring",
 ):
   """Ring attention with the semantics of `jax.nn.dot_product_attention`.
 
@@ -72,6 +74,11 @@ def ring_attention(
       implementation="pallas_tpu" when implementation is None.  With
       implementation="pallas_gpu", True runs the GPU kernels in Pallas's
       generic interpreter (on CPU).
+    strategy: how the sequence shards meet (see "choosing a strategy" in the
+      README): "ring" (K/V rotate, memory O(T / n)), "ulysses" (all-to-all
+      to head shards, needs N % n == 0), "all_gather" (K/V gathered, q stays
+      sharded) or "ulysses_ring" (axis_name=(ring_axis, ulysses_axis): Ulysses
+      within, ring across).  Results do not depend on the strategy.
 
   Returns:
     [B, T, N, H] in q.dtype, laid out like q.  Rows with no visible key are 0.
@@ -85,6 +92,9 @@ def ring_attention(
     raise TypeError(f"block_sizes must be a flax_ringattn.BlockSizes, got {type(block_sizes).__name__}")
   validation.check_bool("load_balance", load_balance)
   validation.check_bool("is_causal", is_causal)
+  strategy = strategies.check_strategy(strategy)
+  if strategy != "ring" and isinstance(axis_name, list):
+    axis_name = tuple(axis_name)  # a hashable static argument
   spec = AttentionSpec(
     mask=masks.MaskSpec(is_causal=is_causal, window=window, has_segments=q_seg is not None),
     scale=scale,
@@ -98,28 +108,33 @@ def ring_attention(
   )
 
   if mesh is not None:
-    return _ring_on_mesh(q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis, load_balance, spec, backend)
+    return _ring_on_mesh(
+      q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis, load_balance, spec, backend, strategy
+    )
 
   if batch_axis is not None or head_axis is not None:
     raise ValueError(
       f"batch_axis={batch_axis!r} / head_axis={head_axis!r} only apply with mesh=...; "
       "inside your own shard_map the inputs are already the local shards"
     )
+  axes = strategies.check_axes(strategy, axis_name) if strategy != "ring" else (axis_name,)
   if axis_name is not None:
-    if not sharding.axis_is_bound(axis_name):
-      raise ValueError(
-        f"axis_name={axis_name!r} is not bound: call ring_attention inside jax.shard_map over a mesh "
-        f"with that axis, or pass mesh=... to let ring_attention shard the global arrays itself"
-      )
+    for ax in axes:
+      if not sharding.axis_is_bound(ax):
+        raise ValueError(
+          f"axis_name={axis_name!r} is not bound: call ring_attention inside jax.shard_map over a mesh "
+          f"with that axis, or pass mesh=... to let ring_attention shard the global arrays itself"
+        )
     n = jax.lax.axis_size(axis_name)
+    strategies.check_heads(strategy, axis_name, jax.lax.axis_size(axes[-1]), N, K)
   else:
     n = 1
-  _check_shard_lengths(T, S, n, load_balance, local=True, axis_name=axis_name)
+  _check_shard_lengths(T, S, n, load_balance, local=True, axis_name=axis_name, strategy=strategy)
   cfg = RingConfig(axis_name=axis_name, load_balance=load_balance, spec=spec, backend=backend)
-  return ring_attention_local(q, k, v, q_seg, kv_seg, cfg)
+  return strategies.attention_local(q, k, v, q_seg, kv_seg, strategy=strategy, cfg=cfg)
 
 
-def _check_shard_lengths(T, S, n, load_balance, *, local, axis_name):
+def _check_shard_lengths(T, S, n, load_balance, *, local, axis_name, strategy="ring"):
   per = 2 if load_balance else 1
   what = "local shard" if local else "global"
   for name, L in (("q_len", T), ("kv_len", S)):
@@ -132,26 +147,37 @@ def _check_shard_lengths(T, S, n, load_balance, *, local, axis_name):
       )
       raise ValueError(
         f"{what} {name}={L} must be a multiple of {need} (ring_size={n} over axis {axis_name!r}, "
-        f"load_balance={load_balance}): {why}"
+        f"load_balance={load_balance}): {why}" + (f" (strategy={strategy!r})" if strategy != "ring" else "")
       )
 
 
-def _ring_on_mesh(q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis, load_balance, spec, backend):
+def _ring_on_mesh(
+  q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis, load_balance, spec, backend, strategy
+):
   if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
   names = tuple(mesh.axis_names)
   axis_name = sharding.sequence_axis(mesh, axis_name, arg="axis_name")
-  for role, ax in (("axis_name", axis_name), ("batch_axis", batch_axis), ("head_axis", head_axis)):
+  if isinstance(axis_name, list):
+    axis_name = tuple(axis_name)
+  seq_axes = strategies.check_axes(strategy, axis_name) if strategy != "ring" else (axis_name,)
+  for ax in seq_axes:
+    if ax not in names:
+      which = "" if ax == axis_name else f" names {ax!r}, which"
+      raise ValueError(f"axis_name={axis_name!r}{which} is not an axis of the mesh (mesh axes: {names})")
+  for role, ax in (("batch_axis", batch_axis), ("head_axis", head_axis)):
     if ax is not None and ax not in names:
       raise ValueError(f"{role}={ax!r} is not an axis of the mesh (mesh axes: {names})")
-  used = [a for a in (axis_name, batch_axis, head_axis) if a is not None]
+  used = [a for a in (*seq_axes, batch_axis, head_axis) if a is not None]
   if len(set(used)) != len(used):
     raise ValueError(f"axis_name, batch_axis and head_axis must be different mesh axes, got {used}")
   sizes = dict(zip(names, mesh.axis_sizes, strict=True))
-  n = sizes[axis_name]
+  n = 1
+  for ax in seq_axes:
+    n *= sizes[ax]
   B, T, N, _ = q.shape
   S, K = k.shape[1], k.shape[2]
-  _check_shard_lengths(T, S, n, load_balance, local=False, axis_name=axis_name)
+  _check_shard_lengths(T, S, n, load_balance, local=False, axis_name=axis_name, strategy=strategy)
   if batch_axis is not None and B % sizes[batch_axis]:
     raise ValueError(f"batch size B={B} must be a multiple of the {batch_axis!r} mesh axis size {sizes[batch_axis]}")
   if head_axis is not None and K % sizes[head_axis]:
@@ -159,6 +185,8 @@ def _ring_on_mesh(q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis
       f"kv heads K={K} (and q heads N={N}) must be a multiple of the {head_axis!r} mesh axis size "
       f"{sizes[head_axis]}: heads are split so every device keeps whole GQA groups"
     )
+  tp = sizes[head_axis] if head_axis is not None else 1
+  strategies.check_heads(strategy, axis_name, sizes[seq_axes[-1]], N // tp, K // tp, head_axis=head_axis)
 
   x_spec = P(batch_axis, axis_name, head_axis, None)
   seg_spec = P(batch_axis, axis_name)
@@ -169,7 +197,7 @@ def _ring_on_mesh(q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis
   seg_specs = (seg_spec, seg_spec) if q_seg is not None else (None, None)
 
   fn = jax.shard_map(
-    lambda q, k, v, qs, ks: ring_attention_local(q, k, v, qs, ks, cfg),
+    lambda q, k, v, qs, ks: strategies.attention_local(q, k, v, qs, ks, strategy=strategy, cfg=cfg),
     mesh=mesh,
     in_specs=(x_spec, x_spec, x_spec, *seg_specs),
     out_specs=x_spec,

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from flax_ringattn._src import masks, vma
 from flax_ringattn._src.backends.base import AttentionSpec, BlockBackend
-from flax_ringattn._src.layout import shard_positions
+from flax_ringattn._src.layout import gathered_positions
 
 F32 = jnp.float32
 
@@ -44,6 +44,16 @@ class RingConfig:
   load_balance: bool
   spec: AttentionSpec
   backend: BlockBackend  # a hashable backend instance (it may carry options such as `interpret`)
+  # How many sequence shards of the original layout each ring member holds side
+  # by side (1 for the plain ring; the Ulysses axis size for "ulysses_ring",
+  # whose all-to-all hands every member the shards of its whole Ulysses group).
+  sub_shards: int = 1
+
+
+def _member_positions(cfg: RingConfig, member, n, length: int):
+  """Global positions of the tokens ring member `member` holds (`length` of them)."""
+  sub = cfg.sub_shards
+  return gathered_positions(member * sub, sub, n * sub, length // sub, cfg.load_balance)
 
 
 def _ring_geometry(axis_name):
@@ -94,12 +104,12 @@ def _ring_forward(q, k, v, q_seg, kv_seg, cfg: RingConfig):
   backend = cfg.backend
   B, T, N, H = q.shape
   S = k.shape[1]
-  q_pos = shard_positions(r, n, T, cfg.load_balance)
+  q_pos = _member_positions(cfg, r, n, T)
 
   def part(t, kv):
     """(o, lse) of hop t's block, or (0, -inf) when the whole block is masked."""
     k_t, v_t, seg_t = kv
-    kv_pos = shard_positions((r - t) % n, n, S, cfg.load_balance)
+    kv_pos = _member_positions(cfg, (r - t) % n, n, S)
 
     def compute():
       return backend.fwd(q, k_t, v_t, q_pos, kv_pos, q_seg, seg_t, spec=spec)
@@ -153,13 +163,13 @@ def _ring_attention_bwd(cfg: RingConfig, res, do):
   spec = cfg.spec
   backend = cfg.backend
   S = k.shape[1]
-  q_pos = shard_positions(r, n, q.shape[1], cfg.load_balance)
+  q_pos = _member_positions(cfg, r, n, q.shape[1])
   delta = jnp.swapaxes(jnp.sum(do.astype(F32) * out.astype(F32), axis=-1), 1, 2)  # [B, N, T]
 
   def part(t, kv):
     """(dq, dk, dv) of hop t's block, or zeros when the whole block is masked."""
     k_t, v_t, seg_t = kv
-    kv_pos = shard_positions((r - t) % n, n, S, cfg.load_balance)
+    kv_pos = _member_positions(cfg, (r - t) % n, n, S)
 
     def compute():
       return backend.bwd(q, k_t, v_t, do, lse, delta, q_pos, kv_pos, q_seg, seg_t, spec=spec)

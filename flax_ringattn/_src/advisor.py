@@ -1,0 +1,290 @@
+"""`suggest_strategy`: a small cost model that ranks the sequence-parallel strategies.
+
+The model (per device, one attention call, forward + backward, zigzag
+load balance assumed so causal work is even):
+
+* compute: F = 14 * B * N * T * S * H flops (forward 4, backward 10), halved
+  when causal; every strategy does F / n of it on each of its n devices, at
+  `hardware.flops` flop/s.
+* ring over n devices (bandwidth b of that axis, latency a per step): n hops per
+  pass, each overlapping its compute (F / n^2) with one K/V shard transfer
+  (2 * B * S/n * K * H * bytes; the backward also moves the f32 dK/dV
+  accumulators), then merging its partial result into f32 accumulators
+  (o / lse forward, dK / dV backward: memory-bound, at
+  `hardware.memory_bandwidth`): time = sum over passes of (n - 1) *
+  (max(compute_hop, bytes_hop / b + a) + merge_hop) + compute_hop.
+* ulysses over n: all-to-alls are not overlapped: forward q, k, v in and o out,
+  backward do in and dq, dk, dv out, each (n - 1) / n of the local shard
+  (kv heads repeated to K' = lcm(K, n)); time = compute + bytes / b + 4 (n - 1) a.
+  Needs N % n == 0.
+* all_gather over n: forward gathers K/V ((n - 1) / n * 2 * B * S * K * H *
+  bytes), backward gathers them again and reduce-scatters f32 dK/dV; time =
+  compute + bytes / b + 3 (n - 1) a.
+* ulysses_ring over (R, U): the Ulysses all-to-alls over U (inner bandwidth),
+  then a ring of R over the outer axis on N / U heads.
+
+Memory per device: the local q/k/v/o/dO shards plus what the strategy adds:
+the ring two K/V shards in flight and f32 dK/dV accumulators (linear in
+T / n); Ulysses the head-sharded copies of q/k/v/o (T * heads / n); all_gather
+the gathered K/V and their f32 gradients (linear in S, not S / n).
+
+Bandwidths: an axis whose devices sit in different processes uses
+`hardware.outer_bandwidth`, one within a process `inner_bandwidth`; that is
+what puts the ring (or the outer axis of "ulysses_ring") across processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from flax_ringattn._src.ring.strategies import ulysses_kv_repeat
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hardware:
+  """Per-device peak rates of one accelerator generation (or of the CPU devices measured here)."""
+
+  name: str
+  flops: float  # dense matmul flop/s per device in the working dtype
+  inner_bandwidth: float  # bytes/s one device sends to peers in its own process / host / slice
+  outer_bandwidth: float  # bytes/s one device sends to peers in other processes / hosts
+  latency: float  # seconds per collective step
+  memory: float  # bytes of device memory
+  memory_bandwidth: float  # bytes/s of device memory (the ring's per-hop merge of o / dK / dV is bound by it)
+  source: str = ""
+
+
+HARDWARE = {
+  # Cloud TPU docs (cloud.google.com/tpu/docs/v5e, /v5p): bf16 peak, HBM, ICI per chip.  Hosts of one
+  # slice talk over ICI too, so processes of a slice use ICI; multi-slice (DCN) is not modelled.
+  "tpu_v5e": Hardware(
+    name="tpu_v5e",
+    flops=197e12,
+    inner_bandwidth=1600e9 / 8,
+    outer_bandwidth=1600e9 / 8,
+    latency=1e-5,
+    memory_bandwidth=819e9,
+    memory=16 * 2**30,
+    source="cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GiB HBM at 819 GB/s, ICI 1,600 Gbps per chip",
+  ),
+  "tpu_v5p": Hardware(
+    name="tpu_v5p",
+    flops=459e12,
+    inner_bandwidth=4800e9 / 8,
+    outer_bandwidth=4800e9 / 8,
+    latency=1e-5,
+    memory_bandwidth=2765e9,
+    memory=95e9,
+    source="cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GB HBM at 2,765 GB/s, ICI 4,800 Gbps per chip",
+  ),
+  # NVIDIA datasheets (H100 SXM, A100 SXM; DGX H100 / DGX A100: one 400 / 200 Gb/s InfiniBand NIC per GPU).
+  "h100": Hardware(
+    name="h100",
+    flops=989e12,
+    inner_bandwidth=900e9 / 2,
+    outer_bandwidth=400e9 / 8,
+    latency=1e-5,
+    memory_bandwidth=3.35e12,
+    memory=80e9,
+    source="nvidia.com H100 SXM datasheet: 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (450 GB/s each way); "
+    "DGX H100: 400 Gb/s NDR InfiniBand per GPU",
+  ),
+  "a100": Hardware(
+    name="a100",
+    flops=312e12,
+    inner_bandwidth=600e9 / 2,
+    outer_bandwidth=200e9 / 8,
+    latency=1e-5,
+    memory_bandwidth=2.0e12,
+    memory=80e9,
+    source="nvidia.com A100 SXM datasheet: 312 TFLOP/s bf16, 80 GB HBM2e at 2.0 TB/s, NVLink 600 GB/s (300 GB/s each way); "
+    "DGX A100: 200 Gb/s HDR InfiniBand per GPU",
+  ),
+  # The 8 simulated CPU devices of this project's 2-core CI machine, measured by benchmarks/strategies.py
+  # (f32 matmul rate of one device while the others idle, and the rate of an all-gather between the
+  # simulated devices, which is a memory copy; gloo over loopback between processes is slower).
+  "cpu": Hardware(
+    name="cpu",
+    flops=20e9,
+    inner_bandwidth=2e9,
+    outer_bandwidth=0.5e9,
+    latency=2e-4,
+    memory_bandwidth=5e9,
+    memory=8 * 2**30,
+    source="measured on this project's CPU devices (benchmarks/strategies.py --calibrate)",
+  ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyEstimate:
+  """The model's prediction for one candidate (time and memory per device)."""
+
+  strategy: str
+  axis_name: object
+  factoring: tuple  # ((axis, size), ...) in axis_name order
+  time_s: float  # inf when not feasible
+  memory_bytes: float
+  feasible: bool
+  note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyAdvice:
+  """`suggest_strategy`'s answer: the best feasible candidate, and every candidate for comparison."""
+
+  strategy: str
+  axis_name: object
+  factoring: tuple
+  candidates: tuple  # StrategyEstimate, fastest first
+  hardware: Hardware
+
+
+def _itemsize(dtype) -> int:
+  return int(np.dtype(dtype).itemsize) if str(dtype) != "bfloat16" else 2
+
+
+def _crosses_processes(mesh, axis) -> bool:
+  names = list(mesh.axis_names)
+  devs = np.asarray(mesh.devices)
+  moved = np.moveaxis(devs, names.index(axis), 0).reshape(devs.shape[names.index(axis)], -1)
+  procs = np.vectorize(lambda d: getattr(d, "process_index", 0))(moved)
+  return bool((procs != procs[:1]).any())
+
+
+def _ring_time(n, compute, fwd_hop_bytes, bwd_hop_bytes, bw, lat, merge_s):
+  """n hops per pass; each overlaps its compute with one transfer and then merges its partial result."""
+  t = 0.0
+  for share, hop in ((4 / 14, fwd_hop_bytes), (10 / 14, bwd_hop_bytes)):
+    c = compute * share / n
+    t += (n - 1) * max(c, hop / bw + lat) + c + (n - 1) * merge_s
+  return t
+
+
+def estimate(strategy, sizes, bws, *, B, T, N, K, H, itemsize, causal, hw, latency):
+  """Time and memory per device for `strategy` over axes of `sizes` (outer first) with bandwidths `bws`."""
+  n = int(np.prod(sizes))
+  flops = 14 * B * N * T * T * H * (0.5 if causal else 1.0)
+  compute = flops / n / hw.flops
+  local = B * T / n * (2 * N + 2 * K) * H * itemsize * 2  # q, k, v, o + do, dq/dk/dv of the caller
+  kv_shard = 2 * B * T / n * K * H
+  # Per hop the ring reads and writes the f32 o / lse accumulators of its q shard (forward) and the f32 dK / dV
+  # accumulators of the visiting shard (backward): memory-bound work the single-call strategies do not have.
+  merge = (3 * B * T / n * N * H * 4 + 2 * kv_shard * 4) / hw.memory_bandwidth
+  if strategy == "ring":
+    t = _ring_time(n, compute, kv_shard * itemsize, kv_shard * (itemsize + 4), bws[0], latency, merge)
+    return t, local + 2 * kv_shard * itemsize + kv_shard * 4 * 2, ""
+  if strategy == "all_gather":
+    gathered = 2 * B * T * K * H
+    vol = (n - 1) / n * gathered * (2 * itemsize + 4)
+    return compute + vol / bws[0] + 3 * (n - 1) * latency, local + gathered * (itemsize + 4), ""
+  u = sizes[-1]
+  if N % u:
+    return math.inf, math.inf, f"N={N} q heads do not split over {u} devices"
+  Kp = K * ulysses_kv_repeat(K, u)
+  a2a = (u - 1) / u * B * T / n * (2 * N + 2 * Kp) * H * (itemsize * 2 + 4)
+  heads_copy = B * T * u / n * (2 * N + 2 * Kp) / u * H * (itemsize + 4)
+  if strategy == "ulysses":
+    return compute + a2a / bws[-1] + 4 * (u - 1) * latency, local + heads_copy, ""
+  R = sizes[0]
+  kv_r = 2 * B * T / R * Kp / u * H
+  merge_r = (3 * B * T / R * N / u * H * 4 + 2 * kv_r * 4) / hw.memory_bandwidth
+  t = _ring_time(R, compute, kv_r * itemsize, kv_r * (itemsize + 4), bws[0], latency, merge_r)
+  return t + a2a / bws[-1] + 4 * (u - 1) * latency, local + heads_copy + kv_r * (3 * itemsize + 8), ""
+
+
+def suggest_strategy(
+  mesh,
+  seq_len: int,
+  num_heads: int,
+  num_kv_heads: int,
+  head_dim: int,
+  dtype,
+  *,
+  axis_name=None,
+  hardware=None,
+  batch_size: int = 1,
+  is_causal: bool = True,
+) -> StrategyAdvice:
+  """Ranks "ring", "ulysses", "all_gather" and "ulysses_ring" on `mesh` with the documented cost model.
+
+  Args:
+    mesh: the `jax.sharding.Mesh` the sequence is sharded over.
+    seq_len, num_heads, num_kv_heads, head_dim, dtype: T (= S), N, K, H and the
+      activation dtype of one attention call (batch `batch_size`).
+    axis_name: the sequence axis, or a (ring_axis, ulysses_axis) pair; None
+      considers every axis of the mesh alone and every pair (the axis that
+      crosses processes as the ring axis).
+    hardware: a name from `HARDWARE` ("tpu_v5e", "tpu_v5p", "h100", "a100",
+      "cpu") or a `Hardware`; None: "cpu" on CPU, else the TPU/GPU default.
+
+  Returns:
+    `StrategyAdvice` with the fastest feasible candidate (its memory must fit the
+    device) and every candidate's predicted time and memory per device.
+  """
+  import jax
+
+  if hardware is None:
+    platform = jax.devices()[0].platform
+    hardware = {"tpu": "tpu_v5p", "gpu": "h100"}.get(platform, "cpu")
+  if isinstance(hardware, str):
+    if hardware not in HARDWARE:
+      raise ValueError(f"unknown {hardware=}; choose one of {tuple(HARDWARE)} or pass a flax_ringattn.Hardware")
+    hardware = HARDWARE[hardware]
+  if not isinstance(hardware, Hardware):
+    raise TypeError(f"hardware must be a name or a flax_ringattn.Hardware, got {hardware!r}")
+  for name, value in (("seq_len", seq_len), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
+  if num_heads % num_kv_heads:
+    raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+  names = tuple(mesh.axis_names)
+  sizes = dict(zip(names, mesh.axis_sizes, strict=True))
+  if axis_name is None:
+    singles = list(names)
+    pairs = [(a, b) for a in names for b in names if a != b and sizes[a] > 1 and sizes[b] > 1]
+    pairs = [p for p in pairs if _crosses_processes(mesh, p[0]) or not _crosses_processes(mesh, p[1])]
+  elif isinstance(axis_name, (tuple, list)):
+    singles, pairs = [], [tuple(axis_name)]
+  else:
+    singles, pairs = [axis_name], []
+  for ax in [*singles, *(a for p in pairs for a in p)]:
+    if ax not in names:
+      raise ValueError(f"axis_name={axis_name!r}: {ax!r} is not an axis of the mesh (mesh axes: {names})")
+
+  def bw(ax):
+    return hardware.outer_bandwidth if _crosses_processes(mesh, ax) else hardware.inner_bandwidth
+
+  dims = dict(
+    B=batch_size,
+    T=seq_len,
+    N=num_heads,
+    K=num_kv_heads,
+    H=head_dim,
+    itemsize=_itemsize(dtype),
+    causal=is_causal,
+    hw=hardware,
+    latency=hardware.latency,
+  )
+  out = []
+  plans = [(s, a, (a,)) for a in singles for s in ("ring", "ulysses", "all_gather")]
+  plans += [("ulysses_ring", p, p) for p in pairs]
+  for strategy, axis, axes in plans:
+    ax_sizes = tuple(sizes[a] for a in axes)
+    n = int(np.prod(ax_sizes))
+    t, m, note = estimate(strategy, ax_sizes, tuple(bw(a) for a in axes), **dims)
+    if seq_len % (2 * n):
+      t, m, note = math.inf, math.inf, f"seq_len={seq_len} is not a multiple of 2 * {n} (zigzag shards)"
+    feasible = math.isfinite(t) and m <= hardware.memory
+    if math.isfinite(t) and not feasible:
+      note = f"needs {m / 2**30:.1f} GiB per device > {hardware.memory / 2**30:.0f} GiB"
+    factoring = tuple((a, sizes[a]) for a in axes)
+    out.append(StrategyEstimate(strategy, axis, factoring, t, m, feasible, note))
+  out.sort(key=lambda e: (not e.feasible, e.time_s))
+  if not out or not out[0].feasible:
+    raise ValueError(f"no strategy fits: {[(e.strategy, e.note) for e in out]}")
+  best = out[0]
+  return StrategyAdvice(best.strategy, best.axis_name, best.factoring, tuple(out), hardware)

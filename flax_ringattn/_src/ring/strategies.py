@@ -1,0 +1,211 @@
+"""Sequence-parallel strategies: how the shards of one attention call meet.
+
+Every strategy runs per device on the local shards inside `jax.shard_map` and
+calls the block backend through the contract of `backends/base.py`; the mask
+rules come from `masks` through global token positions (`layout`), so results
+do not depend on the strategy.  q/k/v arrive sharded over the sequence axis
+(contiguous or zigzag) and the output leaves the same way.
+
+    "ring"         K/V rotate around the axis (`ring_loop`): n - 1 hops of the
+                   K kv heads, memory O(T / n), causal hops skipped.
+    "ulysses"      an all-to-all turns sequence shards into head shards (each
+                   device: the whole sequence, N / n q heads), one local block
+                   call, an all-to-all back.  Two all-to-alls of q/k/v/o, no
+                   hops; kv heads are repeated just enough when n > K.
+    "all_gather"   K/V (kv heads only) are all-gathered, q stays sharded, one
+                   block call against the gathered K/V (the backend skips its
+                   masked tiles, so causal skipping keeps working).  The
+                   backward re-gathers K/V and reduce-scatters dK/dV.
+    "ulysses_ring" axis_name=(ring_axis, ulysses_axis), the sequence sharded
+                   over both, major first (USP): an all-to-all over the
+                   Ulysses axis, then a ring over the ring axis in which each
+                   member holds its Ulysses group's shards side by side.
+
+Ulysses is the ring of one after the all-to-all: both Ulysses strategies run
+`ring_loop` on the head-sharded tensors (its custom_vjp keeps residuals at the
+head-sharded inputs, the same size as the local shards), and autodiff
+transposes the all-to-alls (an all-to-all back) and the kv-head repeat (a sum).
+
+Head offsets (for per-head randomness such as attention dropout, whose mask is
+a function of the global (batch, head, q pos, kv pos)): after the Ulysses
+all-to-all, member u of the Ulysses axis holds q heads [u * N / U, (u + 1) *
+N / U) of the N heads of its input shard, i.e. a global head offset of
+`jax.lax.axis_index(ulysses_axis) * N / U` (plus the head_axis offset, if
+any) that the block call must receive; all_gather and the ring keep every
+head, offset 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from flax_ringattn._src.layout import gathered_positions, shard_positions
+from flax_ringattn._src.ring.ring_loop import RingConfig, ring_attention_local
+
+F32 = jnp.float32
+STRATEGIES = ("ring", "ulysses", "all_gather", "ulysses_ring")
+_NO_HEAD_LIMIT = "strategy='ring' or 'all_gather' (no head-count limit)"
+
+
+def check_strategy(strategy) -> str:
+  if not isinstance(strategy, str):
+    raise TypeError(f"strategy must be a string, one of {STRATEGIES}, got {strategy!r}")
+  if strategy not in STRATEGIES:
+    raise ValueError(f"unknown {strategy=}; choose one of {STRATEGIES}")
+  return strategy
+
+
+def check_axes(strategy: str, axis_name):
+  """Validates the shape of `axis_name` for `strategy`; returns the tuple of mesh axes it names.
+
+  "ulysses_ring" needs a (ring_axis, ulysses_axis) pair of different axes; the
+  other strategies take one axis (a tuple for the plain ring is the in-kernel
+  ring's business and passes through untouched).
+  """
+  if axis_name is None:
+    return ()  # one device: every strategy is attention on the local arrays
+  if strategy == "ulysses_ring":
+    if not (isinstance(axis_name, (tuple, list)) and len(axis_name) == 2):
+      raise ValueError(
+        f"strategy='ulysses_ring' needs axis_name=(ring_axis, ulysses_axis), two mesh axes with the sequence "
+        f"sharded over both (major first), got {axis_name=!r}"
+      )
+    ring_axis, ulysses_axis = axis_name
+    if ring_axis == ulysses_axis:
+      raise ValueError(
+        f"axis_name={tuple(axis_name)!r} repeats the axis {ring_axis!r}: strategy='ulysses_ring' needs two "
+        "different mesh axes (ring_axis, ulysses_axis); for a single axis use strategy='ulysses' or 'ring'"
+      )
+    return tuple(axis_name)
+  if strategy in ("ulysses", "all_gather") and isinstance(axis_name, (tuple, list)):
+    if len(set(axis_name)) != len(axis_name):
+      raise ValueError(f"axis_name={tuple(axis_name)!r} repeats an axis: each mesh axis may appear once")
+    raise NotImplementedError(
+      f"strategy={strategy!r} takes one mesh axis, got {axis_name=!r}; for two axes use "
+      "strategy='ulysses_ring' with axis_name=(ring_axis, ulysses_axis)"
+    )
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def ulysses_kv_repeat(K: int, u: int) -> int:
+  """How many times each kv head is repeated so that the K * rep kv heads split evenly over u devices."""
+  return u // math.gcd(K, u)
+
+
+def check_heads(strategy: str, axis_name, u: int, N: int, K: int, *, head_axis=None):
+  """q heads must split over the Ulysses axis of size u (kv heads are repeated as needed)."""
+  if strategy not in ("ulysses", "ulysses_ring") or N % u == 0:
+    return
+  ulysses_axis = axis_name[1] if strategy == "ulysses_ring" else axis_name
+  per = f" per device of head_axis={head_axis!r}" if head_axis is not None else ""
+  fits = [d for d in range(1, N + 1) if N % d == 0]
+  alt = (
+    f"a Ulysses axis whose size divides {N} (one of {fits}), {_NO_HEAD_LIMIT}, or strategy='ulysses_ring' "
+    f"with a Ulysses axis of size in {fits} and the rest of the devices on the ring axis"
+  )
+  if strategy == "ulysses_ring":
+    alt = f"a Ulysses axis of size in {fits} (put the other devices on the ring axis), or {_NO_HEAD_LIMIT}"
+  raise ValueError(
+    f"strategy={strategy!r} shards the q heads over ulysses axis {ulysses_axis!r} of size {u}: the number of q "
+    f"heads N={N}{per} must be a multiple of {u} (kv heads K={K} are repeated as needed); what would work: {alt}"
+  )
+
+
+# --------------------------------------------------------------------------------------------
+# Ulysses (and its ring): all-to-all, ring_loop over the head-sharded tensors, all-to-all back
+# --------------------------------------------------------------------------------------------
+
+
+def _seq_to_heads(x, axis):
+  """[B, L, h, H] sequence-sharded -> [B, u * L, h / u, H] head-sharded (sequence in member order)."""
+  return jax.lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)
+
+
+def _heads_to_seq(x, axis):
+  return jax.lax.all_to_all(x, axis, split_axis=1, concat_axis=2, tiled=True)
+
+
+def _gather_seq(seg, axis):
+  return None if seg is None else jax.lax.all_gather(seg, axis, axis=1, tiled=True)
+
+
+def _ulysses(q, k, v, q_seg, kv_seg, cfg: RingConfig, ring_axis, ulysses_axis):
+  u = jax.lax.axis_size(ulysses_axis)
+  rep = ulysses_kv_repeat(k.shape[2], u)
+  if rep > 1:
+    # Consecutive copies keep GQA's grouping: q head i still reads kv head i // (N / (K * rep)).
+    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+  q, k, v = (_seq_to_heads(x, ulysses_axis) for x in (q, k, v))
+  q_seg, kv_seg = _gather_seq(q_seg, ulysses_axis), _gather_seq(kv_seg, ulysses_axis)
+  inner = dataclasses.replace(cfg, axis_name=ring_axis, sub_shards=u)
+  o = ring_attention_local(q, k, v, q_seg, kv_seg, inner)
+  return _heads_to_seq(o, ulysses_axis)
+
+
+# --------------------------------------------------------------------------------------------
+# All-gather of K/V with its own custom_vjp (residuals: the local shards, never the gathered K/V)
+# --------------------------------------------------------------------------------------------
+
+
+def _gathered_kv(k, v, kv_seg, cfg: RingConfig):
+  n, r = jax.lax.axis_size(cfg.axis_name), jax.lax.axis_index(cfg.axis_name)
+  k_all, v_all = (jax.lax.all_gather(x, cfg.axis_name, axis=1, tiled=True) for x in (k, v))
+  kv_pos = gathered_positions(0, n, n, k.shape[1], cfg.load_balance)
+  return n, r, k_all, v_all, _gather_seq(kv_seg, cfg.axis_name), kv_pos
+
+
+def _ag_forward(q, k, v, q_seg, kv_seg, cfg: RingConfig):
+  n, r, k_all, v_all, kv_seg_all, kv_pos = _gathered_kv(k, v, kv_seg, cfg)
+  q_pos = shard_positions(r, n, q.shape[1], cfg.load_balance)
+  return cfg.backend.fwd(q, k_all, v_all, q_pos, kv_pos, q_seg, kv_seg_all, spec=cfg.spec)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _all_gather_attention(q, k, v, q_seg, kv_seg, cfg: RingConfig):
+  o, _ = _ag_forward(q, k, v, q_seg, kv_seg, cfg)
+  return o.astype(q.dtype)
+
+
+def _all_gather_attention_fwd(q, k, v, q_seg, kv_seg, cfg: RingConfig):
+  o, lse = _ag_forward(q, k, v, q_seg, kv_seg, cfg)
+  out = o.astype(q.dtype)
+  return out, (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _all_gather_attention_bwd(cfg: RingConfig, res, do):
+  q, k, v, q_seg, kv_seg, out, lse = res
+  # Gathering again costs one all-gather and keeps the residuals at the local shards.
+  n, r, k_all, v_all, kv_seg_all, kv_pos = _gathered_kv(k, v, kv_seg, cfg)
+  q_pos = shard_positions(r, n, q.shape[1], cfg.load_balance)
+  delta = jnp.swapaxes(jnp.sum(do.astype(F32) * out.astype(F32), axis=-1), 1, 2)  # [B, N, T]
+  dq, dk_all, dv_all = cfg.backend.bwd(q, k_all, v_all, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg_all, spec=cfg.spec)
+  # Every device holds a partial dK/dV for every shard: sum them and hand each owner its shard.
+  dk, dv = (jax.lax.psum_scatter(x, cfg.axis_name, scatter_dimension=1, tiled=True) for x in (dk_all, dv_all))
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_all_gather_attention.defvjp(_all_gather_attention_fwd, _all_gather_attention_bwd)
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch
+# --------------------------------------------------------------------------------------------
+
+
+def attention_local(q, k, v, q_seg, kv_seg, *, strategy: str, cfg: RingConfig):
+  """Per-device entry point of every strategy (inside shard_map; axis_name=None means one device)."""
+  if cfg.axis_name is None or strategy == "ring":
+    return ring_attention_local(q, k, v, q_seg, kv_seg, cfg)
+  if strategy == "ulysses":
+    return _ulysses(q, k, v, q_seg, kv_seg, cfg, None, cfg.axis_name)
+  if strategy == "ulysses_ring":
+    ring_axis, ulysses_axis = cfg.axis_name
+    return _ulysses(q, k, v, q_seg, kv_seg, cfg, ring_axis, ulysses_axis)
+  if strategy == "all_gather":
+    return _all_gather_attention(q, k, v, q_seg, kv_seg, cfg)
+  raise AssertionError(strategy)

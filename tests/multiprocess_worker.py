@@ -1,0 +1,207 @@
+"""One process of the multi-process tests (tests/test_multiprocess.py starts 2 of them via `flax_ringattn.launch`).
+
+    python tests/multiprocess_worker.py strategies   # every strategy: fwd + grads vs the reference, own shards
+    python tests/multiprocess_worker.py train        # 5 demo-model steps vs the single-process run
+    python tests/multiprocess_worker.py die SECONDS  # loop on collectives until a peer dies (heartbeat SECONDS)
+
+Each process computes the single-process reference itself, on one of its own
+devices, from the same seeded inputs, and checks the shards it holds.  Any
+failure prints `WORKER FAILED` with the reason and exits 1.
+"""
+
+# ruff: noqa: E402 -- the runtime must be initialised before JAX's devices are used.
+from __future__ import annotations
+
+import pathlib
+import sys
+import time
+import traceback
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+
+from flax_ringattn.launch import initialize_from_env
+
+MODE = sys.argv[1]
+HEARTBEAT = int(sys.argv[2]) if MODE == "die" else None
+assert initialize_from_env(heartbeat_timeout_seconds=HEARTBEAT), "start me with flax_ringattn.launch"
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_ringattn as fr
+
+PID = jax.process_index()
+LOCAL = jax.local_devices()[0]
+
+
+def log(*a):
+  print(f"[process {PID}]", *a, flush=True)
+
+
+def global_mesh(shape, names, explicit=True):
+  """Devices ordered by process: the first axis is the one that crosses processes."""
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  kind = AxisType.Explicit if explicit else AxisType.Auto
+  return Mesh(np.array(devices).reshape(shape), names, axis_types=(kind,) * len(shape))
+
+
+def to_global(x, mesh, spec):
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda idx: x[idx])
+
+
+def check_shards(name, got, want, atol):
+  """Compares the shards this process holds with the same slices of the reference."""
+  want = np.asarray(want, np.float32)
+  assert got.shape == want.shape, (name, got.shape, want.shape)
+  for shard in got.addressable_shards:
+    np.testing.assert_allclose(
+      np.asarray(shard.data, np.float32), want[shard.index], atol=atol, rtol=atol, err_msg=name
+    )
+
+
+# (strategy, mesh shape, mesh names, axis_name, batch_axis): the ring and all_gather across all 8 devices,
+# ulysses across all 8 and ulysses within a process (data parallel across processes), ulysses_ring with the ring
+# across processes and the all-to-all within (the hierarchical placement the README recommends).
+LAYOUTS = [
+  ("ring", (8,), ("sp",), "sp", None),
+  ("all_gather", (8,), ("sp",), "sp", None),
+  ("ulysses", (8,), ("sp",), "sp", None),
+  ("ulysses", (2, 4), ("dp", "sp"), "sp", "dp"),
+  ("ulysses_ring", (2, 4), ("ring", "uly"), ("ring", "uly"), None),
+]
+
+
+def run_strategies():
+  B, T, N, K, H = 2, 64, 8, 2, 16
+  rng = np.random.default_rng(0)
+  q = rng.standard_normal((B, T, N, H), np.float32)
+  k, v = (rng.standard_normal((B, T, K, H), np.float32) for _ in range(2))
+  do = rng.standard_normal((B, T, N, H), np.float32)
+  cuts = np.sort(rng.integers(1, T, (B, 3)), axis=1)
+  seg = (np.arange(T)[None, :, None] >= cuts[:, None, :]).sum(-1).astype(np.int32)
+  opts = dict(is_causal=True, local_window_size=(40, 0), logits_soft_cap=5.0)
+
+  def reference(n):
+    """Inputs in the zigzag order of n shards and the reference on one device of this process."""
+    zz = lambda x: fr.zigzag_order(x, n, axis=1)  # noqa: E731
+    pos = fr.zigzag_positions(T, n)
+    qz, kz, vz, doz, segz = zz(q), zz(k), zz(v), zz(do), zz(seg)
+
+    def fwd(q, k, v):
+      return fr.reference_attention(q, k, v, segment_ids=segz, q_positions=pos, kv_positions=pos, **opts)
+
+    @jax.jit
+    def run(q, k, v, do):
+      out, vjp = jax.vjp(fwd, q, k, v)
+      return (out, *vjp(do))
+
+    return (qz, kz, vz, doz, segz), jax.device_get(run(*(jax.device_put(x, LOCAL) for x in (qz, kz, vz, doz))))
+
+  for strategy, shape, names, axis_name, batch_axis in LAYOUTS:
+    mesh = global_mesh(shape, names)
+    n_seq = int(np.prod([s for s, a in zip(shape, names, strict=True) if a != batch_axis]))
+    (qz, kz, vz, doz, segz), want = reference(n_seq)
+    spec, seg_spec = P(batch_axis, axis_name, None, None), P(batch_axis, axis_name)
+    args = [to_global(x, mesh, spec) for x in (qz, kz, vz)]
+    g_seg, g_do = to_global(segz, mesh, seg_spec), to_global(doz, mesh, spec)
+
+    def f(q, k, v, seg, strategy=strategy, mesh=mesh, axis_name=axis_name, batch_axis=batch_axis):
+      return fr.ring_attention(
+        q,
+        k,
+        v,
+        mesh=mesh,
+        axis_name=axis_name,
+        batch_axis=batch_axis,
+        strategy=strategy,
+        segment_ids=seg,
+        load_balance=True,
+        implementation="xla",
+        **opts,
+      )
+
+    @jax.jit
+    def step(q, k, v, seg, do, f=f):
+      out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, seg), q, k, v)
+      return (out, *vjp(do))
+
+    got = step(*args, g_seg, g_do)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+      check_shards(f"{strategy} {shape} {name}", g, w, 1e-5)
+    log(f"OK {strategy} mesh {dict(zip(names, shape, strict=True))}: fwd and grads match on my shards")
+
+
+def run_train(steps=5):
+  import optax
+  from _model import ModelConfig, Transformer, dense_attention, ring_attention_layer
+  from flax import nnx
+
+  B, T = 2, 64
+  config = ModelConfig(vocab_size=32, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2)
+  rng = np.random.default_rng(0)
+  data = rng.integers(0, config.vocab_size, (B, T + 1))
+  tokens, targets = data[:, :-1], data[:, 1:]
+  prev = np.concatenate([np.zeros((B, 1), data.dtype), tokens[:, :-1]], axis=1)
+  positions = np.broadcast_to(np.arange(T), (B, T))
+
+  def train(model, batch):
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, tokens, targets, positions, prev):
+      def loss_fn(model):
+        logits = model(tokens, positions, prev)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+      loss, grads = nnx.value_and_grad(loss_fn)(model)
+      opt.update(model, grads)
+      return loss
+
+    return [float(step(model, opt, *batch)) for _ in range(steps)]
+
+  with jax.default_device(LOCAL):
+    reference = Transformer(config, dense_attention, rngs=nnx.Rngs(0))
+    ref_losses = train(reference, [jnp.asarray(x) for x in (tokens, targets, positions, prev)])
+
+  n = 8
+  mesh = global_mesh((n,), ("sp",), explicit=False)
+  with jax.default_device(LOCAL):
+    model = Transformer(config, ring_attention_layer(mesh=mesh, load_balance=True), rngs=nnx.Rngs(0))
+  # The same initial parameters on every process, replicated over the global mesh.
+  state = nnx.state(model)
+  nnx.update(model, jax.tree.map(lambda x: to_global(x, mesh, P()), state))
+  zz = lambda x: fr.zigzag_order(np.asarray(x), n, axis=1)  # noqa: E731
+  batch = [to_global(zz(x), mesh, P(None, "sp")) for x in (tokens, targets, positions, prev)]
+  losses = train(model, batch)
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=2e-5)
+  assert losses[-1] < losses[0], losses  # it trained
+  log(f"OK train: {steps} steps, losses {np.round(losses, 5).tolist()} match the single-process run")
+
+
+def run_die():
+  mesh = global_mesh((8,), ("sp",))
+  x = to_global(np.ones((1, 64, 4, 8), np.float32), mesh, P(None, "sp"))
+  f = jax.jit(lambda x: fr.ring_attention(x, x, x, mesh=mesh, is_causal=True, implementation="xla"))
+  jax.block_until_ready(f(x))
+  log("READY")
+  start = time.monotonic()
+  while True:  # collectives until a peer is gone; the runtime must turn that into an error, not a hang
+    jax.block_until_ready(f(x))
+    time.sleep(0.05)
+    if time.monotonic() - start > 600:
+      raise AssertionError("still running 600 s after READY")
+
+
+if __name__ == "__main__":
+  try:
+    {"strategies": run_strategies, "train": run_train, "die": run_die}[MODE]()
+  except BaseException as e:  # noqa: BLE001 -- report everything, exit non-zero
+    traceback.print_exc()
+    log(f"WORKER FAILED: {type(e).__name__}: {e}")
+    sys.exit(1)
+  log("DONE")
