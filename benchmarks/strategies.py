@@ -131,7 +131,7 @@ def calibrate() -> fr.Hardware:
     outer_bandwidth=base.outer_bandwidth,
     latency=base.latency,
     memory=base.memory,
-    memory_bandwidth=bw,
+    memory_bandwidth=base.memory_bandwidth,  # the all-gather rate is not a memory rate
     source=f"measured now: {flops / 1e9:.1f} GFLOP/s f32 matmul, all-gather {bw / 1e9:.2f} GB/s",
   )
 
