@@ -51,6 +51,19 @@ BACKENDS = [
     race_checked=True,
   ),
 ]
+# The in-kernel ring (one kernel per direction does every hop): ring 2 here (both neighbours are one device);
+# rings 1, 4 and 8, tuple axes and both DMA modes in test_pallas_tpu_ring.py.
+BACKENDS.append(
+  Backend(
+    "pallas_tpu_ring",
+    extra=(("interpret", interpret_params()),),
+    blocks=fr.BlockSizes(block_q=16, block_kv=128),
+    ring_sizes=(2,),
+    bf16_ring_sizes=(),  # plus ring 2 for gqa, causal_lb and segments_lb (see _matrix)
+    marks=(pytest.mark.interpret,),
+    race_checked=True,
+  )
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,11 +5,16 @@ from __future__ import annotations
 import dataclasses
 
 from flax_ringattn._src.backends.pallas_tpu import PallasTpuBackend, normalize_interpret
+from flax_ringattn._src.backends.pallas_tpu.ring import PallasTpuRingBackend
 from flax_ringattn._src.backends.xla import XlaBackend
 
 _BACKENDS = {"pallas_tpu": PallasTpuBackend(), "xla": XlaBackend()}
+_BACKENDS["pallas_tpu_ring"] = PallasTpuRingBackend()
 # Preference order for implementation=None: the TPU kernels where they run, else XLA.
 _PREFERENCE = ("pallas_tpu", "xla")
+# On a TPU the in-kernel ring comes first (see `ring/op.py`, which skips it where the shard does not fit VMEM).
+_PREFERENCE = ("pallas_tpu_ring", *_PREFERENCE)
+_INTERPRETABLE = ("pallas_tpu", "pallas_tpu_ring")
 
 
 def available() -> tuple[str, ...]:
@@ -26,8 +31,10 @@ def get_backend(implementation: str | None, *, dtype, spec, shapes, interpret=No
   if interpret is not None:
     if implementation is None:
       implementation = "pallas_tpu"
-    if implementation != "pallas_tpu":
-      raise ValueError(f"interpret=... applies to implementation='pallas_tpu' only, got {implementation=}")
+    if implementation not in _INTERPRETABLE:
+      raise ValueError(
+        f"interpret=... applies to implementation='pallas_tpu' only (or 'pallas_tpu_ring'), got {implementation=}"
+      )
   if implementation is None:
     errors = []
     for name in _PREFERENCE:

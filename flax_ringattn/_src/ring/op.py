@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-from flax_ringattn._src import backends, masks, sharding, validation
+from flax_ringattn._src import backends, layout, masks, sharding, validation
 from flax_ringattn._src.backends.base import AttentionSpec
 from flax_ringattn._src.block_sizes import BlockSizes
 from flax_ringattn._src.ring.ring_loop import RingConfig, ring_attention_local
@@ -46,9 +46,12 @@ def ring_attention(
     q: [B, T, N, H] queries.  k, v: [B, S, K, H] keys and values, N % K == 0.
       Inside `jax.shard_map` these are the local shards; with `mesh` they are
       global arrays.
-    axis_name: the mesh axis the sequence is sharded over.  Inside shard_map it
-      must be bound; with `mesh` it names the mesh axis (default: the mesh's only
-      axis).  With neither `axis_name` nor `mesh`, runs on one device.
+    axis_name: the mesh axis the sequence is sharded over, or a tuple of mesh
+      axes (the sequence is sharded over their product, row-major, as
+      `P(None, ("x", "y"))`; the ring then snakes through the device grid so
+      every hop is between neighbours).  Inside shard_map it must be bound;
+      with `mesh` it names mesh axes (default: the mesh's only axis).  With
+      neither `axis_name` nor `mesh`, runs on one device.
     mesh: a `jax.sharding.Mesh`: wrap `jax.shard_map` over it (sequence on
       `axis_name`, batch on `batch_axis`, heads on `head_axis`).
     is_causal: query i attends to keys j <= i (global positions).
@@ -67,8 +70,9 @@ def ring_attention(
     batch_axis, head_axis: mesh axes the batch and heads are sharded over (only
       with `mesh`; None means replicated).
     precision: matmul precision of the block matmuls (`jax.lax.Precision`).
-    interpret: run the `pallas_tpu` kernels in Pallas TPU interpret mode (on
-      CPU): True, or a `jax.experimental.pallas.tpu.InterpretParams`.  Implies
+    interpret: run the `pallas_tpu` or `pallas_tpu_ring` kernels in Pallas TPU
+      interpret mode (on CPU): True, or a
+      `jax.experimental.pallas.tpu.InterpretParams`.  Implies
       implementation="pallas_tpu" when implementation is None.
 
   Returns:
@@ -96,7 +100,9 @@ def ring_attention(
   )
 
   if mesh is not None:
-    return _ring_on_mesh(q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis, load_balance, spec, backend)
+    return _ring_on_mesh(
+      q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis, load_balance, spec, backend, implementation
+    )
 
   if batch_axis is not None or head_axis is not None:
     raise ValueError(
@@ -104,17 +110,40 @@ def ring_attention(
       "inside your own shard_map the inputs are already the local shards"
     )
   if axis_name is not None:
-    if not sharding.axis_is_bound(axis_name):
+    unbound = [a for a in layout.ring_axes(axis_name) if not sharding.axis_is_bound(a)]
+    if unbound or not layout.ring_axes(axis_name):
       raise ValueError(
-        f"axis_name={axis_name!r} is not bound: call ring_attention inside jax.shard_map over a mesh "
-        f"with that axis, or pass mesh=... to let ring_attention shard the global arrays itself"
+        f"axis_name={axis_name!r} is not bound (unbound: {unbound}): call ring_attention inside jax.shard_map "
+        f"over a mesh with that axis, or pass mesh=... to let ring_attention shard the global arrays itself"
       )
-    n = jax.lax.axis_size(axis_name)
+    n = jax.lax.axis_size(layout.ring_axes(axis_name))
   else:
     n = 1
   _check_shard_lengths(T, S, n, load_balance, local=True, axis_name=axis_name)
+  backend = _fit_to_shard(backend, implementation, spec, q, k, 1)  # q, k are the local shards here
+  return _local_fn(axis_name, load_balance, spec, backend)(q, k, v, q_seg, kv_seg)
+
+
+def _fit_to_shard(backend, implementation, spec, q, k, n):
+  """implementation=None picks the in-kernel ring (on a TPU, never in interpret mode) only where its shards of
+  q [B, T / n, ...] and k [B, S / n, ...] fit VMEM; else the block-kernel ring."""
+  if implementation is not None or backend.name != "pallas_tpu_ring":
+    return backend
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  if backend.fits(T=T // n, S=S // n, N=N, K=K, H=H, dtype=q.dtype, spec=spec):
+    return backend
+  return backends.get_backend("pallas_tpu", dtype=q.dtype, spec=spec, shapes=(q.shape, k.shape))
+
+
+def _local_fn(axis_name, load_balance, spec, backend):
+  """The per-device ring: the backend's own in-kernel ring if it has one, else the portable ring loop."""
+  if hasattr(backend, "ring_local"):
+    return lambda q, k, v, qs, ks: backend.ring_local(
+      q, k, v, qs, ks, axis_name=axis_name, load_balance=load_balance, spec=spec
+    )
   cfg = RingConfig(axis_name=axis_name, load_balance=load_balance, spec=spec, backend=backend)
-  return ring_attention_local(q, k, v, q_seg, kv_seg, cfg)
+  return lambda q, k, v, qs, ks: ring_attention_local(q, k, v, qs, ks, cfg)
 
 
 def _check_shard_lengths(T, S, n, load_balance, *, local, axis_name):
@@ -134,19 +163,28 @@ def _check_shard_lengths(T, S, n, load_balance, *, local, axis_name):
       )
 
 
-def _ring_on_mesh(q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis, load_balance, spec, backend):
+def _ring_on_mesh(
+  q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis, load_balance, spec, backend, implementation
+):
   if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
   names = tuple(mesh.axis_names)
   axis_name = sharding.sequence_axis(mesh, axis_name, arg="axis_name")
+  if isinstance(axis_name, list):
+    axis_name = tuple(axis_name)
+  if isinstance(axis_name, tuple) and not axis_name:
+    raise ValueError("axis_name=() names no mesh axis: pass one axis or a non-empty tuple of axes")
   for role, ax in (("axis_name", axis_name), ("batch_axis", batch_axis), ("head_axis", head_axis)):
-    if ax is not None and ax not in names:
-      raise ValueError(f"{role}={ax!r} is not an axis of the mesh (mesh axes: {names})")
-  used = [a for a in (axis_name, batch_axis, head_axis) if a is not None]
+    missing = [a for a in layout.ring_axes(ax) if a not in names]
+    if missing:
+      raise ValueError(f"{role}={ax!r} is not an axis of the mesh (missing: {missing}; mesh axes: {names})")
+  used = [a for ax in (axis_name, batch_axis, head_axis) for a in layout.ring_axes(ax)]
   if len(set(used)) != len(used):
     raise ValueError(f"axis_name, batch_axis and head_axis must be different mesh axes, got {used}")
   sizes = dict(zip(names, mesh.axis_sizes, strict=True))
-  n = sizes[axis_name]
+  n = 1
+  for a in layout.ring_axes(axis_name):
+    n *= sizes[a]
   B, T, N, _ = q.shape
   S, K = k.shape[1], k.shape[2]
   _check_shard_lengths(T, S, n, load_balance, local=False, axis_name=axis_name)
@@ -160,14 +198,15 @@ def _ring_on_mesh(q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis
 
   x_spec = P(batch_axis, axis_name, head_axis, None)
   seg_spec = P(batch_axis, axis_name)
-  cfg = RingConfig(axis_name=axis_name, load_balance=load_balance, spec=spec, backend=backend)
+  backend = _fit_to_shard(backend, implementation, spec, q, k, n)
+  local = _local_fn(axis_name, load_balance, spec, backend)
   q, k, v = (sharding.constrain(x, mesh, x_spec) for x in (q, k, v))
   if q_seg is not None:
     q_seg, kv_seg = (sharding.constrain(x, mesh, seg_spec) for x in (q_seg, kv_seg))
   seg_specs = (seg_spec, seg_spec) if q_seg is not None else (None, None)
 
   fn = jax.shard_map(
-    lambda q, k, v, qs, ks: ring_attention_local(q, k, v, qs, ks, cfg),
+    local,
     mesh=mesh,
     in_specs=(x_spec, x_spec, x_spec, *seg_specs),
     out_specs=x_spec,

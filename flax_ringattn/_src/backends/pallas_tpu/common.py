@@ -66,6 +66,8 @@ def plan_vmem_bytes(plan: CallPlan) -> int:
   """VMEM a plan allocates: inputs and outputs double-buffered by the pipeline, plus scratch."""
   total = 0
   for spec, dtype in zip(plan.in_specs, plan.in_dtypes, strict=True):
+    if spec.block_shape is None:  # memory_space=pl.ANY: stays in HBM, the kernel copies what it needs
+      continue
     total += 2 * padded_bytes(spec.block_shape, dtype)
   for spec, out in zip(plan.out_specs, plan.out_shapes, strict=True):
     total += 2 * padded_bytes(spec.block_shape, out.dtype)
