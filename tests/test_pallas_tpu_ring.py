@@ -162,12 +162,41 @@ class _nullcontext:
 def test_tuple_axis_errors():
   mesh = make_mesh((2, 2), ("x", "y"))
   q = jnp.zeros((1, 16, 2, 8))
-  with pytest.raises(ValueError, match=r"axis_name=\('x', 'z'\) is not an axis of the mesh \(missing: \['z'\]"):
+  with pytest.raises(
+    ValueError, match=r"axis_name=\('x', 'z'\) is not an axis of the mesh \(mesh axes: \('x', 'y'\); missing: \['z'\]\)"
+  ):
     fr.ring_attention(q, q, q, mesh=mesh, axis_name=("x", "z"))
   with pytest.raises(ValueError, match=r"must be different mesh axes, got \['x', 'y', 'y'\]"):
     fr.ring_attention(q, q, q, mesh=mesh, axis_name=("x", "y"), batch_axis="y")
   with pytest.raises(ValueError, match=r"axis_name=\(\) names no mesh axis"):
     fr.ring_attention(q, q, q, mesh=mesh, axis_name=())
+
+  def inside(q):
+    return fr.ring_attention(q, q, q, axis_name=("x", "z"))
+
+  s = P(None, ("x", "y"))
+  with pytest.raises(ValueError, match=r"axis_name=\('x', 'z'\) is not bound: .* \(unbound: \['z'\]\)"):
+    jax.shard_map(inside, mesh=mesh, in_specs=s, out_specs=s)(jax.reshard(q, jax.NamedSharding(mesh, s)))
+
+
+def test_tile_table_too_large_for_smem():
+  """n hops x 1024 x 64 tiles of 4 bytes = 1 MiB of tile table: more than the SMEM share."""
+  q = jax.ShapeDtypeStruct((1, 4 * 8192, 1, 8), jnp.float32)
+  mesh = make_mesh((4,), ("sp",))
+
+  def f(q):
+    return fr.ring_attention(
+      q,
+      q,
+      q,
+      mesh=mesh,
+      implementation="pallas_tpu_ring",
+      interpret=True,
+      block_sizes=fr.BlockSizes(block_q=8, block_kv=128),
+    )
+
+  with pytest.raises(ValueError, match=r"pallas_tpu_ring: the tile table of 4 hops x 1024 x 64 tiles needs 1048576"):
+    jax.eval_shape(f, q)
 
 
 @interpret

@@ -112,9 +112,10 @@ def ring_attention(
   if axis_name is not None:
     unbound = [a for a in layout.ring_axes(axis_name) if not sharding.axis_is_bound(a)]
     if unbound or not layout.ring_axes(axis_name):
+      which = f" (unbound: {unbound})" if isinstance(axis_name, (tuple, list)) else ""
       raise ValueError(
-        f"axis_name={axis_name!r} is not bound (unbound: {unbound}): call ring_attention inside jax.shard_map "
-        f"over a mesh with that axis, or pass mesh=... to let ring_attention shard the global arrays itself"
+        f"axis_name={axis_name!r} is not bound: call ring_attention inside jax.shard_map over a mesh "
+        f"with that axis, or pass mesh=... to let ring_attention shard the global arrays itself{which}"
       )
     n = jax.lax.axis_size(layout.ring_axes(axis_name))
   else:
@@ -177,7 +178,8 @@ def _ring_on_mesh(
   for role, ax in (("axis_name", axis_name), ("batch_axis", batch_axis), ("head_axis", head_axis)):
     missing = [a for a in layout.ring_axes(ax) if a not in names]
     if missing:
-      raise ValueError(f"{role}={ax!r} is not an axis of the mesh (missing: {missing}; mesh axes: {names})")
+      which = f"; missing: {missing}" if isinstance(ax, tuple) else ""
+      raise ValueError(f"{role}={ax!r} is not an axis of the mesh (mesh axes: {names}{which})")
   used = [a for ax in (axis_name, batch_axis, head_axis) for a in layout.ring_axes(ax)]
   if len(set(used)) != len(used):
     raise ValueError(f"axis_name, batch_axis and head_axis must be different mesh axes, got {used}")
