@@ -95,8 +95,9 @@ RING_CASES = [
 @pytest.mark.parametrize(
   "n,mode,opts,lb,segments", RING_CASES, ids=[f"ring{c[0]}-{c[1]}-{'-'.join(c[2])}" for c in RING_CASES]
 )
-def test_ring_sizes_and_dma_modes(n, mode, opts, lb, segments):
-  """GQA 4:2, shards of 16 tokens, forward and all gradients against the reference, no races."""
+def test_ring_sizes_and_dma_modes(n, mode, opts, lb, segments, capfd):
+  """GQA 4:2, shards of 16 tokens, forward and all gradients against the reference, no races, and every
+  semaphore back at zero when the kernels end (interpret mode prints the ones that are not)."""
   q, k, v, do, seg = _inputs(1, 16 * n, 4, 2, 16, segments=segments)
   mesh = make_mesh((n,), ("sp",))
   with no_races():
@@ -113,6 +114,7 @@ def test_ring_sizes_and_dma_modes(n, mode, opts, lb, segments):
       load_balance=lb,
       params=interpret_params(dma_execution_mode=mode),
     )
+  assert "non-zero count" not in capfd.readouterr().out
   _check(out, grads, q, k, v, do, seg, opts)
 
 
@@ -352,3 +354,27 @@ def test_layer_with_tuple_seq_axis():
     got = ring(x, is_causal=True)
   assert_close(got, expected, jnp.float32)
   np.testing.assert_equal(np.isfinite(np.asarray(got)).all(), True)
+
+
+def test_default_prefers_the_kernel_ring_only_where_shards_fit(monkeypatch):
+  """implementation=None on a TPU: the in-kernel ring when its shards fit VMEM, else pallas_tpu."""
+  from flax_ringattn._src import backends
+  from flax_ringattn._src.backends.pallas_tpu.ring import PallasTpuRingBackend
+  from flax_ringattn._src.ring import op
+
+  ring = PallasTpuRingBackend()
+  spec = AttentionSpec(mask=masks.MaskSpec(is_causal=True), scale=0.1)
+  picked = []
+  monkeypatch.setattr(backends, "get_backend", lambda name, **kw: picked.append(name) or name)
+  small = (
+    jax.ShapeDtypeStruct((1, 4 * 256, 8, 128), jnp.bfloat16),
+    jax.ShapeDtypeStruct((1, 4 * 256, 2, 128), jnp.bfloat16),
+  )
+  assert op._fit_to_shard(ring, None, spec, *small, 4) is ring
+  assert op._fit_to_shard(ring, "pallas_tpu_ring", spec, *small, 4) is ring  # named: never replaced
+  huge = (
+    jax.ShapeDtypeStruct((1, 4 << 20, 8, 128), jnp.bfloat16),
+    jax.ShapeDtypeStruct((1, 4 << 20, 2, 128), jnp.bfloat16),
+  )
+  assert op._fit_to_shard(ring, None, spec, *huge, 4) == "pallas_tpu"
+  assert picked == ["pallas_tpu"]
