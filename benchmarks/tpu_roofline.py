@@ -38,6 +38,9 @@ per-device shard length T / n:
   accumulators) against the compute time of a hop, and the one-way bandwidth
   that would hide the send, compared with a one-link estimate derived from the
   per-chip bidirectional ICI bandwidth Google documents (see ICI_BIDIR_GBPS).
+* in-kernel ring (`implementation="pallas_tpu_ring"`): per generation, the shard
+  length below which a full-mask hop's compute at the MXU peak is shorter than
+  its send over one ICI link (`kernel_ring_min_shard`), forward and backward.
 
 Hardware numbers are JAX's own table (`pltpu.get_tpu_info_for_chip`, per
 TensorCore, times the TensorCores of one JAX device: v4 and v5p chips are one
@@ -646,6 +649,38 @@ def print_ici(
           )
 
 
+def kernel_ring_min_shard(hw: Hardware, p: Problem, pas: str) -> float | None:
+  """Shard length L below which one hop of `implementation="pallas_tpu_ring"` cannot hide its send (full mask,
+  MXU-bound compute, one ICI link one way).
+
+  A hop computes 2 * B * L^2 * N * H FLOPs per matmul (forward 2 matmuls: s, pv; the fused backward 5: s, dp,
+  dq, dk, dv) and sends 2 * B * L * K * H elements (K and V; backward: plus the f32 dK/dV accumulators), so
+  compute / transfer grows linearly in L and they break even at
+  L = bytes_per_token * peak / (flops_per_token_squared * link).
+  """
+  if not hw.ici_link:
+    return None
+  matmuls = 2 if pas == "fwd" else 5
+  flops_per_l2 = 2 * matmuls * p.B * p.N * p.H
+  per_elem = p.itemsize if pas == "fwd" else p.itemsize + 4
+  bytes_per_l = 2 * p.B * p.K * p.H * per_elem
+  return bytes_per_l * hw.peak / (flops_per_l2 * hw.ici_link)
+
+
+def print_kernel_ring(gens: Sequence[str], p: Problem) -> None:
+  print("\nIn-kernel ring (pallas_tpu_ring), per hop (model-derived): below this shard length T/n a hop's compute")
+  print("(full mask, at the bf16 MXU peak) is shorter than its send over one ICI link, so the ring waits on ICI.")
+  print("A causal or windowed hop computes less and needs a longer shard.  Link bandwidths as in the ICI table.")
+  print(f"  {'gen':4} {'link GB/s':>9} {'fwd min T/n':>11} {'bwd min T/n':>11}")
+  for g in gens:
+    hw = hardware(g)
+    f, b = kernel_ring_min_shard(hw, p, "fwd"), kernel_ring_min_shard(hw, p, "bwd")
+    if f is None:
+      print(f"  {g:4} {'n/a':>9} {'n/a':>11} {'n/a':>11}")
+      continue
+    print(f"  {g:4} {hw.ici_link / GB:>9.0f} {f:>11.0f} {b:>11.0f}")
+
+
 # ------------------------------------------------------------------------------------------
 # Timing on an attached TPU.
 
@@ -954,6 +989,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   ici_masks = [m for m in ("full", "causal-lb") if m in args.masks] or args.masks[:1]
   print_ici(results, args.generations, args.seq_lens, ici_masks, p)
   print_paged(args.generations, p, args, tiled)
+  print_kernel_ring(args.generations, p)
   time_on_tpu(args, p, args.seq_lens, args.masks, tiled)
   print(f"\n(model run took {time.perf_counter() - t0:.1f} s)")
   return 0

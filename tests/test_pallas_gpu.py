@@ -68,7 +68,10 @@ def test_interpret_argument_errors():
     fr.ring_attention(q, k, v, implementation="pallas_gpu", interpret=pltpu.InterpretParams())
   with pytest.raises(TypeError, match=r"interpret must be True, False or None, got 'yes'"):
     fr.ring_attention(q, k, v, implementation="pallas_gpu", interpret="yes")
-  with pytest.raises(ValueError, match=r"applies to implementation='pallas_tpu' only \(or 'pallas_gpu' with interpret"):
+  with pytest.raises(
+    ValueError,
+    match=r"applies to implementation='pallas_tpu' only \(or 'pallas_tpu_ring'; or 'pallas_gpu' with interpret",
+  ):
     fr.ring_attention(q, k, v, implementation="xla", interpret=True)
 
 

@@ -51,6 +51,7 @@ class Backend:
   # Shard geometry (self-attention shard length, cross-attention q shard length, BlockSizes for each) that
   # replaces the cases' own lengths, or None to run the cases as written.
   tiled_shards: tuple | None = None
+  cases: frozenset | None = None  # run only these case names (None: all); the rest is covered elsewhere
 
   def checks(self):
     return no_races() if self.race_checked else contextlib.nullcontext()
@@ -93,6 +94,21 @@ BACKENDS = [
     marks=(pytest.mark.interpret, pytest.mark.races_not_read("Triton interpret mode: no race detector, no DMAs")),
   ),
 ]
+# The in-kernel ring (one kernel per direction does every hop): ring 2 here (both neighbours are one device);
+# rings 1, 4 and 8, tuple axes and both DMA modes in test_pallas_tpu_ring.py.
+BACKENDS.append(
+  Backend(
+    "pallas_tpu_ring",
+    extra=(("interpret", interpret_params()),),
+    blocks=fr.BlockSizes(block_q=16, block_kv=128),
+    ring_sizes=(2,),
+    bf16_ring_sizes=(),  # plus ring 2 for gqa and causal_lb (see _matrix)
+    marks=(pytest.mark.interpret,),
+    race_checked=True,
+    # Interpret mode is slow: the other mask features run in test_pallas_tpu_ring.py on other ring sizes.
+    cases=frozenset({"causal_lb", "gqa", "cross_causal_lb", "empty_rows"}),
+  )
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +218,8 @@ def ring_with_grads(case: Case, backend: Backend, n: int, q, k, v, do, seg, *, e
 def _matrix():
   for b in BACKENDS:
     for case in CASES:
+      if b.cases is not None and case.name not in b.cases:
+        continue
       for n in b.ring_sizes:
         yield pytest.param(b, case, n, jnp.float32, id=f"{b.name}-{case.name}-ring{n}-f32", marks=b.marks)
       extra = b.ring_sizes[-1:] if case.name in ("gqa", "causal_lb", "segments_lb") else ()  # xla: ring 8

@@ -89,12 +89,18 @@ def shard_positions(shard, num_shards, shard_len: int, load_balance: bool):
   the second half chunk `2 * num_shards - 1 - shard`, each L / 2 tokens long.
   Positions increase monotonically within a shard in both layouts.
   """
+  return token_positions(shard, num_shards, shard_len, load_balance, jnp.arange(shard_len, dtype=jnp.int32))
+
+
+def token_positions(shard, num_shards, shard_len: int, load_balance: bool, index):
+  """Global positions of the tokens at local indices `index` (any int array) of shard `shard`.
+
+  The elementwise form of `shard_positions`, for kernels that build one tile's positions from an iota.
+  """
   if not load_balance:
-    return shard * shard_len + jnp.arange(shard_len, dtype=jnp.int32)
+    return shard * shard_len + index
   half = shard_len // 2
-  lo = shard * half + jnp.arange(half, dtype=jnp.int32)
-  hi = (2 * num_shards - 1 - shard) * half + jnp.arange(half, dtype=jnp.int32)
-  return jnp.concatenate([lo, hi])
+  return jnp.where(index < half, shard * half + index, (2 * num_shards - 1 - shard) * half + (index - half))
 
 
 def gathered_positions(first_shard, count: int, num_shards: int, shard_len: int, load_balance: bool):
@@ -109,3 +115,77 @@ def gathered_positions(first_shard, count: int, num_shards: int, shard_len: int,
   if count == 1:
     return shard_positions(first_shard, num_shards, shard_len, load_balance)
   return jnp.concatenate([shard_positions(first_shard + j, num_shards, shard_len, load_balance) for j in range(count)])
+
+
+def snake_coords(member, sizes):
+  """Mesh coordinates of ring member `member` (may be traced) on a ring over axes of `sizes`.
+
+  A boustrophedon (snake) walk: the last axis runs forward on even rows of the
+  one before it and backward on odd rows, recursively, so consecutive members
+  are grid neighbours; the wrap from the last member to the first is a torus
+  neighbour when the leading axis has even size.  Worked example, sizes (2, 3):
+  members 0..5 sit at (0,0) (0,1) (0,2) (1,2) (1,1) (1,0).
+  """
+  coords = []
+  rest = member
+  for i in range(len(sizes)):
+    stride = 1
+    for s in sizes[i + 1 :]:
+      stride *= s
+    d = rest // stride
+    rest = rest % stride
+    coords.append(d)
+    if i + 1 < len(sizes):
+      rest = _select(d % 2 == 1, stride - 1 - rest, rest)
+  return tuple(coords)
+
+
+def _select(cond, a, b):
+  """a if cond else b: plain Python on static ints (for ppermute tables), jnp.where on traced ones."""
+  return (a if cond else b) if isinstance(cond, bool) else jnp.where(cond, a, b)
+
+
+def linear_index(coords, sizes):
+  """Row-major index of mesh coordinates over axes of `sizes` (the shard index `lax.axis_index` of the tuple gives)."""
+  idx = 0
+  for c, s in zip(coords, sizes, strict=True):
+    idx = idx * s + c
+  return idx
+
+
+def snake_member(coords, sizes):
+  """Inverse of `snake_coords`: the ring member at mesh `coords`."""
+  if not coords:
+    return 0
+  stride = 1
+  for s in sizes[1:]:
+    stride *= s
+  sub = snake_member(coords[1:], sizes[1:])
+  d = coords[0]
+  return d * stride + _select(d % 2 == 1, stride - 1 - sub, sub)
+
+
+def ring_shard(member, sizes):
+  """Shard index (row-major over the ring's mesh axes) held by ring member `member`."""
+  return linear_index(snake_coords(member, sizes), sizes)
+
+
+def ring_axes(axis_name) -> tuple:
+  """The ring's mesh axes as a tuple: () for no ring, (name,) for one axis, or the tuple itself."""
+  if axis_name is None:
+    return ()
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def ring_geometry(axis_name):
+  """(n, sizes, shard, member) of this device inside shard_map: ring size, axis sizes, the index of the
+  shard it holds (row-major over the axes) and its place on the snake ring.  (1, (), 0, 0) without a ring."""
+  axes = ring_axes(axis_name)
+  if not axes:
+    return 1, (), jnp.int32(0), jnp.int32(0)
+  sizes = tuple(jax.lax.axis_size(a) for a in axes)
+  coords = tuple(jax.lax.axis_index(a) for a in axes)
+  n = 1
+  for s in sizes:
+    n *= s
+  return n, sizes, linear_index(coords, sizes), snake_member(coords, sizes)

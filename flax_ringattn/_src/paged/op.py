@@ -287,7 +287,9 @@ def _choose_backend(implementation, interpret, block_sizes, q, k_pages, k_scale,
   Blocks: `block_sizes`, else the planner's choice for the TPU kernel, else DEFAULT_PAGED_BLOCKS.
   """
   # The block backends' registry applies those rules (and their errors) once for both ops.
-  backend = backends.get_backend(implementation, dtype=q.dtype, spec=None, shapes=None, interpret=interpret)
+  backend = backends.get_backend(
+    implementation, dtype=q.dtype, spec=None, shapes=None, interpret=interpret, preference=_IMPLEMENTATIONS
+  )
   if backend.name != "pallas_tpu":
     return backend.name, None, DEFAULT_PAGED_BLOCKS if block_sizes is None else block_sizes
   T, N, H = q.shape

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-from flax_ringattn._src import backends, masks, sharding, validation
+from flax_ringattn._src import backends, layout, masks, sharding, validation
 from flax_ringattn._src.backends.base import AttentionSpec
 from flax_ringattn._src.block_sizes import BlockSizes
 from flax_ringattn._src.ring import strategies
@@ -48,9 +48,12 @@ def ring_attention(
     q: [B, T, N, H] queries.  k, v: [B, S, K, H] keys and values, N % K == 0.
       Inside `jax.shard_map` these are the local shards; with `mesh` they are
       global arrays.
-    axis_name: the mesh axis the sequence is sharded over.  Inside shard_map it
-      must be bound; with `mesh` it names the mesh axis (default: the mesh's only
-      axis).  With neither `axis_name` nor `mesh`, runs on one device.
+    axis_name: the mesh axis the sequence is sharded over, or a tuple of mesh
+      axes (the sequence is sharded over their product, row-major, as
+      `P(None, ("x", "y"))`; the ring then snakes through the device grid so
+      every hop is between neighbours).  Inside shard_map it must be bound;
+      with `mesh` it names mesh axes (default: the mesh's only axis).  With
+      neither `axis_name` nor `mesh`, runs on one device.
     mesh: a `jax.sharding.Mesh`: wrap `jax.shard_map` over it (sequence on
       `axis_name`, batch on `batch_axis`, heads on `head_axis`).
     is_causal: query i attends to keys j <= i (global positions).
@@ -69,8 +72,9 @@ def ring_attention(
     batch_axis, head_axis: mesh axes the batch and heads are sharded over (only
       with `mesh`; None means replicated).
     precision: matmul precision of the block matmuls (`jax.lax.Precision`).
-    interpret: run the `pallas_tpu` kernels in Pallas TPU interpret mode (on
-      CPU): True, or a `jax.experimental.pallas.tpu.InterpretParams`.  Implies
+    interpret: run the `pallas_tpu` or `pallas_tpu_ring` kernels in Pallas TPU
+      interpret mode (on CPU): True, or a
+      `jax.experimental.pallas.tpu.InterpretParams`.  Implies
       implementation="pallas_tpu" when implementation is None.  With
       implementation="pallas_gpu", True runs the GPU kernels in Pallas's
       generic interpreter (on CPU).
@@ -93,7 +97,7 @@ def ring_attention(
   validation.check_bool("load_balance", load_balance)
   validation.check_bool("is_causal", is_causal)
   strategy = strategies.check_strategy(strategy)
-  if strategy != "ring" and isinstance(axis_name, list):
+  if isinstance(axis_name, list):
     axis_name = tuple(axis_name)  # a hashable static argument
   spec = AttentionSpec(
     mask=masks.MaskSpec(is_causal=is_causal, window=window, has_segments=q_seg is not None),
@@ -109,7 +113,20 @@ def ring_attention(
 
   if mesh is not None:
     return _ring_on_mesh(
-      q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis, load_balance, spec, backend, strategy
+      q,
+      k,
+      v,
+      q_seg,
+      kv_seg,
+      mesh,
+      axis_name,
+      batch_axis,
+      head_axis,
+      load_balance,
+      spec,
+      backend,
+      strategy,
+      implementation,
     )
 
   if batch_axis is not None or head_axis is not None:
@@ -117,21 +134,54 @@ def ring_attention(
       f"batch_axis={batch_axis!r} / head_axis={head_axis!r} only apply with mesh=...; "
       "inside your own shard_map the inputs are already the local shards"
     )
-  axes = strategies.check_axes(strategy, axis_name) if strategy != "ring" else (axis_name,)
+  axes = strategies.check_axes(strategy, axis_name) if strategy != "ring" else layout.ring_axes(axis_name)
   if axis_name is not None:
-    for ax in axes:
-      if not sharding.axis_is_bound(ax):
-        raise ValueError(
-          f"axis_name={axis_name!r} is not bound: call ring_attention inside jax.shard_map over a mesh "
-          f"with that axis, or pass mesh=... to let ring_attention shard the global arrays itself"
-        )
-    n = jax.lax.axis_size(axis_name)
+    unbound = [a for a in axes if not sharding.axis_is_bound(a)]
+    if unbound or not axes:
+      which = f" (unbound: {unbound})" if isinstance(axis_name, (tuple, list)) else ""
+      raise ValueError(
+        f"axis_name={axis_name!r} is not bound: call ring_attention inside jax.shard_map over a mesh "
+        f"with that axis, or pass mesh=... to let ring_attention shard the global arrays itself{which}"
+      )
+    n = jax.lax.axis_size(axes)
     strategies.check_heads(strategy, axis_name, jax.lax.axis_size(axes[-1]), N, K)
   else:
     n = 1
   _check_shard_lengths(T, S, n, load_balance, local=True, axis_name=axis_name, strategy=strategy)
+  backend = _fit_to_shard(backend, implementation, spec, q, k, 1, strategy)  # q, k are the local shards here
+  return _local_fn(axis_name, load_balance, spec, backend, strategy)(q, k, v, q_seg, kv_seg)
+
+
+def _fit_to_shard(backend, implementation, spec, q, k, n, strategy="ring"):
+  """implementation=None picks the in-kernel ring (on a TPU, never in interpret mode) only for the ring strategy
+  and where its shards of q [B, T / n, ...] and k [B, S / n, ...] fit VMEM; else the block-kernel ring."""
+  if backend.name != "pallas_tpu_ring":
+    return backend
+  if strategy != "ring":
+    if implementation is not None:
+      raise NotImplementedError(
+        f"implementation='pallas_tpu_ring' is the ring strategy inside one kernel; strategy={strategy!r} needs "
+        "block kernels: use implementation='pallas_tpu' (or None)"
+      )
+    return backends.get_backend("pallas_tpu", dtype=q.dtype, spec=spec, shapes=(q.shape, k.shape))
+  if implementation is not None:
+    return backend
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  if backend.fits(T=T // n, S=S // n, N=N, K=K, H=H, dtype=q.dtype, spec=spec):
+    return backend
+  return backends.get_backend("pallas_tpu", dtype=q.dtype, spec=spec, shapes=(q.shape, k.shape))
+
+
+def _local_fn(axis_name, load_balance, spec, backend, strategy):
+  """The per-device attention: the backend's own in-kernel ring if it has one, else the strategy on the block
+  contract (the portable ring loop for strategy="ring")."""
+  if hasattr(backend, "ring_local") and strategy == "ring":
+    return lambda q, k, v, qs, ks: backend.ring_local(
+      q, k, v, qs, ks, axis_name=axis_name, load_balance=load_balance, spec=spec
+    )
   cfg = RingConfig(axis_name=axis_name, load_balance=load_balance, spec=spec, backend=backend)
-  return strategies.attention_local(q, k, v, q_seg, kv_seg, strategy=strategy, cfg=cfg)
+  return lambda q, k, v, qs, ks: strategies.attention_local(q, k, v, qs, ks, strategy=strategy, cfg=cfg)
 
 
 def _check_shard_lengths(T, S, n, load_balance, *, local, axis_name, strategy="ring"):
@@ -152,7 +202,7 @@ def _check_shard_lengths(T, S, n, load_balance, *, local, axis_name, strategy="r
 
 
 def _ring_on_mesh(
-  q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis, load_balance, spec, backend, strategy
+  q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis, load_balance, spec, backend, strategy, implementation
 ):
   if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -160,7 +210,9 @@ def _ring_on_mesh(
   axis_name = sharding.sequence_axis(mesh, axis_name, arg="axis_name")
   if isinstance(axis_name, list):
     axis_name = tuple(axis_name)
-  seq_axes = strategies.check_axes(strategy, axis_name) if strategy != "ring" else (axis_name,)
+  if isinstance(axis_name, tuple) and not axis_name:
+    raise ValueError("axis_name=() names no mesh axis: pass one axis or a non-empty tuple of axes")
+  seq_axes = strategies.check_axes(strategy, axis_name) if strategy != "ring" else layout.ring_axes(axis_name)
   for ax in seq_axes:
     if ax not in names:
       which = "" if ax == axis_name else f" names {ax!r}, which"
@@ -190,14 +242,15 @@ def _ring_on_mesh(
 
   x_spec = P(batch_axis, axis_name, head_axis, None)
   seg_spec = P(batch_axis, axis_name)
-  cfg = RingConfig(axis_name=axis_name, load_balance=load_balance, spec=spec, backend=backend)
+  backend = _fit_to_shard(backend, implementation, spec, q, k, n, strategy)
+  local = _local_fn(axis_name, load_balance, spec, backend, strategy)
   q, k, v = (sharding.constrain(x, mesh, x_spec) for x in (q, k, v))
   if q_seg is not None:
     q_seg, kv_seg = (sharding.constrain(x, mesh, seg_spec) for x in (q_seg, kv_seg))
   seg_specs = (seg_spec, seg_spec) if q_seg is not None else (None, None)
 
   fn = jax.shard_map(
-    lambda q, k, v, qs, ks: strategies.attention_local(q, k, v, qs, ks, strategy=strategy, cfg=cfg),
+    local,
     mesh=mesh,
     in_specs=(x_spec, x_spec, x_spec, *seg_specs),
     out_specs=x_spec,

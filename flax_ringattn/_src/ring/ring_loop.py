@@ -5,7 +5,11 @@ It is written once for every block backend: a hop hands one (q shard, kv shard)
 pair and the global positions of both to `backend.fwd` / `backend.bwd` (the
 block contract of `backends/base.py`) and never looks inside.
 
-Hop schedule of ring member r in a ring of n (data flows r -> r + 1):
+Hop schedule of ring member r in a ring of n (data flows r -> r + 1).  On one
+mesh axis member r is the device at index r; on a tuple of axes the members
+follow a snake through the device grid (`layout.snake_coords`), so every hop
+is between grid neighbours, and member r holds the shard at its row-major
+index over the axes (`layout.ring_shard`).
 
     hop t holds the K/V shard of member src = (r - t) mod n
     forward : start the send of the held K/V to r + 1, compute hop t, merge.
@@ -29,7 +33,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flax_ringattn._src import masks, vma
+from flax_ringattn._src import layout, masks, vma
 from flax_ringattn._src.backends.base import AttentionSpec, BlockBackend
 from flax_ringattn._src.layout import gathered_positions
 
@@ -50,16 +54,16 @@ class RingConfig:
   sub_shards: int = 1
 
 
-def _member_positions(cfg: RingConfig, member, n, length: int):
-  """Global positions of the tokens ring member `member` holds (`length` of them)."""
+def _member_positions(cfg: RingConfig, shard, n, length: int):
+  """Global positions of the `length` tokens of ring shard `shard` (row-major over the ring's axes)."""
   sub = cfg.sub_shards
-  return gathered_positions(member * sub, sub, n * sub, length // sub, cfg.load_balance)
+  return gathered_positions(shard * sub, sub, n * sub, length // sub, cfg.load_balance)
 
 
 def _ring_geometry(axis_name):
-  if axis_name is None:
-    return 1, jnp.int32(0)
-  return jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+  """(n, r, shard_of): ring size, this device's ring member and member -> shard index."""
+  n, sizes, _, member = layout.ring_geometry(axis_name)
+  return n, member, lambda m: layout.ring_shard(m, sizes)
 
 
 def _hop_kind(spec: AttentionSpec, q_pos, kv_pos, q_seg, kv_seg):
@@ -80,7 +84,9 @@ def _unless_empty(backend, kind, compute, skip):
 
 
 def _rotate(tree, axis_name, n):
-  perm = [(i, (i + 1) % n) for i in range(n)]
+  """Member m's values to member m + 1 (ppermute indices are row-major shard indices over the axes)."""
+  sizes = tuple(jax.lax.axis_size(a) for a in layout.ring_axes(axis_name))
+  perm = [(layout.ring_shard(m, sizes), layout.ring_shard((m + 1) % n, sizes)) for m in range(n)]
   return jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), tree)
 
 
@@ -99,17 +105,17 @@ def _merge(o, lse, o_b, lse_b):
 
 
 def _ring_forward(q, k, v, q_seg, kv_seg, cfg: RingConfig):
-  n, r = _ring_geometry(cfg.axis_name)
+  n, r, shard_of = _ring_geometry(cfg.axis_name)
   spec = cfg.spec
   backend = cfg.backend
   B, T, N, H = q.shape
   S = k.shape[1]
-  q_pos = _member_positions(cfg, r, n, T)
+  q_pos = _member_positions(cfg, shard_of(r), n, T)
 
   def part(t, kv):
     """(o, lse) of hop t's block, or (0, -inf) when the whole block is masked."""
     k_t, v_t, seg_t = kv
-    kv_pos = _member_positions(cfg, (r - t) % n, n, S)
+    kv_pos = _member_positions(cfg, shard_of((r - t) % n), n, S)
 
     def compute():
       return backend.fwd(q, k_t, v_t, q_pos, kv_pos, q_seg, seg_t, spec=spec)
@@ -159,17 +165,17 @@ def _ring_attention_fwd(q, k, v, q_seg, kv_seg, cfg: RingConfig):
 
 def _ring_attention_bwd(cfg: RingConfig, res, do):
   q, k, v, q_seg, kv_seg, out, lse = res
-  n, r = _ring_geometry(cfg.axis_name)
+  n, r, shard_of = _ring_geometry(cfg.axis_name)
   spec = cfg.spec
   backend = cfg.backend
   S = k.shape[1]
-  q_pos = _member_positions(cfg, r, n, q.shape[1])
+  q_pos = _member_positions(cfg, shard_of(r), n, q.shape[1])
   delta = jnp.swapaxes(jnp.sum(do.astype(F32) * out.astype(F32), axis=-1), 1, 2)  # [B, N, T]
 
   def part(t, kv):
     """(dq, dk, dv) of hop t's block, or zeros when the whole block is masked."""
     k_t, v_t, seg_t = kv
-    kv_pos = _member_positions(cfg, (r - t) % n, n, S)
+    kv_pos = _member_positions(cfg, shard_of((r - t) % n), n, S)
 
     def compute():
       return backend.bwd(q, k_t, v_t, do, lse, delta, q_pos, kv_pos, q_seg, seg_t, spec=spec)

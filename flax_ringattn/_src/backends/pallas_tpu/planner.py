@@ -360,3 +360,57 @@ def plan_paged_block_sizes(
     f"{PAGED_MAX_BLOCK_Q}) with whole pages of {page_size=} fits the {generation} VMEM budget of "
     f"{budget / MiB:.1f} MiB ({num_heads=}, {num_kv_heads=}, {head_dim=})"
   )
+
+
+def ring_footprint(
+  kernel: str, *, T, S, bq, bk, num_heads, num_kv_heads, head_dim, dtype, has_segments=False, soft_cap=False
+) -> Footprint:
+  """VMEM of the in-kernel ring's 'ring_fwd' or 'ring_bwd' kernel (`ring_forward.py`, `ring_backward.py`).
+
+  A grid step holds the whole q shard of one kv head's group (T rows) and two
+  communication slots of the kv shard (S rows) for each travelling array: K, V
+  (and the kv segment ids); the backward adds two f32 slots each for the dK / dV
+  accumulators and one f32 local sum each.  K/V stay in HBM outside the slots.
+  Temporaries are those of one (bq, bk) tile pair, as in `footprint`.
+  """
+  G, H, f32, i32 = num_heads // num_kv_heads, head_dim, jnp.float32, jnp.int32
+  q_blk = _tile(T, H, dtype, G)
+  stat = _tile(T, 1, f32, G)
+  slots = 2 * _tile(S, H, dtype, 2)  # K and V, two slots each
+  seg_in = _tile(T, 1, i32) if has_segments else 0  # the q segment ids column
+  if has_segments:
+    slots += _tile(1, S, i32, 2)
+  score = G * bq * bk * 4
+  if kernel == "ring_fwd":
+    inputs = q_blk + seg_in
+    outputs = _tile(T, H, f32, G) + stat
+    scratch = slots + 2 * _tile(T, c.LANES, f32, G) + _tile(T, H, f32, G)  # m, l, acc
+    temporaries = 3 * score
+  elif kernel == "ring_bwd":
+    inputs = 2 * q_blk + 2 * stat + seg_in
+    outputs = _tile(T, H, f32, G) + 2 * _tile(S, H, f32)
+    scratch = slots + 2 * _tile(S, H, f32, 2) + 2 * _tile(S, H, f32)
+    temporaries = 5 * score
+  else:
+    raise ValueError(f"kernel must be 'ring_fwd' or 'ring_bwd', got {kernel!r}")
+  if soft_cap:
+    temporaries += 2 * score
+  return Footprint(buffers=2 * (inputs + outputs) + scratch, temporaries=temporaries)
+
+
+def ring_fits(
+  *, T, S, num_heads, num_kv_heads, head_dim, dtype, has_segments=False, soft_cap=False, generation=None
+) -> bool:
+  """Whether both in-kernel ring kernels fit the VMEM budget at the smallest legal tiles (the q and kv shards
+  themselves must fit: the ring keeps them resident)."""
+  generation = current_generation() if generation is None else generation
+  qs = q_candidates(T, dtype, grouped=num_heads > num_kv_heads)
+  ks = candidates(S, c.LANES)
+  if not qs or not ks:
+    return False
+  dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+  need = max(
+    ring_footprint(k, T=T, S=S, bq=qs[0], bk=ks[0], has_segments=has_segments, soft_cap=soft_cap, **dims).total
+    for k in ("ring_fwd", "ring_bwd")
+  )
+  return need <= budget_bytes(generation)

@@ -1,0 +1,209 @@
+"""Backward kernel of the in-kernel ring (protocol: `ring_protocol.py`).
+
+Per grid step (b, kv head h): q, dO, the final lse and delta of the group stay
+home with the dq accumulator (the dq output block itself); K/V travel as in
+the forward, and the dK/dV accumulators travel one hop behind them (two f32
+slots each).  One pass per tile pair computes p and dS once and feeds all
+three gradients.  A hop's contribution to the shard it holds is summed in a
+local buffer while the accumulator of that shard is still arriving, and added
+to it at the end of the hop.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from flax_ringattn._src.backends.pallas_tpu import common as c
+from flax_ringattn._src.backends.pallas_tpu import ring_protocol as rp
+from flax_ringattn._src.backends.pallas_tpu.backward import _probs_and_dscores
+from flax_ringattn._src.backends.pallas_tpu.ring_forward import tile_masks
+
+_NN = (((1,), (0,)), ((), ()))  # [m, k] x [k, n]
+_TN = (((0,), (0,)), ((), ()))  # [k, m] x [k, n]
+
+
+def bwd_plan(d: rp.RingDims) -> c.CallPlan:
+  G, T, S, H = d.G, d.T, d.S, d.H
+  grp = lambda b, h, meta, kinds: (b, h, 0, 0)  # noqa: E731
+  in_specs = [
+    pl.BlockSpec((None, G, T, H), grp),  # q
+    pl.BlockSpec((None, G, T, H), grp),  # do
+    pl.BlockSpec((None, G, T, 1), grp),  # lse
+    pl.BlockSpec((None, G, T, 1), grp),  # delta
+    rp.HBM,
+    rp.HBM,
+  ]
+  in_dtypes = [d.dtype, d.dtype, c.F32, c.F32, d.dtype, d.dtype]
+  scratch = [((2, S, H), d.dtype), ((2, S, H), d.dtype)]
+  if d.has_segments:
+    in_specs += [pl.BlockSpec((None, T, 1), lambda b, h, meta, kinds: (b, 0, 0)), rp.HBM]
+    in_dtypes += [jnp.int32, jnp.int32]
+    scratch += [((2, 1, S), jnp.int32)]
+  scratch += [((2, S, H), c.F32), ((2, S, H), c.F32), ((S, H), c.F32), ((S, H), c.F32)]  # dk/dv slots, local sums
+  kv_out = pl.BlockSpec((None, None, S, H), grp)
+  return c.CallPlan(
+    grid=(d.B, d.K),
+    in_specs=tuple(in_specs),
+    in_dtypes=tuple(in_dtypes),
+    out_specs=(pl.BlockSpec((None, G, T, H), grp), kv_out, kv_out),
+    out_shapes=(
+      jax.ShapeDtypeStruct((d.B, d.N, T, H), c.F32),
+      jax.ShapeDtypeStruct((d.B, d.K, S, H), c.F32),
+      jax.ShapeDtypeStruct((d.B, d.K, S, H), c.F32),
+    ),
+    scratch=tuple(scratch),
+  )
+
+
+def _kernel(meta_ref, kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDims):
+  if d.has_segments:
+    qseg_ref, kvseg_hbm, *refs = refs
+  else:
+    qseg_ref = kvseg_hbm = None
+  dq_ref, dk_ref, dv_ref, k_slots, v_slots, *refs = refs
+  seg_slots = refs.pop(0) if d.has_segments else None
+  dk_slots, dv_slots, dk_loc, dv_loc, load_sems, send_sems, recv_sems, credit = refs
+  b, h = pl.program_id(0), pl.program_id(1)
+  comms = rp.Comms(meta_ref, d, credit, name="ring_bwd")
+  n, bq, bk = d.n, d.bq, d.bk
+  num_kv = 3 if d.has_segments else 2
+
+  if n > 1:
+    pl.when((b == 0) & (h == 0))(comms.barrier)
+  pairs = [(k_hbm.at[b, h], k_slots.at[0]), (v_hbm.at[b, h], v_slots.at[0])]
+  slots = [k_slots, v_slots]
+  if d.has_segments:
+    pairs.append((kvseg_hbm.at[b], seg_slots.at[0]))
+    slots.append(seg_slots)
+  rp.load_own(pairs, load_sems)
+  dq_ref[...] = jnp.zeros(dq_ref.shape, c.F32)
+
+  last = n if n > 1 else 0  # hop n only sends the accumulators home
+  for t in range(last + 1):
+    slot = t % 2
+    kv_sends, acc_sends = [], []
+    if n > 1:
+      comms.release_credit()
+      comms.acquire_credit()
+      if t < n - 1:
+        kv_sends = [
+          comms.copy_down(s.at[slot], s.at[1 - slot], send_sems.at[a], recv_sems.at[a]) for a, s in enumerate(slots)
+        ]
+      if t >= 1:
+        acc_sends = [
+          comms.copy_down(s.at[1 - slot], s.at[slot], send_sems.at[num_kv + a], recv_sems.at[num_kv + a])
+          for a, s in enumerate((dk_slots, dv_slots))
+        ]
+      for s in kv_sends + acc_sends:
+        s.start()
+    if t < n:
+      dk_loc[...] = jnp.zeros(dk_loc.shape, c.F32)
+      dv_loc[...] = jnp.zeros(dv_loc.shape, c.F32)
+      _hop(
+        d,
+        spec,
+        comms,
+        t,
+        slot,
+        kinds_ref,
+        q_ref,
+        do_ref,
+        lse_ref,
+        delta_ref,
+        qseg_ref,
+        k_slots,
+        v_slots,
+        seg_slots,
+        dq_ref,
+        dk_loc,
+        dv_loc,
+      )
+    for s in kv_sends + acc_sends:
+      s.wait()
+    if t == 0:
+      dk_slots[0] = dk_loc[...]
+      dv_slots[0] = dv_loc[...]
+    elif t < n:
+      dk_slots[slot] = dk_slots[slot] + dk_loc[...]
+      dv_slots[slot] = dv_slots[slot] + dv_loc[...]
+  home = last % 2
+  dk_ref[...] = dk_slots[home]
+  dv_ref[...] = dv_slots[home]
+  del bq, bk
+
+
+def _hop(
+  d,
+  spec,
+  comms,
+  t,
+  slot,
+  kinds_ref,
+  q_ref,
+  do_ref,
+  lse_ref,
+  delta_ref,
+  qseg_ref,
+  k_slots,
+  v_slots,
+  seg_slots,
+  dq_ref,
+  dk_loc,
+  dv_loc,
+):
+  bq, bk = d.bq, d.bk
+
+  def q_tile(i, _):
+    rows = pl.ds(i * bq, bq)
+
+    def kv_tile(j, _):
+      cols = pl.ds(j * bk, bk)
+
+      def update(masked):
+        mask = tile_masks(d, comms, t, i, j, qseg_ref, seg_slots, slot) if masked else None
+        q_t, k_t = q_ref.at[:, rows, :], k_slots.at[slot, cols, :]
+        p, ds, do = _probs_and_dscores(
+          q_t,
+          k_t,
+          v_slots.at[slot, cols, :],
+          do_ref.at[:, rows, :],
+          lse_ref.at[:, rows, :],
+          delta_ref.at[:, rows, :],
+          mask,
+          spec=spec,
+          masked=masked,
+        )
+        G, _, H = q_t.shape
+        k = k_t[...]
+        q = q_t[...].reshape(G * bq, H)
+        dq = jax.lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=c.F32, precision=spec.precision)
+        dq_ref[:, rows, :] = dq_ref[:, rows, :] + dq.reshape(G, bq, H)
+        dv_loc[cols, :] = dv_loc[cols, :] + jax.lax.dot_general(
+          p.astype(do.dtype), do, _TN, preferred_element_type=c.F32, precision=spec.precision
+        )
+        dk_loc[cols, :] = dk_loc[cols, :] + jax.lax.dot_general(
+          ds.astype(q.dtype), q, _TN, preferred_element_type=c.F32, precision=spec.precision
+        )
+
+      c.by_tile_kind(kinds_ref[t, i, j], update)
+
+    jax.lax.fori_loop(0, d.S // bk, kv_tile, None)
+
+  jax.lax.fori_loop(0, d.T // bq, q_tile, None)
+
+
+def ring_bwd(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec, axis_name, load_balance, interpret):
+  """(dq, dk, dv) f32 of this device's shards, given the final lse and delta = rowsum(dO * O) [B, N, T]."""
+  d = rp.ring_dims(spec, q, k, axis_name, load_balance, has_segments=q_seg is not None, backward=True)
+  meta, kinds = rp.ring_tables(spec, d, q_seg, kv_seg)
+  args = [c.heads_major(q), c.heads_major(do), lse[..., None], delta[..., None], c.heads_major(k), c.heads_major(v)]
+  if d.has_segments:
+    args += [q_seg.astype(jnp.int32)[:, :, None], kv_seg.astype(jnp.int32)[:, None, :]]
+  kernel = functools.partial(_kernel, spec=spec, d=d)
+  sems = rp.sem_scratch(d, (3 if d.has_segments else 2) + 2)
+  dq, dk, dv = rp.ring_call(kernel, bwd_plan(d), sems, d, interpret=interpret, name="ring_bwd")(meta, kinds, *args)
+  return c.heads_major(dq), c.heads_major(dk), c.heads_major(dv)

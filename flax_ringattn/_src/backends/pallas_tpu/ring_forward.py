@@ -1,0 +1,158 @@
+"""Forward kernel of the in-kernel ring (protocol: `ring_protocol.py`).
+
+Per grid step (b, kv head h): q of the group [G, T, H] and the online-softmax
+state m / l / acc of the whole q shard stay in VMEM across all n hops; each hop
+walks its (q tile, kv tile) pairs, skipping EMPTY ones (`masks.classify`
+table) and the mask arithmetic of FULL ones, on the K/V slot that hop holds.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from flax_ringattn._src.backends.pallas_tpu import common as c
+from flax_ringattn._src.backends.pallas_tpu import ring_protocol as rp
+
+
+def fwd_plan(d: rp.RingDims) -> c.CallPlan:
+  G, T, S, H = d.G, d.T, d.S, d.H
+  in_specs = [pl.BlockSpec((None, G, T, H), lambda b, h, meta, kinds: (b, h, 0, 0)), rp.HBM, rp.HBM]
+  in_dtypes = [d.dtype, d.dtype, d.dtype]
+  scratch = [((2, S, H), d.dtype), ((2, S, H), d.dtype)]
+  if d.has_segments:
+    in_specs += [pl.BlockSpec((None, T, 1), lambda b, h, meta, kinds: (b, 0, 0)), rp.HBM]
+    in_dtypes += [jnp.int32, jnp.int32]
+    scratch += [((2, 1, S), jnp.int32)]
+  row = lambda b, h, meta, kinds: (b, h, 0, 0)  # noqa: E731
+  scratch += [((G, T, c.LANES), c.F32), ((G, T, c.LANES), c.F32), ((G, T, H), c.F32)]
+  return c.CallPlan(
+    grid=(d.B, d.K),
+    in_specs=tuple(in_specs),
+    in_dtypes=tuple(in_dtypes),
+    out_specs=(pl.BlockSpec((None, G, T, H), row), pl.BlockSpec((None, G, T, 1), row)),
+    out_shapes=(jax.ShapeDtypeStruct((d.B, d.N, d.T, H), c.F32), jax.ShapeDtypeStruct((d.B, d.N, d.T, 1), c.F32)),
+    scratch=tuple(scratch),
+  )
+
+
+def tile_masks(d: rp.RingDims, comms, t, i, j, qseg_ref, seg_slots, slot):
+  """The mask operands of tile pair (i, j) of hop t: position column / row, segment ids column / row."""
+  qp = rp.tile_positions(d, comms.own_shard(), i * d.bq, d.bq, rows=True)
+  kp = rp.tile_positions(d, comms.src_shard(t), j * d.bk, d.bk, rows=False)
+  out = [qp, kp]
+  if d.has_segments:
+    out += [qseg_ref[pl.ds(i * d.bq, d.bq), :], seg_slots[slot, :, pl.ds(j * d.bk, d.bk)]]
+  return out
+
+
+def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDims, protocol_bug=None):
+  if d.has_segments:
+    qseg_ref, kvseg_hbm, *refs = refs
+  else:
+    qseg_ref = kvseg_hbm = None
+  o_ref, lse_ref, k_slots, v_slots, *refs = refs
+  seg_slots = refs.pop(0) if d.has_segments else None
+  m_sc, l_sc, acc_sc, load_sems, send_sems, recv_sems, credit = refs
+  b, h = pl.program_id(0), pl.program_id(1)
+  comms = rp.Comms(meta_ref, d, credit, name="ring_fwd")
+  n, G, bq, bk = d.n, d.G, d.bq, d.bk
+
+  if n > 1:
+    pl.when((b == 0) & (h == 0))(comms.barrier)
+  pairs = [(k_hbm.at[b, h], k_slots.at[0]), (v_hbm.at[b, h], v_slots.at[0])]
+  slots = [k_slots, v_slots]
+  if d.has_segments:
+    pairs.append((kvseg_hbm.at[b], seg_slots.at[0]))
+    slots.append(seg_slots)
+  rp.load_own(pairs, load_sems)
+  m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, c.F32)
+  l_sc[...] = jnp.zeros(l_sc.shape, c.F32)
+  acc_sc[...] = jnp.zeros(acc_sc.shape, c.F32)
+
+  for t in range(n):
+    slot = t % 2
+    sends = []
+    if t < n - 1:
+      if protocol_bug != "no_credit":
+        comms.release_credit()
+        comms.acquire_credit()
+      sends = [
+        comms.copy_down(s.at[slot], s.at[1 - slot], send_sems.at[a], recv_sems.at[a]) for a, s in enumerate(slots)
+      ]
+      for s in sends:
+        s.start()
+
+    def q_tile(i, _, t=t, slot=slot):
+      rows = pl.ds(i * bq, bq)
+
+      def kv_tile(j, _):
+        cols = pl.ds(j * bk, bk)
+
+        def update(masked):
+          mask = tile_masks(d, comms, t, i, j, qseg_ref, seg_slots, slot) if masked else None
+          _online_softmax_tile(
+            q_ref.at[:, rows, :],
+            k_slots.at[slot, cols, :],
+            v_slots.at[slot, cols, :],
+            mask,
+            m_sc.at[:, rows, :],
+            l_sc.at[:, rows, :],
+            acc_sc.at[:, rows, :],
+            spec=spec,
+            masked=masked,
+          )
+
+        c.by_tile_kind(kinds_ref[t, i, j], update)
+
+      jax.lax.fori_loop(0, d.S // bk, kv_tile, None)
+
+    jax.lax.fori_loop(0, d.T // bq, q_tile, None)
+    for s in sends:
+      s.wait()
+
+  l = l_sc[...][..., :1]
+  empty = l == 0.0  # no visible key on the whole ring: o = 0, lse = -inf
+  l_safe = jnp.where(empty, 1.0, l)
+  o_ref[...] = acc_sc[...] / l_safe
+  lse_ref[...] = jnp.where(empty, -jnp.inf, m_sc[...][..., :1] + jnp.log(l_safe))
+  del G
+
+
+def _online_softmax_tile(q_ref, k_ref, v_ref, mask, m_ref, l_ref, acc_ref, *, spec, masked):
+  """One (q tile, kv tile) step of the online softmax, as the block forward kernel's update."""
+  s, _ = c.scores(q_ref, k_ref, mask, spec=spec, masked=masked)  # [G, bq, bk]
+  G, bq, H = acc_ref.shape
+  m_prev = m_ref[...][..., :1]
+  m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+  m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows with nothing visible yet: exp() gives 0, not NaN
+  alpha = jnp.exp(m_prev - m_safe)
+  p = jnp.exp(s - m_safe)
+  l_new = alpha * l_ref[...][..., :1] + p.sum(axis=-1, keepdims=True)
+  v = v_ref[...]
+  pv = jax.lax.dot_general(
+    p.reshape(G * bq, -1).astype(v.dtype),
+    v,
+    (((1,), (0,)), ((), ())),
+    preferred_element_type=c.F32,
+    precision=spec.precision,
+  )
+  acc_ref[...] = alpha * acc_ref[...] + pv.reshape(G, bq, H)
+  m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
+  l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
+
+
+def ring_fwd(q, k, v, q_seg, kv_seg, *, spec, axis_name, load_balance, interpret, protocol_bug=None):
+  """(o [B, T, N, H] f32, lse [B, N, T] f32) of the whole ring, on this device's q shard."""
+  d = rp.ring_dims(spec, q, k, axis_name, load_balance, has_segments=q_seg is not None, backward=False)
+  meta, kinds = rp.ring_tables(spec, d, q_seg, kv_seg)
+  args = [c.heads_major(q), c.heads_major(k), c.heads_major(v)]
+  if d.has_segments:
+    args += [q_seg.astype(jnp.int32)[:, :, None], kv_seg.astype(jnp.int32)[:, None, :]]
+  kernel = functools.partial(_kernel, spec=spec, d=d, protocol_bug=protocol_bug)
+  sems = rp.sem_scratch(d, 3 if d.has_segments else 2)
+  o, lse = rp.ring_call(kernel, fwd_plan(d), sems, d, interpret=interpret, name="ring_fwd")(meta, kinds, *args)
+  return c.heads_major(o), lse[..., 0]

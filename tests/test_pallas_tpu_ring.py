@@ -1,0 +1,428 @@
+"""The in-kernel ring (`implementation="pallas_tpu_ring"`): ring sizes, DMA modes, tuple axes, protocol checks.
+
+The shared numerical suite (test_ring_attention.py) runs every feature case on a ring of 4; these tests cover
+rings of 1, 2 and 8 in both DMA execution modes, rings over two mesh axes, a broken protocol that the race
+detector must catch, the bytes the kernels send, TPU lowering and the VMEM model.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from jax import export
+from jax.sharding import PartitionSpec as P
+from tolerances import assert_close
+
+import flax_ringattn as fr
+from flax_ringattn._src import masks
+from flax_ringattn._src.backends.base import AttentionSpec
+from flax_ringattn._src.backends.pallas_tpu import common, planner
+from flax_ringattn._src.backends.pallas_tpu import ring_protocol as rp
+from flax_ringattn._src.backends.pallas_tpu.ring import kernel_ring_attention_local
+from flax_ringattn._src.backends.pallas_tpu.ring_backward import bwd_plan
+from flax_ringattn._src.backends.pallas_tpu.ring_forward import fwd_plan, ring_fwd
+from flax_ringattn._src.testing.interpret import interpret_params, no_races
+
+interpret = pytest.mark.interpret
+BLOCKS = fr.BlockSizes(block_q=16, block_kv=128)
+
+
+def _inputs(B, T, N, K, H, dtype=jnp.float32, seed=0, segments=False):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+  q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (B, T, K, H), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (B, T, K, H), jnp.float32).astype(dtype)
+  do = jax.random.normal(ks[3], (B, T, N, H), jnp.float32).astype(dtype)
+  seg = None
+  if segments:
+    cuts = jnp.sort(jax.random.randint(ks[4], (B, 3), 1, T), axis=1)
+    seg = (jnp.arange(T)[None, :, None] >= cuts[:, None, :]).sum(-1).astype(jnp.int32)
+  return q, k, v, do, seg
+
+
+def _run(implementation, mesh, axis, q, k, v, do, seg, opts, *, load_balance=False, params=None):
+  n = 1
+  for a in axis if isinstance(axis, tuple) else (axis,):
+    n *= mesh.shape[a]
+  if load_balance:
+    zz = lambda x: fr.zigzag_order(x, n, axis=1)  # noqa: E731
+    q, k, v, do = zz(q), zz(k), zz(v), zz(do)
+    seg = None if seg is None else zz(seg)
+  extra = {} if implementation == "xla" else dict(interpret=params or interpret_params(), block_sizes=BLOCKS)
+
+  def f(q, k, v):
+    return fr.ring_attention(
+      q,
+      k,
+      v,
+      mesh=mesh,
+      axis_name=axis,
+      segment_ids=seg,
+      load_balance=load_balance,
+      implementation=implementation,
+      **extra,
+      **opts,
+    )
+
+  out, vjp = jax.vjp(jax.jit(f), q, k, v)
+  grads = vjp(do)
+  if load_balance:
+    unzz = lambda x: fr.zigzag_inverse(x, n, axis=1)  # noqa: E731
+    out, grads = unzz(out), tuple(unzz(g) for g in grads)
+  return out, grads
+
+
+def _check(out, grads, q, k, v, do, seg, opts, dtype=jnp.float32):
+  ref_out, ref_vjp = jax.vjp(lambda q, k, v: fr.reference_attention(q, k, v, segment_ids=seg, **opts), q, k, v)
+  assert_close(out, ref_out, dtype, "fwd")
+  assert_close(grads, ref_vjp(do), dtype, "grad")
+
+
+# (ring size, DMA mode, features): every ring size in both modes across the suite, features spread over them.
+RING_CASES = [
+  (1, "eager", dict(is_causal=True), False, False),
+  (2, "on_wait", dict(is_causal=True), True, True),  # zigzag + segment ids
+  (2, "eager", dict(local_window_size=(20, 5), logits_soft_cap=3.0), False, False),
+  (8, "on_wait", dict(is_causal=True, local_window_size=(40, 0)), True, True),
+  (8, "eager", dict(is_causal=True), False, False),
+]
+
+
+@interpret
+@pytest.mark.parametrize(
+  "n,mode,opts,lb,segments", RING_CASES, ids=[f"ring{c[0]}-{c[1]}-{'-'.join(c[2])}" for c in RING_CASES]
+)
+def test_ring_sizes_and_dma_modes(n, mode, opts, lb, segments, capfd):
+  """GQA 2:1, shards of 16 tokens, forward and all gradients against the reference, no races, and every
+  semaphore back at zero when the kernels end (interpret mode prints the ones that are not)."""
+  q, k, v, do, seg = _inputs(1, 16 * n, 2, 1, 16, segments=segments)
+  mesh = make_mesh((n,), ("sp",))
+  with no_races():
+    out, grads = _run(
+      "pallas_tpu_ring",
+      mesh,
+      "sp",
+      q,
+      k,
+      v,
+      do,
+      seg,
+      opts,
+      load_balance=lb,
+      params=interpret_params(dma_execution_mode=mode),
+    )
+  assert "non-zero count" not in capfd.readouterr().out
+  _check(out, grads, q, k, v, do, seg, opts)
+
+
+@interpret
+def test_ragged_tiles_bf16():
+  """A shard of 48 q rows with 32-row tiles requested: the kernel walks 3 tiles of 16 (bf16, GQA 4:1)."""
+  q, k, v, do, seg = _inputs(1, 48, 4, 1, 16, dtype=jnp.bfloat16)
+  mesh = make_mesh((1,), ("sp",))
+  opts = dict(is_causal=True)
+  blocks = fr.BlockSizes(block_q=32, block_kv=128)
+
+  def f(q, k, v):
+    return fr.ring_attention(
+      q, k, v, mesh=mesh, implementation="pallas_tpu_ring", interpret=interpret_params(), block_sizes=blocks, **opts
+    )
+
+  with no_races():
+    out, vjp = jax.vjp(jax.jit(f), q, k, v)
+    grads = vjp(do)
+  _check(out, grads, q, k, v, do, seg, opts, jnp.bfloat16)
+
+
+@interpret
+@pytest.mark.parametrize("shape", [(2, 2), (2, 4)], ids=["2x2", "2x4"])
+def test_tuple_axes_agree(shape):
+  """A ring over ("x", "y"): xla and pallas_tpu_ring match the reference (zigzag, segments, GQA), fwd and grads."""
+  n = shape[0] * shape[1]
+  q, k, v, do, seg = _inputs(1, 16 * n, 2, 1, 16, segments=True)
+  mesh = make_mesh(shape, ("x", "y"))
+  opts = dict(is_causal=True)
+  for impl in ("xla", "pallas_tpu_ring"):
+    checks = no_races() if impl != "xla" else _nullcontext()
+    with checks:
+      out, grads = _run(impl, mesh, ("x", "y"), q, k, v, do, seg, opts, load_balance=True)
+    _check(out, grads, q, k, v, do, seg, opts)
+
+
+@interpret
+def test_tuple_axes_block_kernel_ring():
+  """The block-kernel ring (pallas_tpu) on ("x", "y") 2x2 agrees too (forward: its ring loop is xla's)."""
+  q, k, v, _, _ = _inputs(1, 64, 2, 1, 16)
+  mesh = make_mesh((2, 2), ("x", "y"))
+
+  def f(q, k, v):
+    return fr.ring_attention(
+      q,
+      k,
+      v,
+      mesh=mesh,
+      axis_name=("x", "y"),
+      is_causal=True,
+      implementation="pallas_tpu",
+      interpret=interpret_params(),
+      block_sizes=BLOCKS,
+    )
+
+  with no_races():
+    out = jax.jit(f)(q, k, v)
+  assert_close(out, fr.reference_attention(q, k, v, is_causal=True), jnp.float32)
+
+
+class _nullcontext:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+
+def test_tuple_axis_errors():
+  mesh = make_mesh((2, 2), ("x", "y"))
+  q = jnp.zeros((1, 16, 2, 8))
+  with pytest.raises(
+    ValueError, match=r"axis_name=\('x', 'z'\) names 'z', which is not an axis of the mesh \(mesh axes: \('x', 'y'\)\)"
+  ):
+    fr.ring_attention(q, q, q, mesh=mesh, axis_name=("x", "z"))
+  with pytest.raises(ValueError, match=r"must be different mesh axes, got \['x', 'y', 'y'\]"):
+    fr.ring_attention(q, q, q, mesh=mesh, axis_name=("x", "y"), batch_axis="y")
+  with pytest.raises(ValueError, match=r"axis_name=\(\) names no mesh axis"):
+    fr.ring_attention(q, q, q, mesh=mesh, axis_name=())
+
+  def inside(q):
+    return fr.ring_attention(q, q, q, axis_name=("x", "z"))
+
+  s = P(None, ("x", "y"))
+  with pytest.raises(ValueError, match=r"axis_name=\('x', 'z'\) is not bound: .* \(unbound: \['z'\]\)"):
+    jax.shard_map(inside, mesh=mesh, in_specs=s, out_specs=s)(jax.reshard(q, jax.NamedSharding(mesh, s)))
+
+
+def test_tile_table_too_large_for_smem():
+  """n hops x 1024 x 64 tiles of 4 bytes = 1 MiB of tile table: more than the SMEM share."""
+  q = jax.ShapeDtypeStruct((1, 4 * 8192, 1, 8), jnp.float32)
+  mesh = make_mesh((4,), ("sp",))
+
+  def f(q):
+    return fr.ring_attention(
+      q,
+      q,
+      q,
+      mesh=mesh,
+      implementation="pallas_tpu_ring",
+      interpret=True,
+      block_sizes=fr.BlockSizes(block_q=8, block_kv=128),
+    )
+
+  with pytest.raises(ValueError, match=r"pallas_tpu_ring: the tile table of 4 hops x 1024 x 64 tiles needs 1048576"):
+    jax.eval_shape(f, q)
+
+
+@interpret
+def test_missing_credit_is_caught_by_the_race_detector():
+  """The harness catches what it exists for: without the credit semaphore, r - 1 overwrites a slot that r is
+  still reading (ring of 4, eager DMAs)."""
+  n = 4
+  q, k, v, _, _ = _inputs(1, 16 * n, 2, 2, 16)
+  mesh = make_mesh((n,), ("sp",), explicit=False)
+  spec = AttentionSpec(mask=masks.MaskSpec(), scale=0.25, block_sizes=BLOCKS)
+  s = P(None, "sp")
+
+  def broken(q, k, v):
+    return ring_fwd(
+      q,
+      k,
+      v,
+      None,
+      None,
+      spec=spec,
+      axis_name="sp",
+      load_balance=False,
+      interpret=interpret_params(dma_execution_mode="eager"),
+      protocol_bug="no_credit",
+    )[0]
+
+  f = jax.jit(jax.shard_map(broken, mesh=mesh, in_specs=(s, s, s), out_specs=s))
+  with pytest.raises(AssertionError, match="detected a data race"), no_races():
+    f(q, k, v)
+
+
+def test_bytes_sent_follow_the_schedule():
+  """Counted from the DMAs the kernels start (once per grid step of B x K): forward (n-1) x the K/V shard,
+  kv heads only; backward the same plus the f32 dK/dV accumulators n times."""
+  n, B, T, N, K, H = 4, 2, 64, 8, 2, 16
+  q, k, v, do, _ = _inputs(B, T, N, K, H)
+  mesh = make_mesh((n,), ("sp",))
+
+  def f(q, k, v):
+    return fr.ring_attention(
+      q, k, v, mesh=mesh, implementation="pallas_tpu_ring", interpret=interpret_params(), block_sizes=BLOCKS
+    )
+
+  log = []
+  rp.DMA_LOG = log
+  try:
+    jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)).trace(q, k, v, do)
+  finally:
+    rp.DMA_LOG = None
+  steps = B * K
+  sent = {name: steps * sum(b for nm, b in log if nm == name) for name in ("ring_fwd", "ring_bwd")}
+  shard = B * (T // n) * K * H  # elements of one device's K (or V) shard: kv heads only
+  assert sent["ring_fwd"] == (n - 1) * 2 * shard * 4
+  assert sent["ring_bwd"] == (n - 1) * 2 * shard * 4 + n * 2 * shard * 4
+
+
+@pytest.mark.parametrize("segments,cap", [(False, None), (True, 30.0)], ids=["plain", "seg-cap"])
+def test_kernels_lower_to_mosaic_for_tpu(segments, cap):
+  """jax.export runs the Pallas -> Mosaic lowering of both ring kernels for TPU (ring of 4, bf16, GQA)."""
+  spec = AttentionSpec(
+    mask=masks.MaskSpec(is_causal=True, has_segments=segments),
+    scale=0.1,
+    logits_soft_cap=cap,
+    block_sizes=fr.BlockSizes(block_q=128, block_kv=256),
+  )
+  n, B, T, N, K, H = 4, 1, 512 * 4, 8, 2, 128
+  mesh = jax.sharding.AbstractMesh((n,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+  s, ss = P(None, "sp"), P(None, "sp")
+  sds = jax.ShapeDtypeStruct
+  x = sds((B, T, N, H), jnp.bfloat16)
+  kv = sds((B, T, K, H), jnp.bfloat16)
+  seg = sds((B, T), jnp.int32) if segments else None
+
+  def loss(q, k, v, seg):
+    o = kernel_ring_attention_local(q, k, v, seg, seg, axis_name="sp", load_balance=True, spec=spec, interpret=None)
+    return o.astype(jnp.float32).sum()
+
+  body = jax.shard_map(
+    jax.grad(loss, argnums=(0, 1, 2)),
+    mesh=mesh,
+    in_specs=(s, s, s, ss if segments else None),
+    out_specs=(s, s, s),
+  )
+  text = export.export(jax.jit(body), platforms=("tpu",))(x, kv, kv, seg).mlir_module()
+  assert text.count("tpu_custom_call") == 2  # forward and backward
+
+
+@pytest.mark.parametrize("segments", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_planner_counts_every_ring_buffer(segments, dtype):
+  d = rp.RingDims(
+    axes=("sp",),
+    sizes=(4,),
+    n=4,
+    load_balance=False,
+    B=2,
+    T=256,
+    S=384,
+    N=8,
+    K=2,
+    H=64,
+    dtype=jnp.dtype(dtype),
+    bq=64,
+    bk=128,
+    has_segments=segments,
+  )
+  dims = dict(T=256, S=384, bq=64, bk=128, num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, has_segments=segments)
+  assert planner.ring_footprint("ring_fwd", **dims).buffers == common.plan_vmem_bytes(fwd_plan(d))
+  assert planner.ring_footprint("ring_bwd", **dims).buffers == common.plan_vmem_bytes(bwd_plan(d))
+  with pytest.raises(ValueError, match="kernel must be 'ring_fwd' or 'ring_bwd'"):
+    planner.ring_footprint("fwd", **dims)
+
+
+def test_ring_fits():
+  small = dict(num_heads=8, num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
+  assert planner.ring_fits(T=1024, S=1024, generation="v5e", **small)
+  assert not planner.ring_fits(T=1 << 20, S=1 << 20, generation="v5e", **small)  # the shard must fit VMEM
+  assert not planner.ring_fits(T=100, S=1024, generation="v5e", **small)  # no legal grouped q tile
+
+
+def test_selection_and_errors():
+  q = jnp.zeros((1, 64, 2, 16))
+  assert "pallas_tpu_ring" in fr.available_implementations()
+  if jax.default_backend() != "tpu":
+    with pytest.raises(NotImplementedError, match=r"pallas_tpu_ring needs a TPU .* pass interpret=True"):
+      fr.ring_attention(q, q, q, implementation="pallas_tpu_ring")
+  with pytest.raises(NotImplementedError, match=r"pallas_tpu_ring supports float32 and bfloat16 inputs"):
+    h = q.astype(jnp.float16)
+    fr.ring_attention(h, h, h, implementation="pallas_tpu_ring", interpret=True)
+
+
+@interpret
+def test_layer_with_tuple_seq_axis():
+  """RingMultiHeadAttention over seq_axis=("x", "y") with the in-kernel ring matches nnx.MultiHeadAttention."""
+  from flax import nnx
+
+  mesh = make_mesh((1, 2), ("x", "y"))
+  kw = dict(num_heads=2, in_features=16, qkv_features=16, decode=False, rngs=nnx.Rngs(0))
+  mha = nnx.MultiHeadAttention(**kw)
+  ring = fr.RingMultiHeadAttention(
+    **kw,
+    mesh=mesh,
+    seq_axis=("x", "y"),
+    implementation="pallas_tpu_ring",
+    interpret=interpret_params(),
+    block_sizes=BLOCKS,
+  )
+  nnx.update(ring, nnx.state(mha))
+  x = jax.random.normal(jax.random.PRNGKey(1), (1, 64, 16))
+  expected = mha(x, is_causal=True)
+  x = jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, P(None, ("x", "y"), None)))
+  with no_races():
+    got = ring(x, is_causal=True)
+  assert_close(got, expected, jnp.float32)
+  np.testing.assert_equal(np.isfinite(np.asarray(got)).all(), True)
+
+
+def test_default_prefers_the_kernel_ring_only_where_shards_fit(monkeypatch):
+  """implementation=None on a TPU: the in-kernel ring when its shards fit VMEM, else pallas_tpu."""
+  from flax_ringattn._src import backends
+  from flax_ringattn._src.backends.pallas_tpu.ring import PallasTpuRingBackend
+  from flax_ringattn._src.ring import op
+
+  ring = PallasTpuRingBackend()
+  spec = AttentionSpec(mask=masks.MaskSpec(is_causal=True), scale=0.1)
+  picked = []
+  monkeypatch.setattr(backends, "get_backend", lambda name, **kw: picked.append(name) or name)
+  small = (
+    jax.ShapeDtypeStruct((1, 4 * 256, 8, 128), jnp.bfloat16),
+    jax.ShapeDtypeStruct((1, 4 * 256, 2, 128), jnp.bfloat16),
+  )
+  assert op._fit_to_shard(ring, None, spec, *small, 4) is ring
+  assert op._fit_to_shard(ring, "pallas_tpu_ring", spec, *small, 4) is ring  # named: never replaced
+  huge = (
+    jax.ShapeDtypeStruct((1, 4 << 20, 8, 128), jnp.bfloat16),
+    jax.ShapeDtypeStruct((1, 4 << 20, 2, 128), jnp.bfloat16),
+  )
+  assert op._fit_to_shard(ring, None, spec, *huge, 4) == "pallas_tpu"
+  assert picked == ["pallas_tpu"]
+
+
+@pytest.mark.parametrize("sizes", [(2, 2), (2, 4), (4, 2), (2, 3), (2, 2, 2)])
+def test_snake_ring_is_a_walk_between_grid_neighbours(sizes):
+  from flax_ringattn._src import layout
+
+  n = int(np.prod(sizes))
+  coords = [layout.snake_coords(m, sizes) for m in range(n)]
+  assert sorted(coords) == sorted(np.ndindex(*sizes))  # every device once
+  assert [layout.snake_member(c, sizes) for c in coords] == list(range(n))
+  for a, b in zip(coords, coords[1:] + coords[:1], strict=True):
+    steps = [min(abs(x - y), s - abs(x - y)) for x, y, s in zip(a, b, sizes, strict=True)]  # torus distance
+    wrap = b == coords[0]
+    assert sum(steps) == 1 or (wrap and sizes[0] % 2), (a, b)
+  # the traced form agrees with the static one
+  traced = [tuple(int(x) for x in layout.snake_coords(jnp.int32(m), sizes)) for m in range(n)]
+  assert traced == coords
+  assert [layout.ring_shard(m, sizes) for m in range(n)] == [int(np.ravel_multi_index(c, sizes)) for c in coords]
+
+
+def test_other_strategies_need_block_kernels():
+  mesh = make_mesh((2,), ("sp",))
+  q = jnp.zeros((1, 32, 2, 8))
+  with pytest.raises(NotImplementedError, match=r"implementation='pallas_tpu_ring' is the ring strategy inside one"):
+    fr.ring_attention(q, q, q, mesh=mesh, implementation="pallas_tpu_ring", interpret=True, strategy="ulysses")
