@@ -11,6 +11,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from flax_ringattn._src import backends, masks, sharding, validation
+from flax_ringattn._src import dropout as dropout_lib
 from flax_ringattn._src.backends.base import AttentionSpec
 from flax_ringattn._src.block_sizes import BlockSizes
 from flax_ringattn._src.ring.ring_loop import RingConfig, ring_attention_local
@@ -35,6 +36,9 @@ def ring_attention(
   head_axis=None,
   precision=None,
   interpret=None,
+  dropout_rate: float = 0.0,
+  dropout_rng=None,
+  broadcast_dropout: bool = True,
 ):
   """Ring attention with the semantics of `jax.nn.dot_product_attention`.
 
@@ -70,6 +74,13 @@ def ring_attention(
     interpret: run the `pallas_tpu` kernels in Pallas TPU interpret mode (on
       CPU): True, or a `jax.experimental.pallas.tpu.InterpretParams`.  Implies
       implementation="pallas_tpu" when implementation is None.
+    dropout_rate: attention dropout on the probabilities (0 = none).  The keep
+      mask is a hash of `dropout_rng` and the global (batch, head, q position,
+      kv position), so it is the same on any ring size and layout, and the
+      backward regenerates it.
+    dropout_rng: a `jax.random` key, needed when dropout_rate > 0.
+    broadcast_dropout: one mask for every batch row and head (flax's default),
+      else one per (batch, head).
 
   Returns:
     [B, T, N, H] in q.dtype, laid out like q.  Rows with no visible key are 0.
@@ -83,12 +94,17 @@ def ring_attention(
     raise TypeError(f"block_sizes must be a flax_ringattn.BlockSizes, got {type(block_sizes).__name__}")
   validation.check_bool("load_balance", load_balance)
   validation.check_bool("is_causal", is_causal)
+  rate = dropout_lib.check_rate(dropout_rate)
+  validation.check_bool("broadcast_dropout", broadcast_dropout)
+  drop = dropout_lib.seed_operand(dropout_rng) if rate else None
   spec = AttentionSpec(
     mask=masks.MaskSpec(is_causal=is_causal, window=window, has_segments=q_seg is not None),
     scale=scale,
     logits_soft_cap=cap,
     block_sizes=block_sizes,
     precision=precision,
+    dropout_rate=rate,
+    dropout_broadcast=broadcast_dropout,
   )
   # Resolve the backend now so that a bad name fails here, not deep in tracing.
   backend = backends.get_backend(
@@ -96,7 +112,9 @@ def ring_attention(
   )
 
   if mesh is not None:
-    return _ring_on_mesh(q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis, load_balance, spec, backend)
+    return _ring_on_mesh(
+      q, k, v, q_seg, kv_seg, drop, mesh, axis_name, batch_axis, head_axis, load_balance, spec, backend
+    )
 
   if batch_axis is not None or head_axis is not None:
     raise ValueError(
@@ -114,7 +132,9 @@ def ring_attention(
     n = 1
   _check_shard_lengths(T, S, n, load_balance, local=True, axis_name=axis_name)
   cfg = RingConfig(axis_name=axis_name, load_balance=load_balance, spec=spec, backend=backend)
-  return ring_attention_local(q, k, v, q_seg, kv_seg, cfg)
+  # Inside the caller's shard_map only the ring axis is known: batch and heads
+  # count as global here (shard them yourself and dropout masks repeat).
+  return ring_attention_local(q, k, v, q_seg, kv_seg, cfg, drop)
 
 
 def _check_shard_lengths(T, S, n, load_balance, *, local, axis_name):
@@ -134,7 +154,7 @@ def _check_shard_lengths(T, S, n, load_balance, *, local, axis_name):
       )
 
 
-def _ring_on_mesh(q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis, load_balance, spec, backend):
+def _ring_on_mesh(q, k, v, q_seg, kv_seg, drop, mesh, axis_name, batch_axis, head_axis, load_balance, spec, backend):
   if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
   names = tuple(mesh.axis_names)
@@ -166,10 +186,21 @@ def _ring_on_mesh(q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis
     q_seg, kv_seg = (sharding.constrain(x, mesh, seg_spec) for x in (q_seg, kv_seg))
   seg_specs = (seg_spec, seg_spec) if q_seg is not None else (None, None)
 
+  def local(q, k, v, qs, ks, drop):
+    if drop is not None:
+      # Global batch row / q head of this shard's first: the dropout mask is a
+      # function of global indices.
+      b0 = jax.lax.axis_index(batch_axis) * q.shape[0] if batch_axis is not None else 0
+      h0 = jax.lax.axis_index(head_axis) * q.shape[2] if head_axis is not None else 0
+      drop = dropout_lib.with_offsets(drop, b0, h0)
+    return ring_attention_local(q, k, v, qs, ks, cfg, drop)
+
+  if drop is not None:
+    drop = sharding.constrain(drop, mesh, P())
   fn = jax.shard_map(
-    lambda q, k, v, qs, ks: ring_attention_local(q, k, v, qs, ks, cfg),
+    local,
     mesh=mesh,
-    in_specs=(x_spec, x_spec, x_spec, *seg_specs),
+    in_specs=(x_spec, x_spec, x_spec, *seg_specs, None if drop is None else P()),
     out_specs=x_spec,
   )
-  return fn(q, k, v, q_seg, kv_seg)
+  return fn(q, k, v, q_seg, kv_seg, drop)

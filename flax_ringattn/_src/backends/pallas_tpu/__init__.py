@@ -52,6 +52,11 @@ class PallasTpuBackend:
       )
     if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
       raise NotImplementedError(f"pallas_tpu supports float32 and bfloat16 inputs, got dtype={jnp.dtype(dtype)}")
+    if spec.dropout_rate:
+      raise NotImplementedError(
+        f"pallas_tpu does not implement attention dropout yet (dropout_rate={spec.dropout_rate}); "
+        "use implementation='xla'"
+      )
     del shapes  # global shapes: the shard lengths are checked against the tiles when the block is traced
 
   def fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec):
