@@ -37,14 +37,26 @@ def head_sharding_metadata(head_axis, mesh, *, kernel_metadata, bias_metadata, o
   return {name: {"out_sharding": defaults[name], **extra, **metadata[name]} for name in metadata}
 
 
-def place_params(layer, mesh):
-  """Puts the layer's parameters on `mesh` (their `out_sharding` metadata, else replicated).
+def head_param_spec(projection: str, param: str, head_axis):
+  """Partition of a parameter of nnx.MultiHeadAttention with the heads on `head_axis` (None: not head-sharded)."""
+  if head_axis is None:
+    return None
+  if projection in ("query", "key", "value"):
+    return {"kernel": (None, head_axis, None), "bias": (head_axis, None)}.get(param)
+  if projection == "out" and param == "kernel":
+    return (head_axis, None, None)
+  return None
+
+
+def place_params(layer, mesh, head_axis=None):
+  """Puts the layer's parameters on `mesh`: over `head_axis`, else their `out_sharding` metadata, else replicated.
 
   Called at the start of every `__call__`: weights loaded with `nnx.update` from
-  a model on one device (or from a checkpoint) are then typed on the mesh before
-  flax's projections contract them with mesh-sharded activations, which Explicit
-  mesh axes require.  Under `nnx.jit` the new placement is written back to the
-  model, so later calls find the parameters in place (a no-op constraint).
+  a model on one device (or from a checkpoint; `nnx.update` also replaces the
+  parameters' metadata) are then typed on the mesh before flax's projections
+  contract them with mesh-sharded activations, which Explicit mesh axes
+  require.  Under `nnx.jit` the new placement is written back to the model, so
+  later calls find the parameters in place (a no-op constraint).
   """
   if mesh is None:
     return
@@ -52,14 +64,16 @@ def place_params(layer, mesh):
     module = getattr(layer, name, None)
     if not isinstance(module, nnx.Module):
       continue
-    for _, var in nnx.iter_graph(module):
+    for path, var in nnx.iter_graph(module):
       if not isinstance(var, nnx.Param):
         continue
       value = var.get_value()
-      spec = var.get_metadata().get("out_sharding") or (None,) * value.ndim
+      spec = head_param_spec(name, path[-1], head_axis)
+      if spec is None:
+        spec = var.get_metadata().get("out_sharding") or (None,) * value.ndim
       target = sharding.named(mesh, P(*spec))
       if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
-        if value.sharding == target or (value.sharding.is_equivalent_to(target, value.ndim)):
+        if value.sharding.is_equivalent_to(target, value.ndim):
           continue
         var.set_value(jax.device_put(value, target))
       else:

@@ -237,7 +237,7 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     dropout_rng = self._dropout_rng(deterministic, rngs)
 
     mesh = self.mesh
-    place_params(self, mesh)
+    place_params(self, mesh, self.head_axis)
     seq = P(self.batch_axis, self.seq_axis, None)
     heads = P(self.batch_axis, self.seq_axis, self.head_axis, None)
     inputs_q, inputs_k, inputs_v = (sharding.constrain(x, mesh, seq) for x in (inputs_q, inputs_k, inputs_v))
