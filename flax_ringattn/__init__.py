@@ -5,7 +5,11 @@ The public surface (see README.md for the table):
 * ops: `ring_attention`, `paged_attention`, `reference_attention`,
   `paged_reference_attention`
 * layers: `RingMultiHeadAttention`, `make_ring_attention_fn`,
-  `PagedMultiHeadAttention`; cache: `PagedKVCache`
+  `PagedMultiHeadAttention`; cache: `PagedKVCache`; `convert` (swap every
+  `nnx.MultiHeadAttention` of a model in place) and its `ConversionReport`
+* dense masks: `padded_segment_ids`, `structure_from_dense_mask`,
+  `dense_mask_from_structure`
+* `flax_ringattn.testing`: helpers for your own tests (imported on demand)
 * layout helpers: `zigzag_order`, `zigzag_inverse`, `zigzag_positions`
 * strategies: `suggest_strategy` (cost model; `Hardware`, `StrategyAdvice`,
   `StrategyEstimate`)
@@ -18,6 +22,8 @@ from flax_ringattn._src.backends import available as available_implementations
 from flax_ringattn._src.backends.pallas_tpu.planner import plan_block_sizes
 from flax_ringattn._src.block_sizes import BlockSizes
 from flax_ringattn._src.layout import zigzag_inverse, zigzag_order, zigzag_positions
+from flax_ringattn._src.masks import dense_mask_from_structure, padded_segment_ids, structure_from_dense_mask
+from flax_ringattn._src.nnx.convert import ConversionReport, convert
 from flax_ringattn._src.nnx.paged_mha import PagedMultiHeadAttention
 from flax_ringattn._src.nnx.ring_mha import RingMultiHeadAttention, make_ring_attention_fn
 from flax_ringattn._src.paged.cache import PagedKVCache
@@ -31,11 +37,15 @@ __version__ = "0.1.0.dev0"
 __all__ = [
   "BlockSizes",
   "Hardware",
+  "ConversionReport",
   "PagedKVCache",
   "PagedMultiHeadAttention",
   "RingMultiHeadAttention",
   "available_implementations",
+  "convert",
+  "dense_mask_from_structure",
   "make_ring_attention_fn",
+  "padded_segment_ids",
   "paged_attention",
   "paged_reference_attention",
   "plan_block_sizes",
@@ -44,6 +54,7 @@ __all__ = [
   "StrategyAdvice",
   "StrategyEstimate",
   "suggest_strategy",
+  "structure_from_dense_mask",
   "zigzag_inverse",
   "zigzag_order",
   "zigzag_positions",

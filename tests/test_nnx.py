@@ -92,11 +92,10 @@ def test_segment_ids_and_window_options():
 @pytest.mark.parametrize(
   "call,match",
   [
-    (lambda m, x: m(x, mask=jnp.ones((2, 1, 16, 16), bool)), "is_causal=True, segment_ids"),
     (lambda m, x: m(x, sow_weights=True), "sow_weights"),
     (lambda m, x: m(x, decode=True), "decode=True"),
   ],
-  ids=["mask", "sow_weights", "decode"],
+  ids=["sow_weights", "decode"],
 )
 def test_unsupported_layer_options_raise(call, match):
   ring = _ring(None)
@@ -104,20 +103,13 @@ def test_unsupported_layer_options_raise(call, match):
     call(ring, jnp.zeros((2, 16, FEATURES)))
 
 
-def test_dropout_raises_at_construction():
-  with pytest.raises(NotImplementedError, match="dropout"):
-    _ring(None, dropout_rate=0.1)
-
-
 @pytest.mark.parametrize(
   "kwargs,match",
   [
-    (dict(mask=jnp.ones((2, 1, 16, 16), bool)), "local_window_size"),
-    (dict(dropout_rate=0.1, deterministic=False), "dropout"),
     (dict(bias=jnp.zeros((2, 1, 16, 16))), "bias"),
     (dict(module=object()), "sow_weights"),
   ],
-  ids=["mask", "dropout", "bias", "sow_weights"],
+  ids=["bias", "sow_weights"],
 )
 def test_unsupported_attention_fn_options_raise(kwargs, match):
   fn = fr.make_ring_attention_fn()
@@ -191,4 +183,6 @@ def test_nnx_scan_and_remat_over_layers(remat):
   got_loss, got_grads = nnx.jit(nnx.value_and_grad(loss))(ring_stack, x)
   ref_loss, ref_grads = nnx.value_and_grad(loss)(ref_stack, x)
   assert_close(got_loss, ref_loss, jnp.float32)
-  assert_close(nnx.state(got_grads, nnx.Param), nnx.state(ref_grads, nnx.Param), jnp.float32, "grad")
+  # (pure dicts: the ring layer's parameters also carry their mesh placement as metadata)
+  pure = lambda g: nnx.to_pure_dict(nnx.state(g, nnx.Param))  # noqa: E731
+  assert_close(pure(got_grads), pure(ref_grads), jnp.float32, "grad")

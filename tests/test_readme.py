@@ -15,3 +15,7 @@ def test_readme_python_blocks_run():
   assert namespace["out"].shape == namespace["q"].shape
   assert float(namespace["loss"]) >= 0.0
   assert namespace["y"].shape == (32, 64)
+  # The convert section ran and the pytest example really passes.
+  assert namespace["report"].replaced == ["attn"]
+  assert (namespace["same"] == (namespace["mask"] != 0)).all()
+  namespace["test_my_attention_matches_reference"](namespace["jnp"].bfloat16)

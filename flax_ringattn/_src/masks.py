@@ -134,3 +134,98 @@ def tile_kinds(spec: MaskSpec, q_pos, kv_pos, q_seg, kv_seg, bq: int, bk: int):
     Extent(col(qe.pos_min), col(qe.pos_max), col(qe.seg_min), col(qe.seg_max)),
     Extent(row(ke.pos_min), row(ke.pos_max), row(ke.seg_min), row(ke.seg_max)),
   )
+
+
+# Dense masks as models build them ------------------------------------------------
+#
+# flax models (the lm1b example and most code written like it) hand attention a
+# dense [B, 1, T, T] mask: nnx.combine_masks(make_attention_mask(valid, valid),
+# make_causal_mask(tokens), make_attention_mask(segments, segments, jnp.equal)).
+# That family is exactly "causal (or not) + segment ids + padding", and padding
+# is a segment of its own with one twist: a padding query sees nothing (its row
+# is all zero) and a padding key is seen by nobody.  A (q_ids, kv_ids) pair
+# expresses that exactly: valid tokens carry their segment's id on both sides,
+# padding gets PAD_Q_ID as a query and PAD_KV_ID as a key, which never match.
+#
+# Recovery from the dense mask m (self attention, T == S), per batch row:
+#   valid[i]  = m[i, i]                 (a valid token always sees itself)
+#   seg[i]    = first j with m[i, j]     (the first token of i's segment: every
+#                                         member sees it, causal or not)
+#   causal    = no m[i, j] with j > i
+# and the recovery is verified by rebuilding the mask from (causal, q_ids,
+# kv_ids) with `pair_visible` and comparing it with m elementwise.  Any mask
+# outside the family (a window, a prefix-LM mask, per-head masks, a padding
+# query that sees keys, ...) fails that comparison.
+
+PAD_Q_ID = -1  # segment id of a padding query
+PAD_KV_ID = -2  # segment id of a padding key: no query ever matches it
+
+
+def padded_segment_ids(valid, segment_ids=None):
+  """(q_ids, kv_ids) [B, T] int32 for packed, padded self attention, without any [T, T] mask.
+
+  Pass the result as `segment_ids=` together with `is_causal=True` instead of
+  building `combine_masks(make_attention_mask(valid, valid), make_causal_mask(x),
+  make_attention_mask(segment_ids, segment_ids, jnp.equal))`: the two describe the
+  same mask (padding rows see nothing and padding keys are seen by nobody).
+
+  Args:
+    valid: [B, T] bool (or 0/1): True for real tokens, False for padding.
+    segment_ids: optional [B, T] int ids of packed documents (None: one document
+      per row).
+  """
+  valid = jnp.asarray(valid) != 0
+  if segment_ids is None:
+    seg = jnp.zeros(valid.shape, jnp.int32)
+  else:
+    seg = jnp.asarray(segment_ids).astype(jnp.int32)
+    if seg.shape != valid.shape:
+      raise ValueError(f"segment_ids must have the shape of valid {tuple(valid.shape)}, got {tuple(seg.shape)}")
+  # Padding ids below every real id, so a user id can never collide with them.
+  low = jnp.minimum(jnp.min(jnp.where(valid, seg, 0)), 0)
+  return jnp.where(valid, seg, low + PAD_Q_ID), jnp.where(valid, seg, low + PAD_KV_ID)
+
+
+def check_dense_mask_shape(mask, B: int, N: int, T: int, S: int):
+  """The dense mask must broadcast to [B, N, T, S] the way nnx.MultiHeadAttention's does."""
+  shape = tuple(getattr(mask, "shape", ()))
+  if len(shape) != 4 or shape[0] not in (1, B) or shape[1] not in (1, N) or shape[2:] != (T, S):
+    raise ValueError(
+      f"mask must have shape [B | 1, N | 1, T, S] = [{B} | 1, {N} | 1, {T}, {S}] (the layout of "
+      f"nnx.make_attention_mask), got {shape}"
+    )
+
+
+def structure_from_dense_mask(mask):
+  """(is_causal, q_ids, kv_ids, exact) recovered from a dense self-attention mask.
+
+  Args:
+    mask: [B, N | 1, T, T], nonzero = visible.
+
+  Returns:
+    is_causal: bool scalar array.  q_ids, kv_ids: [B, T] int32 (see
+    `padded_segment_ids`).  exact: bool scalar array, True iff the mask rebuilt
+    from the structure equals `mask` in every entry (every head included).
+    Costs a few elementwise passes over the mask (no matmul).
+  """
+  m = jnp.asarray(mask) != 0
+  B, _, T, S = m.shape
+  m0 = m[:, 0]  # [B, T, T]
+  pos = jnp.arange(T, dtype=jnp.int32)
+  valid = jnp.diagonal(m0, axis1=1, axis2=2)  # [B, T]
+  first = jnp.argmax(m0, axis=-1).astype(jnp.int32)
+  q_ids = jnp.where(valid, first, PAD_Q_ID)
+  kv_ids = jnp.where(valid, first, PAD_KV_ID)
+  is_causal = ~jnp.any(m0 & (pos[None, None, :] > pos[None, :, None]))
+  rebuilt = dense_mask_from_structure(is_causal, q_ids, kv_ids)  # [B, 1, T, T]
+  exact = jnp.all(rebuilt == m)
+  return is_causal, q_ids, kv_ids, exact
+
+
+def dense_mask_from_structure(is_causal, q_ids, kv_ids):
+  """[B, 1, T, S] bool mask of (causal, segment ids): the inverse of `structure_from_dense_mask`."""
+  T, S = q_ids.shape[1], kv_ids.shape[1]
+  pos_q = jnp.arange(T, dtype=jnp.int32)[None, :, None]
+  pos_kv = jnp.arange(S, dtype=jnp.int32)[None, None, :]
+  seg = pair_visible(MaskSpec(has_segments=True), pos_q, pos_kv, q_ids[:, :, None], kv_ids[:, None, :])
+  return (seg & ((pos_kv <= pos_q) | ~jnp.asarray(is_causal)))[:, None]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from flax_ringattn._src import dropout as dropout_lib
 from flax_ringattn._src import masks, validation
 
 
@@ -25,6 +26,9 @@ def reference_attention(
   scale: float | None = None,
   q_positions=None,
   kv_positions=None,
+  dropout_rate: float = 0.0,
+  dropout_rng=None,
+  broadcast_dropout: bool = True,
 ):
   """Dense attention with the features of `ring_attention`, on one device.
 
@@ -35,6 +39,10 @@ def reference_attention(
     q_positions, kv_positions: optional [T] / [S] global token positions used by
       the causal and window masks (default: 0..T-1 and 0..S-1).  Pass
       `zigzag_positions(...)` to check a load-balanced ring directly.
+    dropout_rate, dropout_rng, broadcast_dropout: attention dropout with the
+      same keep mask as `ring_attention` (a hash of the key and the global
+      batch, head, q and kv positions), applied to the normalised
+      probabilities; autodiff then uses that same mask in the backward.
 
   Returns:
     [B, T, N, H] in q.dtype.  Rows with no visible key are 0 (and get 0
@@ -66,5 +74,10 @@ def reference_attention(
   p = jnp.exp(s - m)
   l = jnp.sum(p, axis=-1, keepdims=True)
   p = p / jnp.where(l == 0.0, 1.0, l)
+  rate = dropout_lib.check_rate(dropout_rate)
+  if rate:
+    drop = dropout_lib.seed_operand(dropout_rng)
+    keep = dropout_lib.keep_grouped(drop, q_pos, kv_pos, rate=rate, broadcast=broadcast_dropout, B=B, K=K, G=G)
+    p = jnp.where(keep, p / (1.0 - rate), 0.0)
   o = jnp.einsum("bkgts,bskh->btkgh", p, vf, precision=hi)
   return o.reshape(B, T, N, H).astype(q.dtype)

@@ -24,6 +24,17 @@ Backward, given the *final* (whole-ring) lse and delta = rowsum(dO * O)::
 
 Because the lse is final, exp(s - lse) are this block's true probabilities and
 the block backward needs no state from other hops.
+
+Attention dropout (`spec.dropout_rate > 0`): both calls also get
+`dropout=` int32[4] (seed0, seed1, batch offset, head offset) and keep
+probability (b, n, i, j) iff `dropout.keep(...)` of the *global* batch row
+(offset + b), q head (offset + n), q position q_pos[i] and kv position
+kv_pos[j] is true (`spec.dropout_broadcast`: batch and head are 0), scaling
+kept ones by 1 / (1 - rate).  Dropout acts on the normalised probabilities: o
+is dropped, lse is not; the backward masks dP the same way (the given delta
+already uses the dropped O).  Without dropout the keyword is not passed, so a
+backend that cannot drop must raise NotImplementedError from `check_supported`
+when `spec.dropout_rate > 0`.
 """
 
 from __future__ import annotations
@@ -44,6 +55,8 @@ class AttentionSpec:
   logits_soft_cap: float | None = None
   block_sizes: BlockSizes | None = None  # None: the backend's own default
   precision: object = None  # jax.lax.Precision for the XLA matmuls, or None
+  dropout_rate: float = 0.0  # attention dropout on the normalised probabilities (see `_src/dropout.py`)
+  dropout_broadcast: bool = True  # one dropout mask for every batch row and head (flax's broadcast_dropout)
 
 
 class BlockBackend(Protocol):
@@ -58,6 +71,14 @@ class BlockBackend(Protocol):
   def check_supported(self, *, dtype, spec: AttentionSpec, shapes: tuple[int, ...]) -> None:
     """Raises NotImplementedError for valid input this backend cannot run."""
 
-  def fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec: AttentionSpec): ...
+  def fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec: AttentionSpec, dropout=None): ...
 
-  def bwd(self, q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec: AttentionSpec): ...
+  def bwd(self, q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec: AttentionSpec, dropout=None): ...
+
+
+def check_no_dropout(name: str, spec: AttentionSpec) -> None:
+  """For backends without attention dropout: NotImplementedError (so implementation=None moves on)."""
+  if spec is not None and spec.dropout_rate:
+    raise NotImplementedError(
+      f"{name} does not implement attention dropout yet (dropout_rate={spec.dropout_rate}); use implementation='xla'"
+    )

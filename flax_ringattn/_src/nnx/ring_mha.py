@@ -12,49 +12,102 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from flax_ringattn._src import sharding
-from flax_ringattn._src.nnx.common import head_sharding_metadata
+from flax_ringattn._src import masks, sharding
+from flax_ringattn._src.nnx.common import head_sharding_metadata, place_params
 from flax_ringattn._src.ring.op import ring_attention
 
 _MASK_ALTERNATIVES = (
-  "ring attention never builds a dense [B, N, T, S] mask (it would cost O(T * S) memory on every device); "
-  "express the mask with is_causal=True, segment_ids=... (packed documents / padding: give padding its own id), "
-  "local_window_size=... (sliding window), or a combination"
+  "ring attention never passes a dense [B, N, T, S] mask to its kernels (it would cost O(T * S) memory on every "
+  "device); express the mask with is_causal=True, segment_ids=... (packed documents; padding: see "
+  "flax_ringattn.padded_segment_ids), local_window_size=... (sliding window), or a combination, or keep "
+  "nnx.MultiHeadAttention for this layer"
 )
 
 
-def _unsupported_call_options(*, mask, sow_weights, dropout_rate, deterministic, bias=None, decode=False):
-  if mask is not None:
-    raise NotImplementedError(f"mask=... is not supported: {_MASK_ALTERNATIVES}")
+def _unsupported_call_options(*, sow_weights, bias=None, decode=False):
   if bias is not None:
     raise NotImplementedError("an additive attention bias is not supported by ring attention")
   if sow_weights:
     raise NotImplementedError(
       "sow_weights=True is not supported: ring attention never materialises the [T, S] attention weights"
     )
-  if dropout_rate and not deterministic:
-    raise NotImplementedError(
-      f"attention dropout is not supported ({dropout_rate=}); set dropout_rate=0.0 or deterministic=True"
-    )
   if decode:
     raise NotImplementedError(
       "decode=True (autoregressive KV cache) is not supported by RingMultiHeadAttention; "
-      "ring attention is for training and prefill over sharded sequences"
+      "ring attention is for training and prefill over sharded sequences (convert(model, to='paged') gives "
+      "layers for sampling with a paged cache)"
     )
+
+
+def _raise_if_inexact(exact):
+  if not bool(exact):
+    raise ValueError(
+      "the dense mask=... is not of the family ring attention recovers exactly (causal or not, segments, "
+      f"padding: combine_masks of make_causal_mask / make_attention_mask); {_MASK_ALTERNATIVES}"
+    )
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def dense_mask_options(mask, *, B, N, T, S, is_causal, segment_ids, checked: bool):
+  """Turns a dense mask into (is_causal, segment_ids) for `ring_attention`.
+
+  is_causal comes back as a Python bool when the mask is concrete (or has no
+  causal question left because is_causal=True), else as a traced bool (the
+  caller then branches with `lax.cond`).  The recovery is verified: a concrete
+  mask raises `ValueError` at once, a traced one (under jit) through a host
+  callback when `checked` (the default); see `masks.structure_from_dense_mask`.
+  """
+  if segment_ids is not None:
+    raise ValueError("pass either mask=... or segment_ids=..., not both (segment_ids already describe the mask)")
+  if T != S:
+    raise NotImplementedError(
+      f"a dense mask=... is recovered for self attention only (T == S), got T={T}, S={S}; for cross attention "
+      "pass segment_ids=(q_ids, kv_ids) instead"
+    )
+  masks.check_dense_mask_shape(mask, B, N, T, S)
+  mask = jnp.asarray(mask) != 0
+  if is_causal:
+    mask = mask & jnp.tril(jnp.ones((T, S), bool))
+  causal, q_ids, kv_ids, exact = masks.structure_from_dense_mask(mask)
+  if q_ids.shape[0] != B:
+    q_ids, kv_ids = (jnp.broadcast_to(x, (B, T)) for x in (q_ids, kv_ids))
+  if _is_concrete(exact):
+    _raise_if_inexact(exact)
+    causal = bool(causal)
+  elif checked:
+    jax.debug.callback(_raise_if_inexact, exact)
+  if is_causal:
+    causal = True
+  return causal, (q_ids, kv_ids)
+
+
+def call_with_mask_structure(fn, causal):
+  """fn(is_causal) with a static flag: directly, or through `lax.cond` on a traced one."""
+  if isinstance(causal, bool):
+    return fn(causal)
+  return jax.lax.cond(causal, lambda: fn(True), lambda: fn(False))
 
 
 class RingMultiHeadAttention(nnx.MultiHeadAttention):
   """`nnx.MultiHeadAttention` whose attention is ring attention over a mesh axis.
 
-  Takes every argument of `nnx.MultiHeadAttention` (same parameter tree), plus
-  the keyword-only:
+  Takes every argument of `nnx.MultiHeadAttention` (same parameter tree,
+  `dropout_rate`, `broadcast_dropout`, `deterministic`, `rngs`), plus the
+  keyword-only:
 
   Args:
     mesh: `jax.sharding.Mesh` to run on; None runs on one device, or inside your
-      own `shard_map` when `seq_axis` is bound there.
+      own `shard_map` when `seq_axis` is bound there.  Parameters are typed on
+      it (replicated, or sharded over `head_axis`) at construction and again at
+      every call, so weights loaded with `nnx.update` land on the mesh too.
     seq_axis: mesh axis the sequence is sharded over (default: the mesh's only
       axis).
     head_axis: mesh axis for heads (tensor parallelism): parameters carry it
@@ -67,9 +120,16 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       (`interpret=True` runs the pallas_tpu kernels in TPU interpret mode on CPU).
     local_window_size, logits_soft_cap: mask / logit options of `ring_attention`
       applied on every call.
+    check_mask: verify, under jit, that a dense `mask=` was recovered exactly
+      (a host callback per call; a concrete mask is always checked).
 
   `__call__` takes the arguments of `nnx.MultiHeadAttention.__call__` plus
-  `segment_ids` ([B, T] or a (q_ids, kv_ids) pair).  A dense `mask`, dropout,
+  `is_causal` and `segment_ids` ([B, T] or a (q_ids, kv_ids) pair).  A dense
+  `mask` ([B | 1, N | 1, T, T], as `nnx.make_attention_mask` builds) is turned
+  into is_causal + segment ids (see `padded_segment_ids`); masks outside that
+  family raise.  Attention dropout follows `nnx.MultiHeadAttention`
+  (`deterministic`, `model.train()` / `model.eval()`, `rngs`); its mask is a
+  function of the key and the global (batch, head, q, kv) indices only.
   `sow_weights` and `decode` raise `NotImplementedError` with the alternatives.
   """
 
@@ -93,17 +153,13 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     interpret=None,
     local_window_size=None,
     logits_soft_cap: float | None = None,
-    dropout_rate: float = 0.0,
+    check_mask: bool = True,
     kernel_metadata: Mapping = MappingProxyType({}),
     out_kernel_metadata: Mapping = MappingProxyType({}),
     bias_metadata: Mapping = MappingProxyType({}),
     out_bias_metadata: Mapping = MappingProxyType({}),
     **kwargs,
   ):
-    if dropout_rate:
-      raise NotImplementedError(
-        f"RingMultiHeadAttention does not implement attention dropout ({dropout_rate=}); use dropout_rate=0.0"
-      )
     seq_axis = sharding.sequence_axis(mesh, seq_axis, arg="seq_axis")
     metadata = head_sharding_metadata(
       head_axis,
@@ -114,15 +170,7 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       out_bias_metadata=out_bias_metadata,
     )
     super().__init__(
-      num_heads,
-      in_features,
-      qkv_features,
-      out_features,
-      num_kv_heads,
-      in_kv_features,
-      dropout_rate=0.0,
-      **metadata,
-      **kwargs,
+      num_heads, in_features, qkv_features, out_features, num_kv_heads, in_kv_features, **metadata, **kwargs
     )
     self.mesh = mesh
     self.seq_axis = seq_axis
@@ -135,6 +183,27 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     self.interpret = interpret
     self.local_window_size = local_window_size
     self.logits_soft_cap = logits_soft_cap
+    self.check_mask = check_mask
+
+  def _dropout_rng(self, deterministic, rngs):
+    """The dropout key of this call, or None (the rules of nnx.MultiHeadAttention)."""
+    if not self.dropout_rate:
+      return None
+    deterministic = deterministic if deterministic is not None else self.deterministic
+    if deterministic is None:
+      raise ValueError(
+        f"dropout_rate={self.dropout_rate} needs deterministic=... in the call or the constructor "
+        "(or model.train() / model.eval())"
+      )
+    if deterministic:
+      return None
+    if rngs is None:
+      rngs = self.rngs
+    elif isinstance(rngs, nnx.Rngs):
+      rngs = rngs.dropout
+    if rngs is None:
+      raise ValueError("rngs=... must be given to __call__ when the layer was built with keep_rngs=False")
+    return rngs()
 
   def __call__(
     self,
@@ -152,14 +221,7 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     qkv_sharding=None,
     segment_ids=None,
   ):
-    del rngs  # no dropout
-    _unsupported_call_options(
-      mask=mask,
-      sow_weights=sow_weights,
-      dropout_rate=0.0,
-      deterministic=deterministic,
-      decode=decode if decode is not None else bool(self.decode),
-    )
+    _unsupported_call_options(sow_weights=sow_weights, decode=decode if decode is not None else bool(self.decode))
     if inputs_k is None:
       if inputs_v is not None:
         raise ValueError("inputs_k cannot be None when inputs_v is given (pass inputs_k to use it for both)")
@@ -170,8 +232,16 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       raise ValueError(
         f"inputs_q has {inputs_q.shape[-1]} features but the layer expects in_features={self.in_features}"
       )
+    causal = is_causal
+    if mask is not None:
+      B, T, S = inputs_q.shape[0], inputs_q.shape[-2], inputs_k.shape[-2]
+      causal, segment_ids = dense_mask_options(
+        mask, B=B, N=self.num_heads, T=T, S=S, is_causal=is_causal, segment_ids=segment_ids, checked=self.check_mask
+      )
+    dropout_rng = self._dropout_rng(deterministic, rngs)
 
     mesh = self.mesh
+    place_params(self, mesh, self.head_axis)
     seq = P(self.batch_axis, self.seq_axis, None)
     heads = P(self.batch_axis, self.seq_axis, self.head_axis, None)
     inputs_q, inputs_k, inputs_v = (sharding.constrain(x, mesh, seq) for x in (inputs_q, inputs_k, inputs_v))
@@ -181,25 +251,31 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
 
-    x = ring_attention(
-      query,
-      key,
-      value,
-      axis_name=self.seq_axis,
-      mesh=mesh,
-      is_causal=is_causal,
-      segment_ids=segment_ids,
-      local_window_size=self.local_window_size,
-      logits_soft_cap=self.logits_soft_cap,
-      load_balance=self.load_balance,
-      strategy=self.strategy,
-      implementation=self.implementation,
-      block_sizes=self.block_sizes,
-      interpret=self.interpret,
-      batch_axis=self.batch_axis if mesh is not None else None,
-      head_axis=self.head_axis if mesh is not None else None,
-      precision=self.precision,
-    )
+    def attend(is_causal):
+      return ring_attention(
+        query,
+        key,
+        value,
+        axis_name=self.seq_axis,
+        mesh=mesh,
+        is_causal=is_causal,
+        segment_ids=segment_ids,
+        local_window_size=self.local_window_size,
+        logits_soft_cap=self.logits_soft_cap,
+        load_balance=self.load_balance,
+        strategy=self.strategy,
+        implementation=self.implementation,
+        block_sizes=self.block_sizes,
+        interpret=self.interpret,
+        batch_axis=self.batch_axis if mesh is not None else None,
+        head_axis=self.head_axis if mesh is not None else None,
+        precision=self.precision,
+        dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
+        dropout_rng=dropout_rng,
+        broadcast_dropout=self.broadcast_dropout,
+      )
+
+    x = call_with_mask_structure(attend, causal)
     if out_sharding is None and mesh is not None and sharding.has_explicit_axes(mesh, seq):
       # Explicit axes: the out projection contracts the (possibly sharded)
       # heads, so say where the result lives.
@@ -221,6 +297,7 @@ def make_ring_attention_fn(
   block_sizes=None,
   interpret=None,
   strategy: str = "ring",
+  check_mask: bool = True,
 ):
   """An `attention_fn` for `nnx.MultiHeadAttention` that runs ring attention.
 
@@ -229,7 +306,9 @@ def make_ring_attention_fn(
   dropout_rate, broadcast_dropout, deterministic, dtype, precision, module,
   is_causal, ...); `is_causal` is on when either this factory or the call asks
   for it.  `strategy` picks the sequence-parallel strategy (see `ring_attention`;
-  "ulysses_ring" takes seq_axis=(ring_axis, ulysses_axis)).  A dense mask, bias, dropout and sow_weights (module=...) raise
+  "ulysses_ring" takes seq_axis=(ring_axis, ulysses_axis)).  A dense mask is
+  recovered as in `RingMultiHeadAttention`; dropout runs in the ring.  A bias
+  and sow_weights (module=...) raise
   `NotImplementedError` naming the alternatives.
   """
   seq_axis = sharding.sequence_axis(mesh, seq_axis, arg="seq_axis")
@@ -251,33 +330,46 @@ def make_ring_attention_fn(
     is_causal: bool = False,
     segment_ids=None,
   ):
-    del broadcast_dropout, dropout_rng
-    _unsupported_call_options(
-      mask=mask, bias=bias, sow_weights=module is not None, dropout_rate=dropout_rate, deterministic=deterministic
-    )
+    _unsupported_call_options(bias=bias, sow_weights=module is not None)
     if promote_dtype is not None:
       query, key, value = promote_dtype((query, key, value), dtype=dtype)
     elif dtype is not None:
       query, key, value = (x.astype(dtype) for x in (query, key, value))
-    return ring_attention(
-      query,
-      key,
-      value,
-      axis_name=seq_axis,
-      mesh=mesh,
-      is_causal=bool(is_causal or is_causal_default),
-      segment_ids=segment_ids,
-      local_window_size=local_window_size,
-      logits_soft_cap=logits_soft_cap,
-      load_balance=load_balance,
-      strategy=strategy,
-      implementation=implementation,
-      block_sizes=block_sizes,
-      interpret=interpret,
-      batch_axis=batch_axis if mesh is not None else None,
-      head_axis=head_axis if mesh is not None else None,
-      precision=precision,
-    )
+    causal = bool(is_causal or is_causal_default)
+    if mask is not None:
+      B, T, N = query.shape[0], query.shape[1], query.shape[2]
+      causal, segment_ids = dense_mask_options(
+        mask, B=B, N=N, T=T, S=key.shape[1], is_causal=causal, segment_ids=segment_ids, checked=check_mask
+      )
+    use_dropout = bool(dropout_rate) and not deterministic
+    if use_dropout and dropout_rng is None:
+      raise ValueError(f"{dropout_rate=} with deterministic=False needs a dropout_rng")
+
+    def attend(is_causal):
+      return ring_attention(
+        query,
+        key,
+        value,
+        axis_name=seq_axis,
+        mesh=mesh,
+        is_causal=is_causal,
+        segment_ids=segment_ids,
+        local_window_size=local_window_size,
+        logits_soft_cap=logits_soft_cap,
+        load_balance=load_balance,
+        strategy=strategy,
+        implementation=implementation,
+        block_sizes=block_sizes,
+        interpret=interpret,
+        batch_axis=batch_axis if mesh is not None else None,
+        head_axis=head_axis if mesh is not None else None,
+        precision=precision,
+        dropout_rate=dropout_rate if use_dropout else 0.0,
+        dropout_rng=dropout_rng if use_dropout else None,
+        broadcast_dropout=broadcast_dropout,
+      )
+
+    return call_with_mask_structure(attend, causal)
 
   is_causal_default = is_causal
   return ring_attention_fn

@@ -11,10 +11,11 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from flax_ringattn._src import backends, layout, masks, sharding, validation
+from flax_ringattn._src import dropout as dropout_lib
 from flax_ringattn._src.backends.base import AttentionSpec
 from flax_ringattn._src.block_sizes import BlockSizes
 from flax_ringattn._src.ring import strategies
-from flax_ringattn._src.ring.ring_loop import RingConfig
+from flax_ringattn._src.ring.ring_loop import RingConfig, ring_attention_local
 
 
 def ring_attention(
@@ -37,6 +38,9 @@ def ring_attention(
   precision=None,
   interpret=None,
   strategy: str = "ring",
+  dropout_rate: float = 0.0,
+  dropout_rng=None,
+  broadcast_dropout: bool = True,
 ):
   """Ring attention with the semantics of `jax.nn.dot_product_attention`.
 
@@ -83,6 +87,14 @@ def ring_attention(
       to head shards, needs N % n == 0), "all_gather" (K/V gathered, q stays
       sharded) or "ulysses_ring" (axis_name=(ring_axis, ulysses_axis): Ulysses
       within, ring across).  Results do not depend on the strategy.
+    dropout_rate: attention dropout on the probabilities (0 = none; the xla
+      backend and strategy="ring" only, for now).  The keep mask is a hash of
+      `dropout_rng` and the global (batch, head, q position, kv position), so
+      it is the same on any ring size and layout, and the backward
+      regenerates it.
+    dropout_rng: a `jax.random` key, needed when dropout_rate > 0.
+    broadcast_dropout: one mask for every batch row and head (flax's default),
+      else one per (batch, head).
 
   Returns:
     [B, T, N, H] in q.dtype, laid out like q.  Rows with no visible key are 0.
@@ -99,12 +111,17 @@ def ring_attention(
   strategy = strategies.check_strategy(strategy)
   if isinstance(axis_name, list):
     axis_name = tuple(axis_name)  # a hashable static argument
+  rate = dropout_lib.check_rate(dropout_rate)
+  validation.check_bool("broadcast_dropout", broadcast_dropout)
+  drop = dropout_lib.seed_operand(dropout_rng) if rate else None
   spec = AttentionSpec(
     mask=masks.MaskSpec(is_causal=is_causal, window=window, has_segments=q_seg is not None),
     scale=scale,
     logits_soft_cap=cap,
     block_sizes=block_sizes,
     precision=precision,
+    dropout_rate=rate,
+    dropout_broadcast=broadcast_dropout,
   )
   # Resolve the backend now so that a bad name fails here, not deep in tracing.
   backend = backends.get_backend(
@@ -118,6 +135,7 @@ def ring_attention(
       v,
       q_seg,
       kv_seg,
+      drop,
       mesh,
       axis_name,
       batch_axis,
@@ -149,7 +167,9 @@ def ring_attention(
     n = 1
   _check_shard_lengths(T, S, n, load_balance, local=True, axis_name=axis_name, strategy=strategy)
   backend = _fit_to_shard(backend, implementation, spec, q, k, 1, strategy)  # q, k are the local shards here
-  return _local_fn(axis_name, load_balance, spec, backend, strategy)(q, k, v, q_seg, kv_seg)
+  # Inside the caller's shard_map only the ring axis is known: batch and heads count as global here (shard
+  # them yourself and dropout masks repeat).
+  return _local_fn(axis_name, load_balance, spec, backend, strategy)(q, k, v, q_seg, kv_seg, drop)
 
 
 def _fit_to_shard(backend, implementation, spec, q, k, n, strategy="ring"):
@@ -177,11 +197,17 @@ def _local_fn(axis_name, load_balance, spec, backend, strategy):
   """The per-device attention: the backend's own in-kernel ring if it has one, else the strategy on the block
   contract (the portable ring loop for strategy="ring")."""
   if hasattr(backend, "ring_local") and strategy == "ring":
-    return lambda q, k, v, qs, ks: backend.ring_local(
+    return lambda q, k, v, qs, ks, drop: backend.ring_local(
       q, k, v, qs, ks, axis_name=axis_name, load_balance=load_balance, spec=spec
+    )  # no dropout here: check_supported refused it
+  if spec.dropout_rate and strategy != "ring":
+    raise NotImplementedError(
+      f"attention dropout (dropout_rate={spec.dropout_rate}) runs with strategy='ring' only for now, got {strategy=!r}"
     )
   cfg = RingConfig(axis_name=axis_name, load_balance=load_balance, spec=spec, backend=backend)
-  return lambda q, k, v, qs, ks: strategies.attention_local(q, k, v, qs, ks, strategy=strategy, cfg=cfg)
+  if strategy == "ring":
+    return lambda q, k, v, qs, ks, drop: ring_attention_local(q, k, v, qs, ks, cfg, drop)
+  return lambda q, k, v, qs, ks, drop: strategies.attention_local(q, k, v, qs, ks, strategy=strategy, cfg=cfg)
 
 
 def _check_shard_lengths(T, S, n, load_balance, *, local, axis_name, strategy="ring"):
@@ -202,7 +228,21 @@ def _check_shard_lengths(T, S, n, load_balance, *, local, axis_name, strategy="r
 
 
 def _ring_on_mesh(
-  q, k, v, q_seg, kv_seg, mesh, axis_name, batch_axis, head_axis, load_balance, spec, backend, strategy, implementation
+  q,
+  k,
+  v,
+  q_seg,
+  kv_seg,
+  drop,
+  mesh,
+  axis_name,
+  batch_axis,
+  head_axis,
+  load_balance,
+  spec,
+  backend,
+  strategy,
+  implementation,
 ):
   if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -243,16 +283,27 @@ def _ring_on_mesh(
   x_spec = P(batch_axis, axis_name, head_axis, None)
   seg_spec = P(batch_axis, axis_name)
   backend = _fit_to_shard(backend, implementation, spec, q, k, n, strategy)
-  local = _local_fn(axis_name, load_balance, spec, backend, strategy)
+  local_fn = _local_fn(axis_name, load_balance, spec, backend, strategy)
   q, k, v = (sharding.constrain(x, mesh, x_spec) for x in (q, k, v))
   if q_seg is not None:
     q_seg, kv_seg = (sharding.constrain(x, mesh, seg_spec) for x in (q_seg, kv_seg))
   seg_specs = (seg_spec, seg_spec) if q_seg is not None else (None, None)
 
+  def local(q, k, v, qs, ks, drop):
+    if drop is not None:
+      # Global batch row / q head of this shard's first: the dropout mask is a
+      # function of global indices.
+      b0 = jax.lax.axis_index(batch_axis) * q.shape[0] if batch_axis is not None else 0
+      h0 = jax.lax.axis_index(head_axis) * q.shape[2] if head_axis is not None else 0
+      drop = dropout_lib.with_offsets(drop, b0, h0)
+    return local_fn(q, k, v, qs, ks, drop)
+
+  if drop is not None:
+    drop = sharding.constrain(drop, mesh, P())
   fn = jax.shard_map(
     local,
     mesh=mesh,
-    in_specs=(x_spec, x_spec, x_spec, *seg_specs),
+    in_specs=(x_spec, x_spec, x_spec, *seg_specs, None if drop is None else P()),
     out_specs=x_spec,
   )
-  return fn(q, k, v, q_seg, kv_seg)
+  return fn(q, k, v, q_seg, kv_seg, drop)

@@ -22,7 +22,10 @@ index over the axes (`layout.ring_shard`).
 Only the K kv heads travel (GQA is resolved inside the block), segment ids of
 the keys travel with them, positions are recomputed from `src`, and hops whose
 whole block is masked (`masks.classify` on shard extents) skip the backend
-call.  Partial results are merged in float32.
+call.  Partial results are merged in float32.  Attention dropout needs no
+ring logic: its mask is a function of global indices (`_src/dropout.py`), so a
+backend regenerates it from the positions it is handed, and the dropout
+operand (seed and global batch / head offsets) stays on its device.
 """
 
 from __future__ import annotations
@@ -104,7 +107,11 @@ def _merge(o, lse, o_b, lse_b):
   return o * a + o_b * b, new_lse
 
 
-def _ring_forward(q, k, v, q_seg, kv_seg, cfg: RingConfig):
+def _block_kwargs(drop):
+  return {} if drop is None else {"dropout": drop}
+
+
+def _ring_forward(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig):
   n, r, shard_of = _ring_geometry(cfg.axis_name)
   spec = cfg.spec
   backend = cfg.backend
@@ -118,7 +125,7 @@ def _ring_forward(q, k, v, q_seg, kv_seg, cfg: RingConfig):
     kv_pos = _member_positions(cfg, shard_of((r - t) % n), n, S)
 
     def compute():
-      return backend.fwd(q, k_t, v_t, q_pos, kv_pos, q_seg, seg_t, spec=spec)
+      return backend.fwd(q, k_t, v_t, q_pos, kv_pos, q_seg, seg_t, spec=spec, **_block_kwargs(drop))
 
     def skip():
       return (
@@ -150,21 +157,23 @@ def _ring_forward(q, k, v, q_seg, kv_seg, cfg: RingConfig):
   return hop(n - 1, kv, acc)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ring_attention(q, k, v, q_seg, kv_seg, cfg: RingConfig):
-  o, _ = _ring_forward(q, k, v, q_seg, kv_seg, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _ring_attention(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig):
+  o, _ = _ring_forward(q, k, v, q_seg, kv_seg, drop, cfg)
   return o.astype(q.dtype)
 
 
-def _ring_attention_fwd(q, k, v, q_seg, kv_seg, cfg: RingConfig):
-  o, lse = _ring_forward(q, k, v, q_seg, kv_seg, cfg)
+def _ring_attention_fwd(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig):
+  o, lse = _ring_forward(q, k, v, q_seg, kv_seg, drop, cfg)
   out = o.astype(q.dtype)
-  # Residuals are O(local shard): never the rotated copies of K/V.
-  return out, (q, k, v, q_seg, kv_seg, out, lse)
+  # Residuals are O(local shard): never the rotated copies of K/V.  With
+  # dropout, `out` is the dropped output, so delta = rowsum(dO * out) below is
+  # the one the dropped backward needs.
+  return out, (q, k, v, q_seg, kv_seg, drop, out, lse)
 
 
 def _ring_attention_bwd(cfg: RingConfig, res, do):
-  q, k, v, q_seg, kv_seg, out, lse = res
+  q, k, v, q_seg, kv_seg, drop, out, lse = res
   n, r, shard_of = _ring_geometry(cfg.axis_name)
   spec = cfg.spec
   backend = cfg.backend
@@ -178,7 +187,7 @@ def _ring_attention_bwd(cfg: RingConfig, res, do):
     kv_pos = _member_positions(cfg, shard_of((r - t) % n), n, S)
 
     def compute():
-      return backend.bwd(q, k_t, v_t, do, lse, delta, q_pos, kv_pos, q_seg, seg_t, spec=spec)
+      return backend.bwd(q, k_t, v_t, do, lse, delta, q_pos, kv_pos, q_seg, seg_t, spec=spec, **_block_kwargs(drop))
 
     def skip():
       zq = vma.like(jnp.zeros(q.shape, F32), q)
@@ -215,12 +224,12 @@ def _ring_attention_bwd(cfg: RingConfig, res, do):
     dq, pending = hop(n - 1, kv, dq, _rotate(pending, cfg.axis_name, n))
     # The n-th send brings every accumulator home.
     dk, dv = _rotate(pending, cfg.axis_name, n)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
 _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
 
 
-def ring_attention_local(q, k, v, q_seg, kv_seg, cfg: RingConfig):
-  """Per-device entry point (inside shard_map, or a ring of one)."""
-  return _ring_attention(q, k, v, q_seg, kv_seg, cfg)
+def ring_attention_local(q, k, v, q_seg, kv_seg, cfg: RingConfig, drop=None):
+  """Per-device entry point (inside shard_map, or a ring of one); `drop`: the int32[4] dropout operand or None."""
+  return _ring_attention(q, k, v, q_seg, kv_seg, drop, cfg)

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from flax_ringattn._src.backends import base
 from flax_ringattn._src.backends.pallas_gpu import planner
 from flax_ringattn._src.backends.pallas_gpu.backward import block_bwd
 from flax_ringattn._src.backends.pallas_gpu.forward import block_fwd
@@ -43,6 +44,7 @@ class PallasGpuBackend:
   calls_must_be_uniform = False
 
   def check_supported(self, *, dtype, spec, shapes) -> None:
+    base.check_no_dropout("pallas_gpu", spec)
     if not self.interpret and not on_gpu():
       raise NotImplementedError(
         f"pallas_gpu needs an NVIDIA GPU (default backend is {jax.default_backend()!r}); pass interpret=True to run "

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from flax_ringattn._src.backends import base
 from flax_ringattn._src.backends.pallas_tpu import common
 from flax_ringattn._src.backends.pallas_tpu.backward import block_bwd
 from flax_ringattn._src.backends.pallas_tpu.forward import block_fwd
@@ -52,6 +53,7 @@ class PallasTpuBackend:
       )
     if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
       raise NotImplementedError(f"pallas_tpu supports float32 and bfloat16 inputs, got dtype={jnp.dtype(dtype)}")
+    base.check_no_dropout("pallas_tpu", spec)
     del shapes  # global shapes: the shard lengths are checked against the tiles when the block is traced
 
   def fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec):

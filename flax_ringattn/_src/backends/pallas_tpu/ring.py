@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from flax_ringattn._src.backends import base
 from flax_ringattn._src.backends.base import AttentionSpec
 from flax_ringattn._src.backends.pallas_tpu.ring_backward import ring_bwd
 from flax_ringattn._src.backends.pallas_tpu.ring_forward import ring_fwd
@@ -94,6 +95,7 @@ class PallasTpuRingBackend:
   def check_supported(self, *, dtype, spec, shapes) -> None:
     from flax_ringattn._src.backends.pallas_tpu import SUPPORTED_DTYPES, on_tpu
 
+    base.check_no_dropout("pallas_tpu_ring", spec)
     if self.interpret is None and not on_tpu():
       raise NotImplementedError(
         f"pallas_tpu_ring needs a TPU (default backend is {jax.default_backend()!r}); pass interpret=True to run "

@@ -19,7 +19,7 @@ from flax_ringattn._src import masks, vma
 from flax_ringattn._src.backends.xla import common as c
 
 
-def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec):
+def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, dropout=None):
   """See `backends/base.py` for the contract."""
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
@@ -44,10 +44,15 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec):
         if masked:
           s = c.apply_mask(s, spec, qp_i, c.pos_tile(kv_pos, j, bk), qs_i, c.seg_tile(kv_seg, j, bk))
         p = jnp.exp(s - shift)
+        # The forward's dropout mask, regenerated from the same global indices.
+        drop = c.dropout_scale(spec, dropout, qp_i, c.pos_tile(kv_pos, j, bk), p.shape)
+        p_v = p if drop is None else p * drop
         dv_j = dv_j + jnp.einsum(
-          "bkgqt,bkgqh->bkth", p.astype(do_i.dtype), do_i, preferred_element_type=c.F32, precision=prec
+          "bkgqt,bkgqh->bkth", p_v.astype(do_i.dtype), do_i, preferred_element_type=c.F32, precision=prec
         )
         dp = jnp.einsum("bkgqh,bkth->bkgqt", do_i, v_j, preferred_element_type=c.F32, precision=prec)
+        if drop is not None:
+          dp = dp * drop
         ds = p * (dp - dl_i[..., None])
         if t is not None:
           ds = ds * (1.0 - t * t)  # d(cap * tanh(x / cap)) / dx

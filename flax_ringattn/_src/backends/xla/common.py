@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from flax_ringattn._src import dropout as dropout_lib
 from flax_ringattn._src import masks
 from flax_ringattn._src.block_sizes import BlockSizes, effective_tile
 
@@ -113,3 +114,14 @@ def scores(q_i, k_j, spec):
 def apply_mask(s, spec, qp_i, kp_j, qs_i, ks_j):
   vis = masks.visible(spec.mask, qp_i, kp_j, qs_i, ks_j)  # [B|1, bq, bk]
   return jnp.where(vis[:, None, None], s, -jnp.inf)
+
+
+def dropout_scale(spec, dropout, qp_i, kp_j, shape):
+  """keep / (1 - rate) of one [B, K, G, bq, bk] tile pair (None without dropout)."""
+  if dropout is None or not spec.dropout_rate:
+    return None
+  B, K, G = shape[:3]
+  keep = dropout_lib.keep_grouped(
+    dropout, qp_i, kp_j, rate=spec.dropout_rate, broadcast=spec.dropout_broadcast, B=B, K=K, G=G
+  )
+  return jnp.where(keep, F32(1.0 / (1.0 - spec.dropout_rate)), F32(0.0))

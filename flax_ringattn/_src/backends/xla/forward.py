@@ -17,7 +17,7 @@ from flax_ringattn._src import masks, vma
 from flax_ringattn._src.backends.xla import common as c
 
 
-def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec):
+def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, dropout=None):
   """See `backends/base.py` for the contract."""
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
@@ -43,8 +43,11 @@ def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec):
         alpha = jnp.exp(m - m_safe)
         p = jnp.exp(s - m_safe[..., None])
         l = alpha * l + p.sum(axis=-1)
+        # Dropout drops normalised probabilities: the row sum l keeps them all.
+        drop = c.dropout_scale(spec, dropout, qp_i, c.pos_tile(kv_pos, j, bk), p.shape)
+        p_v = p if drop is None else p * drop
         pv = jnp.einsum(
-          "bkgqt,bkth->bkgqh", p.astype(v_j.dtype), v_j, preferred_element_type=c.F32, precision=spec.precision
+          "bkgqt,bkth->bkgqh", p_v.astype(v_j.dtype), v_j, preferred_element_type=c.F32, precision=spec.precision
         )
         return m_new, l, alpha[..., None] * acc + pv
 

@@ -1,0 +1,104 @@
+"""Attention dropout: the keep mask as a counter-based hash of the key and global indices.
+
+The keep decision of one attention probability is a pure function of the
+dropout key and the *global* indices (batch row, q head, q position, kv
+position), so it does not depend on the ring size, the zigzag layout, the tile
+sizes or the hop order, and a backward pass regenerates exactly the forward's
+mask.  It is computed in one place, here, with int32 arithmetic only (wrapping
+multiplies, xor, logical shifts) so that the reference, the XLA backend and
+the Pallas TPU kernels evaluate the very same function.
+
+Hash: murmur3's 32-bit finaliser (`_fmix`) over
+    h_bh  = fmix(seed0 ^ (b * C1 + head))           one per (batch, head)
+    h_q   = fmix(seed1 ^ (q_pos * C2))              one per query row
+    h     = fmix(fmix((h_bh ^ h_q) + kv_pos * C3))  one per probability
+and a probability is kept when the top 24 bits of h are >= rate * 2**24.
+With `broadcast` (flax's `broadcast_dropout=True`, its default) batch and
+head are 0: one mask shared by every batch row and head, as in flax.
+
+Dropout is applied to the normalised probabilities, so the log-sum-exp and the
+online-softmax merge across hops are unchanged; the backward masks dP and uses
+delta = rowsum(dO * O) of the dropped output.
+
+The dropout operand every backend receives is int32[4]:
+(seed0, seed1, batch offset, head offset), where the offsets turn a shard's
+local batch / head indices into global ones.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_C1 = 0x9E3779B1
+_C2 = 0x85EBCA77
+_C3 = 0xC2B2AE3D
+_M1 = 0x85EBCA6B
+_M2 = 0xC2B2AE35
+BITS = 24
+
+
+def _i32(c: int):
+  """A 32-bit constant as a (wrapping) int32."""
+  return jnp.int32(c - (1 << 32) if c >= (1 << 31) else c)
+
+
+def _shr(x, n: int):
+  return jax.lax.shift_right_logical(x, jnp.int32(n))
+
+
+def _fmix(x):
+  x = x ^ _shr(x, 16)
+  x = x * _i32(_M1)
+  x = x ^ _shr(x, 13)
+  x = x * _i32(_M2)
+  return x ^ _shr(x, 16)
+
+
+def threshold(rate: float) -> int:
+  return int(round(rate * (1 << BITS)))
+
+
+def check_rate(dropout_rate) -> float:
+  if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float)):
+    raise TypeError(f"dropout_rate must be a Python float, got {type(dropout_rate).__name__}")
+  if not 0.0 <= dropout_rate < 1.0:
+    raise ValueError(f"{dropout_rate=} must be in [0, 1)")
+  return float(dropout_rate)
+
+
+def seed_operand(rng):
+  """int32[4] (seed0, seed1, 0, 0) from a JAX PRNG key (typed or raw uint32)."""
+  if rng is None:
+    raise ValueError("dropout_rate > 0 needs dropout_rng=... (a jax.random key)")
+  bits = jax.random.bits(rng, (2,), jnp.uint32)
+  seed = jax.lax.bitcast_convert_type(bits, jnp.int32)
+  return jnp.concatenate([seed, jnp.zeros((2,), jnp.int32)])
+
+
+def with_offsets(operand, batch_offset, head_offset):
+  return jnp.stack([operand[0], operand[1], jnp.int32(batch_offset), jnp.int32(head_offset)]).astype(jnp.int32)
+
+
+def keep(seed0, seed1, b, head, q_pos, kv_pos, *, rate: float):
+  """bool keep mask of mutually broadcastable int32 index arrays (all global)."""
+  i32 = jnp.int32
+  h_bh = _fmix(seed0 ^ (jnp.asarray(b, i32) * _i32(_C1) + jnp.asarray(head, i32)))
+  h_q = _fmix(seed1 ^ (jnp.asarray(q_pos, i32) * _i32(_C2)))
+  h = _fmix(_fmix((h_bh ^ h_q) + jnp.asarray(kv_pos, i32) * _i32(_C3)))
+  return _shr(h, 32 - BITS) >= i32(threshold(rate))
+
+
+def keep_grouped(operand, q_pos, kv_pos, *, rate: float, broadcast: bool, B: int, K: int, G: int):
+  """Keep mask of a [B, K, G, T, S] block (q heads grouped by kv head: head = k * G + g).
+
+  `operand` is the int32[4] dropout operand; q_pos [T] / kv_pos [S] are global
+  positions.  With `broadcast` the result is [1, 1, 1, T, S].
+  """
+  qp = q_pos.astype(jnp.int32)[:, None]
+  kp = kv_pos.astype(jnp.int32)[None, :]
+  if broadcast:
+    return keep(operand[0], operand[1], 0, 0, qp, kp, rate=rate)[None, None, None]
+  b = operand[2] + jnp.arange(B, dtype=jnp.int32)[:, None, None, None, None]
+  head = operand[3] + (jnp.arange(K, dtype=jnp.int32)[:, None] * G + jnp.arange(G, dtype=jnp.int32)[None, :])
+  return keep(operand[0], operand[1], b, head[None, :, :, None, None], qp, kp, rate=rate)

@@ -1,0 +1,173 @@
+"""`convert`: swap every `nnx.MultiHeadAttention` of a model for the library's layers, in place.
+
+The model's code is not touched: the new layer takes over the old one's
+projection submodules (`query`, `key`, `value`, `out` and the optional q/k
+norms) as they are, so weights, dtypes, initialisers, `dot_general`s and
+parameter metadata (partitioning included) carry over exactly, and so does its
+dropout stream (`rngs`).  Every constructor option of the old layer is passed
+to the new one; `layer_options` add the library's own (`head_axis`,
+`load_balance`, `implementation`, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flax import nnx
+from flax.nnx.nn.attention import dot_product_attention
+
+from flax_ringattn._src.nnx.common import _PROJECTIONS, head_param_spec, place_params
+from flax_ringattn._src.nnx.paged_mha import PagedMultiHeadAttention
+from flax_ringattn._src.nnx.ring_mha import RingMultiHeadAttention
+
+# Constructor options of nnx.MultiHeadAttention read back from a built layer.
+_OPTIONS = (
+  "qkv_features",
+  "out_features",
+  "num_kv_heads",
+  "in_kv_features",
+  "dtype",
+  "param_dtype",
+  "broadcast_dropout",
+  "dropout_rate",
+  "deterministic",
+  "precision",
+  "use_bias",
+  "normalize_qk",
+  "qkv_promote_dtype",
+  "out_promote_dtype",
+  "ln_promote_dtype",
+)
+
+
+@dataclasses.dataclass
+class ConversionReport:
+  """What `convert` did: `replaced` paths, and `skipped` (path, reason) pairs."""
+
+  to: str
+  replaced: list[str] = dataclasses.field(default_factory=list)
+  skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+  def __str__(self) -> str:
+    lines = [f"convert(to={self.to!r}): {len(self.replaced)} replaced, {len(self.skipped)} not replaced"]
+    lines += [f"  replaced {path}" for path in self.replaced]
+    lines += [f"  kept     {path}: {why}" for path, why in self.skipped]
+    return "\n".join(lines)
+
+
+def _path_name(path) -> str:
+  return ".".join(str(p) for p in path) or "<root>"
+
+
+def _child(parent, key):
+  if isinstance(parent, (nnx.List, nnx.Dict, list, dict)):
+    return parent[key]
+  return getattr(parent, key)
+
+
+def _set_child(parent, key, value):
+  if isinstance(parent, (nnx.List, nnx.Dict, list, dict)):
+    parent[key] = value
+  else:
+    setattr(parent, key, value)
+
+
+def _why_not(layer, to: str) -> str | None:
+  if isinstance(layer, (RingMultiHeadAttention, PagedMultiHeadAttention)):
+    return f"already a {type(layer).__name__}"
+  if layer.attention_fn is not dot_product_attention:
+    return (
+      f"custom attention_fn={getattr(layer.attention_fn, '__name__', layer.attention_fn)!r}: convert replaces "
+      "layers whose attention is flax's dot_product_attention (or pass flax_ringattn.make_ring_attention_fn yourself)"
+    )
+  if to == "ring" and layer.decode:
+    return "decode=True: a sampling layer with flax's KV cache; convert(model, to='paged') gives sampling layers"
+  if getattr(layer, "cached_key", None) is not None:
+    return "its autoregressive cache is initialised (init_cache): convert before init_cache"
+  return None
+
+
+def _new_layer(old, to: str, mesh, seq_axis, layer_options):
+  options = {name: getattr(old, name) for name in _OPTIONS}
+  options["keep_rngs"] = old.rngs is not None
+  common = dict(mesh=mesh, rngs=nnx.Rngs(0), **options)
+  try:
+    if to == "ring":
+      return RingMultiHeadAttention(
+        old.num_heads, old.in_features, seq_axis=seq_axis, decode=False, **common, **layer_options
+      )
+    # Sampling is deterministic: the paged layer has no dropout.
+    common.update(dropout_rate=0.0, keep_rngs=False)
+    return PagedMultiHeadAttention(old.num_heads, old.in_features, **common, **layer_options)
+  except TypeError as e:
+    layer = "RingMultiHeadAttention" if to == "ring" else "PagedMultiHeadAttention"
+    raise TypeError(f"convert(..., **layer_options): {layer} does not take these options ({e})") from e
+
+
+def _take_over(new, old, head_axis, mesh):
+  """The new layer takes the old one's projections; their metadata learns the mesh placement."""
+  for name in _PROJECTIONS:
+    setattr(new, name, getattr(old, name))
+  if old.rngs is not None:
+    new.rngs = old.rngs
+  if mesh is None:
+    return
+  for name in _PROJECTIONS:
+    module = getattr(new, name)
+    if not isinstance(module, nnx.Module):
+      continue
+    for path, var in nnx.iter_graph(module):
+      if not isinstance(var, nnx.Param):
+        continue
+      spec = head_param_spec(name, path[-1], head_axis)
+      if spec is not None:
+        var.set_metadata(out_sharding=spec)
+      elif var.get_metadata().get("out_sharding") is None:
+        var.set_metadata(out_sharding=(None,) * var.get_value().ndim)
+      var.set_metadata(mesh=mesh)
+  place_params(new, mesh, head_axis)
+
+
+def convert(model, *, to: str = "ring", mesh=None, seq_axis=None, **layer_options) -> ConversionReport:
+  """Replaces, in place, every `nnx.MultiHeadAttention` of `model` by the library's layer.
+
+  Args:
+    model: an `nnx.Module` (any graph: attributes, `nnx.List`, `nnx.Dict`).
+    to: "ring" (`RingMultiHeadAttention`: training and prefill with the
+      sequence sharded over `seq_axis`) or "paged" (`PagedMultiHeadAttention`:
+      sampling from a paged KV cache; call `init_cache` on each layer).
+    mesh: the `jax.sharding.Mesh` the layers run on (parameters are placed on
+      it: replicated, or over `head_axis`).
+    seq_axis: mesh axis of the sequence (ring only; default: the mesh's only
+      axis).
+    **layer_options: more keyword options of the new layer, e.g. `head_axis`,
+      `batch_axis`, `load_balance`, `implementation`, `block_sizes`,
+      `local_window_size`, `logits_soft_cap`, `check_mask`.
+
+  Returns:
+    A `ConversionReport`: the paths replaced and, for each attention layer
+    left alone, why (a custom `attention_fn`, `decode=True` for the ring, ...).
+  """
+  if not isinstance(model, nnx.Module):
+    raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
+  if to not in ("ring", "paged"):
+    raise ValueError(f"{to=} must be 'ring' or 'paged'")
+  if to == "paged" and seq_axis is not None:
+    raise ValueError(f"{seq_axis=} applies to to='ring' only: paged layers shard heads (head_axis), not the sequence")
+  report = ConversionReport(to=to)
+  found = [(path, node) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.MultiHeadAttention)]
+  for path, old in found:
+    why = _why_not(old, to)
+    if why is None and not path:
+      why = "the model itself is the attention layer: build the library's layer directly"
+    if why is not None:
+      report.skipped.append((_path_name(path), why))
+      continue
+    new = _new_layer(old, to, mesh, seq_axis, layer_options)
+    _take_over(new, old, layer_options.get("head_axis"), mesh)
+    parent = model
+    for key in path[:-1]:
+      parent = _child(parent, key)
+    _set_child(parent, path[-1], new)
+    report.replaced.append(_path_name(path))
+  return report

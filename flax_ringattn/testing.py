@@ -1,0 +1,26 @@
+"""Test helpers for your own test suite (chex-based).
+
+* `assert_matches_reference(fn, q, k, v, *, grads=True, **mask_options)`: an
+  attention function's output and q/k/v gradients against
+  `reference_attention`, with messages naming the tensor, the worst index and
+  the error.
+* `TOLERANCES`, `tolerance(dtype, kind)`, `assert_close(actual, expected, dtype, kind)`:
+  the per-dtype tolerances this library tests itself with.
+* Pallas TPU interpret mode on CPU: `interpret_params(**overrides)` (race
+  detection on), `no_races()` (asserts the race detector ran and found
+  nothing), `ensure_cpu_threads()` (call before JAX starts: multi-device
+  interpret-mode kernels deadlock on machines with few cores otherwise).
+"""
+
+from flax_ringattn._src.testing.checks import TOLERANCES, assert_close, assert_matches_reference, tolerance
+from flax_ringattn._src.testing.interpret import ensure_cpu_threads, interpret_params, no_races
+
+__all__ = [
+  "TOLERANCES",
+  "assert_close",
+  "assert_matches_reference",
+  "ensure_cpu_threads",
+  "interpret_params",
+  "no_races",
+  "tolerance",
+]

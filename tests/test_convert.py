@@ -1,0 +1,173 @@
+"""`convert` on an lm1b-style model: dense masks, dropout, Explicit meshes, the report."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from lm1b_model import LM, packed_batch
+from tolerances import assert_close
+
+import flax_ringattn as fr
+
+
+def _loss(model, tokens, seg, pos):
+  logits = model(tokens, seg, pos)
+  targets = jnp.roll(tokens, -1, axis=1)
+  weights = (tokens > 0) & (targets > 0)
+  nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
+  return jnp.sum(nll * weights) / jnp.sum(weights)
+
+
+def _grads(model, *batch):
+  return nnx.to_pure_dict(nnx.state(nnx.grad(_loss)(model, *batch), nnx.Param))
+
+
+def test_convert_lm_matches_unconverted_in_eval_mode():
+  """Converted on 8 devices (Explicit axes), logits at real tokens and parameter grads match."""
+  mesh = make_mesh((8,), ("sp",))
+  model = LM(rngs=nnx.Rngs(0))
+  model.eval()
+  original = nnx.clone(model)
+  projection = model.blocks[1].attn.query
+  report = fr.convert(model, mesh=mesh)
+  assert report.replaced == ["blocks.0.attn", "blocks.1.attn"] and report.skipped == []
+  assert "2 replaced, 0 not replaced" in str(report)
+  assert isinstance(model.blocks[0].attn, fr.RingMultiHeadAttention)
+  # Weights, options and metadata carried over; parameters now live on the mesh.
+  attn, old = model.blocks[1].attn, original.blocks[1].attn
+  np.testing.assert_array_equal(attn.query.kernel[...], old.query.kernel[...])
+  assert attn.dropout_rate == 0.1 and attn.broadcast_dropout is False and attn.num_heads == 4
+  assert attn.query is projection  # the projections are taken over as they are (inits, dot_general, metadata)
+  assert attn.out.kernel[...].sharding == NamedSharding(mesh, P(None, None, None))
+
+  batch = packed_batch()
+  tokens = batch[0]
+  valid = np.asarray(tokens > 0)
+  want = original(*batch)
+  got = nnx.jit(lambda m, *b: m(*b))(model, *batch)
+  assert got.sharding.spec[1] == "sp"  # activations really are sequence-sharded
+  assert_close(np.asarray(got)[valid], np.asarray(want)[valid], jnp.float32)
+  assert_close(nnx.jit(_grads)(model, *batch), _grads(original, *batch), jnp.float32, "grad")
+
+
+def test_train_mode_dropout_same_on_1_and_8_devices():
+  """The same dropout key gives the same logits whatever the ring size, and the mask is really applied."""
+  base = LM(rngs=nnx.Rngs(0), dropout_rate=0.3)
+  one, eight = nnx.clone(base), nnx.clone(base)
+  fr.convert(one, mesh=make_mesh((1,), ("sp",)))
+  fr.convert(eight, mesh=make_mesh((8,), ("sp",)))
+  batch = packed_batch(seed=1)
+  valid = np.asarray(batch[0] > 0)
+  run = nnx.jit(lambda m, *b: m(*b))
+  for m in (one, eight):
+    m.train()
+  got1, got8 = run(one, *batch), run(eight, *batch)
+  assert_close(np.asarray(got8)[valid], np.asarray(got1)[valid], jnp.float32)
+  one.eval()
+  eval1 = run(one, *batch)
+  assert np.abs(np.asarray(eval1)[valid] - np.asarray(got1)[valid]).max() > 1e-2  # dropout did something
+  # The rng stream advanced: the next training step draws another mask.
+  eight.train()
+  assert np.abs(np.asarray(run(eight, *batch))[valid] - np.asarray(got8)[valid]).max() > 1e-2
+
+
+def test_convert_report_skips_with_reasons_and_paged_target():
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.plain = nnx.MultiHeadAttention(4, 32, decode=False, rngs=rngs)
+      self.custom = nnx.MultiHeadAttention(4, 32, decode=False, attention_fn=lambda *a, **k: None, rngs=rngs)
+      self.sampler = nnx.MultiHeadAttention(4, 32, decode=True, rngs=rngs)
+
+  model = Model(nnx.Rngs(0))
+  report = fr.convert(model)
+  assert report.replaced == ["plain"]
+  reasons = dict(report.skipped)
+  assert "custom attention_fn" in reasons["custom"]
+  assert "decode=True" in reasons["sampler"] and "to='paged'" in reasons["sampler"]
+  again = fr.convert(model)
+  assert dict(again.skipped)["plain"] == "already a RingMultiHeadAttention"
+
+  paged_model = Model(nnx.Rngs(0))
+  ref = nnx.clone(paged_model.sampler)
+  report = fr.convert(paged_model, to="paged")
+  assert "sampler" in report.replaced and "plain" in report.replaced
+  paged = paged_model.sampler
+  assert isinstance(paged, fr.PagedMultiHeadAttention)
+  paged.init_cache(num_pages=8, page_size=8, max_num_seqs=1, pages_per_seq=4)
+  x = jax.random.normal(jax.random.PRNGKey(0), (16, 32))
+  y = paged(x, cu_q_lens=jnp.array([0, 16], jnp.int32), num_seqs=jnp.array([1], jnp.int32))
+  ref_layer = nnx.MultiHeadAttention(4, 32, decode=False, rngs=nnx.Rngs(1))
+  nnx.update(ref_layer, nnx.state(ref, nnx.Param))
+  assert_close(y, ref_layer(x[None], mask=nnx.make_causal_mask(jnp.ones((1, 16))))[0], jnp.float32)
+
+
+@pytest.mark.parametrize(
+  "kwargs,error,match",
+  [
+    (dict(to="flash"), ValueError, "to='flash' must be 'ring' or 'paged'"),
+    (dict(to="paged", seq_axis="sp"), ValueError, "seq_axis='sp' applies to to='ring' only"),
+    (dict(bogus_option=1), TypeError, "does not take these options"),
+  ],
+  ids=["to", "paged-seq-axis", "unknown-option"],
+)
+def test_convert_errors(kwargs, error, match):
+  model = LM(rngs=nnx.Rngs(0), layers=1)
+  with pytest.raises(error, match=match):
+    fr.convert(model, **kwargs)
+
+
+def test_convert_needs_a_module():
+  with pytest.raises(TypeError, match="model must be a flax.nnx.Module, got dict"):
+    fr.convert({})
+
+
+def _layer_and_batch(mesh, **kw):
+  layer = fr.RingMultiHeadAttention(4, 32, decode=False, rngs=nnx.Rngs(0), mesh=mesh, **kw)
+  x = jax.device_put(jax.random.normal(jax.random.PRNGKey(0), (2, 64, 32)), NamedSharding(mesh, P(None, "sp")))
+  return layer, x
+
+
+def _grad_step(m, x):
+  return nnx.to_pure_dict(nnx.state(nnx.grad(lambda m: jnp.mean(m(x, is_causal=True) ** 2))(m), nnx.Param))
+
+
+@pytest.mark.parametrize(
+  "order",
+  ["grad-first", "forward-then-grad", "under-set-mesh", "after-update", "after-update-under-set-mesh"],
+)
+def test_explicit_mesh_param_grads_in_any_call_order(order):
+  mesh = make_mesh((8,), ("sp",))
+  layer, x = _layer_and_batch(mesh)
+  assert layer.query.kernel[...].sharding == NamedSharding(mesh, P(None, None, None))  # typed at construction
+  ref = nnx.MultiHeadAttention(4, 32, decode=False, rngs=nnx.Rngs(3))
+  if order.startswith("after-update"):
+    nnx.update(layer, nnx.state(ref, nnx.Param))  # single-device weights from elsewhere
+  else:
+    nnx.update(ref, jax.device_get(nnx.state(layer, nnx.Param)))
+  step = nnx.jit(_grad_step)
+  if order == "forward-then-grad":
+    nnx.jit(lambda m, x: m(x, is_causal=True))(layer, x)
+  if order.endswith("under-set-mesh"):
+    with jax.set_mesh(mesh):
+      grads = step(layer, x)
+  else:
+    grads = step(layer, x)
+  want = _grad_step(ref, jnp.asarray(np.asarray(x)))
+  assert_close(grads, want, jnp.float32, "grad")
+  assert layer.query.kernel[...].sharding.mesh.shape_tuple == mesh.shape_tuple  # on the mesh afterwards
+
+
+def test_explicit_mesh_head_axis_params_sharded_after_update():
+  mesh = make_mesh((4, 2), ("sp", "tp"))
+  layer, x = _layer_and_batch(mesh, seq_axis="sp", head_axis="tp")
+  ref = nnx.MultiHeadAttention(4, 32, decode=False, rngs=nnx.Rngs(3))
+  nnx.update(layer, nnx.state(ref, nnx.Param))
+  grads = nnx.jit(_grad_step)(layer, x)
+  assert_close(grads, _grad_step(ref, jnp.asarray(np.asarray(x))), jnp.float32, "grad")
+  assert layer.query.kernel[...].sharding.spec == P(None, "tp", None)

@@ -1,0 +1,130 @@
+"""Dense masks as flax models build them: recovered exactly as causal + segments + padding, or refused."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from tolerances import assert_close
+
+import flax_ringattn as fr
+
+B, T, F, HEADS = 2, 32, 16, 4
+
+
+def _inputs():
+  valid = np.ones((B, T), bool)
+  valid[0, 27:] = False
+  valid[1, 30:] = False
+  seg = np.ones((B, T), np.int32)
+  seg[0, 10:] = 2
+  seg[1, 5:19] = 3
+  seg[1, 19:] = 4
+  return jnp.asarray(valid), jnp.asarray(seg)
+
+
+def _masks():
+  valid, seg = _inputs()
+  tokens = valid.astype(jnp.int32)
+  pad = nnx.make_attention_mask(valid, valid)
+  segs = nnx.make_attention_mask(seg, seg, jnp.equal)
+  causal = nnx.make_causal_mask(tokens)
+  return {
+    "causal+segments+padding": (nnx.combine_masks(pad, causal, segs), True),
+    "segments+padding": (nnx.combine_masks(pad, segs), False),
+    "causal": (causal, True),
+    "padding": (pad, False),
+    "all-visible, one batch row for all": (jnp.ones((1, 1, T, T)), False),
+  }
+
+
+@pytest.mark.parametrize("name", list(_masks()))
+def test_structure_recovered_exactly(name):
+  mask, causal = _masks()[name]
+  is_causal, q_ids, kv_ids, exact = fr.structure_from_dense_mask(mask)
+  assert bool(exact) and bool(is_causal) == causal
+  rebuilt = fr.dense_mask_from_structure(is_causal, q_ids, kv_ids)
+  np.testing.assert_array_equal(np.broadcast_to(rebuilt, mask.shape), np.asarray(mask) != 0)
+
+
+def test_helpers_build_the_same_structure_without_the_mask():
+  valid, seg = _inputs()
+  mask, _ = _masks()["causal+segments+padding"]
+  q_ids, kv_ids = fr.padded_segment_ids(valid, seg)
+  np.testing.assert_array_equal(fr.dense_mask_from_structure(True, q_ids, kv_ids), np.asarray(mask) != 0)
+  # Negative user ids never collide with the padding ids.
+  q_ids, kv_ids = fr.padded_segment_ids(valid, -seg)
+  np.testing.assert_array_equal(fr.dense_mask_from_structure(True, q_ids, kv_ids), np.asarray(mask) != 0)
+
+
+@pytest.mark.parametrize("name", ["causal+segments+padding", "segments+padding"])
+def test_layer_with_dense_mask_matches_mha_at_real_tokens(name):
+  mask, _ = _masks()[name]
+  valid, _ = _inputs()
+  mha = nnx.MultiHeadAttention(HEADS, F, decode=False, rngs=nnx.Rngs(0))
+  ring = fr.RingMultiHeadAttention(HEADS, F, decode=False, rngs=nnx.Rngs(1))
+  nnx.update(ring, nnx.state(mha, nnx.Param))
+  x = jax.random.normal(jax.random.PRNGKey(0), (B, T, F))
+  keep = np.asarray(valid)
+  want = mha(x, mask=mask)
+  eager = ring(x, mask=mask)  # concrete mask: structure known at trace time
+  jitted = nnx.jit(lambda m, x, mask: m(x, mask=mask))(ring, x, mask)  # traced: lax.cond + checked
+  assert_close(np.asarray(eager)[keep], np.asarray(want)[keep], jnp.float32)
+  assert_close(np.asarray(jitted)[keep], np.asarray(want)[keep], jnp.float32)
+  # Through attention_fn too.
+  swapped = nnx.MultiHeadAttention(HEADS, F, decode=False, rngs=nnx.Rngs(2), attention_fn=fr.make_ring_attention_fn())
+  nnx.update(swapped, nnx.state(mha, nnx.Param))
+  assert_close(np.asarray(swapped(x, mask=mask))[keep], np.asarray(want)[keep], jnp.float32)
+
+
+def _window_mask():
+  i = jnp.arange(T)
+  return ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 4))[None, None]
+
+
+def test_mask_outside_the_family_raises_naming_alternatives():
+  ring = fr.RingMultiHeadAttention(HEADS, F, decode=False, rngs=nnx.Rngs(1))
+  x = jnp.zeros((B, T, F))
+  with pytest.raises(ValueError, match=r"not of the family .*padded_segment_ids.* local_window_size="):
+    ring(x, mask=_window_mask())
+  # Under jit the check runs on device and raises through a host callback.
+  with pytest.raises(Exception, match="not of the family"):
+    jax.block_until_ready(nnx.jit(lambda m, x, mask: m(x, mask=mask))(ring, x, _window_mask()))
+  # A per-head mask is outside the family too.
+  causal = nnx.make_causal_mask(jnp.ones((B, T)))
+  per_head = jnp.concatenate([causal, jnp.ones((B, HEADS - 1, T, T))], axis=1)
+  with pytest.raises(ValueError, match="not of the family"):
+    ring(x, mask=per_head)
+
+
+def test_check_mask_false_skips_the_jit_check():
+  ring = fr.RingMultiHeadAttention(HEADS, F, decode=False, rngs=nnx.Rngs(1), check_mask=False)
+  out = nnx.jit(lambda m, x, mask: m(x, mask=mask))(ring, jnp.zeros((B, T, F)), _window_mask())
+  assert out.shape == (B, T, F)
+
+
+@pytest.mark.parametrize(
+  "kwargs,error,match",
+  [
+    (dict(mask=jnp.ones((B, T, T))), ValueError, r"mask must have shape \[B \| 1, N \| 1, T, S\]"),
+    (dict(mask=jnp.ones((3, 1, T, T))), ValueError, r"got \(3, 1, 32, 32\)"),
+    (dict(mask=jnp.ones((B, 1, T, T)), segment_ids=jnp.zeros((B, T), jnp.int32)), ValueError, "not both"),
+    (
+      dict(mask=jnp.ones((B, 1, T, 16)), inputs_k=jnp.zeros((B, 16, F))),
+      NotImplementedError,
+      r"self attention only \(T == S\), got T=32, S=16",
+    ),
+  ],
+  ids=["rank", "batch", "with-segment-ids", "cross-attention"],
+)
+def test_dense_mask_errors(kwargs, error, match):
+  ring = fr.RingMultiHeadAttention(HEADS, F, decode=False, rngs=nnx.Rngs(1))
+  with pytest.raises(error, match=match):
+    ring(jnp.zeros((B, T, F)), **kwargs)
+
+
+def test_padded_segment_ids_shape_error():
+  with pytest.raises(ValueError, match=r"segment_ids must have the shape of valid \(2, 32\), got \(2, 31\)"):
+    fr.padded_segment_ids(jnp.ones((2, 32), bool), jnp.ones((2, 31), jnp.int32))

@@ -1,0 +1,120 @@
+"""Attention dropout: one keep mask per (key, global batch, head, q position, kv position)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from flax import nnx
+
+import flax_ringattn as fr
+from flax_ringattn.testing import assert_matches_reference
+
+RATE = 0.25
+
+
+@pytest.mark.parametrize("broadcast", [False, True], ids=["per-head", "broadcast"])
+def test_keep_rate_through_the_op_and_the_reference(broadcast):
+  """q = k = 0 makes every probability 1/S and v = 1 sums them: out * (1 - rate) * S counts the kept keys."""
+  B, T, N, H = 2, 256, 4, 8
+  q = jnp.zeros((B, T, N, H))
+  v = jnp.ones((B, T, N, H))
+  key = jax.random.key(3)
+  kw = dict(dropout_rate=RATE, dropout_rng=key, broadcast_dropout=broadcast)
+  # One device: that the mask does not depend on the ring is the next test's subject.
+  ring = jax.jit(lambda q, v: fr.ring_attention(q, q, v, implementation="xla", **kw))(q, v)
+  ref = fr.reference_attention(q, q, v, **kw)
+  kept = np.asarray(ring[..., 0]) * (1 - RATE) * T  # [B, T, N]
+  np.testing.assert_allclose(kept, np.round(kept), atol=1e-3)  # whole numbers of kept keys
+  np.testing.assert_allclose(np.asarray(ref[..., 0]) * (1 - RATE) * T, kept, atol=1e-3)
+  # 2 * 4 * 256 * 256 draws (or 256 * 256 with broadcast): within 5 sigma of the keep probability.
+  draws = T * T * (1 if broadcast else B * N)
+  sigma = np.sqrt(RATE * (1 - RATE) / draws)
+  assert abs(kept.sum() / (B * N * T * T) - (1 - RATE)) < 5 * sigma
+  same_across_heads = np.array_equal(kept[..., 0], kept[..., 1]) and np.array_equal(kept[0], kept[1])
+  assert same_across_heads == broadcast
+
+
+@pytest.mark.parametrize(
+  "mesh_shape,names,axes,load_balance",
+  [
+    ((8,), ("sp",), {}, True),
+    ((2, 2, 2), ("dp", "sp", "tp"), {"batch_axis": "dp", "head_axis": "tp"}, False),
+  ],
+  ids=["ring8-zigzag", "batch-seq-head-sharded"],
+)
+def test_forward_and_backward_use_the_same_mask_as_the_reference(mesh_shape, names, axes, load_balance):
+  """Ring size, zigzag layout and batch/head sharding do not change the mask; grads regenerate it."""
+  B, T, N, K, H = 2, 128, 4, 2, 16
+  ks = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(ks[0], (B, T, N, H))
+  k, v = (jax.random.normal(x, (B, T, K, H)) for x in ks[1:])
+  seg = jnp.concatenate([jnp.zeros((B, 40), jnp.int32), jnp.ones((B, T - 40), jnp.int32)], axis=1)
+  mesh = make_mesh(mesh_shape, names)
+  n = dict(zip(names, mesh_shape, strict=True))["sp"]
+  kw = dict(dropout_rate=RATE, dropout_rng=jax.random.key(9), broadcast_dropout=False)
+  if load_balance:
+    q, k, v, seg = (fr.zigzag_order(x, n, axis=1) for x in (q, k, v, seg))
+    pos = fr.zigzag_positions(T, n)
+    kw_ref = dict(q_positions=pos, kv_positions=pos)
+  else:
+    kw_ref = {}
+
+  def ring(q, k, v):
+    return fr.ring_attention(
+      q,
+      k,
+      v,
+      mesh=mesh,
+      axis_name="sp",
+      is_causal=True,
+      segment_ids=seg,
+      load_balance=load_balance,
+      implementation="xla",
+      block_sizes=fr.BlockSizes(block_q=8, block_kv=8),
+      **axes,
+      **kw,
+    )
+
+  assert_matches_reference(jax.jit(ring), q, k, v, is_causal=True, segment_ids=seg, **kw, **kw_ref)
+
+
+def test_layer_dropout_follows_nnx_rules():
+  layer = fr.RingMultiHeadAttention(4, 16, decode=False, dropout_rate=0.5, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.PRNGKey(0), (1, 32, 16))
+  with pytest.raises(ValueError, match="needs deterministic=... in the call or the constructor"):
+    layer(x)
+  det = layer(x, deterministic=True)
+  a, b = layer(x, deterministic=False), layer(x, deterministic=False)
+  assert not np.allclose(a, b)  # the layer's rng stream advances
+  assert not np.allclose(a, det)
+  layer.eval()
+  np.testing.assert_array_equal(layer(x), det)
+  # rngs= in the call, as in nnx.MultiHeadAttention (keep_rngs=False needs it).
+  bare = fr.RingMultiHeadAttention(4, 16, decode=False, dropout_rate=0.5, keep_rngs=False, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="rngs=... must be given to __call__"):
+    bare(x, deterministic=False)
+  c, d = bare(x, deterministic=False, rngs=nnx.Rngs(dropout=1)), bare(x, deterministic=False, rngs=nnx.Rngs(dropout=1))
+  np.testing.assert_array_equal(c, d)
+
+
+@pytest.mark.parametrize(
+  "kwargs,error,match",
+  [
+    (dict(dropout_rate=1.0, dropout_rng=jax.random.key(0)), ValueError, r"dropout_rate=1.0 must be in \[0, 1\)"),
+    (dict(dropout_rate="0.1"), TypeError, "dropout_rate must be a Python float, got str"),
+    (dict(dropout_rate=0.1), ValueError, r"dropout_rate > 0 needs dropout_rng=\.\.\."),
+    (
+      dict(dropout_rate=0.1, dropout_rng=jax.random.key(0), implementation="pallas_tpu", interpret=True),
+      NotImplementedError,
+      "pallas_tpu does not implement attention dropout yet",
+    ),
+  ],
+  ids=["rate", "type", "no-rng", "pallas-tpu"],
+)
+def test_dropout_errors(kwargs, error, match):
+  x = jnp.zeros((1, 16, 2, 8))
+  with pytest.raises(error, match=match):
+    fr.ring_attention(x, x, x, **kwargs)
