@@ -111,10 +111,28 @@ def test_layer_dropout_follows_nnx_rules():
       NotImplementedError,
       "pallas_tpu does not implement attention dropout yet",
     ),
+    (
+      dict(dropout_rate=0.1, dropout_rng=jax.random.key(0), implementation="pallas_tpu_ring", interpret=True),
+      NotImplementedError,
+      "pallas_tpu_ring does not implement attention dropout yet",
+    ),
+    (
+      dict(dropout_rate=0.1, dropout_rng=jax.random.key(0), implementation="pallas_gpu", interpret=True),
+      NotImplementedError,
+      "pallas_gpu does not implement attention dropout yet",
+    ),
   ],
-  ids=["rate", "type", "no-rng", "pallas-tpu"],
+  ids=["rate", "type", "no-rng", "pallas-tpu", "pallas-tpu-ring", "pallas-gpu"],
 )
 def test_dropout_errors(kwargs, error, match):
   x = jnp.zeros((1, 16, 2, 8))
   with pytest.raises(error, match=match):
     fr.ring_attention(x, x, x, **kwargs)
+
+
+@pytest.mark.parametrize("strategy", ["ulysses", "all_gather"])
+def test_dropout_runs_with_the_ring_strategy_only(strategy):
+  x = jnp.zeros((1, 16, 2, 8))
+  mesh = make_mesh((2,), ("sp",))
+  with pytest.raises(NotImplementedError, match=rf"runs with strategy='ring' only for now, got strategy='{strategy}'"):
+    fr.ring_attention(x, x, x, mesh=mesh, strategy=strategy, dropout_rate=0.1, dropout_rng=jax.random.key(0))
