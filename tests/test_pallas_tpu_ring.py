@@ -225,6 +225,7 @@ def test_tile_table_too_large_for_smem():
 
 
 @interpret
+@pytest.mark.races_not_read("expects no_races() to fail on the broken protocol")
 def test_missing_credit_is_caught_by_the_race_detector():
   """The harness catches what it exists for: without the credit semaphore, r - 1 overwrites a slot that r is
   still reading (ring of 4, eager DMAs)."""
