@@ -205,6 +205,11 @@ def uses_fused_cache_write(
     checked=False,
     interpret=interpret,
   )
+  return _fused_write_runs(spec, k_scale, v_scale)
+
+
+def _fused_write_runs(spec, k_scale, v_scale) -> bool:
+  """The fused write needs the pallas_tpu kernel and per-token ([P, page_size, K]) scales, or none."""
   return spec.implementation == "pallas_tpu" and all(x is None or x.ndim == 3 for x in (k_scale, v_scale))
 
 
@@ -256,7 +261,7 @@ def paged_attention_with_cache_write(
     checked=False,
     interpret=interpret,
   )
-  if spec.implementation != "pallas_tpu" or any(x is not None and x.ndim != 3 for x in (k_scale, v_scale)):
+  if not _fused_write_runs(spec, k_scale, v_scale):
     return None
   kv_lens, page_indices, cu_q_lens, num_seqs = (
     jnp.asarray(x, jnp.int32) for x in (kv_lens, page_indices, cu_q_lens, num_seqs)
