@@ -10,6 +10,7 @@ from conftest import make_mesh
 from flax import nnx
 
 import flax_ringattn as fr
+from flax_ringattn._src.testing.interpret import interpret_params, no_races
 from flax_ringattn.testing import assert_matches_reference
 
 RATE = 0.25
@@ -81,6 +82,53 @@ def test_forward_and_backward_use_the_same_mask_as_the_reference(mesh_shape, nam
   assert_matches_reference(jax.jit(ring), q, k, v, is_causal=True, segment_ids=seg, **kw, **kw_ref)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize(
+  "implementation,ring,broadcast,cap",
+  [
+    ("pallas_tpu", 2, False, None),
+    ("pallas_tpu", 1, True, 30.0),
+    ("pallas_tpu_ring", 2, False, None),
+    ("pallas_tpu_ring", 1, True, 30.0),
+  ],
+  ids=["block-ring2-per-head", "block-ring1-broadcast-cap", "kernel-ring2-per-head", "kernel-ring1-broadcast-cap"],
+)
+def test_pallas_tpu_kernels_hash_the_same_mask(implementation, ring, broadcast, cap):
+  """The TPU kernels hash each tile's keep mask from the global indices (interpret mode, race detector on):
+  forward and q/k/v gradients equal the reference's with the same key, on zigzag GQA segments.  Several q tiles
+  per shard, so a mask tied to the tile would differ."""
+  B, T, N, K, H = 1, 128 * ring, 4, 2, 16
+  ks = jax.random.split(jax.random.key(1), 3)
+  q = jax.random.normal(ks[0], (B, T, N, H))
+  k, v = (jax.random.normal(x, (B, T, K, H)) for x in ks[1:])
+  seg = jnp.concatenate([jnp.zeros((B, 40), jnp.int32), jnp.ones((B, T - 40), jnp.int32)], axis=1)
+  kw = dict(dropout_rate=RATE, dropout_rng=jax.random.key(5), broadcast_dropout=broadcast, logits_soft_cap=cap)
+  q, k, v, seg = (fr.zigzag_order(x, ring, axis=1) for x in (q, k, v, seg))
+  pos = fr.zigzag_positions(T, ring)
+  mesh = make_mesh((ring,), ("sp",))
+
+  def attn(q, k, v):
+    return fr.ring_attention(
+      q,
+      k,
+      v,
+      mesh=mesh,
+      axis_name="sp",
+      is_causal=True,
+      segment_ids=seg,
+      load_balance=True,
+      implementation=implementation,
+      interpret=interpret_params(),
+      block_sizes=fr.BlockSizes(block_q=16, block_kv=128),
+      **kw,
+    )
+
+  with no_races():
+    assert_matches_reference(
+      jax.jit(attn), q, k, v, is_causal=True, segment_ids=seg, q_positions=pos, kv_positions=pos, **kw
+    )
+
+
 def test_layer_dropout_follows_nnx_rules():
   layer = fr.RingMultiHeadAttention(4, 16, decode=False, dropout_rate=0.5, rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.PRNGKey(0), (1, 32, 16))
@@ -106,23 +154,8 @@ def test_layer_dropout_follows_nnx_rules():
     (dict(dropout_rate=1.0, dropout_rng=jax.random.key(0)), ValueError, r"dropout_rate=1.0 must be in \[0, 1\)"),
     (dict(dropout_rate="0.1"), TypeError, "dropout_rate must be a Python float, got str"),
     (dict(dropout_rate=0.1), ValueError, r"dropout_rate > 0 needs dropout_rng=\.\.\."),
-    (
-      dict(dropout_rate=0.1, dropout_rng=jax.random.key(0), implementation="pallas_tpu", interpret=True),
-      NotImplementedError,
-      "pallas_tpu does not implement attention dropout yet",
-    ),
-    (
-      dict(dropout_rate=0.1, dropout_rng=jax.random.key(0), implementation="pallas_tpu_ring", interpret=True),
-      NotImplementedError,
-      "pallas_tpu_ring does not implement attention dropout yet",
-    ),
-    (
-      dict(dropout_rate=0.1, dropout_rng=jax.random.key(0), implementation="pallas_gpu", interpret=True),
-      NotImplementedError,
-      "pallas_gpu does not implement attention dropout yet",
-    ),
   ],
-  ids=["rate", "type", "no-rng", "pallas-tpu", "pallas-tpu-ring", "pallas-gpu"],
+  ids=["rate", "type", "no-rng"],
 )
 def test_dropout_errors(kwargs, error, match):
   x = jnp.zeros((1, 16, 2, 8))
@@ -130,9 +163,47 @@ def test_dropout_errors(kwargs, error, match):
     fr.ring_attention(x, x, x, **kwargs)
 
 
-@pytest.mark.parametrize("strategy", ["ulysses", "all_gather"])
-def test_dropout_runs_with_the_ring_strategy_only(strategy):
-  x = jnp.zeros((1, 16, 2, 8))
-  mesh = make_mesh((2,), ("sp",))
-  with pytest.raises(NotImplementedError, match=rf"runs with strategy='ring' only for now, got strategy='{strategy}'"):
-    fr.ring_attention(x, x, x, mesh=mesh, strategy=strategy, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+@pytest.mark.parametrize(
+  "strategy,mesh_shape,names,axis_name,head_axis",
+  [
+    ("ulysses", (4, 2), ("sp", "tp"), "sp", "tp"),
+    ("all_gather", (4,), ("sp",), "sp", None),
+    ("ulysses_ring", (2, 2, 2), ("ring", "uly", "tp"), ("ring", "uly"), "tp"),
+  ],
+  ids=["ulysses-head-sharded", "all_gather", "ulysses_ring-head-sharded"],
+)
+def test_every_strategy_drops_the_same_probabilities(strategy, mesh_shape, names, axis_name, head_axis):
+  """The mask follows the global head through the Ulysses all-to-all (and a head_axis on top of it) and the
+  gathered K/V: forward and gradients equal the reference's with the same key, zigzag, GQA and segments."""
+  B, T, N, K, H = 1, 64, 8, 2, 8
+  ks = jax.random.split(jax.random.key(2), 3)
+  q = jax.random.normal(ks[0], (B, T, N, H))
+  k, v = (jax.random.normal(x, (B, T, K, H)) for x in ks[1:])
+  seg = jnp.concatenate([jnp.zeros((B, 20), jnp.int32), jnp.ones((B, T - 20), jnp.int32)], axis=1)
+  mesh = make_mesh(mesh_shape, names)
+  sizes = dict(zip(names, mesh_shape, strict=True))
+  n = int(np.prod([sizes[a] for a in (axis_name if isinstance(axis_name, tuple) else (axis_name,))]))
+  q, k, v, seg = (fr.zigzag_order(x, n, axis=1) for x in (q, k, v, seg))
+  pos = fr.zigzag_positions(T, n)
+  kw = dict(dropout_rate=RATE, dropout_rng=jax.random.key(4), broadcast_dropout=False)
+
+  def attn(q, k, v):
+    return fr.ring_attention(
+      q,
+      k,
+      v,
+      mesh=mesh,
+      axis_name=axis_name,
+      head_axis=head_axis,
+      strategy=strategy,
+      is_causal=True,
+      segment_ids=seg,
+      load_balance=True,
+      implementation="xla",
+      block_sizes=fr.BlockSizes(block_q=8, block_kv=8),
+      **kw,
+    )
+
+  assert_matches_reference(
+    jax.jit(attn), q, k, v, is_causal=True, segment_ids=seg, q_positions=pos, kv_positions=pos, **kw
+  )

@@ -26,6 +26,7 @@ from flax_ringattn._src.backends.base import AttentionSpec
 from flax_ringattn._src.backends.pallas_gpu import PallasGpuBackend, planner
 from flax_ringattn._src.backends.pallas_gpu.backward import block_bwd
 from flax_ringattn._src.backends.pallas_gpu.forward import block_fwd
+from flax_ringattn.testing import assert_matches_reference
 
 
 def interpret(test):
@@ -208,14 +209,58 @@ def test_float16():
   assert_close(grads, ref_vjp(do), jnp.float16, "grad")
 
 
+@interpret
+@pytest.mark.parametrize("broadcast,cap", [(False, None), (True, 2.0)], ids=["per-head", "broadcast-cap"])
+def test_dropout_matches_the_reference(broadcast, cap):
+  """Forward and q/k/v gradients with attention dropout on a zigzag ring of 2: the kernels regenerate the
+  reference's keep mask from global (batch, q head, q position, kv position), over GQA's stacked rows, FULL and
+  PARTIAL tiles, and the forward's mask again in the dq and dk/dv kernels."""
+  B, T, N, K, H = 2, 64, 4, 2, 16
+  q, k, v, _ = _inputs(B, T, T, N, K, H, jnp.float32)
+  seg = jnp.concatenate([jnp.zeros((B, 20), jnp.int32), jnp.ones((B, T - 20), jnp.int32)], axis=1)
+  mesh = make_mesh((2,), ("sp",))
+  q, k, v, seg = (fr.zigzag_order(x, 2, axis=1) for x in (q, k, v, seg))
+  pos = fr.zigzag_positions(T, 2)
+  kw = dict(dropout_rate=0.25, dropout_rng=jax.random.key(9), broadcast_dropout=broadcast, logits_soft_cap=cap)
+
+  def ring(q, k, v):
+    return fr.ring_attention(
+      q,
+      k,
+      v,
+      mesh=mesh,
+      axis_name="sp",
+      is_causal=True,
+      segment_ids=seg,
+      load_balance=True,
+      implementation="pallas_gpu",
+      interpret=INTERPRET,
+      block_sizes=fr.BlockSizes(block_q=16, block_kv=16),
+      **kw,
+    )
+
+  assert_matches_reference(
+    jax.jit(ring), q, k, v, is_causal=True, segment_ids=seg, q_positions=pos, kv_positions=pos, **kw
+  )
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("segments,cap", [(False, None), (True, 30.0)], ids=["plain", "seg-cap"])
-def test_kernels_lower_to_triton_for_cuda(dtype, segments, cap):
+@pytest.mark.parametrize(
+  "segments,cap,dropout",
+  [(False, None, None), (True, 30.0, None), (True, 30.0, "per-head"), (False, None, "broadcast")],
+  ids=["plain", "seg-cap", "seg-cap-dropout", "broadcast-dropout"],
+)
+def test_kernels_lower_to_triton_for_cuda(dtype, segments, cap, dropout):
   """jax.export runs the Pallas -> Triton IR lowering for CUDA on this CPU machine: block shapes, loads, loops,
-  tile-class branches and kernel ops must all be accepted by the Triton lowering (Triton's own compiler runs
-  only on a GPU, so this cannot catch what it would reject)."""
+  tile-class branches and kernel ops (the dropout hash's wrapping int32 multiplies and logical shifts included)
+  must all be accepted by the Triton lowering (Triton's own compiler runs only on a GPU, so this cannot catch
+  what it would reject)."""
   spec = AttentionSpec(
-    mask=masks.MaskSpec(is_causal=True, window=(300, 0), has_segments=segments), scale=0.1, logits_soft_cap=cap
+    mask=masks.MaskSpec(is_causal=True, window=(300, 0), has_segments=segments),
+    scale=0.1,
+    logits_soft_cap=cap,
+    dropout_rate=0.0 if dropout is None else 0.1,
+    dropout_broadcast=dropout == "broadcast",
   )
   B, T, N, K, H = 2, 512, 8, 2, 128
   sds = jax.ShapeDtypeStruct
@@ -223,17 +268,20 @@ def test_kernels_lower_to_triton_for_cuda(dtype, segments, cap):
   pos = sds((T,), jnp.int32)
   seg = sds((B, T), jnp.int32) if segments else None
   stat = sds((B, N, T), jnp.float32)
-  fwd = jax.jit(lambda q, k, v, qp, kp, qs, ks: block_fwd(q, k, v, qp, kp, qs, ks, spec=spec, interpret=False))
+  drop = None if dropout is None else sds((4,), jnp.int32)
+  fwd = jax.jit(
+    lambda q, k, v, qp, kp, qs, ks, d: block_fwd(q, k, v, qp, kp, qs, ks, spec=spec, interpret=False, dropout=d)
+  )
   bwd = jax.jit(
-    lambda q, k, v, do, lse, dl, qp, kp, qs, ks: block_bwd(
-      q, k, v, do, lse, dl, qp, kp, qs, ks, spec=spec, interpret=False
+    lambda q, k, v, do, lse, dl, qp, kp, qs, ks, d: block_bwd(
+      q, k, v, do, lse, dl, qp, kp, qs, ks, spec=spec, interpret=False, dropout=d
     )
   )
   # The Triton custom call has no export compatibility guarantee; we only lower, never serialise for later.
   triton = "__gpu$xla.gpu.triton"
   kw = dict(platforms=("cuda",), disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)])
-  text = export.export(fwd, **kw)(q, k, k, pos, pos, seg, seg).mlir_module()
-  text += export.export(bwd, **kw)(q, k, k, q, stat, stat, pos, pos, seg, seg).mlir_module()
+  text = export.export(fwd, **kw)(q, k, k, pos, pos, seg, seg, drop).mlir_module()
+  text += export.export(bwd, **kw)(q, k, k, q, stat, stat, pos, pos, seg, seg, drop).mlir_module()
   assert text.count(f"@{triton}") == 3  # forward, dq, dk/dv
 
 

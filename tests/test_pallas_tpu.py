@@ -96,15 +96,22 @@ def test_many_tiles_per_shard(opts, n):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("segments,cap", [(False, None), (True, 30.0)], ids=["plain", "seg-cap"])
-def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, cap):
+@pytest.mark.parametrize(
+  "segments,cap,dropout",
+  [(False, None, False), (True, 30.0, False), (True, 30.0, True)],
+  ids=["plain", "seg-cap", "seg-cap-dropout"],
+)
+def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, cap, dropout):
   """jax.export runs the Pallas -> Mosaic lowering for TPU on this CPU machine: block shapes, index maps and
-  kernel ops must all be accepted by the TPU lowering (Mosaic's own compiler passes run only on a TPU)."""
+  kernel ops (the dropout hash's wrapping int32 multiplies and logical shifts included) must all be accepted by
+  the TPU lowering (Mosaic's own compiler passes run only on a TPU)."""
   spec = AttentionSpec(
     mask=masks.MaskSpec(is_causal=True, window=(300, 0), has_segments=segments),
     scale=0.1,
     logits_soft_cap=cap,
     block_sizes=fr.BlockSizes(block_q=128, block_kv=256),
+    dropout_rate=0.1 if dropout else 0.0,
+    dropout_broadcast=False,
   )
   B, T, N, K, H = 2, 512, 8, 2, 128
   sds = jax.ShapeDtypeStruct
@@ -112,14 +119,17 @@ def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, cap):
   pos = sds((T,), jnp.int32)
   seg = sds((B, T), jnp.int32) if segments else None
   stat = sds((B, N, T), jnp.float32)
-  fwd = jax.jit(lambda q, k, v, qp, kp, qs, ks: block_fwd(q, k, v, qp, kp, qs, ks, spec=spec, interpret=None))
+  drop = sds((4,), jnp.int32) if dropout else None
+  fwd = jax.jit(
+    lambda q, k, v, qp, kp, qs, ks, d: block_fwd(q, k, v, qp, kp, qs, ks, spec=spec, interpret=None, dropout=d)
+  )
   bwd = jax.jit(
-    lambda q, k, v, do, lse, dl, qp, kp, qs, ks: block_bwd(
-      q, k, v, do, lse, dl, qp, kp, qs, ks, spec=spec, interpret=None
+    lambda q, k, v, do, lse, dl, qp, kp, qs, ks, d: block_bwd(
+      q, k, v, do, lse, dl, qp, kp, qs, ks, spec=spec, interpret=None, dropout=d
     )
   )
-  text = export.export(fwd, platforms=("tpu",))(q, k, k, pos, pos, seg, seg).mlir_module()
-  text += export.export(bwd, platforms=("tpu",))(q, k, k, q, stat, stat, pos, pos, seg, seg).mlir_module()
+  text = export.export(fwd, platforms=("tpu",))(q, k, k, pos, pos, seg, seg, drop).mlir_module()
+  text += export.export(bwd, platforms=("tpu",))(q, k, k, q, stat, stat, pos, pos, seg, seg, drop).mlir_module()
   assert text.count("tpu_custom_call") == 3  # forward, dq, dk/dv
 
 

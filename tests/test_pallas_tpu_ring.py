@@ -279,14 +279,20 @@ def test_bytes_sent_follow_the_schedule():
   assert sent["ring_bwd"] == (n - 1) * 2 * shard * 4 + n * 2 * shard * 4
 
 
-@pytest.mark.parametrize("segments,cap", [(False, None), (True, 30.0)], ids=["plain", "seg-cap"])
-def test_kernels_lower_to_mosaic_for_tpu(segments, cap):
+@pytest.mark.parametrize(
+  "segments,cap,dropout",
+  [(False, None, False), (True, 30.0, False), (True, 30.0, True)],
+  ids=["plain", "seg-cap", "seg-cap-dropout"],
+)
+def test_kernels_lower_to_mosaic_for_tpu(segments, cap, dropout):
   """jax.export runs the Pallas -> Mosaic lowering of both ring kernels for TPU (ring of 4, bf16, GQA)."""
   spec = AttentionSpec(
     mask=masks.MaskSpec(is_causal=True, has_segments=segments),
     scale=0.1,
     logits_soft_cap=cap,
     block_sizes=fr.BlockSizes(block_q=128, block_kv=256),
+    dropout_rate=0.1 if dropout else 0.0,
+    dropout_broadcast=False,
   )
   n, B, T, N, K, H = 4, 1, 512 * 4, 8, 2, 128
   mesh = jax.sharding.AbstractMesh((n,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -296,23 +302,27 @@ def test_kernels_lower_to_mosaic_for_tpu(segments, cap):
   kv = sds((B, T, K, H), jnp.bfloat16)
   seg = sds((B, T), jnp.int32) if segments else None
 
-  def loss(q, k, v, seg):
-    o = kernel_ring_attention_local(q, k, v, seg, seg, axis_name="sp", load_balance=True, spec=spec, interpret=None)
+  drop = sds((4,), jnp.int32) if dropout else None
+
+  def loss(q, k, v, seg, drop):
+    o = kernel_ring_attention_local(
+      q, k, v, seg, seg, drop, axis_name="sp", load_balance=True, spec=spec, interpret=None
+    )
     return o.astype(jnp.float32).sum()
 
   body = jax.shard_map(
     jax.grad(loss, argnums=(0, 1, 2)),
     mesh=mesh,
-    in_specs=(s, s, s, ss if segments else None),
+    in_specs=(s, s, s, ss if segments else None, P() if dropout else None),
     out_specs=(s, s, s),
   )
-  text = export.export(jax.jit(body), platforms=("tpu",))(x, kv, kv, seg).mlir_module()
+  text = export.export(jax.jit(body), platforms=("tpu",))(x, kv, kv, seg, drop).mlir_module()
   assert text.count("tpu_custom_call") == 2  # forward and backward
 
 
-@pytest.mark.parametrize("segments", [False, True])
+@pytest.mark.parametrize("segments,dropout", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_planner_counts_every_ring_buffer(segments, dtype):
+def test_planner_counts_every_ring_buffer(segments, dropout, dtype):
   d = rp.RingDims(
     axes=("sp",),
     sizes=(4,),
@@ -328,8 +338,10 @@ def test_planner_counts_every_ring_buffer(segments, dtype):
     bq=64,
     bk=128,
     has_segments=segments,
+    has_dropout=dropout,
   )
   dims = dict(T=256, S=384, bq=64, bk=128, num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, has_segments=segments)
+  dims["dropout"] = dropout
   assert planner.ring_footprint("ring_fwd", **dims).buffers == common.plan_vmem_bytes(fwd_plan(d))
   assert planner.ring_footprint("ring_bwd", **dims).buffers == common.plan_vmem_bytes(bwd_plan(d))
   with pytest.raises(ValueError, match="kernel must be 'ring_fwd' or 'ring_bwd'"):

@@ -17,18 +17,33 @@ PLANS = {"fwd": forward.fwd_plan, "dq": backward.dq_plan, "dkv": backward.dkv_pl
 
 @pytest.mark.parametrize("kernel", sorted(PLANS))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("has_segments", [False, True], ids=["", "seg"])
-def test_model_counts_exactly_the_kernels_buffers(kernel, dtype, has_segments):
-  """The closed-form model equals the VMEM of the kernel's own BlockSpecs and scratch shapes."""
+@pytest.mark.parametrize(
+  "has_segments,dropout", [(False, False), (True, False), (True, True)], ids=["", "seg", "seg-drop"]
+)
+def test_model_counts_exactly_the_kernels_buffers(kernel, dtype, has_segments, dropout):
+  """The closed-form model equals the VMEM of the kernel's own BlockSpecs and scratch shapes (the dropout
+  operand lives in SMEM: no VMEM buffer, but its hash and scale tiles are temporaries)."""
   for (bq, bk), (N, K), H in itertools.product(
     [(16, 128), (128, 256), (512, 128), (24, 384)], [(8, 2), (4, 4), (8, 1)], [64, 128, 80]
   ):
-    plan = PLANS[kernel](B=2, T=4 * bq, S=2 * bk, N=N, K=K, H=H, dtype=dtype, bq=bq, bk=bk, has_segments=has_segments)
+    dims = dict(B=2, T=4 * bq, S=2 * bk, N=N, K=K, H=H, dtype=dtype, bq=bq, bk=bk, has_segments=has_segments)
+    plan = PLANS[kernel](**dims, has_dropout=dropout)
     model = planner.footprint(
-      kernel, bq=bq, bk=bk, num_heads=N, num_kv_heads=K, head_dim=H, dtype=dtype, has_segments=has_segments
+      kernel,
+      bq=bq,
+      bk=bk,
+      num_heads=N,
+      num_kv_heads=K,
+      head_dim=H,
+      dtype=dtype,
+      has_segments=has_segments,
+      dropout=dropout,
     )
     assert model.buffers == common.plan_vmem_bytes(plan), (kernel, bq, bk, N, K, H)
     assert model.temporaries >= 2 * (N // K) * bq * bk * 4  # at least the f32 score tile and p
+    if dropout:
+      without = planner.footprint(kernel, bq=bq, bk=bk, num_heads=N, num_kv_heads=K, head_dim=H, dtype=dtype)
+      assert model.temporaries >= without.temporaries + 2 * (N // K) * bq * bk * 4  # int32 hash and f32 scale
 
 
 def test_vmem_table_matches_jax_hardware_table():

@@ -75,10 +75,3 @@ class BlockBackend(Protocol):
 
   def bwd(self, q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec: AttentionSpec, dropout=None): ...
 
-
-def check_no_dropout(name: str, spec: AttentionSpec) -> None:
-  """For backends without attention dropout: NotImplementedError (so implementation=None moves on)."""
-  if spec is not None and spec.dropout_rate:
-    raise NotImplementedError(
-      f"{name} does not implement attention dropout yet (dropout_rate={spec.dropout_rate}); use implementation='xla'"
-    )

@@ -87,11 +87,11 @@ def ring_attention(
       to head shards, needs N % n == 0), "all_gather" (K/V gathered, q stays
       sharded) or "ulysses_ring" (axis_name=(ring_axis, ulysses_axis): Ulysses
       within, ring across).  Results do not depend on the strategy.
-    dropout_rate: attention dropout on the probabilities (0 = none; the xla
-      backend and strategy="ring" only, for now).  The keep mask is a hash of
+    dropout_rate: attention dropout on the probabilities (0 = none; every
+      implementation and strategy).  The keep mask is a hash of
       `dropout_rng` and the global (batch, head, q position, kv position), so
-      it is the same on any ring size and layout, and the backward
-      regenerates it.
+      it is the same on any ring size, layout, strategy and backend, and the
+      backward regenerates it.
     dropout_rng: a `jax.random` key, needed when dropout_rate > 0.
     broadcast_dropout: one mask for every batch row and head (flax's default),
       else one per (batch, head).
@@ -198,16 +198,12 @@ def _local_fn(axis_name, load_balance, spec, backend, strategy):
   contract (the portable ring loop for strategy="ring")."""
   if hasattr(backend, "ring_local") and strategy == "ring":
     return lambda q, k, v, qs, ks, drop: backend.ring_local(
-      q, k, v, qs, ks, axis_name=axis_name, load_balance=load_balance, spec=spec
-    )  # no dropout here: check_supported refused it
-  if spec.dropout_rate and strategy != "ring":
-    raise NotImplementedError(
-      f"attention dropout (dropout_rate={spec.dropout_rate}) runs with strategy='ring' only for now, got {strategy=!r}"
+      q, k, v, qs, ks, drop, axis_name=axis_name, load_balance=load_balance, spec=spec
     )
   cfg = RingConfig(axis_name=axis_name, load_balance=load_balance, spec=spec, backend=backend)
   if strategy == "ring":
     return lambda q, k, v, qs, ks, drop: ring_attention_local(q, k, v, qs, ks, cfg, drop)
-  return lambda q, k, v, qs, ks, drop: strategies.attention_local(q, k, v, qs, ks, strategy=strategy, cfg=cfg)
+  return lambda q, k, v, qs, ks, drop: strategies.attention_local(q, k, v, qs, ks, drop, strategy=strategy, cfg=cfg)
 
 
 def _check_shard_lengths(T, S, n, load_balance, *, local, axis_name, strategy="ring"):

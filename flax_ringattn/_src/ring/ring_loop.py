@@ -107,7 +107,8 @@ def _merge(o, lse, o_b, lse_b):
   return o * a + o_b * b, new_lse
 
 
-def _block_kwargs(drop):
+def block_kwargs(drop):
+  """The block contract's dropout keyword: passed only with dropout."""
   return {} if drop is None else {"dropout": drop}
 
 
@@ -125,7 +126,7 @@ def _ring_forward(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig):
     kv_pos = _member_positions(cfg, shard_of((r - t) % n), n, S)
 
     def compute():
-      return backend.fwd(q, k_t, v_t, q_pos, kv_pos, q_seg, seg_t, spec=spec, **_block_kwargs(drop))
+      return backend.fwd(q, k_t, v_t, q_pos, kv_pos, q_seg, seg_t, spec=spec, **block_kwargs(drop))
 
     def skip():
       return (
@@ -187,7 +188,7 @@ def _ring_attention_bwd(cfg: RingConfig, res, do):
     kv_pos = _member_positions(cfg, shard_of((r - t) % n), n, S)
 
     def compute():
-      return backend.bwd(q, k_t, v_t, do, lse, delta, q_pos, kv_pos, q_seg, seg_t, spec=spec, **_block_kwargs(drop))
+      return backend.bwd(q, k_t, v_t, do, lse, delta, q_pos, kv_pos, q_seg, seg_t, spec=spec, **block_kwargs(drop))
 
     def skip():
       zq = vma.like(jnp.zeros(q.shape, F32), q)

@@ -26,13 +26,14 @@ Ulysses is the ring of one after the all-to-all: both Ulysses strategies run
 head-sharded inputs, the same size as the local shards), and autodiff
 transposes the all-to-alls (an all-to-all back) and the kv-head repeat (a sum).
 
-Head offsets (for per-head randomness such as attention dropout, whose mask is
-a function of the global (batch, head, q pos, kv pos)): after the Ulysses
-all-to-all, member u of the Ulysses axis holds q heads [u * N / U, (u + 1) *
-N / U) of the N heads of its input shard, i.e. a global head offset of
-`jax.lax.axis_index(ulysses_axis) * N / U` (plus the head_axis offset, if
-any) that the block call must receive; all_gather and the ring keep every
-head, offset 0.
+Attention dropout: its mask is a function of the key and the global (batch,
+head, q position, kv position), so every strategy gives the same result.  The
+block calls get global positions already; the global head needs care: after
+the Ulysses all-to-all, member u of the Ulysses axis holds q heads
+[u * N / U, (u + 1) * N / U) of the N heads of its input shard, so `_ulysses`
+adds `axis_index(ulysses_axis) * N / U` to the operand's head offset (which
+already carries the head_axis offset); all_gather and the ring keep every
+head.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from flax_ringattn._src import dropout as dropout_lib
 from flax_ringattn._src.layout import gathered_positions, shard_positions
-from flax_ringattn._src.ring.ring_loop import RingConfig, ring_attention_local
+from flax_ringattn._src.ring.ring_loop import RingConfig, block_kwargs, ring_attention_local
 
 F32 = jnp.float32
 STRATEGIES = ("ring", "ulysses", "all_gather", "ulysses_ring")
@@ -134,8 +136,12 @@ def _gather_seq(seg, axis):
   return None if seg is None else jax.lax.all_gather(seg, axis, axis=1, tiled=True)
 
 
-def _ulysses(q, k, v, q_seg, kv_seg, cfg: RingConfig, ring_axis, ulysses_axis):
+def _ulysses(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig, ring_axis, ulysses_axis):
   u = jax.lax.axis_size(ulysses_axis)
+  if drop is not None:
+    # After the all-to-all this member holds q heads [m * N / u, (m + 1) * N / u) of the shard's N.
+    head0 = drop[3] + jax.lax.axis_index(ulysses_axis) * (q.shape[2] // u)
+    drop = dropout_lib.with_offsets(drop, drop[2], head0)
   rep = ulysses_kv_repeat(k.shape[2], u)
   if rep > 1:
     # Consecutive copies keep GQA's grouping: q head i still reads kv head i // (N / (K * rep)).
@@ -143,7 +149,7 @@ def _ulysses(q, k, v, q_seg, kv_seg, cfg: RingConfig, ring_axis, ulysses_axis):
   q, k, v = (_seq_to_heads(x, ulysses_axis) for x in (q, k, v))
   q_seg, kv_seg = _gather_seq(q_seg, ulysses_axis), _gather_seq(kv_seg, ulysses_axis)
   inner = dataclasses.replace(cfg, axis_name=ring_axis, sub_shards=u)
-  o = ring_attention_local(q, k, v, q_seg, kv_seg, inner)
+  o = ring_attention_local(q, k, v, q_seg, kv_seg, inner, drop)
   return _heads_to_seq(o, ulysses_axis)
 
 
@@ -159,34 +165,36 @@ def _gathered_kv(k, v, kv_seg, cfg: RingConfig):
   return n, r, k_all, v_all, _gather_seq(kv_seg, cfg.axis_name), kv_pos
 
 
-def _ag_forward(q, k, v, q_seg, kv_seg, cfg: RingConfig):
+def _ag_forward(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig):
   n, r, k_all, v_all, kv_seg_all, kv_pos = _gathered_kv(k, v, kv_seg, cfg)
   q_pos = shard_positions(r, n, q.shape[1], cfg.load_balance)
-  return cfg.backend.fwd(q, k_all, v_all, q_pos, kv_pos, q_seg, kv_seg_all, spec=cfg.spec)
+  return cfg.backend.fwd(q, k_all, v_all, q_pos, kv_pos, q_seg, kv_seg_all, spec=cfg.spec, **block_kwargs(drop))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _all_gather_attention(q, k, v, q_seg, kv_seg, cfg: RingConfig):
-  o, _ = _ag_forward(q, k, v, q_seg, kv_seg, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _all_gather_attention(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig):
+  o, _ = _ag_forward(q, k, v, q_seg, kv_seg, drop, cfg)
   return o.astype(q.dtype)
 
 
-def _all_gather_attention_fwd(q, k, v, q_seg, kv_seg, cfg: RingConfig):
-  o, lse = _ag_forward(q, k, v, q_seg, kv_seg, cfg)
+def _all_gather_attention_fwd(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig):
+  o, lse = _ag_forward(q, k, v, q_seg, kv_seg, drop, cfg)
   out = o.astype(q.dtype)
-  return out, (q, k, v, q_seg, kv_seg, out, lse)
+  return out, (q, k, v, q_seg, kv_seg, drop, out, lse)
 
 
 def _all_gather_attention_bwd(cfg: RingConfig, res, do):
-  q, k, v, q_seg, kv_seg, out, lse = res
+  q, k, v, q_seg, kv_seg, drop, out, lse = res
   # Gathering again costs one all-gather and keeps the residuals at the local shards.
   n, r, k_all, v_all, kv_seg_all, kv_pos = _gathered_kv(k, v, kv_seg, cfg)
   q_pos = shard_positions(r, n, q.shape[1], cfg.load_balance)
   delta = jnp.swapaxes(jnp.sum(do.astype(F32) * out.astype(F32), axis=-1), 1, 2)  # [B, N, T]
-  dq, dk_all, dv_all = cfg.backend.bwd(q, k_all, v_all, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg_all, spec=cfg.spec)
+  dq, dk_all, dv_all = cfg.backend.bwd(
+    q, k_all, v_all, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg_all, spec=cfg.spec, **block_kwargs(drop)
+  )
   # Every device holds a partial dK/dV for every shard: sum them and hand each owner its shard.
   dk, dv = (jax.lax.psum_scatter(x, cfg.axis_name, scatter_dimension=1, tiled=True) for x in (dk_all, dv_all))
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
 _all_gather_attention.defvjp(_all_gather_attention_fwd, _all_gather_attention_bwd)
@@ -197,15 +205,18 @@ _all_gather_attention.defvjp(_all_gather_attention_fwd, _all_gather_attention_bw
 # --------------------------------------------------------------------------------------------
 
 
-def attention_local(q, k, v, q_seg, kv_seg, *, strategy: str, cfg: RingConfig):
-  """Per-device entry point of every strategy (inside shard_map; axis_name=None means one device)."""
+def attention_local(q, k, v, q_seg, kv_seg, drop=None, *, strategy: str, cfg: RingConfig):
+  """Per-device entry point of every strategy (inside shard_map; axis_name=None means one device).
+
+  `drop`: the int32[4] dropout operand with this shard's global batch / head offsets, or None.
+  """
   if cfg.axis_name is None or strategy == "ring":
-    return ring_attention_local(q, k, v, q_seg, kv_seg, cfg)
+    return ring_attention_local(q, k, v, q_seg, kv_seg, cfg, drop)
   if strategy == "ulysses":
-    return _ulysses(q, k, v, q_seg, kv_seg, cfg, None, cfg.axis_name)
+    return _ulysses(q, k, v, q_seg, kv_seg, drop, cfg, None, cfg.axis_name)
   if strategy == "ulysses_ring":
     ring_axis, ulysses_axis = cfg.axis_name
-    return _ulysses(q, k, v, q_seg, kv_seg, cfg, ring_axis, ulysses_axis)
+    return _ulysses(q, k, v, q_seg, kv_seg, drop, cfg, ring_axis, ulysses_axis)
   if strategy == "all_gather":
-    return _all_gather_attention(q, k, v, q_seg, kv_seg, cfg)
+    return _all_gather_attention(q, k, v, q_seg, kv_seg, drop, cfg)
   raise AssertionError(strategy)

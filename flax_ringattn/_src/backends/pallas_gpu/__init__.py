@@ -7,7 +7,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from flax_ringattn._src.backends import base
 from flax_ringattn._src.backends.pallas_gpu import planner
 from flax_ringattn._src.backends.pallas_gpu.backward import block_bwd
 from flax_ringattn._src.backends.pallas_gpu.forward import block_fwd
@@ -44,7 +43,6 @@ class PallasGpuBackend:
   calls_must_be_uniform = False
 
   def check_supported(self, *, dtype, spec, shapes) -> None:
-    base.check_no_dropout("pallas_gpu", spec)
     if not self.interpret and not on_gpu():
       raise NotImplementedError(
         f"pallas_gpu needs an NVIDIA GPU (default backend is {jax.default_backend()!r}); pass interpret=True to run "
@@ -66,11 +64,13 @@ class PallasGpuBackend:
       )
     # Global shapes: the shard lengths are checked against the tiles when the block is traced.
 
-  def fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec):
-    return block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec=spec, interpret=self.interpret)
+  def fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, dropout=None):
+    return block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec=spec, interpret=self.interpret, dropout=dropout)
 
-  def bwd(self, q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec):
-    return block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, spec=spec, interpret=self.interpret)
+  def bwd(self, q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, dropout=None):
+    return block_bwd(
+      q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, spec=spec, interpret=self.interpret, dropout=dropout
+    )
 
 
 __all__ = ["PallasGpuBackend", "normalize_interpret", "on_gpu", "planner"]

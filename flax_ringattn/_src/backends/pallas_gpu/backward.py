@@ -10,7 +10,9 @@ tiles, so no gradient is written twice and no atomics are needed:
          (the group's rows are stacked, see `common`).
 
 Both read the forward's tile-class table (the dk/dv kernel along its columns),
-so EMPTY tiles load nothing and run no matmul.
+so EMPTY tiles load nothing and run no matmul.  With dropout (see `common`)
+both regenerate the forward's keep mask: dV uses the dropped p, and dP is
+dropped before dS = p * (dP - delta).
 """
 
 from __future__ import annotations
@@ -25,33 +27,44 @@ from flax_ringattn._src import masks
 from flax_ringattn._src.backends.pallas_gpu import common as c
 
 
-def _probs_and_dscores(q, k, v, do, lse, delta, qp, kp, qs, ks, *, spec, masked):
-  """p [R, bk] and dS [R, bk] (d loss / d scaled logits, scale included) of one tile pair."""
+def _probs_and_dscores(q, k, v, do, lse, delta, qp, kp, qs, ks, *, spec, masked, drop_idx):
+  """p [R, bk] (dropped, for dV) and dS [R, bk] (d loss / d scaled logits, scale included) of one tile pair."""
   s, t = c.scores(q, k, qp, kp, qs, ks, spec=spec, masked=masked)
   # lse = -inf only for rows with no visible key anywhere; their s is -inf
   # everywhere, so shifting by 0 gives p = 0 (not NaN).
   p = jnp.exp(s - jnp.where(lse == -jnp.inf, 0.0, lse)[:, None])
   dp = c.dot(do, v, c.NT, spec)
+  # The forward's dropout mask, regenerated from the same global indices; delta already uses the dropped O.
+  drop = c.dropout_scale(spec, drop_idx, qp, kp)
+  if drop is not None:
+    dp = dp * drop
   ds = p * (dp - delta[:, None])
   if t is not None:
     ds = ds * (1.0 - t * t)  # d(cap * tanh(x / cap)) / dx
-  return p, ds * spec.scale
+  return (p if drop is None else p * drop), ds * spec.scale
 
 
-def _dq_kernel(kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec, bk):
-  seg_refs, dq_ref = refs[:-1], refs[-1]
+def _split(refs, n_out, dropout):
+  """(segment refs, dropout ref or None, output refs) of a kernel's trailing refs."""
+  ins, outs = refs[:-n_out], refs[-n_out:]
+  return (ins[:-1], ins[-1], outs) if dropout else (ins, None, outs)
+
+
+def _dq_kernel(kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec, bk, G, dropout):
+  seg_refs, drop_ref, (dq_ref,) = _split(refs, 1, dropout)
   i = pl.program_id(2)
   q, do, lse, delta, qp = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], qp_ref[...]
   qs = seg_refs[0][...] if seg_refs else None
   nk = k_ref.shape[0] // bk
+  drop_idx = c.dropout_indices(spec, drop_ref, q.shape[0], G)
 
   def body(j, dq):
     def update(dq, masked):
       kv = pl.ds(pl.multiple_of(j * bk, bk), bk)
       k, v = k_ref[kv, :], v_ref[kv, :]
-      kp = kp_ref[kv] if masked else None
+      kp = kp_ref[kv] if masked or dropout else None
       ks = seg_refs[1][kv] if masked and seg_refs else None
-      _, ds = _probs_and_dscores(q, k, v, do, lse, delta, qp, kp, qs, ks, spec=spec, masked=masked)
+      _, ds = _probs_and_dscores(q, k, v, do, lse, delta, qp, kp, qs, ks, spec=spec, masked=masked, drop_idx=drop_idx)
       return dq + c.dot(ds.astype(k.dtype), k, c.NN, spec)
 
     return c.by_tile_kind(kinds_ref[i, j], dq, update)
@@ -59,22 +72,26 @@ def _dq_kernel(kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, qp_re
   dq_ref[...] = jax.lax.fori_loop(0, nk, body, jnp.zeros(q.shape, c.F32))
 
 
-def _dkv_kernel(kinds_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *refs, spec, rows):
-  seg_refs, (dk_ref, dv_ref) = refs[:-2], refs[-2:]
+def _dkv_kernel(
+  kinds_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *refs, spec, rows, G, dropout
+):
+  seg_refs, drop_ref, (dk_ref, dv_ref) = _split(refs, 2, dropout)
   j = pl.program_id(2)
   k, v = k_ref[...], v_ref[...]
   kp = kp_ref[...]
   ks = seg_refs[1][...] if seg_refs else None
   nq = q_ref.shape[0] // rows
+  # Every q tile starts at a multiple of G stacked rows, so the rows' heads are the same for all of them.
+  drop_idx = c.dropout_indices(spec, drop_ref, rows, G)
 
   def body(i, carry):
     def update(carry, masked):
       dk, dv = carry
       r = pl.ds(pl.multiple_of(i * rows, rows), rows)
       q, do, lse, delta = q_ref[r, :], do_ref[r, :], lse_ref[r], delta_ref[r]
-      qp = qp_ref[r] if masked else None
+      qp = qp_ref[r] if masked or dropout else None
       qs = seg_refs[0][r] if masked and seg_refs else None
-      p, ds = _probs_and_dscores(q, k, v, do, lse, delta, qp, kp, qs, ks, spec=spec, masked=masked)
+      p, ds = _probs_and_dscores(q, k, v, do, lse, delta, qp, kp, qs, ks, spec=spec, masked=masked, drop_idx=drop_idx)
       dv = dv + c.dot(p.astype(do.dtype), do, c.TN, spec)
       dk = dk + c.dot(ds.astype(q.dtype), q, c.TN, spec)
       return dk, dv
@@ -87,7 +104,7 @@ def _dkv_kernel(kinds_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, qp_r
   dv_ref[...] = dv
 
 
-def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret):
+def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret, dropout=None):
   """See `backends/base.py` for the contract."""
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
@@ -101,6 +118,8 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, in
   kv_side = [c.group_rows(k, K), c.group_rows(v, K)]
   has_seg = q_seg is not None
   segs = [qs, kv_seg.astype(jnp.int32)] if has_seg else []
+  drop_specs, drop_args = c.dropout_operand(spec, dropout)
+  has_drop = bool(drop_args)
   common = dict(rows=R, bk=bk, head_dim=H, dtype=q.dtype, interpret=interpret)
   table = pl.BlockSpec(kinds.shape, lambda b, h, x: (0, 0))
 
@@ -121,15 +140,15 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, in
   if has_seg:
     dq_specs += [pl.BlockSpec((None, R), lambda b, h, i: (b, i)), pl.BlockSpec((None, S), lambda b, h, i: (b, 0))]
   (dq,) = c.call(
-    functools.partial(_dq_kernel, spec=spec, bk=bk),
+    functools.partial(_dq_kernel, spec=spec, bk=bk, G=G, dropout=has_drop),
     grid=(B, K, T // bq),
-    in_specs=dq_specs,
+    in_specs=dq_specs + drop_specs,
     out_specs=[pl.BlockSpec((None, None, R, H), tile_q)],
     out_shapes=[jax.ShapeDtypeStruct((B, K, T * G, H), c.F32)],
     kernel_name="dq",
     name="ring_block_bwd_dq_gpu",
     **common,
-  )(kinds, *q_side, *kv_side, qp, kp, *segs)
+  )(kinds, *q_side, *kv_side, qp, kp, *segs, *drop_args)
 
   # dk/dv: a program per kv tile; q side whole.
   tile_kv = lambda b, h, j: (b, h, j, 0)  # noqa: E731
@@ -150,13 +169,13 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, in
       pl.BlockSpec((None, bk), lambda b, h, j: (b, j)),
     ]
   dk, dv = c.call(
-    functools.partial(_dkv_kernel, spec=spec, rows=R),
+    functools.partial(_dkv_kernel, spec=spec, rows=R, G=G, dropout=has_drop),
     grid=(B, K, S // bk),
-    in_specs=dkv_specs,
+    in_specs=dkv_specs + drop_specs,
     out_specs=[pl.BlockSpec((None, None, bk, H), tile_kv)] * 2,
     out_shapes=[jax.ShapeDtypeStruct((B, K, S, H), c.F32)] * 2,
     kernel_name="dkv",
     name="ring_block_bwd_dkv_gpu",
     **common,
-  )(kinds, *kv_side, *q_side, qp, kp, *segs)
+  )(kinds, *kv_side, *q_side, qp, kp, *segs, *drop_args)
   return c.ungroup_rows(dq, N), c.ungroup_rows(dk, K), c.ungroup_rows(dv, K)

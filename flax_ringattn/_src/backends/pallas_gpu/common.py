@@ -14,6 +14,12 @@ accumulate over an "arbitrary" grid axis) each kernel owns one output tile and
 loops over the other operand's tiles inside, with `lax.fori_loop`.  A
 `lax.switch` on the tile class makes EMPTY tiles load nothing and run no
 matmul, and FULL tiles skip the mask arithmetic.
+
+Attention dropout (`spec.dropout_rate > 0`): the int32[4] dropout operand
+(seed0, seed1, batch offset, head offset) is one more, whole, kernel input, and
+each tile pair's keep mask is `dropout.keep` of the global indices: batch
+offset + program_id(0), q head offset + kv head * G + (row % G), the stacked
+rows' q positions and the kv tile's positions (loaded on FULL tiles too then).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
+from flax_ringattn._src import dropout as dropout_lib
 from flax_ringattn._src import masks, vma
 from flax_ringattn._src.backends.pallas_gpu import planner
 
@@ -69,6 +76,49 @@ def row_mask_operands(q_pos, q_seg, G):
   rows = jnp.repeat(q_pos.astype(jnp.int32), G)
   seg = None if q_seg is None else jnp.repeat(q_seg.astype(jnp.int32), G, axis=1)
   return rows, seg
+
+
+def has_dropout(spec, dropout) -> bool:
+  """Whether the kernels drop: `spec.dropout_rate > 0`, which needs the int32[4] dropout operand (see `base`)."""
+  if not spec.dropout_rate:
+    return False
+  if dropout is None:
+    raise ValueError(f"dropout_rate={spec.dropout_rate} needs the int32[4] dropout= operand (see backends/base.py)")
+  return True
+
+
+def dropout_operand(spec, dropout):
+  """([BlockSpec], [int32[4]]) of the dropout input (whole, one for all programs), or ([], []) without dropout."""
+  if not has_dropout(spec, dropout):
+    return [], []
+  return [pl.BlockSpec((4,), lambda *_: (0,))], [jnp.asarray(dropout, jnp.int32).reshape(4)]
+
+
+def dropout_indices(spec, drop_ref, rows: int, G: int):
+  """(seed0, seed1, b, head) for `dropout_scale`, read once per program (None without dropout).
+
+  b is the global batch row of the program (a scalar); head [rows, 1] the global
+  q head of each stacked row (row r = t * G + g of kv head program_id(1) is q
+  head kv_head * G + g).  Both are 0 with `spec.dropout_broadcast`.
+  """
+  if drop_ref is None:
+    return None
+  seed0, seed1 = drop_ref[0], drop_ref[1]
+  if spec.dropout_broadcast:
+    return seed0, seed1, 0, 0
+  b = drop_ref[2] + pl.program_id(0)
+  g = jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), jnp.int32(G))
+  head = drop_ref[3] + pl.program_id(1) * G + g
+  return seed0, seed1, b, head
+
+
+def dropout_scale(spec, idx, qp, kp):
+  """keep / (1 - rate) as f32 [R, bk] for q positions qp [R] and kv positions kp [bk]; None without dropout."""
+  if idx is None:
+    return None
+  seed0, seed1, b, head = idx
+  keep = dropout_lib.keep(seed0, seed1, b, head, qp[:, None], kp[None, :], rate=spec.dropout_rate)
+  return jnp.where(keep, F32(1.0 / (1.0 - spec.dropout_rate)), F32(0.0))
 
 
 def scores(q, k, qp, kp, qs, ks, *, spec, masked: bool):

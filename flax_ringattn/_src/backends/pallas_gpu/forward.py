@@ -4,7 +4,8 @@ Grid (B, K, T / bq): one program owns the G * bq stacked rows of one q tile
 (the G q heads of one kv head, see `common`) and loops over the kv tiles with
 m / l / acc carried in registers (online softmax, f32).  The tile-class table
 of `masks.tile_kinds` decides per kv tile: EMPTY loads nothing, FULL skips the
-mask, PARTIAL applies `masks.pair_visible`.
+mask, PARTIAL applies `masks.pair_visible`.  With dropout, l sums the
+undropped probabilities and acc the dropped ones times v (see `common`).
 """
 
 from __future__ import annotations
@@ -19,21 +20,23 @@ from flax_ringattn._src import masks
 from flax_ringattn._src.backends.pallas_gpu import common as c
 
 
-def _kernel(kinds_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec, bk):
-  seg_refs, (o_ref, lse_ref) = refs[:-2], refs[-2:]
+def _kernel(kinds_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec, bk, G, dropout):
+  ins, (o_ref, lse_ref) = refs[:-2], refs[-2:]
+  seg_refs, drop_ref = (ins[:-1], ins[-1]) if dropout else (ins, None)
   i = pl.program_id(2)
   q = q_ref[...]
   qp = qp_ref[...]
   qs = seg_refs[0][...] if seg_refs else None
   R, H = q.shape
   nk = k_ref.shape[0] // bk
+  drop_idx = c.dropout_indices(spec, drop_ref, R, G)
 
   def body(j, carry):
     def update(carry, masked):
       m, l, acc = carry
       kv = pl.ds(pl.multiple_of(j * bk, bk), bk)
       k, v = k_ref[kv, :], v_ref[kv, :]
-      kp = kp_ref[kv] if masked else None
+      kp = kp_ref[kv] if masked or dropout else None
       ks = seg_refs[1][kv] if masked and seg_refs else None
       s, _ = c.scores(q, k, qp, kp, qs, ks, spec=spec, masked=masked)
       m_new = jnp.maximum(m, s.max(axis=1))
@@ -42,7 +45,10 @@ def _kernel(kinds_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec, bk):
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp(m - m_safe)
       p = jnp.exp(s - m_safe[:, None])
-      acc = alpha[:, None] * acc + c.dot(p.astype(v.dtype), v, c.NN, spec)
+      # Dropout drops normalised probabilities: the row sum l keeps them all.
+      drop = c.dropout_scale(spec, drop_idx, qp, kp)
+      p_v = p if drop is None else p * drop
+      acc = alpha[:, None] * acc + c.dot(p_v.astype(v.dtype), v, c.NN, spec)
       return m_new, alpha * l + p.sum(axis=1), acc
 
     return c.by_tile_kind(kinds_ref[i, j], carry, update)
@@ -55,7 +61,7 @@ def _kernel(kinds_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec, bk):
   lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
 
 
-def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret):
+def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret, dropout=None):
   """See `backends/base.py` for the contract."""
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
@@ -76,10 +82,11 @@ def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret):
   if q_seg is not None:
     in_specs += [pl.BlockSpec((None, R), lambda b, h, i: (b, i)), pl.BlockSpec((None, S), lambda b, h, i: (b, 0))]
     args += [qs, kv_seg.astype(jnp.int32)]
+  drop_specs, drop_args = c.dropout_operand(spec, dropout)
   o, lse = c.call(
-    functools.partial(_kernel, spec=spec, bk=bk),
+    functools.partial(_kernel, spec=spec, bk=bk, G=G, dropout=bool(drop_args)),
     grid=(B, K, T // bq),
-    in_specs=in_specs,
+    in_specs=in_specs + drop_specs,
     out_specs=[
       pl.BlockSpec((None, None, R, H), lambda b, h, i: (b, h, i, 0)),
       pl.BlockSpec((None, None, R), lambda b, h, i: (b, h, i)),
@@ -92,5 +99,5 @@ def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret):
     dtype=q.dtype,
     interpret=interpret,
     name="ring_block_fwd_gpu",
-  )(*args)
+  )(*args, *drop_args)
   return c.ungroup_rows(o, N), c.ungroup_stats(lse, N)

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from flax_ringattn._src.backends import base
 from flax_ringattn._src.backends.pallas_tpu import common
 from flax_ringattn._src.backends.pallas_tpu.backward import block_bwd
 from flax_ringattn._src.backends.pallas_tpu.forward import block_fwd
@@ -53,14 +52,15 @@ class PallasTpuBackend:
       )
     if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
       raise NotImplementedError(f"pallas_tpu supports float32 and bfloat16 inputs, got dtype={jnp.dtype(dtype)}")
-    base.check_no_dropout("pallas_tpu", spec)
     del shapes  # global shapes: the shard lengths are checked against the tiles when the block is traced
 
-  def fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec):
-    return block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec=spec, interpret=self.interpret)
+  def fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, dropout=None):
+    return block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec=spec, dropout=dropout, interpret=self.interpret)
 
-  def bwd(self, q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec):
-    return block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, spec=spec, interpret=self.interpret)
+  def bwd(self, q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, dropout=None):
+    return block_bwd(
+      q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, spec=spec, dropout=dropout, interpret=self.interpret
+    )
 
 
 __all__ = ["PallasTpuBackend", "common", "normalize_interpret", "on_tpu"]

@@ -38,14 +38,14 @@ def _q_side_specs(G, bq, H, row):
   ]
 
 
-def _dtypes(dtype, has_segments, *, q_first):
+def _dtypes(dtype, has_segments, has_dropout, *, q_first):
   q_side = (dtype, dtype, c.F32, c.F32)
   kv_side = (dtype, dtype)
   mask = (jnp.int32, jnp.int32) + ((jnp.int32,) * 2 if has_segments else ())
-  return (q_side + kv_side if q_first else kv_side + q_side) + mask
+  return (q_side + kv_side if q_first else kv_side + q_side) + mask + c.dropout_specs(has_dropout)[1]
 
 
-def dq_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments) -> c.CallPlan:
+def dq_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments, has_dropout=False) -> c.CallPlan:
   G = N // K
   row = lambda b, h, i, j, kinds, fetch: (b, h, i, 0)  # noqa: E731
   kv = lambda b, h, i, j, kinds, fetch: (b, h, fetch[i, j], 0)  # noqa: E731
@@ -56,18 +56,19 @@ def dq_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments) -> c.CallPlan:
     *c.mask_specs(
       has_segments, bq, bk, lambda b, h, i, j, kinds, fetch: (b, i), lambda b, h, i, j, kinds, fetch: (b, fetch[i, j])
     ),
+    *c.dropout_specs(has_dropout)[0],
   ]
   return c.CallPlan(
     grid=(B, K, T // bq, S // bk),
     in_specs=tuple(in_specs),
-    in_dtypes=_dtypes(dtype, has_segments, q_first=True),
+    in_dtypes=_dtypes(dtype, has_segments, has_dropout, q_first=True),
     out_specs=(pl.BlockSpec((None, G, bq, H), row),),
     out_shapes=(jax.ShapeDtypeStruct((B, N, T, H), c.F32),),
     scratch=(((G * bq, H), c.F32),),
   )
 
 
-def dkv_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments) -> c.CallPlan:
+def dkv_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments, has_dropout=False) -> c.CallPlan:
   G = N // K
   row = lambda b, h, j, i, kinds, fetch: (b, h, fetch[j, i], 0)  # noqa: E731
   kv = lambda b, h, j, i, kinds, fetch: (b, h, j, 0)  # noqa: E731
@@ -78,20 +79,26 @@ def dkv_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments) -> c.CallPlan:
     *c.mask_specs(
       has_segments, bq, bk, lambda b, h, j, i, kinds, fetch: (b, fetch[j, i]), lambda b, h, j, i, kinds, fetch: (b, j)
     ),
+    *c.dropout_specs(has_dropout)[0],
   ]
   out = pl.BlockSpec((None, None, bk, H), kv)
   return c.CallPlan(
     grid=(B, K, S // bk, T // bq),
     in_specs=tuple(in_specs),
-    in_dtypes=_dtypes(dtype, has_segments, q_first=False),
+    in_dtypes=_dtypes(dtype, has_segments, has_dropout, q_first=False),
     out_specs=(out, out),
     out_shapes=(jax.ShapeDtypeStruct((B, K, S, H), c.F32),) * 2,
     scratch=(((bk, H), c.F32), ((bk, H), c.F32)),
   )
 
 
-def _probs_and_dscores(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs, *, spec, masked):
-  """p [G * bq, bk] and dS [G * bq, bk] (d loss / d scaled logits, scale included) of one tile pair."""
+def _probs_and_dscores(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs, *, spec, masked, drop=None):
+  """p [G * bq, bk] and dS [G * bq, bk] (d loss / d scaled logits, scale included) of one tile pair.
+
+  With dropout (`drop`: the tile's keep / (1 - rate), `common.dropout_scale`)
+  the returned p is the dropped one (what dV needs) and dP is dropped the same
+  way before dS; delta already comes from the dropped output.
+  """
   s, t = c.scores(q_ref, k_ref, mask_refs, spec=spec, masked=masked)  # [G, bq, bk]
   G, bq, bk = s.shape
   lse = lse_ref[...]  # [G, bq, 1]
@@ -100,24 +107,33 @@ def _probs_and_dscores(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_ref
   p = jnp.exp(s - jnp.where(jnp.isneginf(lse), 0.0, lse))
   do = do_ref[...].reshape(G * bq, -1)
   dp = jax.lax.dot_general(do, v_ref[...], _NT, preferred_element_type=c.F32, precision=spec.precision)
-  ds = p * (dp.reshape(G, bq, bk) - delta_ref[...])
+  dp = dp.reshape(G, bq, bk)
+  if drop is not None:
+    dp = dp * drop
+  ds = p * (dp - delta_ref[...])
   if t is not None:
     ds = ds * (1.0 - t * t)  # d(cap * tanh(x / cap)) / dx
+  if drop is not None:
+    p = p * drop
   return p.reshape(G * bq, bk), (ds * spec.scale).reshape(G * bq, bk), do
 
 
 def _dq_kernel(kinds_ref, fetch_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, *refs, spec, num_mask_refs):
   del fetch_ref
   mask_refs = refs[:num_mask_refs]
-  dq_ref, dq_sc = refs[num_mask_refs:]
-  i, j = pl.program_id(2), pl.program_id(3)
+  drop_ref, refs = c.split_dropout_ref(spec, refs[num_mask_refs:])
+  dq_ref, dq_sc = refs
+  b, h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
 
   @pl.when(j == 0)
   def _init():
     dq_sc[...] = jnp.zeros(dq_sc.shape, c.F32)
 
   def update(masked):
-    _, ds, _ = _probs_and_dscores(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs, spec=spec, masked=masked)
+    drop = c.tile_dropout(spec, drop_ref, b, h, q_ref, mask_refs)
+    _, ds, _ = _probs_and_dscores(
+      q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs, spec=spec, masked=masked, drop=drop
+    )
     k = k_ref[...]
     dq_sc[...] += jax.lax.dot_general(
       ds.astype(k.dtype), k, _NN, preferred_element_type=c.F32, precision=spec.precision
@@ -133,8 +149,9 @@ def _dq_kernel(kinds_ref, fetch_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v
 def _dkv_kernel(kinds_ref, fetch_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, spec, num_mask_refs):
   del fetch_ref
   mask_refs = refs[:num_mask_refs]
-  dk_ref, dv_ref, dk_sc, dv_sc = refs[num_mask_refs:]
-  j, i = pl.program_id(2), pl.program_id(3)
+  drop_ref, refs = c.split_dropout_ref(spec, refs[num_mask_refs:])
+  dk_ref, dv_ref, dk_sc, dv_sc = refs
+  b, h, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
 
   @pl.when(i == 0)
   def _init():
@@ -142,7 +159,10 @@ def _dkv_kernel(kinds_ref, fetch_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delt
     dv_sc[...] = jnp.zeros(dv_sc.shape, c.F32)
 
   def update(masked):
-    p, ds, do = _probs_and_dscores(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs, spec=spec, masked=masked)
+    drop = c.tile_dropout(spec, drop_ref, b, h, q_ref, mask_refs)
+    p, ds, do = _probs_and_dscores(
+      q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs, spec=spec, masked=masked, drop=drop
+    )
     G, bq, H = q_ref.shape
     q = q_ref[...].reshape(G * bq, H)
     dv_sc[...] += jax.lax.dot_general(
@@ -160,12 +180,13 @@ def _dkv_kernel(kinds_ref, fetch_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delt
     dv_ref[...] = dv_sc[...]
 
 
-def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret):
+def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret, dropout=None):
   """See `backends/base.py` for the contract."""
   dims, kinds, mask_ops = c.block_setup(spec, q, k, q_pos, kv_pos, q_seg, kv_seg, backward=True)
   q_side = (c.heads_major(q), c.heads_major(do), lse[..., None], delta[..., None])
   kv_side = (c.heads_major(k), c.heads_major(v))
   n_mask = len(mask_ops)
+  drop_ops = c.dropout_operands(spec, dropout)
 
   (dq,) = c.call(
     functools.partial(_dq_kernel, spec=spec, num_mask_refs=n_mask),
@@ -173,7 +194,7 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, in
     2,
     interpret=interpret,
     name="ring_block_bwd_dq",
-  )(kinds, c.fetch_index(kinds), *q_side, *kv_side, *mask_ops)
+  )(kinds, c.fetch_index(kinds), *q_side, *kv_side, *mask_ops, *drop_ops)
   kinds_t = kinds.T
   dk, dv = c.call(
     functools.partial(_dkv_kernel, spec=spec, num_mask_refs=n_mask),
@@ -181,5 +202,5 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, in
     2,
     interpret=interpret,
     name="ring_block_bwd_dkv",
-  )(kinds_t, c.fetch_index(kinds_t), *kv_side, *q_side, *mask_ops)
+  )(kinds_t, c.fetch_index(kinds_t), *kv_side, *q_side, *mask_ops, *drop_ops)
   return c.heads_major(dq), c.heads_major(dk), c.heads_major(dv)

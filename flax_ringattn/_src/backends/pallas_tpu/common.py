@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from flax_ringattn._src import dropout as dropout_lib
 from flax_ringattn._src import masks, vma
 
 LANES = 128  # minor (lane) dimension of a TPU vreg
@@ -103,7 +104,15 @@ def block_tiles(spec, q, k, *, backward: bool) -> tuple[int, int]:
   _, T, N, H = q.shape
   _, S, K, _ = k.shape
   blocks = spec.block_sizes or planner.plan_block_sizes(
-    T, S, N, K, H, q.dtype, has_segments=spec.mask.has_segments, soft_cap=spec.logits_soft_cap is not None
+    T,
+    S,
+    N,
+    K,
+    H,
+    q.dtype,
+    has_segments=spec.mask.has_segments,
+    soft_cap=spec.logits_soft_cap is not None,
+    dropout=bool(spec.dropout_rate),
   )
   req_q, req_kv = blocks.bwd if backward else (blocks.block_q, blocks.block_kv)
   suffix = "_bwd" if backward else ""
@@ -132,7 +141,19 @@ def block_setup(spec, q, k, q_pos, kv_pos, q_seg, kv_seg, *, backward: bool):
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   bq, bk = block_tiles(spec, q, k, backward=backward)
-  dims = dict(B=B, T=T, S=S, N=N, K=K, H=H, dtype=q.dtype, bq=bq, bk=bk, has_segments=q_seg is not None)
+  dims = dict(
+    B=B,
+    T=T,
+    S=S,
+    N=N,
+    K=K,
+    H=H,
+    dtype=q.dtype,
+    bq=bq,
+    bk=bk,
+    has_segments=q_seg is not None,
+    has_dropout=bool(spec.dropout_rate),
+  )
   kinds = masks.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, bq, bk)  # [T/bq, S/bk]
   return dims, kinds, mask_operands(q_pos, kv_pos, q_seg, kv_seg)
 
@@ -193,6 +214,57 @@ def scores(q_ref, k_ref, mask_refs, *, spec, masked: bool):
     vis = masks.pair_visible(spec.mask, qp_ref[...], kp_ref[...], *segs)  # [bq, bk]
     s = jnp.where(vis[None], s, -jnp.inf)
   return s, t
+
+
+# The int32[4] dropout operand (`_src/dropout.py`) of a kernel, whole in SMEM: read as scalars.
+DROPOUT_SPEC = pl.BlockSpec(memory_space=pltpu.SMEM)
+
+
+def dropout_specs(has_dropout: bool):
+  """([BlockSpec], (dtype,)) of the dropout operand: one SMEM operand with dropout, none without."""
+  return ([DROPOUT_SPEC], (jnp.int32,)) if has_dropout else ([], ())
+
+
+def dropout_operands(spec, dropout):
+  """The kernel operands that carry `dropout` (the int32[4] of the block contract): [dropout] or []."""
+  if not spec.dropout_rate:
+    return []
+  if dropout is None:
+    raise ValueError(f"dropout_rate={spec.dropout_rate} needs the int32[4] dropout operand (block contract)")
+  return [dropout.astype(jnp.int32)]
+
+
+def split_dropout_ref(spec, refs):
+  """(dropout ref or None, the remaining refs): the dropout operand comes first in `refs` when present."""
+  return (refs[0], refs[1:]) if spec.dropout_rate else (None, refs)
+
+
+def dropout_scale(spec, drop_ref, b, kv_head, num_q_heads_per_kv: int, qp, kp):
+  """keep / (1 - rate) of one tile pair's probabilities, [G, bq, bk] ([1, bq, bk] broadcast), or None.
+
+  The mask is `dropout.keep` of the global batch row (offset + b), q head
+  (offset + kv_head * G + g), and the global positions qp [bq, 1] / kp [1, bk]:
+  the same function the reference and the XLA backend evaluate, so the kernel's
+  mask does not depend on its tiles, the ring size or the hop order.
+  """
+  if not spec.dropout_rate:
+    return None
+  rate = spec.dropout_rate
+  if spec.dropout_broadcast:
+    keep = dropout_lib.keep(drop_ref[0], drop_ref[1], 0, 0, qp, kp, rate=rate)[None]
+  else:
+    G = num_q_heads_per_kv
+    g = jax.lax.broadcasted_iota(jnp.int32, (G, 1, 1), 0)
+    head = drop_ref[3] + kv_head * G + g
+    keep = dropout_lib.keep(drop_ref[0], drop_ref[1], drop_ref[2] + b, head, qp, kp, rate=rate)
+  return jnp.where(keep, F32(1.0 / (1.0 - rate)), F32(0.0))
+
+
+def tile_dropout(spec, drop_ref, b, kv_head, q_ref, mask_refs):
+  """`dropout_scale` of a block kernel's tile, from the position blocks it already holds (None without dropout)."""
+  if drop_ref is None:
+    return None
+  return dropout_scale(spec, drop_ref, b, kv_head, q_ref.shape[0], mask_refs[0][...], mask_refs[1][...])
 
 
 def mask_specs(has_segments: bool, bq: int, bk: int, q_block, kv_block):

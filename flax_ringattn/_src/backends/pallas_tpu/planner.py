@@ -61,7 +61,9 @@ def _tile(rows: int, cols: int, dtype, lead: int = 1) -> int:
   return c.padded_bytes((lead, rows, cols), dtype)
 
 
-def footprint(kernel: str, *, bq, bk, num_heads, num_kv_heads, head_dim, dtype, has_segments=False, soft_cap=False):
+def footprint(
+  kernel: str, *, bq, bk, num_heads, num_kv_heads, head_dim, dtype, has_segments=False, soft_cap=False, dropout=False
+):
   """Footprint of kernel 'fwd', 'dq' or 'dkv' at tiles (bq, bk)."""
   G, H, f32, i32 = num_heads // num_kv_heads, head_dim, jnp.float32, jnp.int32
   q_tile = _tile(bq, H, dtype, G)  # q or do: the G heads of a group
@@ -90,6 +92,8 @@ def footprint(kernel: str, *, bq, bk, num_heads, num_kv_heads, head_dim, dtype, 
     raise ValueError(f"kernel must be 'fwd', 'dq' or 'dkv', got {kernel!r}")
   if soft_cap:
     temporaries += 2 * score  # raw / cap and tanh(raw / cap), kept for the gradient
+  if dropout:
+    temporaries += 2 * score  # the int32 hash of the keep mask and the f32 keep / (1 - rate) scale
   return Footprint(buffers=2 * (inputs + outputs) + scratch, temporaries=temporaries)
 
 
@@ -198,6 +202,7 @@ def plan_block_sizes(
   generation: str | None = None,
   has_segments: bool = False,
   soft_cap: bool = False,
+  dropout: bool = False,
 ) -> BlockSizes:
   """The largest tiles whose VMEM footprint fits `generation`'s budget.
 
@@ -208,8 +213,8 @@ def plan_block_sizes(
     dtype: the input dtype (float32 or bfloat16).
     generation: 'v4', 'v5e', 'v5p', 'v6e' or 'v7x'; None: the attached TPU's,
       or the smallest-VMEM generation off TPU.
-    has_segments, soft_cap: whether the call uses segment ids / a soft cap
-      (each adds buffers).
+    has_segments, soft_cap, dropout: whether the call uses segment ids / a
+      soft cap / attention dropout (each adds buffers or temporaries).
 
   Returns:
     `BlockSizes` with forward and backward tiles: of the legal tiles (at most
@@ -230,7 +235,12 @@ def plan_block_sizes(
   if num_heads % num_kv_heads:
     raise ValueError(f"plan_block_sizes: num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
   dims = dict(
-    num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, has_segments=has_segments, soft_cap=soft_cap
+    num_heads=num_heads,
+    num_kv_heads=num_kv_heads,
+    head_dim=head_dim,
+    has_segments=has_segments,
+    soft_cap=soft_cap,
+    dropout=dropout,
   )
   fwd = _best(("fwd",), q_len, kv_len, dtype, budget, **dims)
   bwd = _best(("dq", "dkv"), q_len, kv_len, dtype, budget, **dims)
@@ -363,7 +373,19 @@ def plan_paged_block_sizes(
 
 
 def ring_footprint(
-  kernel: str, *, T, S, bq, bk, num_heads, num_kv_heads, head_dim, dtype, has_segments=False, soft_cap=False
+  kernel: str,
+  *,
+  T,
+  S,
+  bq,
+  bk,
+  num_heads,
+  num_kv_heads,
+  head_dim,
+  dtype,
+  has_segments=False,
+  soft_cap=False,
+  dropout=False,
 ) -> Footprint:
   """VMEM of the in-kernel ring's 'ring_fwd' or 'ring_bwd' kernel (`ring_forward.py`, `ring_backward.py`).
 
@@ -395,11 +417,13 @@ def ring_footprint(
     raise ValueError(f"kernel must be 'ring_fwd' or 'ring_bwd', got {kernel!r}")
   if soft_cap:
     temporaries += 2 * score
+  if dropout:
+    temporaries += 2 * score  # as in `footprint`
   return Footprint(buffers=2 * (inputs + outputs) + scratch, temporaries=temporaries)
 
 
 def ring_fits(
-  *, T, S, num_heads, num_kv_heads, head_dim, dtype, has_segments=False, soft_cap=False, generation=None
+  *, T, S, num_heads, num_kv_heads, head_dim, dtype, has_segments=False, soft_cap=False, dropout=False, generation=None
 ) -> bool:
   """Whether both in-kernel ring kernels fit the VMEM budget at the smallest legal tiles (the q and kv shards
   themselves must fit: the ring keeps them resident)."""
@@ -408,9 +432,14 @@ def ring_fits(
   ks = candidates(S, c.LANES)
   if not qs or not ks:
     return False
-  dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
-  need = max(
-    ring_footprint(k, T=T, S=S, bq=qs[0], bk=ks[0], has_segments=has_segments, soft_cap=soft_cap, **dims).total
-    for k in ("ring_fwd", "ring_bwd")
+  dims = dict(
+    num_heads=num_heads,
+    num_kv_heads=num_kv_heads,
+    head_dim=head_dim,
+    dtype=dtype,
+    has_segments=has_segments,
+    soft_cap=soft_cap,
+    dropout=dropout,
   )
+  need = max(ring_footprint(k, T=T, S=S, bq=qs[0], bk=ks[0], **dims).total for k in ("ring_fwd", "ring_bwd"))
   return need <= budget_bytes(generation)

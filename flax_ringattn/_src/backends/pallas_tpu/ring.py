@@ -11,7 +11,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flax_ringattn._src.backends import base
 from flax_ringattn._src.backends.base import AttentionSpec
 from flax_ringattn._src.backends.pallas_tpu.ring_backward import ring_bwd
 from flax_ringattn._src.backends.pallas_tpu.ring_forward import ring_fwd
@@ -29,7 +28,7 @@ class KernelRingConfig:
   interpret: object  # None (compile for TPU) or a pltpu.InterpretParams
 
 
-def _fwd(q, k, v, q_seg, kv_seg, cfg: KernelRingConfig):
+def _fwd(q, k, v, q_seg, kv_seg, drop, cfg: KernelRingConfig):
   return ring_fwd(
     q,
     k,
@@ -40,23 +39,25 @@ def _fwd(q, k, v, q_seg, kv_seg, cfg: KernelRingConfig):
     axis_name=cfg.axis_name,
     load_balance=cfg.load_balance,
     interpret=cfg.interpret,
+    dropout=drop,
   )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _kernel_ring_attention(q, k, v, q_seg, kv_seg, cfg: KernelRingConfig):
-  o, _ = _fwd(q, k, v, q_seg, kv_seg, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _kernel_ring_attention(q, k, v, q_seg, kv_seg, drop, cfg: KernelRingConfig):
+  o, _ = _fwd(q, k, v, q_seg, kv_seg, drop, cfg)
   return o.astype(q.dtype)
 
 
-def _kernel_ring_attention_fwd(q, k, v, q_seg, kv_seg, cfg: KernelRingConfig):
-  o, lse = _fwd(q, k, v, q_seg, kv_seg, cfg)
+def _kernel_ring_attention_fwd(q, k, v, q_seg, kv_seg, drop, cfg: KernelRingConfig):
+  o, lse = _fwd(q, k, v, q_seg, kv_seg, drop, cfg)
   out = o.astype(q.dtype)
-  return out, (q, k, v, q_seg, kv_seg, out, lse)  # O(local shard): never rotated copies
+  return out, (q, k, v, q_seg, kv_seg, drop, out, lse)  # O(local shard): never rotated copies
 
 
 def _kernel_ring_attention_bwd(cfg: KernelRingConfig, res, do):
-  q, k, v, q_seg, kv_seg, out, lse = res
+  q, k, v, q_seg, kv_seg, drop, out, lse = res
+  # With dropout `out` is the dropped output, so delta below is the one the contract asks for.
   delta = jnp.swapaxes(jnp.sum(do.astype(F32) * out.astype(F32), axis=-1), 1, 2)  # [B, N, T]
   dq, dk, dv = ring_bwd(
     q,
@@ -71,17 +72,21 @@ def _kernel_ring_attention_bwd(cfg: KernelRingConfig, res, do):
     axis_name=cfg.axis_name,
     load_balance=cfg.load_balance,
     interpret=cfg.interpret,
+    dropout=drop,
   )
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
 _kernel_ring_attention.defvjp(_kernel_ring_attention_fwd, _kernel_ring_attention_bwd)
 
 
-def kernel_ring_attention_local(q, k, v, q_seg, kv_seg, *, axis_name, load_balance, spec, interpret):
-  """Per-device entry point (inside shard_map, or a ring of one): [B, T, N, H] in q.dtype."""
+def kernel_ring_attention_local(q, k, v, q_seg, kv_seg, drop=None, *, axis_name, load_balance, spec, interpret):
+  """Per-device entry point (inside shard_map, or a ring of one): [B, T, N, H] in q.dtype.
+
+  `drop`: the int32[4] dropout operand of this shard (`_src/dropout.py`), or None without dropout.
+  """
   cfg = KernelRingConfig(axis_name=axis_name, load_balance=load_balance, spec=spec, interpret=interpret)
-  return _kernel_ring_attention(q, k, v, q_seg, kv_seg, cfg)
+  return _kernel_ring_attention(q, k, v, q_seg, kv_seg, drop, cfg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +100,6 @@ class PallasTpuRingBackend:
   def check_supported(self, *, dtype, spec, shapes) -> None:
     from flax_ringattn._src.backends.pallas_tpu import SUPPORTED_DTYPES, on_tpu
 
-    base.check_no_dropout("pallas_tpu_ring", spec)
     if self.interpret is None and not on_tpu():
       raise NotImplementedError(
         f"pallas_tpu_ring needs a TPU (default backend is {jax.default_backend()!r}); pass interpret=True to run "
@@ -105,9 +109,9 @@ class PallasTpuRingBackend:
       raise NotImplementedError(f"pallas_tpu_ring supports float32 and bfloat16 inputs, got dtype={jnp.dtype(dtype)}")
     del spec, shapes  # shard shapes are checked against VMEM by `fits` and when the kernel is traced
 
-  def ring_local(self, q, k, v, q_seg, kv_seg, *, axis_name, load_balance, spec):
+  def ring_local(self, q, k, v, q_seg, kv_seg, drop=None, *, axis_name, load_balance, spec):
     return kernel_ring_attention_local(
-      q, k, v, q_seg, kv_seg, axis_name=axis_name, load_balance=load_balance, spec=spec, interpret=self.interpret
+      q, k, v, q_seg, kv_seg, drop, axis_name=axis_name, load_balance=load_balance, spec=spec, interpret=self.interpret
     )
 
   def fits(self, *, T, S, N, K, H, dtype, spec) -> bool:
@@ -123,4 +127,5 @@ class PallasTpuRingBackend:
       dtype=dtype,
       has_segments=spec.mask.has_segments,
       soft_cap=spec.logits_soft_cap is not None,
+      dropout=bool(spec.dropout_rate),
     )

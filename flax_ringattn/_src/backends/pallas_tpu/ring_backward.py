@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from flax_ringattn._src.backends.pallas_tpu import common as c
 from flax_ringattn._src.backends.pallas_tpu import ring_protocol as rp
 from flax_ringattn._src.backends.pallas_tpu.backward import _probs_and_dscores
-from flax_ringattn._src.backends.pallas_tpu.ring_forward import tile_masks
+from flax_ringattn._src.backends.pallas_tpu.ring_forward import tile_dropout, tile_masks
 
 _NN = (((1,), (0,)), ((), ()))  # [m, k] x [k, n]
 _TN = (((0,), (0,)), ((), ()))  # [k, m] x [k, n]
@@ -43,6 +43,9 @@ def bwd_plan(d: rp.RingDims) -> c.CallPlan:
     in_specs += [pl.BlockSpec((None, T, 1), lambda b, h, meta, kinds: (b, 0, 0)), rp.HBM]
     in_dtypes += [jnp.int32, jnp.int32]
     scratch += [((2, 1, S), jnp.int32)]
+  drop_specs, drop_dtypes = c.dropout_specs(d.has_dropout)
+  in_specs += drop_specs
+  in_dtypes += drop_dtypes
   scratch += [((2, S, H), c.F32), ((2, S, H), c.F32), ((S, H), c.F32), ((S, H), c.F32)]  # dk/dv slots, local sums
   kv_out = pl.BlockSpec((None, None, S, H), grp)
   return c.CallPlan(
@@ -64,6 +67,7 @@ def _kernel(meta_ref, kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm
     qseg_ref, kvseg_hbm, *refs = refs
   else:
     qseg_ref = kvseg_hbm = None
+  drop_ref, refs = c.split_dropout_ref(spec, refs)
   dq_ref, dk_ref, dv_ref, k_slots, v_slots, *refs = refs
   seg_slots = refs.pop(0) if d.has_segments else None
   dk_slots, dv_slots, dk_loc, dv_loc, load_sems, send_sems, recv_sems, credit = refs
@@ -121,6 +125,9 @@ def _kernel(meta_ref, kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm
         dq_ref,
         dk_loc,
         dv_loc,
+        drop_ref,
+        b,
+        h,
       )
     for s in kv_sends + acc_sends:
       s.wait()
@@ -154,6 +161,9 @@ def _hop(
   dq_ref,
   dk_loc,
   dv_loc,
+  drop_ref,
+  b,
+  h,
 ):
   bq, bk = d.bq, d.bk
 
@@ -176,6 +186,7 @@ def _hop(
           mask,
           spec=spec,
           masked=masked,
+          drop=tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h),
         )
         G, _, H = q_t.shape
         k = k_t[...]
@@ -196,13 +207,14 @@ def _hop(
   jax.lax.fori_loop(0, d.T // bq, q_tile, None)
 
 
-def ring_bwd(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec, axis_name, load_balance, interpret):
+def ring_bwd(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec, axis_name, load_balance, interpret, dropout=None):
   """(dq, dk, dv) f32 of this device's shards, given the final lse and delta = rowsum(dO * O) [B, N, T]."""
   d = rp.ring_dims(spec, q, k, axis_name, load_balance, has_segments=q_seg is not None, backward=True)
   meta, kinds = rp.ring_tables(spec, d, q_seg, kv_seg)
   args = [c.heads_major(q), c.heads_major(do), lse[..., None], delta[..., None], c.heads_major(k), c.heads_major(v)]
   if d.has_segments:
     args += [q_seg.astype(jnp.int32)[:, :, None], kv_seg.astype(jnp.int32)[:, None, :]]
+  args += c.dropout_operands(spec, dropout)
   kernel = functools.partial(_kernel, spec=spec, d=d)
   sems = rp.sem_scratch(d, (3 if d.has_segments else 2) + 2)
   dq, dk, dv = rp.ring_call(kernel, bwd_plan(d), sems, d, interpret=interpret, name="ring_bwd")(meta, kinds, *args)

@@ -4,6 +4,8 @@ Per grid step (b, kv head h): q of the group [G, T, H] and the online-softmax
 state m / l / acc of the whole q shard stay in VMEM across all n hops; each hop
 walks its (q tile, kv tile) pairs, skipping EMPTY ones (`masks.classify`
 table) and the mask arithmetic of FULL ones, on the K/V slot that hop holds.
+The tile step itself is the block forward's (`forward.online_softmax_step`);
+with dropout each tile's keep mask is hashed from its global indices.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from jax.experimental import pallas as pl
 
 from flax_ringattn._src.backends.pallas_tpu import common as c
 from flax_ringattn._src.backends.pallas_tpu import ring_protocol as rp
+from flax_ringattn._src.backends.pallas_tpu.forward import finish, online_softmax_step
 
 
 def fwd_plan(d: rp.RingDims) -> c.CallPlan:
@@ -27,6 +30,9 @@ def fwd_plan(d: rp.RingDims) -> c.CallPlan:
     in_specs += [pl.BlockSpec((None, T, 1), lambda b, h, meta, kinds: (b, 0, 0)), rp.HBM]
     in_dtypes += [jnp.int32, jnp.int32]
     scratch += [((2, 1, S), jnp.int32)]
+  drop_specs, drop_dtypes = c.dropout_specs(d.has_dropout)
+  in_specs += drop_specs
+  in_dtypes += drop_dtypes
   row = lambda b, h, meta, kinds: (b, h, 0, 0)  # noqa: E731
   scratch += [((G, T, c.LANES), c.F32), ((G, T, c.LANES), c.F32), ((G, T, H), c.F32)]
   return c.CallPlan(
@@ -49,11 +55,21 @@ def tile_masks(d: rp.RingDims, comms, t, i, j, qseg_ref, seg_slots, slot):
   return out
 
 
+def tile_dropout(spec, d: rp.RingDims, comms, t, i, j, drop_ref, b, h):
+  """The dropout scale of tile pair (i, j) of hop t (None without dropout): global positions, as the mask's."""
+  if drop_ref is None:
+    return None
+  qp = rp.tile_positions(d, comms.own_shard(), i * d.bq, d.bq, rows=True)
+  kp = rp.tile_positions(d, comms.src_shard(t), j * d.bk, d.bk, rows=False)
+  return c.dropout_scale(spec, drop_ref, b, h, d.G, qp, kp)
+
+
 def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDims, protocol_bug=None):
   if d.has_segments:
     qseg_ref, kvseg_hbm, *refs = refs
   else:
     qseg_ref = kvseg_hbm = None
+  drop_ref, refs = c.split_dropout_ref(spec, refs)
   o_ref, lse_ref, k_slots, v_slots, *refs = refs
   seg_slots = refs.pop(0) if d.has_segments else None
   m_sc, l_sc, acc_sc, load_sems, send_sems, recv_sems, credit = refs
@@ -94,7 +110,7 @@ def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
 
         def update(masked):
           mask = tile_masks(d, comms, t, i, j, qseg_ref, seg_slots, slot) if masked else None
-          _online_softmax_tile(
+          online_softmax_step(
             q_ref.at[:, rows, :],
             k_slots.at[slot, cols, :],
             v_slots.at[slot, cols, :],
@@ -104,6 +120,7 @@ def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
             acc_sc.at[:, rows, :],
             spec=spec,
             masked=masked,
+            drop=tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h),
           )
 
         c.by_tile_kind(kinds_ref[t, i, j], update)
@@ -114,44 +131,18 @@ def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
     for s in sends:
       s.wait()
 
-  l = l_sc[...][..., :1]
-  empty = l == 0.0  # no visible key on the whole ring: o = 0, lse = -inf
-  l_safe = jnp.where(empty, 1.0, l)
-  o_ref[...] = acc_sc[...] / l_safe
-  lse_ref[...] = jnp.where(empty, -jnp.inf, m_sc[...][..., :1] + jnp.log(l_safe))
+  finish(m_sc, l_sc, acc_sc, o_ref, lse_ref)  # a row with no visible key on the whole ring: o = 0, lse = -inf
   del G
 
 
-def _online_softmax_tile(q_ref, k_ref, v_ref, mask, m_ref, l_ref, acc_ref, *, spec, masked):
-  """One (q tile, kv tile) step of the online softmax, as the block forward kernel's update."""
-  s, _ = c.scores(q_ref, k_ref, mask, spec=spec, masked=masked)  # [G, bq, bk]
-  G, bq, H = acc_ref.shape
-  m_prev = m_ref[...][..., :1]
-  m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
-  m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows with nothing visible yet: exp() gives 0, not NaN
-  alpha = jnp.exp(m_prev - m_safe)
-  p = jnp.exp(s - m_safe)
-  l_new = alpha * l_ref[...][..., :1] + p.sum(axis=-1, keepdims=True)
-  v = v_ref[...]
-  pv = jax.lax.dot_general(
-    p.reshape(G * bq, -1).astype(v.dtype),
-    v,
-    (((1,), (0,)), ((), ())),
-    preferred_element_type=c.F32,
-    precision=spec.precision,
-  )
-  acc_ref[...] = alpha * acc_ref[...] + pv.reshape(G, bq, H)
-  m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
-  l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
-
-
-def ring_fwd(q, k, v, q_seg, kv_seg, *, spec, axis_name, load_balance, interpret, protocol_bug=None):
+def ring_fwd(q, k, v, q_seg, kv_seg, *, spec, axis_name, load_balance, interpret, dropout=None, protocol_bug=None):
   """(o [B, T, N, H] f32, lse [B, N, T] f32) of the whole ring, on this device's q shard."""
   d = rp.ring_dims(spec, q, k, axis_name, load_balance, has_segments=q_seg is not None, backward=False)
   meta, kinds = rp.ring_tables(spec, d, q_seg, kv_seg)
   args = [c.heads_major(q), c.heads_major(k), c.heads_major(v)]
   if d.has_segments:
     args += [q_seg.astype(jnp.int32)[:, :, None], kv_seg.astype(jnp.int32)[:, None, :]]
+  args += c.dropout_operands(spec, dropout)
   kernel = functools.partial(_kernel, spec=spec, d=d, protocol_bug=protocol_bug)
   sems = rp.sem_scratch(d, 3 if d.has_segments else 2)
   o, lse = rp.ring_call(kernel, fwd_plan(d), sems, d, interpret=interpret, name="ring_fwd")(meta, kinds, *args)

@@ -76,6 +76,7 @@ class RingDims:
   bq: int
   bk: int
   has_segments: bool
+  has_dropout: bool = False
 
   @property
   def G(self) -> int:
@@ -112,6 +113,7 @@ def ring_dims(spec, q, k, axis_name, load_balance, *, has_segments: bool, backwa
     bq=bq,
     bk=bk,
     has_segments=has_segments,
+    has_dropout=bool(spec.dropout_rate),
   )
 
 
