@@ -16,6 +16,40 @@ from flax_ringattn.testing import assert_matches_reference
 RATE = 0.25
 
 
+def assert_dropout_matches_reference(
+  mesh, axis_name, n, *, B, T, N, K, H, doc_len, seed=0, key=9, broadcast=False, cap=None, load_balance=True, **opts
+):
+  """Causal GQA attention over two packed documents with dropout, through `ring_attention(**opts)` on `mesh`
+  (zigzag over the n sequence shards with `load_balance`): forward and q/k/v gradients against the reference
+  with the same dropout key."""
+  ks = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(ks[0], (B, T, N, H))
+  k, v = (jax.random.normal(x, (B, T, K, H)) for x in ks[1:])
+  seg = jnp.concatenate([jnp.zeros((B, doc_len), jnp.int32), jnp.ones((B, T - doc_len), jnp.int32)], axis=1)
+  kw = dict(dropout_rate=RATE, dropout_rng=jax.random.key(key), broadcast_dropout=broadcast, logits_soft_cap=cap)
+  ref_kw = {}
+  if load_balance:
+    q, k, v, seg = (fr.zigzag_order(x, n, axis=1) for x in (q, k, v, seg))
+    pos = fr.zigzag_positions(T, n)
+    ref_kw = dict(q_positions=pos, kv_positions=pos)
+
+  def attn(q, k, v):
+    return fr.ring_attention(
+      q,
+      k,
+      v,
+      mesh=mesh,
+      axis_name=axis_name,
+      is_causal=True,
+      segment_ids=seg,
+      load_balance=load_balance,
+      **opts,
+      **kw,
+    )
+
+  assert_matches_reference(jax.jit(attn), q, k, v, is_causal=True, segment_ids=seg, **ref_kw, **kw)
+
+
 @pytest.mark.parametrize("broadcast", [False, True], ids=["per-head", "broadcast"])
 def test_keep_rate_through_the_op_and_the_reference(broadcast):
   """q = k = 0 makes every probability 1/S and v = 1 sums them: out * (1 - rate) * S counts the kept keys."""
@@ -48,38 +82,23 @@ def test_keep_rate_through_the_op_and_the_reference(broadcast):
 )
 def test_forward_and_backward_use_the_same_mask_as_the_reference(mesh_shape, names, axes, load_balance):
   """Ring size, zigzag layout and batch/head sharding do not change the mask; grads regenerate it."""
-  B, T, N, K, H = 2, 128, 4, 2, 16
-  ks = jax.random.split(jax.random.key(0), 3)
-  q = jax.random.normal(ks[0], (B, T, N, H))
-  k, v = (jax.random.normal(x, (B, T, K, H)) for x in ks[1:])
-  seg = jnp.concatenate([jnp.zeros((B, 40), jnp.int32), jnp.ones((B, T - 40), jnp.int32)], axis=1)
   mesh = make_mesh(mesh_shape, names)
   n = dict(zip(names, mesh_shape, strict=True))["sp"]
-  kw = dict(dropout_rate=RATE, dropout_rng=jax.random.key(9), broadcast_dropout=False)
-  if load_balance:
-    q, k, v, seg = (fr.zigzag_order(x, n, axis=1) for x in (q, k, v, seg))
-    pos = fr.zigzag_positions(T, n)
-    kw_ref = dict(q_positions=pos, kv_positions=pos)
-  else:
-    kw_ref = {}
-
-  def ring(q, k, v):
-    return fr.ring_attention(
-      q,
-      k,
-      v,
-      mesh=mesh,
-      axis_name="sp",
-      is_causal=True,
-      segment_ids=seg,
-      load_balance=load_balance,
-      implementation="xla",
-      block_sizes=fr.BlockSizes(block_q=8, block_kv=8),
-      **axes,
-      **kw,
-    )
-
-  assert_matches_reference(jax.jit(ring), q, k, v, is_causal=True, segment_ids=seg, **kw, **kw_ref)
+  assert_dropout_matches_reference(
+    mesh,
+    "sp",
+    n,
+    B=2,
+    T=128,
+    N=4,
+    K=2,
+    H=16,
+    doc_len=40,
+    load_balance=load_balance,
+    implementation="xla",
+    block_sizes=fr.BlockSizes(block_q=8, block_kv=8),
+    **axes,
+  )
 
 
 @pytest.mark.interpret
@@ -97,35 +116,24 @@ def test_pallas_tpu_kernels_hash_the_same_mask(implementation, ring, broadcast, 
   """The TPU kernels hash each tile's keep mask from the global indices (interpret mode, race detector on):
   forward and q/k/v gradients equal the reference's with the same key, on zigzag GQA segments.  Several q tiles
   per shard, so a mask tied to the tile would differ."""
-  B, T, N, K, H = 1, 128 * ring, 4, 2, 16
-  ks = jax.random.split(jax.random.key(1), 3)
-  q = jax.random.normal(ks[0], (B, T, N, H))
-  k, v = (jax.random.normal(x, (B, T, K, H)) for x in ks[1:])
-  seg = jnp.concatenate([jnp.zeros((B, 40), jnp.int32), jnp.ones((B, T - 40), jnp.int32)], axis=1)
-  kw = dict(dropout_rate=RATE, dropout_rng=jax.random.key(5), broadcast_dropout=broadcast, logits_soft_cap=cap)
-  q, k, v, seg = (fr.zigzag_order(x, ring, axis=1) for x in (q, k, v, seg))
-  pos = fr.zigzag_positions(T, ring)
-  mesh = make_mesh((ring,), ("sp",))
-
-  def attn(q, k, v):
-    return fr.ring_attention(
-      q,
-      k,
-      v,
-      mesh=mesh,
-      axis_name="sp",
-      is_causal=True,
-      segment_ids=seg,
-      load_balance=True,
+  with no_races():
+    assert_dropout_matches_reference(
+      make_mesh((ring,), ("sp",)),
+      "sp",
+      ring,
+      B=1,
+      T=128 * ring,
+      N=4,
+      K=2,
+      H=16,
+      doc_len=40,
+      seed=1,
+      key=5,
+      broadcast=broadcast,
+      cap=cap,
       implementation=implementation,
       interpret=interpret_params(),
       block_sizes=fr.BlockSizes(block_q=16, block_kv=128),
-      **kw,
-    )
-
-  with no_races():
-    assert_matches_reference(
-      jax.jit(attn), q, k, v, is_causal=True, segment_ids=seg, q_positions=pos, kv_positions=pos, **kw
     )
 
 
@@ -175,35 +183,22 @@ def test_dropout_errors(kwargs, error, match):
 def test_every_strategy_drops_the_same_probabilities(strategy, mesh_shape, names, axis_name, head_axis):
   """The mask follows the global head through the Ulysses all-to-all (and a head_axis on top of it) and the
   gathered K/V: forward and gradients equal the reference's with the same key, zigzag, GQA and segments."""
-  B, T, N, K, H = 1, 64, 8, 2, 8
-  ks = jax.random.split(jax.random.key(2), 3)
-  q = jax.random.normal(ks[0], (B, T, N, H))
-  k, v = (jax.random.normal(x, (B, T, K, H)) for x in ks[1:])
-  seg = jnp.concatenate([jnp.zeros((B, 20), jnp.int32), jnp.ones((B, T - 20), jnp.int32)], axis=1)
-  mesh = make_mesh(mesh_shape, names)
   sizes = dict(zip(names, mesh_shape, strict=True))
   n = int(np.prod([sizes[a] for a in (axis_name if isinstance(axis_name, tuple) else (axis_name,))]))
-  q, k, v, seg = (fr.zigzag_order(x, n, axis=1) for x in (q, k, v, seg))
-  pos = fr.zigzag_positions(T, n)
-  kw = dict(dropout_rate=RATE, dropout_rng=jax.random.key(4), broadcast_dropout=False)
-
-  def attn(q, k, v):
-    return fr.ring_attention(
-      q,
-      k,
-      v,
-      mesh=mesh,
-      axis_name=axis_name,
-      head_axis=head_axis,
-      strategy=strategy,
-      is_causal=True,
-      segment_ids=seg,
-      load_balance=True,
-      implementation="xla",
-      block_sizes=fr.BlockSizes(block_q=8, block_kv=8),
-      **kw,
-    )
-
-  assert_matches_reference(
-    jax.jit(attn), q, k, v, is_causal=True, segment_ids=seg, q_positions=pos, kv_positions=pos, **kw
+  assert_dropout_matches_reference(
+    make_mesh(mesh_shape, names),
+    axis_name,
+    n,
+    B=1,
+    T=64,
+    N=8,
+    K=2,
+    H=8,
+    doc_len=20,
+    seed=2,
+    key=4,
+    head_axis=head_axis,
+    strategy=strategy,
+    implementation="xla",
+    block_sizes=fr.BlockSizes(block_q=8, block_kv=8),
   )

@@ -17,6 +17,7 @@ import pytest
 from conftest import make_mesh
 from jax import export
 from jax.experimental.pallas import tpu as pltpu
+from test_dropout import assert_dropout_matches_reference
 from tolerances import assert_close
 
 import flax_ringattn as fr
@@ -26,7 +27,6 @@ from flax_ringattn._src.backends.base import AttentionSpec
 from flax_ringattn._src.backends.pallas_gpu import PallasGpuBackend, planner
 from flax_ringattn._src.backends.pallas_gpu.backward import block_bwd
 from flax_ringattn._src.backends.pallas_gpu.forward import block_fwd
-from flax_ringattn.testing import assert_matches_reference
 
 
 def interpret(test):
@@ -215,32 +215,21 @@ def test_dropout_matches_the_reference(broadcast, cap):
   """Forward and q/k/v gradients with attention dropout on a zigzag ring of 2: the kernels regenerate the
   reference's keep mask from global (batch, q head, q position, kv position), over GQA's stacked rows, FULL and
   PARTIAL tiles, and the forward's mask again in the dq and dk/dv kernels."""
-  B, T, N, K, H = 2, 64, 4, 2, 16
-  q, k, v, _ = _inputs(B, T, T, N, K, H, jnp.float32)
-  seg = jnp.concatenate([jnp.zeros((B, 20), jnp.int32), jnp.ones((B, T - 20), jnp.int32)], axis=1)
-  mesh = make_mesh((2,), ("sp",))
-  q, k, v, seg = (fr.zigzag_order(x, 2, axis=1) for x in (q, k, v, seg))
-  pos = fr.zigzag_positions(T, 2)
-  kw = dict(dropout_rate=0.25, dropout_rng=jax.random.key(9), broadcast_dropout=broadcast, logits_soft_cap=cap)
-
-  def ring(q, k, v):
-    return fr.ring_attention(
-      q,
-      k,
-      v,
-      mesh=mesh,
-      axis_name="sp",
-      is_causal=True,
-      segment_ids=seg,
-      load_balance=True,
-      implementation="pallas_gpu",
-      interpret=INTERPRET,
-      block_sizes=fr.BlockSizes(block_q=16, block_kv=16),
-      **kw,
-    )
-
-  assert_matches_reference(
-    jax.jit(ring), q, k, v, is_causal=True, segment_ids=seg, q_positions=pos, kv_positions=pos, **kw
+  assert_dropout_matches_reference(
+    make_mesh((2,), ("sp",)),
+    "sp",
+    2,
+    B=2,
+    T=64,
+    N=4,
+    K=2,
+    H=16,
+    doc_len=20,
+    broadcast=broadcast,
+    cap=cap,
+    implementation="pallas_gpu",
+    interpret=INTERPRET,
+    block_sizes=fr.BlockSizes(block_q=16, block_kv=16),
   )
 
 
