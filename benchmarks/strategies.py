@@ -26,6 +26,8 @@ Run it::
 
   python benchmarks/strategies.py --seq-lens 1024,2048 --repeats 2   # smoke run
   python benchmarks/strategies.py --calibrate                         # 4k..32k (slow on CPU)
+  python benchmarks/strategies.py --seq-lens 4096,8192,16384 --compile-only-lens 32768 --calibrate
+                                     # 32k compiled only: its memory and bytes sent, no time
 
 The simulated devices share the host's cores, so absolute times say little
 about accelerators, and a loaded machine adds noise; ratios are the point.
@@ -153,9 +155,15 @@ def main(argv=None) -> int:
   p.add_argument("--check-len", type=int, default=1024)
   p.add_argument("--calibrate", action="store_true", help="measure this machine's rates for the model")
   p.add_argument("--mem-limit-gib", type=float, default=24.0)
+  p.add_argument(
+    "--compile-only-lens",
+    default="",
+    help="lengths that are only compiled: temp memory and bytes sent from the compiled program, not timed or run",
+  )
   args = p.parse_args(argv)
   N, K, H = args.heads, args.kv_heads, args.head_dim
   seq_lens = [int(s) for s in args.seq_lens.split(",")]
+  compile_only = [int(s) for s in args.compile_only_lens.split(",") if s]
 
   bad = check(args.check_len, N, K, H, against_reference=True)
   for T in seq_lens:
@@ -168,7 +176,7 @@ def main(argv=None) -> int:
   hw = calibrate() if args.calibrate else HARDWARE["cpu"]
   print(f"model hardware: {hw.name}: {hw.source}")
   rows = {}
-  for T in seq_lens:
+  for T in seq_lens + compile_only:
     for s in STRATEGIES:
       mesh, axis = mesh_for(s)
       (q, k, v, g), spec = inputs(T, N, K, H, mesh, axis)
@@ -178,6 +186,11 @@ def main(argv=None) -> int:
       except Exception as e:  # one failing row must not kill the table
         row.status = rs._error(e)
       rows[s, T] = (row, (q, k, v, g))
+    if T in compile_only:
+      for s in STRATEGIES:
+        rows[s, T][0].status = rows[s, T][0].status or "not run"
+        rows[s, T][0].compiled = None  # frees the executable: nothing runs at this length
+      continue
     for _ in range(args.repeats):  # interleaved: repeats outside, strategies inside
       for s in STRATEGIES:
         row, xs = rows[s, T]
@@ -187,7 +200,7 @@ def main(argv=None) -> int:
             row.times.append(t)
 
   table, summary = [], []
-  for T in seq_lens:
+  for T in seq_lens + compile_only:
     ring_t = rs.median_time(rows["ring", T][0])
     ring_p = predict("ring", T, N, K, H, hw)[0]
     measured = {}
@@ -213,7 +226,7 @@ def main(argv=None) -> int:
     ok = {s: t for s, t in measured.items() if t}
     best = min(ok, key=ok.get) if ok else "-"
     advice = min(predicted, key=predicted.get)
-    summary.append([str(T), best, advice, "yes" if best == advice else "no"])
+    summary.append([str(T), best, advice, ("yes" if best == advice else "no") if ok else "-"])
   print()
   header = [
     "strategy",
