@@ -87,7 +87,8 @@ RING_CASES = [
   (2, "on_wait", dict(is_causal=True), True, True),  # zigzag + segment ids
   (2, "eager", dict(local_window_size=(20, 5), logits_soft_cap=3.0), False, False),
   (8, "on_wait", dict(is_causal=True, local_window_size=(40, 0)), True, True),
-  (8, "eager", dict(is_causal=True), False, False),
+  # Contiguous causal window of 20 over shards of 16: hops 3..7 are EMPTY on every member, the ring ends after 3.
+  (8, "eager", dict(is_causal=True, local_window_size=(20, 0)), False, False),
 ]
 
 
@@ -254,16 +255,22 @@ def test_missing_credit_is_caught_by_the_race_detector():
     f(q, k, v)
 
 
-def test_bytes_sent_follow_the_schedule():
-  """Counted from the DMAs the kernels start (once per grid step of B x K): forward (n-1) x the K/V shard,
-  kv heads only; backward the same plus the f32 dK/dV accumulators n times."""
+@pytest.mark.parametrize(
+  "opts,live",
+  [({}, 4), (dict(is_causal=True), 4), (dict(is_causal=True, local_window_size=(20, 0)), 3)],
+  ids=["full", "causal", "causal-window"],
+)
+def test_bytes_sent_follow_the_schedule(opts, live):
+  """Counted from the DMAs the kernels start (once per grid step of B x K): forward (live - 1) x the K/V shard,
+  kv heads only; backward the same plus the f32 dK/dV accumulators n times.  live = n unless the last hops are
+  EMPTY for every member: a causal window of 20 over 16-token shards sees 3 shards, so K/V travel 2 hops."""
   n, B, T, N, K, H = 4, 2, 64, 8, 2, 16
   q, k, v, do, _ = _inputs(B, T, N, K, H)
   mesh = make_mesh((n,), ("sp",))
 
   def f(q, k, v):
     return fr.ring_attention(
-      q, k, v, mesh=mesh, implementation="pallas_tpu_ring", interpret=interpret_params(), block_sizes=BLOCKS
+      q, k, v, mesh=mesh, implementation="pallas_tpu_ring", interpret=interpret_params(), block_sizes=BLOCKS, **opts
     )
 
   log = []
@@ -275,8 +282,8 @@ def test_bytes_sent_follow_the_schedule():
   steps = B * K
   sent = {name: steps * sum(b for nm, b in log if nm == name) for name in ("ring_fwd", "ring_bwd")}
   shard = B * (T // n) * K * H  # elements of one device's K (or V) shard: kv heads only
-  assert sent["ring_fwd"] == (n - 1) * 2 * shard * 4
-  assert sent["ring_bwd"] == (n - 1) * 2 * shard * 4 + n * 2 * shard * 4
+  assert sent["ring_fwd"] == (live - 1) * 2 * shard * 4
+  assert sent["ring_bwd"] == (live - 1) * 2 * shard * 4 + n * 2 * shard * 4
 
 
 @pytest.mark.parametrize(
@@ -338,6 +345,7 @@ def test_planner_counts_every_ring_buffer(segments, dropout, dtype):
     bq=64,
     bk=128,
     has_segments=segments,
+    live=4,
     has_dropout=dropout,
   )
   dims = dict(T=256, S=384, bq=64, bk=128, num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, has_segments=segments)

@@ -93,7 +93,7 @@ def _kernel(meta_ref, kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm
     if n > 1:
       comms.release_credit()
       comms.acquire_credit()
-      if t < n - 1:
+      if t < d.live - 1:
         kv_sends = [
           comms.copy_down(s.at[slot], s.at[1 - slot], send_sems.at[a], recv_sems.at[a]) for a, s in enumerate(slots)
         ]
@@ -104,7 +104,7 @@ def _kernel(meta_ref, kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm
         ]
       for s in kv_sends + acc_sends:
         s.start()
-    if t < n:
+    if t < d.live:  # later hops only pass the accumulators on
       dk_loc[...] = jnp.zeros(dk_loc.shape, c.F32)
       dv_loc[...] = jnp.zeros(dv_loc.shape, c.F32)
       _hop(
@@ -134,7 +134,7 @@ def _kernel(meta_ref, kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm
     if t == 0:
       dk_slots[0] = dk_loc[...]
       dv_slots[0] = dv_loc[...]
-    elif t < n:
+    elif t < d.live:
       dk_slots[slot] = dk_slots[slot] + dk_loc[...]
       dv_slots[slot] = dv_slots[slot] + dv_loc[...]
   home = last % 2

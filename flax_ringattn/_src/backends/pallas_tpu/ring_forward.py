@@ -89,10 +89,10 @@ def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
   l_sc[...] = jnp.zeros(l_sc.shape, c.F32)
   acc_sc[...] = jnp.zeros(acc_sc.shape, c.F32)
 
-  for t in range(n):
+  for t in range(d.live):
     slot = t % 2
     sends = []
-    if t < n - 1:
+    if t < d.live - 1:
       if protocol_bug != "no_credit":
         comms.release_credit()
         comms.acquire_credit()

@@ -25,7 +25,10 @@ on a snake through the device grid, `layout.snake_coords`):
               the next prologue on) and the receives (the next hop reads them).
     forward : hop t sends K/V (and the kv segment ids) of slot t % 2 to r + 1's
               slot (t + 1) % 2 for t < n - 1: each byte moves n - 1 times.
-    backward: hops 0 .. n; K/V move as in the forward.  The dK/dV
+              When the hops from some h on are EMPTY for every member by
+              position (`live_hops`: a causal sliding window on the
+              contiguous layout), the ring ends at hop h - 1: h - 1 sends.
+    backward: hops 0 .. n; K/V move as in the forward (and stop as early).  The dK/dV
               accumulator of shard src = r - t is finished on r at the end of
               hop t (the contribution of r added to what arrived from r - 1)
               and sent to r + 1 during hop t + 1, overlapping its compute;
@@ -76,6 +79,7 @@ class RingDims:
   bq: int
   bk: int
   has_segments: bool
+  live: int  # the ring's hops: 0 .. live - 1 hold visible keys for some member (`live_hops`), live <= n
   has_dropout: bool = False
 
   @property
@@ -114,7 +118,33 @@ def ring_dims(spec, q, k, axis_name, load_balance, *, has_segments: bool, backwa
     bk=bk,
     has_segments=has_segments,
     has_dropout=bool(spec.dropout_rate),
+    live=live_hops(spec.mask, n, sizes, T, S, bq, bk, load_balance),
   )
+
+
+def live_hops(mask: masks.MaskSpec, n: int, sizes, T: int, S: int, bq: int, bk: int, load_balance: bool) -> int:
+  """1 + the last hop on which some ring member holds a kv tile that is not EMPTY for its q shard.
+
+  Decided at trace time by `masks.tile_kinds` on the static positions of every
+  member's shards (segment ids are data, so they are left out: the answer is
+  conservative).  Beyond it every hop is EMPTY on every member, so the ring
+  stops there: no later hop is computed, and K/V are not sent past it.  A
+  causal sliding window on the contiguous layout needs about window / shard
+  length + 1 hops; causal zigzag needs all n.
+  """
+  if n == 1:
+    return 1
+  pos_only = dataclasses.replace(mask, has_segments=False)
+  last = 0
+  with jax.ensure_compile_time_eval():
+    for member in range(n):
+      q_pos = layout.shard_positions(layout.ring_shard(member, sizes), n, T, load_balance)
+      for t in range(n - 1, last, -1):
+        kv_pos = layout.shard_positions(layout.ring_shard((member - t) % n, sizes), n, S, load_balance)
+        if bool((masks.tile_kinds(pos_only, q_pos, kv_pos, None, None, bq, bk) != masks.EMPTY).any()):
+          last = t
+          break
+  return last + 1
 
 
 def ring_tables(spec, d: RingDims, q_seg, kv_seg):
