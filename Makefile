@@ -24,7 +24,7 @@ demo: $(VENV)/.stamp-base
 
 test: $(VENV)/.stamp-test
 	$(PY) -m ruff check flax_ringattn tests examples benchmarks
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --durations=15
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist worksteal --durations=25
 
 lint: $(VENV)/.stamp-test
 	$(PY) -m ruff check flax_ringattn tests examples benchmarks

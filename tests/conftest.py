@@ -83,6 +83,9 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if item.get_closest_marker("interpret") and not item.get_closest_marker("timeout"):
       item.add_marker(pytest.mark.timeout(INTERPRET_TIMEOUT_S, method="thread"))
+  # `slow` tests first (stable otherwise): with xdist, a minute-long test started last keeps one worker busy
+  # after the other has finished.
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -28,6 +28,7 @@ def _grads(model, *batch):
   return nnx.to_pure_dict(nnx.state(nnx.grad(_loss)(model, *batch), nnx.Param))
 
 
+@pytest.mark.slow
 def test_convert_lm_matches_unconverted_in_eval_mode():
   """Converted on 8 devices (Explicit axes), logits at real tokens and parameter grads match."""
   mesh = make_mesh((8,), ("sp",))
@@ -56,6 +57,7 @@ def test_convert_lm_matches_unconverted_in_eval_mode():
   assert_close(nnx.jit(_grads)(model, *batch), _grads(original, *batch), jnp.float32, "grad")
 
 
+@pytest.mark.slow
 def test_train_mode_dropout_same_on_1_and_8_devices():
   """The same dropout key gives the same logits whatever the ring size, and the mask is really applied."""
   base = LM(rngs=nnx.Rngs(0), dropout_rate=0.3)

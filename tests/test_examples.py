@@ -87,6 +87,7 @@ def test_train_long_context_attention_fn_with_head_axis(tmp_path):
   assert "attention=attention_fn" in stdout and "mesh {'sp': 4, 'tp': 2}" in stdout
 
 
+@pytest.mark.slow
 def test_swap_into_existing_model():
   stdout = _run(EXAMPLES / "swap_into_existing_model.py", "--seq-len", "256", "--steps", "2")
   assert "2 replaced, 0 not replaced" in stdout, stdout

@@ -139,6 +139,7 @@ def test_ragged_tiles_bf16():
 
 
 @interpret
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(2, 2), (2, 4)], ids=["2x2", "2x4"])
 def test_tuple_axes_agree(shape):
   """A ring over ("x", "y"): xla and pallas_tpu_ring match the reference (zigzag, segments, GQA), fwd and grads."""

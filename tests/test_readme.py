@@ -3,9 +3,12 @@
 import pathlib
 import re
 
+import pytest
+
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
+@pytest.mark.slow
 def test_readme_python_blocks_run():
   blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
   assert len(blocks) >= 3
