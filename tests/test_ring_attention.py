@@ -15,8 +15,8 @@ runs, per backend:
   shards' positions in ways a ring of 1 cannot show; the hop merging between
   them is the ring loop's, shared with xla, which runs every case at rings 1
   to 8).  Interpret mode pays about 50 ms per grid step, so this is sized to
-  keep `make test` under 30 minutes.  Batch 1 and half the heads (GQA group
-  sizes kept), on shards of 2 x 2 tiles: self attention
+  keep `make test` short.  Batch 1 and one kv head (two for segments_lb; GQA
+  group sizes kept), on shards of 2 x 2 tiles: self attention
   256-token shards in 128-row q tiles and 128-lane kv tiles; cross attention
   64-row q shards (two 32-row tiles) against 256-token kv shards.  Several kv
   tiles accumulate per shard, and masked tiles redirect their fetch.  Ring
@@ -69,8 +69,10 @@ class Backend:
     if self.tiled_shards is None:
       return case, self.blocks
     self_len, cross_q_len, self_blocks, cross_blocks = self.tiled_shards
-    # Interpret mode pays per grid step: one batch row and half the heads (same GQA group size) keep it fast.
-    small = dict(B=1, N=case.N // 2 if case.K > 1 else case.N, K=max(case.K // 2, 1))
+    # Interpret mode pays per grid step: one batch row and one kv head (same GQA group size) keep it fast;
+    # segments_lb keeps two kv heads, so a kv-head grid axis longer than 1 runs at every ring size too.
+    kv_heads = 2 if case.name == "segments_lb" else 1
+    small = dict(B=1, N=kv_heads * case.N // case.K, K=kv_heads)
     if case.S != case.T:  # cross attention: short q shards against full kv shards
       return dataclasses.replace(case, T=cross_q_len * n, S=self_len * n, **small), cross_blocks
     return dataclasses.replace(case, T=self_len * n, S=self_len * n, **small), self_blocks

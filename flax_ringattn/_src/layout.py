@@ -96,11 +96,13 @@ def token_positions(shard, num_shards, shard_len: int, load_balance: bool, index
   """Global positions of the tokens at local indices `index` (any int array) of shard `shard`.
 
   The elementwise form of `shard_positions`, for kernels that build one tile's positions from an iota.
+  A static shard (int) and a numpy `index` give numpy positions.
   """
   if not load_balance:
     return shard * shard_len + index
   half = shard_len // 2
-  return jnp.where(index < half, shard * half + index, (2 * num_shards - 1 - shard) * half + (index - half))
+  where = np.where if isinstance(shard, int) and isinstance(index, np.ndarray) else jnp.where
+  return where(index < half, shard * half + index, (2 * num_shards - 1 - shard) * half + (index - half))
 
 
 def gathered_positions(first_shard, count: int, num_shards: int, shard_len: int, load_balance: bool):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 
 # Tile classes shared by the ring loop and every backend.
 EMPTY = 0  # no pair is visible: skip all work
@@ -105,9 +106,12 @@ def classify(spec: MaskSpec, q: Extent, kv: Extent):
   causal and window masks and conservative (never EMPTY or FULL by mistake) for
   segment ids: EMPTY when the id ranges of the two tiles are disjoint in every
   batch row, FULL when both tiles hold one and the same id in every row.
+  With numpy extents it computes in numpy (static tables decided at trace
+  time, e.g. which hops of the in-kernel ring any member can see).
   """
-  empty = jnp.zeros(jnp.broadcast_shapes(jnp.shape(q.pos_min), jnp.shape(kv.pos_min)), bool)
-  full = jnp.ones_like(empty)
+  xp = np if isinstance(q.pos_min, np.ndarray) and isinstance(kv.pos_min, np.ndarray) else jnp
+  empty = xp.zeros(xp.broadcast_shapes(xp.shape(q.pos_min), xp.shape(kv.pos_min)), bool)
+  full = xp.ones_like(empty)
   if spec.is_causal:
     empty = empty | (kv.pos_min > q.pos_max)
     full = full & (kv.pos_max <= q.pos_min)
@@ -120,7 +124,7 @@ def classify(spec: MaskSpec, q: Extent, kv: Extent):
     same = (q.seg_min == q.seg_max) & (kv.seg_min == kv.seg_max) & (q.seg_min == kv.seg_min)
     empty = empty | disjoint.all(axis=0)
     full = full & same.all(axis=0)
-  return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int32)
+  return xp.where(empty, EMPTY, xp.where(full, FULL, PARTIAL)).astype(xp.int32)
 
 
 def tile_kinds(spec: MaskSpec, q_pos, kv_pos, q_seg, kv_seg, bq: int, bk: int):

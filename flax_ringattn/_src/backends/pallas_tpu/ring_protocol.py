@@ -47,6 +47,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -125,9 +126,9 @@ def ring_dims(spec, q, k, axis_name, load_balance, *, has_segments: bool, backwa
 def live_hops(mask: masks.MaskSpec, n: int, sizes, T: int, S: int, bq: int, bk: int, load_balance: bool) -> int:
   """1 + the last hop on which some ring member holds a kv tile that is not EMPTY for its q shard.
 
-  Decided at trace time by `masks.tile_kinds` on the static positions of every
-  member's shards (segment ids are data, so they are left out: the answer is
-  conservative).  Beyond it every hop is EMPTY on every member, so the ring
+  Decided at trace time, in numpy, by `masks.tile_kinds` on the static
+  positions of every member's shards (segment ids are data, so they are left
+  out: the answer is conservative).  Beyond it every hop is EMPTY on every member, so the ring
   stops there: no later hop is computed, and K/V are not sent past it.  A
   causal sliding window on the contiguous layout needs about window / shard
   length + 1 hops; causal zigzag needs all n.
@@ -135,15 +136,18 @@ def live_hops(mask: masks.MaskSpec, n: int, sizes, T: int, S: int, bq: int, bk: 
   if n == 1:
     return 1
   pos_only = dataclasses.replace(mask, has_segments=False)
+
+  def positions(member, length):  # numpy: no JAX op runs here, whatever mesh context the trace is in
+    return layout.token_positions(int(layout.ring_shard(member, sizes)), n, length, load_balance, np.arange(length))
+
   last = 0
-  with jax.ensure_compile_time_eval():
-    for member in range(n):
-      q_pos = layout.shard_positions(layout.ring_shard(member, sizes), n, T, load_balance)
-      for t in range(n - 1, last, -1):
-        kv_pos = layout.shard_positions(layout.ring_shard((member - t) % n, sizes), n, S, load_balance)
-        if bool((masks.tile_kinds(pos_only, q_pos, kv_pos, None, None, bq, bk) != masks.EMPTY).any()):
-          last = t
-          break
+  for member in range(n):
+    q_pos = positions(member, T)
+    for t in range(n - 1, last, -1):
+      kv_pos = positions((member - t) % n, S)
+      if (masks.tile_kinds(pos_only, q_pos, kv_pos, None, None, bq, bk) != masks.EMPTY).any():
+        last = t
+        break
   return last + 1
 
 
