@@ -146,6 +146,9 @@ def main():
   # ---- train with attention dropout, inside the ring --------------------------------------------
   model.train()
   optimizer = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+  # The optimizer's step counter starts on one device; on the mesh (like the params) the first step's outputs
+  # have its inputs' shardings, and train_step compiles once instead of twice.
+  nnx.update(optimizer, put(nnx.state(optimizer)))
 
   @nnx.jit
   def train_step(model, optimizer, batch):

@@ -6,15 +6,18 @@ tolerances.py).  A backend that cannot run a case must raise
 NotImplementedError, and that is asserted instead (capability flags).  What
 runs, per backend:
 
-* xla: ring sizes 1, 2, 4 and 8 in f32; 1 and 4 in bf16 (plus 8 for gqa,
-  causal_lb and segments_lb); tiles of 4 x 4 tokens, so every shard has many.
+* xla: every case at ring sizes 4 and 8 in f32, ring 1 (tile skipping in one
+  shard) and ring 2 (both neighbours are one device) on the cases each
+  exercises; bf16 at ring 4 (plus 8 for gqa, causal_lb and segments_lb); tiles
+  of 4 x 4 tokens, so every shard has many.
 * pallas_tpu (TPU interpret mode on CPU, race detector read after every run):
-  every case at ring size 1 in f32 and bf16; ring 4 in f32 for causal_lb,
-  gqa, segments_lb, cross_causal_lb, causal_window_lb and empty_rows, and in
-  bf16 for gqa, causal_lb and segments_lb (the cases whose tiles see other
-  shards' positions in ways a ring of 1 cannot show; the hop merging between
-  them is the ring loop's, shared with xla, which runs every case at rings 1
-  to 8).  Interpret mode pays about 50 ms per grid step, so this is sized to
+  every case at ring size 1 in f32; ring 4 in f32 for causal_lb, gqa,
+  segments_lb, cross_causal_lb, causal_window_lb and empty_rows (ACROSS_SHARDS:
+  the cases whose tiles see other shards' positions in ways a ring of 1 cannot
+  show); bf16 at ring 1 for the cases that change what a tile computes
+  (BF16_TILE) and at ring 4 for gqa, causal_lb and segments_lb (the hop merging between
+  them is the ring loop's, shared with xla, which runs every case at rings 4
+  and 8).  Interpret mode pays about 50 ms per grid step, so this is sized to
   keep `make test` short.  Batch 1 and one kv head (two for segments_lb; GQA
   group sizes kept), on shards of 2 x 2 tiles: self attention
   256-token shards in 128-row q tiles and 128-lane kv tiles; cross attention
@@ -22,8 +25,8 @@ runs, per backend:
   tiles accumulate per shard, and masked tiles redirect their fetch.  Ring
   size 2 runs in test_pallas_tpu.py.
 * pallas_gpu (Pallas's generic interpreter on CPU; it has no race detector):
-  f32 at ring sizes 1 and 4, bf16 at 2 (plus 4 for gqa, causal_lb and
-  segments_lb), 16 x 16 tiles; the S=32 cases have no legal kv tile at ring 4
+  f32 at ring sizes 1 and 4, bf16 at 2 (BF16_TILE, causal_lb and window) and 4
+  (gqa, causal_lb and segments_lb), 16 x 16 tiles; the S=32 cases have no legal kv tile at ring 4
   and must raise NotImplementedError there.
 """
 
@@ -50,16 +53,19 @@ class Backend:
   unsupported: frozenset = frozenset()  # case names that must raise NotImplementedError
   extra: tuple = ()  # extra keyword arguments for ring_attention, as (key, value) pairs
   blocks: fr.BlockSizes = fr.BlockSizes(block_q=4, block_kv=4)  # small: many tiles per shard
-  ring_sizes: tuple = (1, 2, 4, 8)
-  bf16_ring_sizes: tuple = (1, 4)
+  # (ring size, case names or None for all) to run in each dtype.
+  f32_rings: tuple = ((1, None), (2, None), (4, None), (8, None))
+  bf16_rings: tuple = ((4, None),)
   marks: tuple = ()
   race_checked: bool = False  # Pallas interpret mode: assert the race detector found nothing
   # Shard geometry (self-attention shard length, cross-attention q shard length, BlockSizes for each) that
   # replaces the cases' own lengths, or None to run the cases as written.
   tiled_shards: tuple | None = None
   cases: frozenset | None = None  # run only these case names (None: all); the rest is covered elsewhere
-  # Cases that run at the largest f32 ring size (None: all); the others run at the smaller sizes only.
-  largest_ring_cases: frozenset | None = None
+
+  @property
+  def ring_sizes(self):
+    return tuple(sorted({n for n, _ in self.f32_rings + self.bf16_rings}))
 
   def checks(self):
     return no_races() if self.race_checked else contextlib.nullcontext()
@@ -78,19 +84,33 @@ class Backend:
     return dataclasses.replace(case, T=self_len * n, S=self_len * n, **small), self_blocks
 
 
+# Cases whose tiles see other shards' positions in ways a ring of 1 cannot show: zigzag chunks, GQA, segments
+# travelling, cross attention, windows across hops and rows left empty by other shards.
+ACROSS_SHARDS = frozenset({"causal_lb", "gqa", "segments_lb", "cross_causal_lb", "causal_window_lb", "empty_rows"})
+# bf16 at the largest ring: GQA, zigzag and segments (the cases with the most hops merged and skipped).
+BF16_RING = frozenset({"gqa", "causal_lb", "segments_lb"})
+# bf16 in one shard: the cases that change what a tile computes (soft cap, cross shapes, GQA, segments).
+BF16_TILE = frozenset({"plain", "gqa", "soft_cap", "cross", "segments"})
+
 BACKENDS = [
-  Backend("xla"),
+  Backend(
+    "xla",
+    # Every case at rings 4 and 8; ring 1 (one shard: tile skipping only) and ring 2 (both neighbours are one
+    # device) on the cases each exercises.
+    f32_rings=(
+      (1, frozenset({"plain", "causal", "segments", "window", "soft_cap", "empty_rows"})),
+      (2, ACROSS_SHARDS - {"empty_rows"}),
+      (4, None),
+      (8, None),
+    ),
+    bf16_rings=((4, None), (8, BF16_RING)),
+  ),
   # TPU tiles (kv tiles of 128 lanes, q tiles a multiple of 16 rows for bf16): 2 x 2 tiles per shard.
   Backend(
     "pallas_tpu",
     extra=(("interpret", interpret_params()),),  # race detector on
-    ring_sizes=(1, 4),
-    bf16_ring_sizes=(1,),  # plus ring 4 for gqa, causal_lb and segments_lb (see _matrix)
-    # Ring 4 where a shard's tiles see other shards' positions in ways ring 1 cannot show: zigzag chunks,
-    # GQA, segments travelling, cross attention, windows across hops and rows left empty by other shards.
-    largest_ring_cases=frozenset(
-      {"causal_lb", "gqa", "segments_lb", "cross_causal_lb", "causal_window_lb", "empty_rows"}
-    ),
+    f32_rings=((1, None), (4, ACROSS_SHARDS)),
+    bf16_rings=((1, BF16_TILE), (4, BF16_RING)),
     marks=(pytest.mark.interpret,),
     race_checked=True,
     tiled_shards=(256, 64, fr.BlockSizes(block_q=128, block_kv=128), fr.BlockSizes(block_q=32, block_kv=128)),
@@ -104,8 +124,8 @@ BACKENDS = [
     blocks=fr.BlockSizes(block_q=16, block_kv=16),
     # f32 at ring 1 (4 x 4 tiles per shard: in-block tile skipping) and ring 4 (hop skipping, zigzag chunks
     # inside a tile), bf16 at ring 2 (both at once); interpret-mode compiles cost ~10 s a test.
-    ring_sizes=(1, 4),
-    bf16_ring_sizes=(2,),
+    f32_rings=((1, None), (4, None)),
+    bf16_rings=((2, BF16_TILE | {"causal_lb", "window"}), (4, BF16_RING)),
     marks=(pytest.mark.interpret, pytest.mark.races_not_read("Triton interpret mode: no race detector, no DMAs")),
   ),
 ]
@@ -116,8 +136,8 @@ BACKENDS.append(
     "pallas_tpu_ring",
     extra=(("interpret", interpret_params()),),
     blocks=fr.BlockSizes(block_q=16, block_kv=128),
-    ring_sizes=(2,),
-    bf16_ring_sizes=(),  # plus ring 2 for gqa and causal_lb (see _matrix)
+    f32_rings=((2, None),),
+    bf16_rings=((2, frozenset({"gqa", "causal_lb"})),),
     marks=(pytest.mark.interpret,),
     race_checked=True,
     # Interpret mode is slow: the other mask features run in test_pallas_tpu_ring.py on other ring sizes.
@@ -235,14 +255,11 @@ def _matrix():
     for case in CASES:
       if b.cases is not None and case.name not in b.cases:
         continue
-      for n in b.ring_sizes:
-        if n == b.ring_sizes[-1] and n > 1 and b.largest_ring_cases is not None:
-          if case.name not in b.largest_ring_cases:
-            continue
-        yield pytest.param(b, case, n, jnp.float32, id=f"{b.name}-{case.name}-ring{n}-f32", marks=b.marks)
-      extra = b.ring_sizes[-1:] if case.name in ("gqa", "causal_lb", "segments_lb") else ()  # xla: ring 8
-      for n in sorted(set(b.bf16_ring_sizes + extra)):
-        yield pytest.param(b, case, n, jnp.bfloat16, id=f"{b.name}-{case.name}-ring{n}-bf16", marks=b.marks)
+      for dtype, rings in ((jnp.float32, b.f32_rings), (jnp.bfloat16, b.bf16_rings)):
+        for n, names in rings:
+          if names is None or case.name in names:
+            tag = f"{b.name}-{case.name}-ring{n}-{jnp.dtype(dtype).name.replace('float', 'f')}"
+            yield pytest.param(b, case, n, dtype, id=tag, marks=b.marks)
 
 
 def _supported(backend: Backend, case_name: str, n: int) -> bool:
