@@ -170,6 +170,26 @@ def test_dropout_errors(kwargs, error, match):
     fr.ring_attention(x, x, x, **kwargs)
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas_tpu", "pallas_gpu"])
+def test_block_backends_refuse_a_rate_without_the_operand(implementation):
+  """Block contract: dropout_rate > 0 without dropout= is an error in every backend, never dropout skipped."""
+  from flax_ringattn._src import masks
+  from flax_ringattn._src.backends import get_backend
+  from flax_ringattn._src.backends.base import AttentionSpec
+
+  spec = AttentionSpec(mask=masks.MaskSpec(is_causal=True), scale=0.25, dropout_rate=0.1)
+  q = k = v = jnp.zeros((1, 128, 1, 16))
+  pos = jnp.arange(128, dtype=jnp.int32)
+  interpret = {"xla": None, "pallas_tpu": interpret_params(), "pallas_gpu": True}[implementation]
+  backend = get_backend(implementation, dtype=q.dtype, spec=spec, shapes=(q.shape, k.shape), interpret=interpret)
+  lse = jnp.zeros((1, 1, 128))
+  match = r"dropout_rate=0\.1 needs the int32\[4\] dropout= operand"
+  with pytest.raises(ValueError, match=match):
+    jax.eval_shape(lambda q, k, v: backend.fwd(q, k, v, pos, pos, None, None, spec=spec), q, k, v)
+  with pytest.raises(ValueError, match=match):
+    jax.eval_shape(lambda q, k, v: backend.bwd(q, k, v, q, lse, lse, pos, pos, None, None, spec=spec), q, k, v)
+
+
 @pytest.mark.parametrize(
   "strategy,mesh_shape,names,axis_name,head_axis",
   [

@@ -67,6 +67,24 @@ def check_rate(dropout_rate) -> float:
   return float(dropout_rate)
 
 
+def require_operand(rate: float, operand) -> bool:
+  """Whether a backend drops: rate > 0, which needs the int32[4] dropout operand (backends/base.py).
+
+  Every backend calls this, so a missing operand is an error everywhere instead
+  of dropout being skipped silently in some backend.
+  """
+  if not rate:
+    return False
+  if operand is None:
+    raise ValueError(f"dropout_rate={rate} needs the int32[4] dropout= operand of the block contract (backends/base.py)")
+  return True
+
+
+def keep_scale(kept, rate: float):
+  """f32 factor of each probability: 1 / (1 - rate) where `kept`, 0 where dropped (inverted dropout)."""
+  return jnp.where(kept, jnp.float32(1.0 / (1.0 - rate)), jnp.float32(0.0))
+
+
 def seed_operand(rng):
   """int32[4] (seed0, seed1, 0, 0) from a JAX PRNG key (typed or raw uint32)."""
   if rng is None:

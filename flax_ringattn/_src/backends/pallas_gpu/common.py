@@ -80,11 +80,7 @@ def row_mask_operands(q_pos, q_seg, G):
 
 def has_dropout(spec, dropout) -> bool:
   """Whether the kernels drop: `spec.dropout_rate > 0`, which needs the int32[4] dropout operand (see `base`)."""
-  if not spec.dropout_rate:
-    return False
-  if dropout is None:
-    raise ValueError(f"dropout_rate={spec.dropout_rate} needs the int32[4] dropout= operand (see backends/base.py)")
-  return True
+  return dropout_lib.require_operand(spec.dropout_rate, dropout)
 
 
 def dropout_operand(spec, dropout):
@@ -118,7 +114,7 @@ def dropout_scale(spec, idx, qp, kp):
     return None
   seed0, seed1, b, head = idx
   keep = dropout_lib.keep(seed0, seed1, b, head, qp[:, None], kp[None, :], rate=spec.dropout_rate)
-  return jnp.where(keep, F32(1.0 / (1.0 - spec.dropout_rate)), F32(0.0))
+  return dropout_lib.keep_scale(keep, spec.dropout_rate)
 
 
 def scores(q, k, qp, kp, qs, ks, *, spec, masked: bool):

@@ -227,10 +227,8 @@ def dropout_specs(has_dropout: bool):
 
 def dropout_operands(spec, dropout):
   """The kernel operands that carry `dropout` (the int32[4] of the block contract): [dropout] or []."""
-  if not spec.dropout_rate:
+  if not dropout_lib.require_operand(spec.dropout_rate, dropout):
     return []
-  if dropout is None:
-    raise ValueError(f"dropout_rate={spec.dropout_rate} needs the int32[4] dropout operand (block contract)")
   return [dropout.astype(jnp.int32)]
 
 
@@ -257,7 +255,7 @@ def dropout_scale(spec, drop_ref, b, kv_head, num_q_heads_per_kv: int, qp, kp):
     g = jax.lax.broadcasted_iota(jnp.int32, (G, 1, 1), 0)
     head = drop_ref[3] + kv_head * G + g
     keep = dropout_lib.keep(drop_ref[0], drop_ref[1], drop_ref[2] + b, head, qp, kp, rate=rate)
-  return jnp.where(keep, F32(1.0 / (1.0 - rate)), F32(0.0))
+  return dropout_lib.keep_scale(keep, rate)
 
 
 def tile_dropout(spec, drop_ref, b, kv_head, q_ref, mask_refs):

@@ -118,10 +118,10 @@ def apply_mask(s, spec, qp_i, kp_j, qs_i, ks_j):
 
 def dropout_scale(spec, dropout, qp_i, kp_j, shape):
   """keep / (1 - rate) of one [B, K, G, bq, bk] tile pair (None without dropout)."""
-  if dropout is None or not spec.dropout_rate:
+  if not dropout_lib.require_operand(spec.dropout_rate, dropout):
     return None
   B, K, G = shape[:3]
   keep = dropout_lib.keep_grouped(
     dropout, qp_i, kp_j, rate=spec.dropout_rate, broadcast=spec.dropout_broadcast, B=B, K=K, G=G
   )
-  return jnp.where(keep, F32(1.0 / (1.0 - spec.dropout_rate)), F32(0.0))
+  return dropout_lib.keep_scale(keep, spec.dropout_rate)
