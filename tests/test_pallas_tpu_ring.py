@@ -287,6 +287,65 @@ def test_bytes_sent_follow_the_schedule(opts, live):
   assert sent["ring_bwd"] == (live - 1) * 2 * shard * 4 + n * 2 * shard * 4
 
 
+def _protocol_events(n, opts):
+  """(kernel name -> [(event, detail)]) of one grid step of the forward and backward kernels, in program order."""
+  q, k, v, do, _ = _inputs(1, 16 * n, 2, 1, 16)
+  mesh = make_mesh((n,), ("sp",))
+
+  def f(q, k, v):
+    return fr.ring_attention(
+      q, k, v, mesh=mesh, implementation="pallas_tpu_ring", interpret=interpret_params(), block_sizes=BLOCKS, **opts
+    )
+
+  events = []
+  rp.EVENTS = events
+  try:
+    jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)).trace(q, k, v, do)
+  finally:
+    rp.EVENTS = None
+  out = {}
+  for name, event, detail in events:
+    out.setdefault(name, []).append((event, detail))
+  return out
+
+
+@pytest.mark.parametrize(
+  "n,opts", [(4, {}), (2, {}), (4, dict(is_causal=True, local_window_size=(20, 0)))], ids=["ring4", "ring2", "window"]
+)
+def test_protocol_rules_hold_in_program_order(n, opts):
+  """The protocol rules, read from the kernels' own program order (the hops are unrolled at trace time):
+  * the credit for hop t is released inside hop t, before its first DMA or compute, never at the end of hop
+    t - 1 (a compiler may hoist a late signal above the loads of the slot it frees);
+  * every descriptor started is the very object waited on, exactly once, within its hop;
+  * as many credits are released as are waited for, so the credit semaphore ends at zero."""
+  kernels = _protocol_events(n, opts)
+  assert set(kernels) == {"ring_fwd", "ring_bwd"}
+  for name, events in kernels.items():
+    hops = []  # the events of each hop, split at the ("hop", t) markers
+    for event, detail in events:
+      if event == "hop":
+        assert detail == len(hops), (name, events)
+        hops.append([])
+      else:
+        assert hops, f"{name}: {event} before the first hop"
+        hops[-1].append((event, detail))
+    releases = sum(e == "release" for e, _ in events)
+    assert releases == sum(e == "acquire" for e, _ in events), name
+    assert releases >= len(hops) - 1 > 0, (name, releases, len(hops))
+    for t, hop in enumerate(hops):
+      kinds = [e for e, _ in hop]
+      if "release" in kinds:
+        assert kinds.index("release") == 0, f"{name} hop {t}: the credit is released after {kinds[0]}"
+        assert kinds[1] == "acquire", f"{name} hop {t}: {kinds}"
+      if "start" in kinds:
+        assert "release" in kinds, f"{name} hop {t} sends without the credit protocol: {kinds}"
+      started = [d for e, d in hop if e == "start"]
+      waited = [d for e, d in hop if e == "wait"]
+      assert sorted(started) == sorted(waited) and len(set(started)) == len(started), f"{name} hop {t}: {hop}"
+      for desc in started:
+        assert hop.index(("start", desc)) < hop.index(("wait", desc)), f"{name} hop {t}"
+
+
 @pytest.mark.parametrize(
   "segments,cap,dropout",
   [(False, None, False), (True, 30.0, False), (True, 30.0, True)],

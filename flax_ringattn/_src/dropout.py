@@ -76,7 +76,9 @@ def require_operand(rate: float, operand) -> bool:
   if not rate:
     return False
   if operand is None:
-    raise ValueError(f"dropout_rate={rate} needs the int32[4] dropout= operand of the block contract (backends/base.py)")
+    raise ValueError(
+      f"dropout_rate={rate} needs the int32[4] dropout= operand of the block contract (backends/base.py)"
+    )
   return True
 
 

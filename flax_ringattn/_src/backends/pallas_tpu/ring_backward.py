@@ -88,6 +88,7 @@ def _kernel(meta_ref, kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm
 
   last = n if n > 1 else 0  # hop n only sends the accumulators home
   for t in range(last + 1):
+    rp.note("ring_bwd", "hop", t)
     slot = t % 2
     kv_sends, acc_sends = [], []
     if n > 1:
@@ -107,6 +108,7 @@ def _kernel(meta_ref, kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm
     if t < d.live:  # later hops only pass the accumulators on
       dk_loc[...] = jnp.zeros(dk_loc.shape, c.F32)
       dv_loc[...] = jnp.zeros(dv_loc.shape, c.F32)
+      rp.note("ring_bwd", "compute", t)
       _hop(
         d,
         spec,

@@ -90,6 +90,7 @@ def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
   acc_sc[...] = jnp.zeros(acc_sc.shape, c.F32)
 
   for t in range(d.live):
+    rp.note("ring_fwd", "hop", t)
     slot = t % 2
     sends = []
     if t < d.live - 1:
@@ -127,6 +128,7 @@ def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
 
       jax.lax.fori_loop(0, d.S // bk, kv_tile, None)
 
+    rp.note("ring_fwd", "compute", t)
     jax.lax.fori_loop(0, d.T // bq, q_tile, None)
     for s in sends:
       s.wait()

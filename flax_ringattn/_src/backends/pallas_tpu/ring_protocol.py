@@ -60,6 +60,15 @@ COLLECTIVE_IDS = {"ring_fwd": 0, "ring_bwd": 1}
 # Test hook: when a list, every remote DMA the kernels start is appended as (kernel name, bytes) at trace
 # time; each runs once per grid step.
 DMA_LOG = None
+# Test hook: when a list, the protocol's events are appended in program order at trace time, as (kernel name,
+# event, detail): ("hop", t), ("compute", t), ("release", None), ("acquire", None), ("start", descriptor id),
+# ("wait", descriptor id).  The hops are unrolled in Python, so trace order is program order.
+EVENTS = None
+
+
+def note(name: str, event: str, detail=None):
+  if EVENTS is not None:
+    EVENTS.append((name, event, detail))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,9 +226,11 @@ class Comms:
 
   def release_credit(self):
     """Tells r - 1 that it may overwrite our next slot."""
+    note(self.name, "release")
     pl.semaphore_signal(self.credit, 1, device_id=self._device(self._up), device_id_type=pl.DeviceIdType.MESH)
 
   def acquire_credit(self):
+    note(self.name, "acquire")
     pl.semaphore_wait(self.credit, 1)
 
   def copy_down(self, src, dst, send_sem, recv_sem):
@@ -244,9 +255,11 @@ class _Send:
       for s in shape:
         size *= s
       DMA_LOG.append((self.name, size * jnp.dtype(self.src.dtype).itemsize))
+    note(self.name, "start", id(self.desc))
     self.desc.start()
 
   def wait(self):
+    note(self.name, "wait", id(self.desc))
     self.desc.wait_send()
     self.desc.wait_recv()
 
