@@ -79,6 +79,23 @@ def test_train_mode_dropout_same_on_1_and_8_devices():
   assert np.abs(np.asarray(run(eight, *batch))[valid] - np.asarray(got8)[valid]).max() > 1e-2
 
 
+def test_converted_model_trains_from_its_first_call():
+  """The one-line swap, then straight into a jitted training step (no forward first): the model's other
+  parameters (embeddings, norms, MLP) are on the mesh too, so their gradients, contracted over the
+  sequence-sharded activations, are typed (Explicit axes) and match the unconverted model's."""
+  mesh = make_mesh((4,), ("sp",))
+  model = LM(rngs=nnx.Rngs(0), dropout_rate=0.0, layers=1)
+  ref = nnx.clone(model)
+  fr.convert(model, mesh=mesh)
+  for path, var in nnx.iter_graph(model):
+    if isinstance(var, nnx.Variable) and isinstance(var.get_value(), jax.Array):
+      assert var.get_value().sharding.mesh.shape_tuple == mesh.shape_tuple, path
+  batch = packed_batch(T=32, seed=2)
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P()))  # noqa: E731
+  grads = nnx.jit(_grads)(model, *map(put, batch))
+  assert_close(grads, nnx.jit(_grads)(ref, *batch), jnp.float32, "grad")
+
+
 def test_convert_report_skips_with_reasons_and_paged_target():
   class Model(nnx.Module):
     def __init__(self, rngs):

@@ -7,15 +7,26 @@ parameter metadata (partitioning included) carry over exactly, and so does its
 dropout stream (`rngs`).  Every constructor option of the old layer is passed
 to the new one; `layer_options` add the library's own (`head_axis`,
 `load_balance`, `implementation`, ...).
+
+With a `mesh`, the rest of the model's arrays that are still on one device
+(flax creates them there) are replicated on the mesh too: from the first
+swapped layer on the activations are mesh-sharded, and with Explicit axes a
+parameter gradient contracted over sequence-sharded activations (an MLP
+kernel's, an embedding's) must know its mesh, or the first training step fails
+with `ShardingTypeError: Contracting dimensions are sharded`.  Arrays already
+on a mesh are left as they are.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 from flax import nnx
 from flax.nnx.nn.attention import dot_product_attention
+from jax.sharding import PartitionSpec as P
 
+from flax_ringattn._src import sharding
 from flax_ringattn._src.nnx.common import _PROJECTIONS, head_param_spec, place_params
 from flax_ringattn._src.nnx.paged_mha import PagedMultiHeadAttention
 from flax_ringattn._src.nnx.ring_mha import RingMultiHeadAttention
@@ -47,11 +58,14 @@ class ConversionReport:
   to: str
   replaced: list[str] = dataclasses.field(default_factory=list)
   skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+  placed: list[str] = dataclasses.field(default_factory=list)  # other arrays moved from one device to the mesh
 
   def __str__(self) -> str:
     lines = [f"convert(to={self.to!r}): {len(self.replaced)} replaced, {len(self.skipped)} not replaced"]
     lines += [f"  replaced {path}" for path in self.replaced]
     lines += [f"  kept     {path}: {why}" for path, why in self.skipped]
+    if self.placed:
+      lines.append(f"  {len(self.placed)} other arrays of the model replicated on the mesh (they were on one device)")
     return "\n".join(lines)
 
 
@@ -128,6 +142,22 @@ def _take_over(new, old, head_axis, mesh):
   place_params(new, mesh, head_axis)
 
 
+def _replicate_the_rest(model, mesh) -> list[str]:
+  """Replicates on `mesh` every concrete array of `model` not yet on a mesh; returns their paths."""
+  placed = []
+  for path, var in nnx.iter_graph(model):
+    if not isinstance(var, nnx.Variable):
+      continue
+    value = var.get_value()
+    if not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
+      continue
+    if isinstance(value.sharding, jax.sharding.NamedSharding):
+      continue  # on a mesh already: the caller's placement
+    var.set_value(jax.device_put(value, sharding.named(mesh, P())))
+    placed.append(_path_name(path))
+  return placed
+
+
 def convert(model, *, to: str = "ring", mesh=None, seq_axis=None, **layer_options) -> ConversionReport:
   """Replaces, in place, every `nnx.MultiHeadAttention` of `model` by the library's layer.
 
@@ -137,7 +167,8 @@ def convert(model, *, to: str = "ring", mesh=None, seq_axis=None, **layer_option
       sequence sharded over `seq_axis`) or "paged" (`PagedMultiHeadAttention`:
       sampling from a paged KV cache; call `init_cache` on each layer).
     mesh: the `jax.sharding.Mesh` the layers run on (parameters are placed on
-      it: replicated, or over `head_axis`).
+      it: replicated, or over `head_axis`; the model's other arrays still on
+      one device are replicated on it).
     seq_axis: mesh axis of the sequence (ring only; default: the mesh's only
       axis).
     **layer_options: more keyword options of the new layer, e.g. `head_axis`,
@@ -170,4 +201,6 @@ def convert(model, *, to: str = "ring", mesh=None, seq_axis=None, **layer_option
       parent = _child(parent, key)
     _set_child(parent, path[-1], new)
     report.replaced.append(_path_name(path))
+  if mesh is not None and report.replaced:
+    report.placed = _replicate_the_rest(model, mesh)
   return report
