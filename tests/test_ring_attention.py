@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -208,14 +209,15 @@ def _options(case: Case):
   )
 
 
-def reference_with_grads(case: Case, q, k, v, do, seg):
-  @jax.jit  # one compile instead of many eager op compiles: keeps the suite fast
-  def run(q, k, v, do, seg):
-    f = lambda q, k, v: fr.reference_attention(q, k, v, segment_ids=seg, **_options(case))
-    out, vjp = jax.vjp(f, q, k, v)
-    return out, vjp(do)
+@functools.partial(jax.jit, static_argnames="options")  # compiled once per shape and options in a worker
+def _reference_run(q, k, v, do, seg, options):
+  f = lambda q, k, v: fr.reference_attention(q, k, v, segment_ids=seg, **dict(options))  # noqa: E731
+  out, vjp = jax.vjp(f, q, k, v)
+  return out, vjp(do)
 
-  return run(q, k, v, do, seg)
+
+def reference_with_grads(case: Case, q, k, v, do, seg):
+  return _reference_run(q, k, v, do, seg, tuple(sorted(_options(case).items())))
 
 
 def ring_with_grads(case: Case, backend: Backend, n: int, q, k, v, do, seg, *, explicit=True, blocks=None):
@@ -287,7 +289,8 @@ def test_matches_reference(backend, case, n, dtype):
 
 @pytest.mark.parametrize("backend", [pytest.param(b, id=b.name, marks=b.marks) for b in BACKENDS])
 def test_empty_rows_are_exact_zeros(backend):
-  n = max(n for n in (2, 4) if _supported(backend, "empty_rows", n))
+  sizes = (2,) if backend.race_checked else (2, 4)  # TPU interpret mode: ring 4 runs in the matrix
+  n = max(n for n in sizes if _supported(backend, "empty_rows", n))
   case, blocks = backend.shape_case(next(c for c in CASES if c.name == "empty_rows"), n)
   q, k, v, do, seg = make_inputs(case, jnp.float32)
   with backend.checks():
