@@ -86,6 +86,9 @@ RING_CASES = [
   (1, "eager", dict(is_causal=True), False, False),
   (2, "on_wait", dict(is_causal=True), True, True),  # zigzag + segment ids
   (2, "eager", dict(local_window_size=(20, 5), logits_soft_cap=3.0), False, False),
+  # Contiguous causal with segment ids: half the K/V sends are skipped (shards past the wrap), receivers of a
+  # skipped send keep a stale slot that their EMPTY hop never reads.
+  (4, "on_wait", dict(is_causal=True), False, True),
   (8, "on_wait", dict(is_causal=True, local_window_size=(40, 0)), True, True),
   # Contiguous causal window of 20 over shards of 16: hops 3..7 are EMPTY on every member, the ring ends after 3.
   (8, "eager", dict(is_causal=True, local_window_size=(20, 0)), False, False),
@@ -257,21 +260,37 @@ def test_missing_credit_is_caught_by_the_race_detector():
 
 
 @pytest.mark.parametrize(
-  "opts,live",
-  [({}, 4), (dict(is_causal=True), 4), (dict(is_causal=True, local_window_size=(20, 0)), 3)],
-  ids=["full", "causal", "causal-window"],
+  "opts,load_balance,kv_sends",
+  [
+    ({}, False, 12),
+    (dict(is_causal=True), True, 12),
+    (dict(is_causal=True), False, 6),
+    (dict(is_causal=True, local_window_size=(20, 0)), False, 5),
+  ],
+  ids=["full", "causal-zigzag", "causal", "causal-window"],
 )
-def test_bytes_sent_follow_the_schedule(opts, live):
-  """Counted from the DMAs the kernels start (once per grid step of B x K): forward (live - 1) x the K/V shard,
-  kv heads only; backward the same plus the f32 dK/dV accumulators n times.  live = n unless the last hops are
-  EMPTY for every member: a causal window of 20 over 16-token shards sees 3 shards, so K/V travel 2 hops."""
+def test_bytes_sent_follow_the_schedule(opts, load_balance, kv_sends):
+  """Counted from the DMAs the kernels start (once per grid step of B x K), over all 4 ring members: K/V
+  (kv heads only) `kv_sends` shard sends, forward and backward alike; the backward adds the f32 dK/dV
+  accumulators n times per member.  Every member sends on each of the n - 1 hops (12 sends) unless nobody
+  downstream reads the shard: on the causal contiguous layout member r sends at hops t <= r, and member 3 never
+  (shards past the wrap are invisible to everyone): 3 + 2 + 1 = 6.  A causal window of 20 over 16-token shards
+  sees 3 shards, so the ring ends after hop 2, and member r sends at hop t when r + 1 sees r - t: 3 + 2 = 5."""
   n, B, T, N, K, H = 4, 2, 64, 8, 2, 16
   q, k, v, do, _ = _inputs(B, T, N, K, H)
   mesh = make_mesh((n,), ("sp",))
 
   def f(q, k, v):
     return fr.ring_attention(
-      q, k, v, mesh=mesh, implementation="pallas_tpu_ring", interpret=interpret_params(), block_sizes=BLOCKS, **opts
+      q,
+      k,
+      v,
+      mesh=mesh,
+      implementation="pallas_tpu_ring",
+      interpret=interpret_params(),
+      block_sizes=BLOCKS,
+      load_balance=load_balance,
+      **opts,
     )
 
   log = []
@@ -281,10 +300,10 @@ def test_bytes_sent_follow_the_schedule(opts, live):
   finally:
     rp.DMA_LOG = None
   steps = B * K
-  sent = {name: steps * sum(b for nm, b in log if nm == name) for name in ("ring_fwd", "ring_bwd")}
+  sent = {name: steps * sum(b * members for nm, b, members in log if nm == name) for name in ("ring_fwd", "ring_bwd")}
   shard = B * (T // n) * K * H  # elements of one device's K (or V) shard: kv heads only
-  assert sent["ring_fwd"] == (live - 1) * 2 * shard * 4
-  assert sent["ring_bwd"] == (live - 1) * 2 * shard * 4 + n * 2 * shard * 4
+  assert sent["ring_fwd"] == kv_sends * 2 * shard * 4
+  assert sent["ring_bwd"] == kv_sends * 2 * shard * 4 + n * n * 2 * shard * 4
 
 
 def _protocol_events(n, opts):

@@ -302,6 +302,8 @@ def _ring_on_mesh(
     in_specs=(x_spec, x_spec, x_spec, *seg_specs, None if drop is None else P()),
     out_specs=x_spec,
   )
-  # Called eagerly (or under an eager jax.vjp), the ring compiles once instead of running its loops op by op
-  # (about 25 s for a small ring of 4 on CPU); under the caller's jit this nested jit is inlined.
-  return jax.jit(fn)(q, k, v, q_seg, kv_seg, drop)
+  if not any(isinstance(x, jax.core.Tracer) for x in (q, k, v)):
+    # Called eagerly: compile the ring once instead of running its loops op by op (about 25 s for a small ring
+    # of 4 on CPU).  Under a trace (the caller's jit or grad) it is traced into the caller's program as is.
+    fn = jax.jit(fn)
+  return fn(q, k, v, q_seg, kv_seg, drop)

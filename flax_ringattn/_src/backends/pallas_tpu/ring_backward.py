@@ -96,7 +96,8 @@ def _kernel(meta_ref, kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm
       comms.acquire_credit()
       if t < d.live - 1:
         kv_sends = [
-          comms.copy_down(s.at[slot], s.at[1 - slot], send_sems.at[a], recv_sems.at[a]) for a, s in enumerate(slots)
+          comms.copy_down(s.at[slot], s.at[1 - slot], send_sems.at[a], recv_sems.at[a], kv_hop=t)
+          for a, s in enumerate(slots)
         ]
       if t >= 1:
         acc_sends = [

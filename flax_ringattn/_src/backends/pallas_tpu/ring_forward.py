@@ -95,10 +95,13 @@ def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
     sends = []
     if t < d.live - 1:
       if protocol_bug != "no_credit":
-        comms.release_credit()
-        comms.acquire_credit()
+        # Credits only where K/V move this hop (`d.kv_sends`): we free our slot for the upstream neighbour if it
+        # sends, and wait for the downstream neighbour's slot if we do.
+        rp.when(comms.receives_kv(t), comms.release_credit)
+        rp.when(comms.sends_kv(t), comms.acquire_credit)
       sends = [
-        comms.copy_down(s.at[slot], s.at[1 - slot], send_sems.at[a], recv_sems.at[a]) for a, s in enumerate(slots)
+        comms.copy_down(s.at[slot], s.at[1 - slot], send_sems.at[a], recv_sems.at[a], kv_hop=t)
+        for a, s in enumerate(slots)
       ]
       for s in sends:
         s.start()

@@ -28,7 +28,15 @@ on a snake through the device grid, `layout.snake_coords`):
               When the hops from some h on are EMPTY for every member by
               position (`live_hops`: a causal sliding window on the
               contiguous layout), the ring ends at hop h - 1: h - 1 sends.
-    backward: hops 0 .. n; K/V move as in the forward (and stop as early).  The dK/dV
+              A send whose shard no member downstream sees on a later hop
+              is skipped (`kv_send_table`: on the causal contiguous layout,
+              every shard past the wrap, half the sends); the credit of that
+              hop is then neither released by the receiver nor awaited by
+              the sender, the receiver does not wait for the data, and its
+              next hop, EMPTY for it by the same table, never reads the
+              stale slot.
+    backward: hops 0 .. n; K/V move as in the forward (stop as early, skip the
+              same sends; the credits run every hop for the accumulators).  The dK/dV
               accumulator of shard src = r - t is finished on r at the end of
               hop t (the contribution of r added to what arrived from r - 1)
               and sent to r + 1 during hop t + 1, overlapping its compute;
@@ -57,8 +65,8 @@ from flax_ringattn._src.backends.pallas_tpu import common as c
 # The one allocator of barrier-semaphore collective ids of this package's kernels.
 COLLECTIVE_IDS = {"ring_fwd": 0, "ring_bwd": 1}
 
-# Test hook: when a list, every remote DMA the kernels start is appended as (kernel name, bytes) at trace
-# time; each runs once per grid step.
+# Test hook: when a list, every remote DMA the kernels start is appended as (kernel name, bytes, how many ring
+# members start it) at trace time; each runs once per grid step.
 DMA_LOG = None
 # Test hook: when a list, the protocol's events are appended in program order at trace time, as (kernel name,
 # event, detail): ("hop", t), ("compute", t), ("release", None), ("acquire", None), ("start", descriptor id),
@@ -91,6 +99,9 @@ class RingDims:
   has_segments: bool
   live: int  # the ring's hops: 0 .. live - 1 hold visible keys for some member (`live_hops`), live <= n
   has_dropout: bool = False
+  # kv_sends[r][t]: whether ring member r sends its K/V at hop t (t < live - 1): some member downstream sees
+  # that shard on a later hop (`kv_send_table`).  () when every member sends on every hop.
+  kv_sends: tuple = ()
 
   @property
   def G(self) -> int:
@@ -112,6 +123,9 @@ def ring_dims(spec, q, k, axis_name, load_balance, *, has_segments: bool, backwa
       f"pallas_tpu_ring: the tile table of {n} hops x {T // bq} x {S // bk} tiles needs {table} bytes of SMEM, "
       f"more than {c.SMEM_TABLE_BYTES}; use larger tiles"
     )
+  vis = visibility(spec.mask, n, sizes, T, S, bq, bk, load_balance)
+  live = live_hops(vis)
+  sends = kv_send_table(vis, live)
   return RingDims(
     axes=axes,
     sizes=sizes,
@@ -128,42 +142,71 @@ def ring_dims(spec, q, k, axis_name, load_balance, *, has_segments: bool, backwa
     bk=bk,
     has_segments=has_segments,
     has_dropout=bool(spec.dropout_rate),
-    live=live_hops(spec.mask, n, sizes, T, S, bq, bk, load_balance),
+    live=live,
+    kv_sends=() if sends.all() else tuple(tuple(bool(x) for x in row) for row in sends),
   )
 
 
-def live_hops(mask: masks.MaskSpec, n: int, sizes, T: int, S: int, bq: int, bk: int, load_balance: bool) -> int:
-  """1 + the last hop on which some ring member holds a kv tile that is not EMPTY for its q shard.
+def visibility(mask: masks.MaskSpec, n: int, sizes, T: int, S: int, bq: int, bk: int, load_balance: bool):
+  """bool [n, n]: vis[m, s] when ring member m's q shard sees some key of ring member s's kv shard.
 
   Decided at trace time, in numpy, by `masks.tile_kinds` on the static
-  positions of every member's shards (segment ids are data, so they are left
-  out: the answer is conservative).  Beyond it every hop is EMPTY on every member, so the ring
-  stops there: no later hop is computed, and K/V are not sent past it.  A
-  causal sliding window on the contiguous layout needs about window / shard
-  length + 1 hops; causal zigzag needs all n.
+  positions of the members' shards.  Segment ids are data, so they are left
+  out: a pair marked invisible is EMPTY whatever the ids, and everything built
+  on this table (`live_hops`, `kv_send_table`) is conservative.
   """
-  if n == 1:
-    return 1
   pos_only = dataclasses.replace(mask, has_segments=False)
 
   def positions(member, length):  # numpy: no JAX op runs here, whatever mesh context the trace is in
     return layout.token_positions(int(layout.ring_shard(member, sizes)), n, length, load_balance, np.arange(length))
 
-  last = 0
-  for member in range(n):
-    q_pos = positions(member, T)
-    for t in range(n - 1, last, -1):
-      kv_pos = positions((member - t) % n, S)
-      if (masks.tile_kinds(pos_only, q_pos, kv_pos, None, None, bq, bk) != masks.EMPTY).any():
-        last = t
-        break
-  return last + 1
+  q_pos = [positions(m, T) for m in range(n)]
+  kv_pos = [positions(m, S) for m in range(n)]
+  return np.array(
+    [
+      [(masks.tile_kinds(pos_only, q_pos[m], kv_pos[s], None, None, bq, bk) != masks.EMPTY).any() for s in range(n)]
+      for m in range(n)
+    ]
+  )
+
+
+def live_hops(vis) -> int:
+  """1 + the last hop on which some ring member holds a kv shard it sees (member m holds m - t's at hop t).
+
+  Beyond it every hop is EMPTY on every member, so the ring stops there: no
+  later hop is computed, and K/V are not sent past it.  A causal sliding
+  window on the contiguous layout needs about window / shard length + 1 hops;
+  causal zigzag needs all n.
+  """
+  n = len(vis)
+  held = [vis[m, (m - t) % n] for t in range(n) for m in range(n)]
+  return 1 + max((t for t in range(n) if any(held[t * n : (t + 1) * n])), default=0)
+
+
+def kv_send_table(vis, live: int):
+  """bool [n, live - 1]: member r sends at hop t when a member downstream sees that shard on a later hop.
+
+  The shard r holds at hop t (member r - t's) reaches member r + u at hop
+  t + u.  If none of them sees it before the ring ends, the send (and every
+  later send of that shard) only moves data nobody reads: on the causal
+  contiguous layout, every shard past the wrap from the last member to the
+  first, half of all sends.  The receiver's slot then keeps stale data, and
+  its hop t + 1 is EMPTY for it by the same table.
+  """
+  n = len(vis)
+  table = np.zeros((n, max(live - 1, 0)), bool)
+  for r in range(n):
+    for t in range(live - 1):
+      src = (r - t) % n
+      table[r, t] = any(vis[(r + u) % n, src] for u in range(1, live - t))
+  return table
 
 
 def ring_tables(spec, d: RingDims, q_seg, kv_seg):
   """Scalar-prefetched tables, computed in XLA before the launch.
 
-  meta int32: [own shard, src shard of hops 0 .. n-1, upstream coords..., downstream coords...].
+  meta int32: [own shard, src shard of hops 0 .. n-1, upstream coords..., downstream coords..., then with
+  `d.kv_sends`: whether this member sends its K/V at hops 0 .. live-2, whether its upstream neighbour does].
   kinds int32 [n, T / bq, S / bk]: `masks.classify` of every tile pair of every hop (the segment-id extents
   of the other shards come from a small all_gather of per-tile min / max).
   """
@@ -171,7 +214,11 @@ def ring_tables(spec, d: RingDims, q_seg, kv_seg):
   srcs = [layout.ring_shard((member - t) % n, sizes) for t in range(n)]
   up = layout.snake_coords((member - 1) % n, sizes)
   down = layout.snake_coords((member + 1) % n, sizes)
-  meta = jnp.stack([jnp.asarray(x, jnp.int32) for x in (shard, *srcs, *up, *down)])
+  flags = []
+  if d.kv_sends:
+    table = jnp.asarray(np.asarray(d.kv_sends, np.int32))
+    flags = [*table[member], *table[(member - 1) % n]]
+  meta = jnp.stack([jnp.asarray(x, jnp.int32) for x in (shard, *srcs, *up, *down, *flags)])
   q_pos = layout.shard_positions(shard, n, d.T, d.load_balance)
   qe = masks.tile_extent(q_pos, q_seg, d.bq)
   seg_min = seg_max = None
@@ -208,6 +255,7 @@ class Comms:
     k = len(d.axes)
     self._up = 1 + d.n
     self._down = 1 + d.n + k
+    self._flags = 1 + d.n + 2 * k
 
   def _device(self, offset):
     return {a: self.meta_ref[offset + i] for i, a in enumerate(self.d.axes)}
@@ -217,6 +265,14 @@ class Comms:
 
   def own_shard(self):
     return self.meta_ref[0]
+
+  def sends_kv(self, t):
+    """Whether this member sends its K/V at hop t: a traced bool, or None when every member always does."""
+    return self.meta_ref[self._flags + t] != 0 if self.d.kv_sends else None
+
+  def receives_kv(self, t):
+    """Whether the upstream neighbour sends its K/V into our slot at hop t (None: always)."""
+    return self.meta_ref[self._flags + self.d.live - 1 + t] != 0 if self.d.kv_sends else None
 
   def barrier(self):
     sem = pltpu.get_barrier_semaphore()
@@ -233,20 +289,29 @@ class Comms:
     note(self.name, "acquire")
     pl.semaphore_wait(self.credit, 1)
 
-  def copy_down(self, src, dst, send_sem, recv_sem):
-    """A descriptor for src (ours) -> dst (r + 1's buffer of the same name); start and wait this object."""
-    return _Send(
-      pltpu.make_async_remote_copy(
-        src, dst, send_sem, recv_sem, device_id=self._device(self._down), device_id_type=pl.DeviceIdType.MESH
-      ),
-      src,
-      self.name,
+  def copy_down(self, src, dst, send_sem, recv_sem, *, kv_hop=None):
+    """A descriptor for src (ours) -> dst (r + 1's buffer of the same name); start and wait this object.
+
+    `kv_hop=t` marks hop t's K/V (or kv segment ids) send, which members skip
+    where `d.kv_sends` says nobody downstream reads it (and then the matching
+    receive is not waited for either); other sends always run.
+    """
+    desc = pltpu.make_async_remote_copy(
+      src, dst, send_sem, recv_sem, device_id=self._device(self._down), device_id_type=pl.DeviceIdType.MESH
     )
+    if kv_hop is None or not self.d.kv_sends:
+      return _Send(desc, src, self.name, None, None, self.d.n)
+    members = sum(row[kv_hop] for row in self.d.kv_sends)
+    return _Send(desc, src, self.name, self.sends_kv(kv_hop), self.receives_kv(kv_hop), members)
 
 
 class _Send:
-  def __init__(self, desc, src, name):
+  """One remote copy: `send` / `recv` (traced bools, or None for always) say whether this member starts it and
+  whether its upstream neighbour starts the matching copy into our buffer this hop."""
+
+  def __init__(self, desc, src, name, send, recv, members):
     self.desc, self.src, self.name = desc, src, name
+    self.send, self.recv, self.members = send, recv, members
 
   def start(self):
     if DMA_LOG is not None:
@@ -254,14 +319,22 @@ class _Send:
       size = 1
       for s in shape:
         size *= s
-      DMA_LOG.append((self.name, size * jnp.dtype(self.src.dtype).itemsize))
+      DMA_LOG.append((self.name, size * jnp.dtype(self.src.dtype).itemsize, self.members))
     note(self.name, "start", id(self.desc))
-    self.desc.start()
+    when(self.send, self.desc.start)
 
   def wait(self):
     note(self.name, "wait", id(self.desc))
-    self.desc.wait_send()
-    self.desc.wait_recv()
+    when(self.send, self.desc.wait_send)
+    when(self.recv, self.desc.wait_recv)
+
+
+def when(flag, fn):
+  """fn() if flag (a traced bool), always when flag is None."""
+  if flag is None:
+    fn()
+  else:
+    pl.when(flag)(fn)
 
 
 def load_own(pairs, sem):
