@@ -16,7 +16,10 @@ on a snake through the device grid, `layout.snake_coords`):
     hop t   : prologue: signal one credit to r - 1 ("my slot (t + 1) % 2 is
               free": its last reader, hop t - 1's compute and send, is done;
               at hop 0 the previous grid step is done), then wait for the
-              credit of r + 1 and start the sends of this hop.  Each DMA
+              credit of r + 1 and start the sends of this hop (forward: a
+              member releases only where r - 1 sends this hop and acquires
+              only where it sends, by `kv_send_table`; backward: every hop,
+              for the accumulators).  Each DMA
               descriptor is built once and the same object is started and
               waited on.
               compute the hop on slot t % 2 (tiles the mask table marks EMPTY
