@@ -261,6 +261,25 @@ def test_missing_credit_is_caught_by_the_race_detector():
     f(q, k, v)
 
 
+def _trace_kernels(hook: str, q, k, v, do, n, **opts):
+  """What the kernels append to `ring_protocol.<hook>` (DMA_LOG or EVENTS) while forward and backward are traced
+  (not run) on a ring of n."""
+  mesh = make_mesh((n,), ("sp",))
+
+  def f(q, k, v):
+    return fr.ring_attention(
+      q, k, v, mesh=mesh, implementation="pallas_tpu_ring", interpret=interpret_params(), block_sizes=BLOCKS, **opts
+    )
+
+  log = []
+  setattr(rp, hook, log)
+  try:
+    jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)).trace(q, k, v, do)
+  finally:
+    setattr(rp, hook, None)
+  return log
+
+
 @pytest.mark.parametrize(
   "opts,load_balance,kv_sends",
   [
@@ -280,27 +299,7 @@ def test_bytes_sent_follow_the_schedule(opts, load_balance, kv_sends):
   sees 3 shards, so the ring ends after hop 2, and member r sends at hop t when r + 1 sees r - t: 3 + 2 = 5."""
   n, B, T, N, K, H = 4, 2, 64, 8, 2, 16
   q, k, v, do, _ = _inputs(B, T, N, K, H)
-  mesh = make_mesh((n,), ("sp",))
-
-  def f(q, k, v):
-    return fr.ring_attention(
-      q,
-      k,
-      v,
-      mesh=mesh,
-      implementation="pallas_tpu_ring",
-      interpret=interpret_params(),
-      block_sizes=BLOCKS,
-      load_balance=load_balance,
-      **opts,
-    )
-
-  log = []
-  rp.DMA_LOG = log
-  try:
-    jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)).trace(q, k, v, do)
-  finally:
-    rp.DMA_LOG = None
+  log = _trace_kernels("DMA_LOG", q, k, v, do, n, load_balance=load_balance, **opts)
   steps = B * K
   sent = {name: steps * sum(b * members for nm, b, members in log if nm == name) for name in ("ring_fwd", "ring_bwd")}
   shard = B * (T // n) * K * H  # elements of one device's K (or V) shard: kv heads only
@@ -311,21 +310,8 @@ def test_bytes_sent_follow_the_schedule(opts, load_balance, kv_sends):
 def _protocol_events(n, opts):
   """(kernel name -> [(event, detail)]) of one grid step of the forward and backward kernels, in program order."""
   q, k, v, do, _ = _inputs(1, 16 * n, 2, 1, 16)
-  mesh = make_mesh((n,), ("sp",))
-
-  def f(q, k, v):
-    return fr.ring_attention(
-      q, k, v, mesh=mesh, implementation="pallas_tpu_ring", interpret=interpret_params(), block_sizes=BLOCKS, **opts
-    )
-
-  events = []
-  rp.EVENTS = events
-  try:
-    jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)).trace(q, k, v, do)
-  finally:
-    rp.EVENTS = None
   out = {}
-  for name, event, detail in events:
+  for name, event, detail in _trace_kernels("EVENTS", q, k, v, do, n, **opts):
     out.setdefault(name, []).append((event, detail))
   return out
 

@@ -78,14 +78,9 @@ def row_mask_operands(q_pos, q_seg, G):
   return rows, seg
 
 
-def has_dropout(spec, dropout) -> bool:
-  """Whether the kernels drop: `spec.dropout_rate > 0`, which needs the int32[4] dropout operand (see `base`)."""
-  return dropout_lib.require_operand(spec.dropout_rate, dropout)
-
-
 def dropout_operand(spec, dropout):
   """([BlockSpec], [int32[4]]) of the dropout input (whole, one for all programs), or ([], []) without dropout."""
-  if not has_dropout(spec, dropout):
+  if not dropout_lib.require_operand(spec.dropout_rate, dropout):
     return [], []
   return [pl.BlockSpec((4,), lambda *_: (0,))], [jnp.asarray(dropout, jnp.int32).reshape(4)]
 

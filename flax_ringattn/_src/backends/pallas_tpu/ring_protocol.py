@@ -182,8 +182,7 @@ def live_hops(vis) -> int:
   causal zigzag needs all n.
   """
   n = len(vis)
-  held = [vis[m, (m - t) % n] for t in range(n) for m in range(n)]
-  return 1 + max((t for t in range(n) if any(held[t * n : (t + 1) * n])), default=0)
+  return 1 + max((t for t in range(n) if any(vis[m, (m - t) % n] for m in range(n))), default=0)
 
 
 def kv_send_table(vis, live: int):
