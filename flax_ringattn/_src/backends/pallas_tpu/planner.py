@@ -387,22 +387,26 @@ def ring_footprint(
   soft_cap=False,
   dropout=False,
 ) -> Footprint:
-  """VMEM of the in-kernel ring's 'ring_fwd' or 'ring_bwd' kernel (`ring_forward.py`, `ring_backward.py`).
+  """VMEM of an in-kernel ring kernel: 'ring_fwd' / 'ring_bwd' (VMEM slots, `ring_forward.py`,
+  `ring_backward.py`) or 'ring_fwd_hbm' / 'ring_bwd_hbm' (HBM slots, `ring_forward_hbm.py`, `ring_backward_hbm.py`).
 
-  A grid step holds the whole q shard of one kv head's group (T rows) and two
-  communication slots of the kv shard (S rows) for each travelling array: K, V
-  (and the kv segment ids); the backward adds two f32 slots each for the dK / dV
-  accumulators and one f32 local sum each.  K/V stay in HBM outside the slots.
+  With VMEM slots a grid step holds the whole q shard of one kv head's group
+  (T rows) and two communication slots of the kv shard (S rows) for each
+  travelling array: K, V (and the kv segment ids); the backward adds two f32
+  slots each for the dK / dV accumulators and one f32 local sum each.
+  With HBM slots only tiles are in VMEM, whatever T and S: the outer tile of
+  a pass and its state once, the streamed inner tiles twice (double buffers).
   Temporaries are those of one (bq, bk) tile pair, as in `footprint`.
   """
   G, H, f32, i32 = num_heads // num_kv_heads, head_dim, jnp.float32, jnp.int32
-  q_blk = _tile(T, H, dtype, G)
-  stat = _tile(T, 1, f32, G)
-  slots = 2 * _tile(S, H, dtype, 2)  # K and V, two slots each
-  seg_in = _tile(T, 1, i32) if has_segments else 0  # the q segment ids column
-  if has_segments:
-    slots += _tile(1, S, i32, 2)
   score = G * bq * bk * 4
+  if kernel in ("ring_fwd", "ring_bwd"):
+    q_blk = _tile(T, H, dtype, G)
+    stat = _tile(T, 1, f32, G)
+    slots = 2 * _tile(S, H, dtype, 2)  # K and V, two slots each
+    seg_in = _tile(T, 1, i32) if has_segments else 0  # the q segment ids column
+    if has_segments:
+      slots += _tile(1, S, i32, 2)
   if kernel == "ring_fwd":
     inputs = q_blk + seg_in
     outputs = _tile(T, H, f32, G) + stat
@@ -413,8 +417,20 @@ def ring_footprint(
     outputs = _tile(T, H, f32, G) + 2 * _tile(S, H, f32)
     scratch = slots + 2 * _tile(S, H, f32, 2) + 2 * _tile(S, H, f32)
     temporaries = 5 * score
+  elif kernel in ("ring_fwd_hbm", "ring_bwd_hbm"):
+    inputs = outputs = 0  # everything pipelined by hand: scratch only
+    kv_tiles = 2 * _tile(bk, H, dtype, 2) + (_tile(1, bk, i32, 2) if has_segments else 0)  # [2] x (k, v, seg)
+    if kernel == "ring_fwd_hbm":
+      q_tile = _tile(bq, H, dtype, G) + (_tile(bq, 1, i32) if has_segments else 0)
+      state = 2 * _tile(bq, c.LANES, f32, G) + _tile(bq, H, f32, G) + _tile(bq, 1, f32, G)  # m, l, acc, lse
+      scratch = q_tile + kv_tiles + state
+      temporaries = 3 * score
+    else:
+      q_side = 2 * _tile(bq, H, dtype, G) + 2 * _tile(bq, 1, f32, G) + (_tile(bq, 1, i32) if has_segments else 0)
+      scratch = 2 * q_side + kv_tiles + _tile(bq, H, f32, G) + 2 * _tile(bk, H, f32)  # dq; dk, dv of a kv tile
+      temporaries = 5 * score
   else:
-    raise ValueError(f"kernel must be 'ring_fwd' or 'ring_bwd', got {kernel!r}")
+    raise ValueError(f"kernel must be 'ring_fwd', 'ring_bwd', 'ring_fwd_hbm' or 'ring_bwd_hbm', got {kernel!r}")
   if soft_cap:
     temporaries += 2 * score
   if dropout:
@@ -422,17 +438,29 @@ def ring_footprint(
   return Footprint(buffers=2 * (inputs + outputs) + scratch, temporaries=temporaries)
 
 
-def ring_fits(
-  *, T, S, num_heads, num_kv_heads, head_dim, dtype, has_segments=False, soft_cap=False, dropout=False, generation=None
-) -> bool:
-  """Whether both in-kernel ring kernels fit the VMEM budget at the smallest legal tiles (the q and kv shards
-  themselves must fit: the ring keeps them resident)."""
+def ring_slots(
+  *,
+  T,
+  S,
+  bq,
+  bk,
+  num_heads,
+  num_kv_heads,
+  head_dim,
+  dtype,
+  has_segments=False,
+  soft_cap=False,
+  dropout=False,
+  generation=None,
+) -> str:
+  """Where the in-kernel ring keeps its communication slots at tiles (bq, bk): "vmem" when both VMEM-slot
+  kernels fit `generation`'s budget with whole shards resident, else "hbm" (tiles streamed: no shard cap)."""
   generation = current_generation() if generation is None else generation
-  qs = q_candidates(T, dtype, grouped=num_heads > num_kv_heads)
-  ks = candidates(S, c.LANES)
-  if not qs or not ks:
-    return False
   dims = dict(
+    T=T,
+    S=S,
+    bq=bq,
+    bk=bk,
     num_heads=num_heads,
     num_kv_heads=num_kv_heads,
     head_dim=head_dim,
@@ -441,5 +469,34 @@ def ring_fits(
     soft_cap=soft_cap,
     dropout=dropout,
   )
-  need = max(ring_footprint(k, T=T, S=S, bq=qs[0], bk=ks[0], **dims).total for k in ("ring_fwd", "ring_bwd"))
-  return need <= budget_bytes(generation)
+  need = max(ring_footprint(k, **dims).total for k in ("ring_fwd", "ring_bwd"))
+  return "vmem" if need <= budget_bytes(generation) else "hbm"
+
+
+def ring_fits(
+  *, T, S, num_heads, num_kv_heads, head_dim, dtype, has_segments=False, soft_cap=False, dropout=False, generation=None
+) -> bool:
+  """Whether the in-kernel ring runs this (T, S) shard pair at the smallest legal tiles: with VMEM slots (the
+  shards resident), or else with HBM slots (only tiles in VMEM)."""
+  generation = current_generation() if generation is None else generation
+  qs = q_candidates(T, dtype, grouped=num_heads > num_kv_heads)
+  ks = candidates(S, c.LANES)
+  if not qs or not ks:
+    return False
+  dims = dict(
+    T=T,
+    S=S,
+    bq=qs[0],
+    bk=ks[0],
+    num_heads=num_heads,
+    num_kv_heads=num_kv_heads,
+    head_dim=head_dim,
+    dtype=dtype,
+    has_segments=has_segments,
+    soft_cap=soft_cap,
+    dropout=dropout,
+  )
+  budget = budget_bytes(generation)
+  return any(
+    max(ring_footprint(k + suffix, **dims).total for k in ("ring_fwd", "ring_bwd")) <= budget for suffix in ("", "_hbm")
+  )

@@ -73,10 +73,7 @@ def _kernel(meta_ref, kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm
   dk_slots, dv_slots, dk_loc, dv_loc, load_sems, send_sems, recv_sems, credit = refs
   b, h = pl.program_id(0), pl.program_id(1)
   comms = rp.Comms(meta_ref, d, credit, name="ring_bwd")
-  n, bq, bk = d.n, d.bq, d.bk
-  num_kv = 3 if d.has_segments else 2
-
-  if n > 1:
+  if d.n > 1:
     pl.when((b == 0) & (h == 0))(comms.barrier)
   pairs = [(k_hbm.at[b, h], k_slots.at[0]), (v_hbm.at[b, h], v_slots.at[0])]
   slots = [k_slots, v_slots]
@@ -86,64 +83,44 @@ def _kernel(meta_ref, kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm
   rp.load_own(pairs, load_sems)
   dq_ref[...] = jnp.zeros(dq_ref.shape, c.F32)
 
-  last = n if n > 1 else 0  # hop n only sends the accumulators home
-  for t in range(last + 1):
-    rp.note("ring_bwd", "hop", t)
-    slot = t % 2
-    kv_sends, acc_sends = [], []
-    if n > 1:
-      comms.release_credit()
-      comms.acquire_credit()
-      if t < d.live - 1:
-        kv_sends = [
-          comms.copy_down(s.at[slot], s.at[1 - slot], send_sems.at[a], recv_sems.at[a], kv_hop=t)
-          for a, s in enumerate(slots)
-        ]
-      if t >= 1:
-        acc_sends = [
-          comms.copy_down(s.at[1 - slot], s.at[slot], send_sems.at[num_kv + a], recv_sems.at[num_kv + a])
-          for a, s in enumerate((dk_slots, dv_slots))
-        ]
-      for s in kv_sends + acc_sends:
-        s.start()
-    if t < d.live:  # later hops only pass the accumulators on
-      dk_loc[...] = jnp.zeros(dk_loc.shape, c.F32)
-      dv_loc[...] = jnp.zeros(dv_loc.shape, c.F32)
-      rp.note("ring_bwd", "compute", t)
-      _hop(
-        d,
-        spec,
-        comms,
-        t,
-        slot,
-        kinds_ref,
-        q_ref,
-        do_ref,
-        lse_ref,
-        delta_ref,
-        qseg_ref,
-        k_slots,
-        v_slots,
-        seg_slots,
-        dq_ref,
-        dk_loc,
-        dv_loc,
-        drop_ref,
-        b,
-        h,
-      )
-    for s in kv_sends + acc_sends:
-      s.wait()
+  def compute(t):
+    dk_loc[...] = jnp.zeros(dk_loc.shape, c.F32)
+    dv_loc[...] = jnp.zeros(dv_loc.shape, c.F32)
+    _hop(
+      d,
+      spec,
+      comms,
+      t,
+      t % 2,
+      kinds_ref,
+      q_ref,
+      do_ref,
+      lse_ref,
+      delta_ref,
+      qseg_ref,
+      k_slots,
+      v_slots,
+      seg_slots,
+      dq_ref,
+      dk_loc,
+      dv_loc,
+      drop_ref,
+      b,
+      h,
+    )
+
+  def fold(t):
     if t == 0:
       dk_slots[0] = dk_loc[...]
       dv_slots[0] = dv_loc[...]
     elif t < d.live:
-      dk_slots[slot] = dk_slots[slot] + dk_loc[...]
-      dv_slots[slot] = dv_slots[slot] + dv_loc[...]
-  home = last % 2
+      dk_slots[t % 2] = dk_slots[t % 2] + dk_loc[...]
+      dv_slots[t % 2] = dv_slots[t % 2] + dv_loc[...]
+
+  kv_pairs = lambda t: [(s.at[t % 2], s.at[1 - t % 2]) for s in slots]  # noqa: E731
+  home = rp.backward_hops(comms, d, kv_pairs, (dk_slots, dv_slots), send_sems, recv_sems, compute=compute, fold=fold)
   dk_ref[...] = dk_slots[home]
   dv_ref[...] = dv_slots[home]
-  del bq, bk
 
 
 def _hop(
@@ -177,7 +154,8 @@ def _hop(
       cols = pl.ds(j * bk, bk)
 
       def update(masked):
-        mask = tile_masks(d, comms, t, i, j, qseg_ref, seg_slots, slot) if masked else None
+        segs = (qseg_ref.at[rows, :], seg_slots.at[slot, :, cols]) if d.has_segments else ()
+        mask = tile_masks(d, comms, t, i, j, *segs) if masked else None
         q_t, k_t = q_ref.at[:, rows, :], k_slots.at[slot, cols, :]
         p, ds, do = _probs_and_dscores(
           q_t,
@@ -218,7 +196,12 @@ def ring_bwd(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec, axis_name, load_ba
   if d.has_segments:
     args += [q_seg.astype(jnp.int32)[:, :, None], kv_seg.astype(jnp.int32)[:, None, :]]
   args += c.dropout_operands(spec, dropout)
-  kernel = functools.partial(_kernel, spec=spec, d=d)
-  sems = rp.sem_scratch(d, (3 if d.has_segments else 2) + 2)
-  dq, dk, dv = rp.ring_call(kernel, bwd_plan(d), sems, d, interpret=interpret, name="ring_bwd")(meta, kinds, *args)
+  if d.slots == "hbm":
+    from flax_ringattn._src.backends.pallas_tpu.ring_backward_hbm import ring_bwd_hbm
+
+    dq, dk, dv = ring_bwd_hbm(d, spec, meta, kinds, args, interpret=interpret)
+  else:
+    kernel = functools.partial(_kernel, spec=spec, d=d)
+    sems = rp.sem_scratch(d, (3 if d.has_segments else 2) + 2)
+    dq, dk, dv = rp.ring_call(kernel, bwd_plan(d), sems, d, interpret=interpret, name="ring_bwd")(meta, kinds, *args)
   return c.heads_major(dq), c.heads_major(dk), c.heads_major(dv)

@@ -45,14 +45,12 @@ def fwd_plan(d: rp.RingDims) -> c.CallPlan:
   )
 
 
-def tile_masks(d: rp.RingDims, comms, t, i, j, qseg_ref, seg_slots, slot):
-  """The mask operands of tile pair (i, j) of hop t: position column / row, segment ids column / row."""
+def tile_masks(d: rp.RingDims, comms, t, i, j, qseg=None, kvseg=None):
+  """The mask operands of tile pair (i, j) of hop t: position column / row, then (with segment ids) the tile's
+  q segment-id column (bq, 1) and kv segment-id row (1, bk), refs or values."""
   qp = rp.tile_positions(d, comms.own_shard(), i * d.bq, d.bq, rows=True)
   kp = rp.tile_positions(d, comms.src_shard(t), j * d.bk, d.bk, rows=False)
-  out = [qp, kp]
-  if d.has_segments:
-    out += [qseg_ref[pl.ds(i * d.bq, d.bq), :], seg_slots[slot, :, pl.ds(j * d.bk, d.bk)]]
-  return out
+  return [qp, kp] if qseg is None else [qp, kp, qseg, kvseg]
 
 
 def tile_dropout(spec, d: rp.RingDims, comms, t, i, j, drop_ref, b, h):
@@ -92,19 +90,8 @@ def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
   for t in range(d.live):
     rp.note("ring_fwd", "hop", t)
     slot = t % 2
-    sends = []
-    if t < d.live - 1:
-      if protocol_bug != "no_credit":
-        # Credits only where K/V move this hop (`d.kv_sends`): we free our slot for the upstream neighbour if it
-        # sends, and wait for the downstream neighbour's slot if we do.
-        rp.when(comms.receives_kv(t), comms.release_credit)
-        rp.when(comms.sends_kv(t), comms.acquire_credit)
-      sends = [
-        comms.copy_down(s.at[slot], s.at[1 - slot], send_sems.at[a], recv_sems.at[a], kv_hop=t)
-        for a, s in enumerate(slots)
-      ]
-      for s in sends:
-        s.start()
+    pairs = [(s.at[slot], s.at[1 - slot]) for s in slots]
+    sends = rp.start_kv_sends(comms, d, t, pairs, send_sems, recv_sems, credits=protocol_bug != "no_credit")
 
     def q_tile(i, _, t=t, slot=slot):
       rows = pl.ds(i * bq, bq)
@@ -113,7 +100,8 @@ def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
         cols = pl.ds(j * bk, bk)
 
         def update(masked):
-          mask = tile_masks(d, comms, t, i, j, qseg_ref, seg_slots, slot) if masked else None
+          segs = (qseg_ref.at[rows, :], seg_slots.at[slot, :, cols]) if d.has_segments else ()
+          mask = tile_masks(d, comms, t, i, j, *segs) if masked else None
           online_softmax_step(
             q_ref.at[:, rows, :],
             k_slots.at[slot, cols, :],
@@ -148,7 +136,12 @@ def ring_fwd(q, k, v, q_seg, kv_seg, *, spec, axis_name, load_balance, interpret
   if d.has_segments:
     args += [q_seg.astype(jnp.int32)[:, :, None], kv_seg.astype(jnp.int32)[:, None, :]]
   args += c.dropout_operands(spec, dropout)
-  kernel = functools.partial(_kernel, spec=spec, d=d, protocol_bug=protocol_bug)
-  sems = rp.sem_scratch(d, 3 if d.has_segments else 2)
-  o, lse = rp.ring_call(kernel, fwd_plan(d), sems, d, interpret=interpret, name="ring_fwd")(meta, kinds, *args)
+  if d.slots == "hbm":
+    from flax_ringattn._src.backends.pallas_tpu.ring_forward_hbm import ring_fwd_hbm
+
+    o, lse = ring_fwd_hbm(d, spec, meta, kinds, args, interpret=interpret)
+  else:
+    kernel = functools.partial(_kernel, spec=spec, d=d, protocol_bug=protocol_bug)
+    sems = rp.sem_scratch(d, 3 if d.has_segments else 2)
+    o, lse = rp.ring_call(kernel, fwd_plan(d), sems, d, interpret=interpret, name="ring_fwd")(meta, kinds, *args)
   return c.heads_major(o), lse[..., 0]

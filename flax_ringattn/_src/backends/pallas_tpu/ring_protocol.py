@@ -64,6 +64,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from flax_ringattn._src import layout, masks, vma
 from flax_ringattn._src.backends.pallas_tpu import common as c
+from flax_ringattn._src.backends.pallas_tpu import planner
 
 # The one allocator of barrier-semaphore collective ids of this package's kernels.
 COLLECTIVE_IDS = {"ring_fwd": 0, "ring_bwd": 1}
@@ -75,6 +76,9 @@ DMA_LOG = None
 # event, detail): ("hop", t), ("compute", t), ("release", None), ("acquire", None), ("start", descriptor id),
 # ("wait", descriptor id).  The hops are unrolled in Python, so trace order is program order.
 EVENTS = None
+# Test hook: "vmem" or "hbm" overrides the planner's choice of where the communication slots live
+# (`planner.ring_slots`), so small test shapes can run the HBM-slot kernels.
+FORCE_SLOTS = None
 
 
 def note(name: str, event: str, detail=None):
@@ -105,6 +109,9 @@ class RingDims:
   # kv_sends[r][t]: whether ring member r sends its K/V at hop t (t < live - 1): some member downstream sees
   # that shard on a later hop (`kv_send_table`).  () when every member sends on every hop.
   kv_sends: tuple = ()
+  # Where the communication slots and the softmax state live: "vmem" (whole shards resident, `ring_forward.py`)
+  # or "hbm" (tiles streamed through VMEM, `ring_forward_hbm.py`), by `planner.ring_slots`.
+  slots: str = "vmem"
 
   @property
   def G(self) -> int:
@@ -126,6 +133,19 @@ def ring_dims(spec, q, k, axis_name, load_balance, *, has_segments: bool, backwa
       f"pallas_tpu_ring: the tile table of {n} hops x {T // bq} x {S // bk} tiles needs {table} bytes of SMEM, "
       f"more than {c.SMEM_TABLE_BYTES}; use larger tiles"
     )
+  slots = FORCE_SLOTS or planner.ring_slots(
+    T=T,
+    S=S,
+    bq=bq,
+    bk=bk,
+    num_heads=N,
+    num_kv_heads=K,
+    head_dim=H,
+    dtype=q.dtype,
+    has_segments=has_segments,
+    soft_cap=spec.logits_soft_cap is not None,
+    dropout=bool(spec.dropout_rate),
+  )
   vis = visibility(spec.mask, n, sizes, T, S, bq, bk, load_balance)
   live = live_hops(vis)
   sends = kv_send_table(vis, live)
@@ -147,6 +167,7 @@ def ring_dims(spec, q, k, axis_name, load_balance, *, has_segments: bool, backwa
     has_dropout=bool(spec.dropout_rate),
     live=live,
     kv_sends=() if sends.all() else tuple(tuple(bool(x) for x in row) for row in sends),
+    slots=slots,
   )
 
 
@@ -348,6 +369,65 @@ def load_own(pairs, sem):
     cp.wait()
 
 
+def start_kv_sends(comms, d: RingDims, t: int, pairs, send_sems, recv_sems, *, credits=True):
+  """Prologue of forward hop t: the credit exchange and the K/V sends (src, dst) of that hop, started.
+
+  Credits only where K/V move this hop (`d.kv_sends`): a member frees its
+  slot for the upstream neighbour if that one sends, and waits for the
+  downstream neighbour's slot if it sends itself.  Returns the sends to wait
+  on at the end of the hop (none on the ring's last hop).
+  """
+  if t >= d.live - 1:
+    return []
+  if credits:
+    when(comms.receives_kv(t), comms.release_credit)
+    when(comms.sends_kv(t), comms.acquire_credit)
+  sends = [comms.copy_down(src, dst, send_sems.at[a], recv_sems.at[a], kv_hop=t) for a, (src, dst) in enumerate(pairs)]
+  for s in sends:
+    s.start()
+  return sends
+
+
+def backward_hops(comms, d: RingDims, kv_pairs, acc_slots, send_sems, recv_sems, *, compute, fold):
+  """The backward kernels' hop loop (module docstring): hops 0 .. n, credits every hop.
+
+  kv_pairs(t): the (src, dst) K/V sends of hop t; acc_slots: the dK / dV
+  accumulator slots, sent one hop behind the K/V; compute(t) runs hop t's
+  tiles (t < live); fold(t) runs after the hop's sends and receives landed
+  (adds the hop's contribution to the accumulator that arrived).  Returns the
+  slot index that holds this member's own accumulators at the end.
+  """
+  n = d.n
+  num_kv = len(kv_pairs(0))
+  last = n if n > 1 else 0  # hop n only sends the accumulators home
+  for t in range(last + 1):
+    note(comms.name, "hop", t)
+    slot = t % 2
+    kv_sends, acc_sends = [], []
+    if n > 1:
+      comms.release_credit()
+      comms.acquire_credit()
+      if t < d.live - 1:
+        kv_sends = [
+          comms.copy_down(src, dst, send_sems.at[a], recv_sems.at[a], kv_hop=t)
+          for a, (src, dst) in enumerate(kv_pairs(t))
+        ]
+      if t >= 1:
+        acc_sends = [
+          comms.copy_down(s.at[1 - slot], s.at[slot], send_sems.at[num_kv + a], recv_sems.at[num_kv + a])
+          for a, s in enumerate(acc_slots)
+        ]
+      for s in kv_sends + acc_sends:
+        s.start()
+    if t < d.live:  # later hops only pass the accumulators on
+      note(comms.name, "compute", t)
+      compute(t)
+    for s in kv_sends + acc_sends:
+      s.wait()
+    fold(t)
+  return last % 2
+
+
 def tile_positions(d: RingDims, shard, start, size, *, rows: bool):
   """Global positions of `size` tokens from local index `start` of `shard`: a (size, 1) column or a (1, size) row."""
   shape, dim = ((size, 1), 0) if rows else ((1, size), 1)
@@ -372,8 +452,6 @@ def ring_call(kernel, plan: c.CallPlan, sems, d: RingDims, *, interpret, name: s
   if d.n > 1:
     kwargs["collective_id"] = COLLECTIVE_IDS[name]
   if interpret is None:
-    from flax_ringattn._src.backends.pallas_tpu import planner
-
     kwargs["vmem_limit_bytes"] = planner.vmem_limit_bytes(planner.current_generation())
   params = pltpu.CompilerParams(**kwargs)
 

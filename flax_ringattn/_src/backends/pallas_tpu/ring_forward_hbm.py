@@ -1,0 +1,172 @@
+"""Forward kernel of the in-kernel ring with HBM slots (protocol: `ring_protocol.py`; streaming: `ring_stream.py`).
+
+For shards too long for VMEM (`planner.ring_slots`).  The protocol, the hop
+schedule and the tile step are those of `ring_forward.py`; what moves is the
+storage.  Per grid step (b, kv head h), per hop t:
+
+    for each q tile i (skipped, copies and all, if EMPTY for the whole hop,
+    except on the first hop, which initialises the state, and the last,
+    which finishes it):
+        copy q tile i and its m / l / acc state from HBM (the first hop
+        initialises the state instead);
+        stream the hop's kv tiles from its slot (double-buffered, EMPTY tiles
+        skipped) through `forward.online_softmax_step`;
+        write the state back (the last hop writes o and lse instead).
+
+acc lives in the o output itself; m and l in two f32 HBM buffers.  The own
+K/V are read from the input and sent from it on hop 0 (no copy into a slot);
+hop t >= 1 holds the shard that arrived in slot t % 2.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from flax_ringattn._src.backends.pallas_tpu import common as c
+from flax_ringattn._src.backends.pallas_tpu import ring_protocol as rp
+from flax_ringattn._src.backends.pallas_tpu import ring_stream as st
+from flax_ringattn._src.backends.pallas_tpu.forward import finish, online_softmax_step
+from flax_ringattn._src.backends.pallas_tpu.ring_forward import tile_dropout, tile_masks
+
+
+def fwd_plan_hbm(d: rp.RingDims) -> c.CallPlan:
+  G, T, S, H, bq, bk = d.G, d.T, d.S, d.H, d.bq, d.bk
+  in_specs = [rp.HBM, rp.HBM, rp.HBM]  # q, k, v
+  in_dtypes = [d.dtype, d.dtype, d.dtype]
+  outs = [((d.B, d.N, T, H), c.F32), ((d.B, d.N, T, 1), c.F32), ((2, S, H), d.dtype), ((2, S, H), d.dtype)]
+  scratch = [((G, bq, H), d.dtype)]  # the q tile
+  if d.has_segments:
+    in_specs += [rp.HBM, rp.HBM]
+    in_dtypes += [jnp.int32, jnp.int32]
+    outs += [((2, 1, S), jnp.int32)]  # kv segment-id slots
+    scratch += [((bq, 1), jnp.int32)]
+  drop_specs, drop_dtypes = c.dropout_specs(d.has_dropout)
+  in_specs += drop_specs
+  in_dtypes += drop_dtypes
+  outs += [((G, T, c.LANES), c.F32), ((G, T, c.LANES), c.F32)]  # m, l between hops
+  scratch += [((2, bk, H), d.dtype), ((2, bk, H), d.dtype)]  # streamed k, v tiles
+  if d.has_segments:
+    scratch += [((2, 1, bk), jnp.int32)]
+  scratch += [((G, bq, c.LANES), c.F32), ((G, bq, c.LANES), c.F32), ((G, bq, H), c.F32), ((G, bq, 1), c.F32)]
+  return c.CallPlan(
+    grid=(d.B, d.K),
+    in_specs=tuple(in_specs),
+    in_dtypes=tuple(in_dtypes),
+    out_specs=(rp.HBM,) * len(outs),
+    out_shapes=tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in outs),
+    scratch=tuple(scratch),
+  )
+
+
+def _kernel(meta_ref, kinds_ref, q_hbm, k_hbm, v_hbm, *refs, spec, d: rp.RingDims):
+  if d.has_segments:
+    qseg_hbm, kvseg_hbm, *refs = refs
+  drop_ref, refs = c.split_dropout_ref(spec, refs)
+  o_hbm, lse_hbm, k_slots, v_slots, *refs = refs
+  seg_slots = refs.pop(0) if d.has_segments else None
+  m_hbm, l_hbm, q_buf, *refs = refs
+  qseg_buf = refs.pop(0) if d.has_segments else None
+  k_buf, v_buf, *refs = refs
+  kvseg_buf = refs.pop(0) if d.has_segments else None
+  m_sc, l_sc, acc_sc, lse_sc, io_sems, tile_sems, send_sems, recv_sems, credit = refs
+  b, h = pl.program_id(0), pl.program_id(1)
+  comms = rp.Comms(meta_ref, d, credit, name="ring_fwd")
+  G, bq, bk, nq, nk = d.G, d.bq, d.bk, d.T // d.bq, d.S // d.bk
+  heads = pl.ds(h * G, G)
+
+  if d.n > 1:
+    pl.when((b == 0) & (h == 0))(comms.barrier)
+  own = [k_hbm.at[b, h], v_hbm.at[b, h]]
+  slots = [k_slots, v_slots]
+  bufs = [k_buf, v_buf]
+  if d.has_segments:
+    own.append(kvseg_hbm.at[b])
+    slots.append(seg_slots)
+    bufs.append(kvseg_buf)
+
+  for t in range(d.live):
+    rp.note("ring_fwd", "hop", t)
+    src = own if t == 0 else [s.at[t % 2] for s in slots]
+    pairs = [(a, s.at[(t + 1) % 2]) for a, s in zip(src, slots, strict=True)]
+    sends = rp.start_kv_sends(comms, d, t, pairs, send_sems, recv_sems)
+    first, last = t == 0, t == d.live - 1
+
+    def q_tile(i, _, t=t, src=src, first=first, last=last):
+      rows = pl.ds(i * bq, bq)
+      row_live = st.any_live(kinds_ref, t, row=i, count=nk)
+      state = [(m_hbm.at[:, rows], m_sc), (l_hbm.at[:, rows], l_sc), (o_hbm.at[b, heads, rows], acc_sc)]
+      if first:
+        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, c.F32)
+        l_sc[...] = jnp.zeros(l_sc.shape, c.F32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, c.F32)
+      else:
+        rp.when(row_live | last, lambda: st.sync_copies(state, io_sems))
+
+      @pl.when(row_live)
+      def _compute():
+        q_side = [(q_hbm.at[b, heads, rows], q_buf)]
+        if d.has_segments:
+          q_side.append((qseg_hbm.at[b, rows], qseg_buf))
+        st.sync_copies(q_side, io_sems)
+
+        def kv_tile(j, slot):
+          def update(masked):
+            segs = (qseg_buf, kvseg_buf.at[slot]) if d.has_segments else ()
+            online_softmax_step(
+              q_buf,
+              k_buf.at[slot],
+              v_buf.at[slot],
+              tile_masks(d, comms, t, i, j, *segs) if masked else None,
+              m_sc,
+              l_sc,
+              acc_sc,
+              spec=spec,
+              masked=masked,
+              drop=tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h),
+            )
+
+          c.by_tile_kind(kinds_ref[t, i, j], update)
+
+        def tiles(j):
+          cols = pl.ds(j * bk, bk)
+          out = [src[0].at[cols], src[1].at[cols]]
+          return out + [src[2].at[:, cols]] if d.has_segments else out
+
+        st.stream(nk, lambda j: st.live_tile(kinds_ref, t, i, j), tiles, bufs, tile_sems, kv_tile)
+
+      if last:  # a row with no visible key on the whole ring: o = 0, lse = -inf
+        finish(m_sc, l_sc, acc_sc, acc_sc, lse_sc)
+        st.sync_copies([(acc_sc, o_hbm.at[b, heads, rows]), (lse_sc, lse_hbm.at[b, heads, rows])], io_sems)
+      else:
+        rp.when(row_live | first, lambda: st.sync_copies([(v, h_) for h_, v in state], io_sems))
+
+    rp.note("ring_fwd", "compute", t)
+    jax.lax.fori_loop(0, nq, q_tile, None)
+    for s in sends:
+      s.wait()
+
+
+def sems(d: rp.RingDims):
+  """Synchronous-copy sems, streamed-tile sems [2, arrays], send and receive sems, the credit."""
+  num = 3 if d.has_segments else 2
+  return [
+    pltpu.SemaphoreType.DMA((st.NUM_IO_SEMS,)),
+    pltpu.SemaphoreType.DMA((2, num)),
+    pltpu.SemaphoreType.DMA((num,)),
+    pltpu.SemaphoreType.DMA((num,)),
+    pltpu.SemaphoreType.REGULAR,
+  ]
+
+
+def ring_fwd_hbm(d: rp.RingDims, spec, meta, kinds, args, *, interpret):
+  """(o [B, N, T, H] f32, lse [B, N, T, 1] f32) heads-major; `args` as `ring_forward.ring_fwd` builds them."""
+  kernel = functools.partial(_kernel, spec=spec, d=d)
+  o, lse, *_ = rp.ring_call(kernel, fwd_plan_hbm(d), sems(d), d, interpret=interpret, name="ring_fwd")(
+    meta, kinds, *args
+  )
+  return o, lse
