@@ -7,6 +7,8 @@ detector must catch, the bytes the kernels send, TPU lowering and the VMEM model
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +25,9 @@ from flax_ringattn._src.backends.pallas_tpu import common, planner
 from flax_ringattn._src.backends.pallas_tpu import ring_protocol as rp
 from flax_ringattn._src.backends.pallas_tpu.ring import kernel_ring_attention_local
 from flax_ringattn._src.backends.pallas_tpu.ring_backward import bwd_plan
+from flax_ringattn._src.backends.pallas_tpu.ring_backward_hbm import bwd_plan_hbm
 from flax_ringattn._src.backends.pallas_tpu.ring_forward import fwd_plan, ring_fwd
+from flax_ringattn._src.backends.pallas_tpu.ring_forward_hbm import fwd_plan_hbm
 from flax_ringattn._src.testing.interpret import interpret_params, no_races
 
 interpret = pytest.mark.interpret
@@ -43,7 +47,7 @@ def _inputs(B, T, N, K, H, dtype=jnp.float32, seed=0, segments=False):
   return q, k, v, do, seg
 
 
-def _run(implementation, mesh, axis, q, k, v, do, seg, opts, *, load_balance=False, params=None):
+def _run(implementation, mesh, axis, q, k, v, do, seg, opts, *, load_balance=False, params=None, blocks=BLOCKS):
   n = 1
   for a in axis if isinstance(axis, tuple) else (axis,):
     n *= mesh.shape[a]
@@ -51,7 +55,7 @@ def _run(implementation, mesh, axis, q, k, v, do, seg, opts, *, load_balance=Fal
     zz = lambda x: fr.zigzag_order(x, n, axis=1)  # noqa: E731
     q, k, v, do = zz(q), zz(k), zz(v), zz(do)
     seg = None if seg is None else zz(seg)
-  extra = {} if implementation == "xla" else dict(interpret=params or interpret_params(), block_sizes=BLOCKS)
+  extra = {} if implementation == "xla" else dict(interpret=params or interpret_params(), block_sizes=blocks)
 
   def f(q, k, v):
     return fr.ring_attention(
@@ -122,9 +126,58 @@ def test_ring_sizes_and_dma_modes(n, mode, opts, lb, segments, capfd):
   _check(out, grads, q, k, v, do, seg, opts)
 
 
+# The HBM-slot kernels (`ring_forward_hbm.py`, `ring_backward_hbm.py`), forced on short shards; ring 2 and the
+# shared features run in test_ring_attention.py (pallas_tpu_ring_hbm).  (ring size, DMA mode, features, zigzag,
+# segment ids, shard length, block_q): 256-token shards walk 2 kv tiles of 128 per q tile.
+HBM_CASES = [
+  (1, "on_wait", dict(is_causal=True, logits_soft_cap=5.0), False, True, 256, 64),
+  (4, "eager", dict(is_causal=True), False, True, 32, 16),  # skipped sends: stale HBM slots never read
+  (4, "on_wait", dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(3)), False, False, 32, 16),
+  (8, "on_wait", dict(is_causal=True, local_window_size=(40, 0)), True, True, 16, 16),
+  (8, "eager", dict(local_window_size=(20, 3)), False, False, 16, 16),
+]
+
+
+@pytest.fixture
+def hbm_slots(monkeypatch):
+  """The in-kernel ring keeps its slots in HBM whatever the planner says."""
+  monkeypatch.setattr(rp, "FORCE_SLOTS", "hbm")
+
+
 @interpret
-def test_ragged_tiles_bf16():
+@pytest.mark.parametrize(
+  "n,mode,opts,lb,segments,shard,bq",
+  HBM_CASES,
+  ids=[f"ring{c[0]}-{c[1]}-{'-'.join(k for k in c[2] if k != 'dropout_rng')}" for c in HBM_CASES],
+)
+def test_hbm_slots(n, mode, opts, lb, segments, shard, bq, hbm_slots, capfd):
+  """As test_ring_sizes_and_dma_modes, with the slots, the softmax state and the accumulators in HBM."""
+  q, k, v, do, seg = _inputs(1, shard * n, 2, 1, 16, segments=segments)
+  mesh = make_mesh((n,), ("sp",))
+  with no_races():
+    out, grads = _run(
+      "pallas_tpu_ring",
+      mesh,
+      "sp",
+      q,
+      k,
+      v,
+      do,
+      seg,
+      opts,
+      load_balance=lb,
+      params=interpret_params(dma_execution_mode=mode),
+      blocks=fr.BlockSizes(block_q=bq, block_kv=128),
+    )
+  assert "non-zero count" not in capfd.readouterr().out
+  _check(out, grads, q, k, v, do, seg, opts)
+
+
+@interpret
+@pytest.mark.parametrize("slots", ["vmem", "hbm"])
+def test_ragged_tiles_bf16(slots, monkeypatch):
   """A shard of 48 q rows with 32-row tiles requested: the kernel walks 3 tiles of 16 (bf16, GQA 4:1)."""
+  monkeypatch.setattr(rp, "FORCE_SLOTS", slots)
   q, k, v, do, seg = _inputs(1, 48, 4, 1, 16, dtype=jnp.bfloat16)
   mesh = make_mesh((1,), ("sp",))
   opts = dict(is_causal=True)
@@ -157,6 +210,17 @@ def test_tuple_axes_agree(shape, lb):
     with checks:
       out, grads = _run(impl, mesh, ("x", "y"), q, k, v, do, seg, opts, load_balance=lb)
     _check(out, grads, q, k, v, do, seg, opts)
+
+
+@interpret
+def test_tuple_axes_hbm_slots(hbm_slots):
+  """The HBM-slot kernels on a ring over ("x", "y") 2x2, contiguous causal with segment ids (snake order, 4 of
+  12 K/V sends skipped), fwd and grads."""
+  q, k, v, do, seg = _inputs(1, 64, 2, 1, 16, segments=True)
+  opts = dict(is_causal=True)
+  with no_races():
+    out, grads = _run("pallas_tpu_ring", make_mesh((2, 2), ("x", "y")), ("x", "y"), q, k, v, do, seg, opts)
+  _check(out, grads, q, k, v, do, seg, opts)
 
 
 @interpret
@@ -233,9 +297,11 @@ def test_tile_table_too_large_for_smem():
 
 @interpret
 @pytest.mark.races_not_read("expects no_races() to fail on the broken protocol")
-def test_missing_credit_is_caught_by_the_race_detector():
+@pytest.mark.parametrize("slots", ["vmem", "hbm"])
+def test_missing_credit_is_caught_by_the_race_detector(slots, monkeypatch):
   """The harness catches what it exists for: without the credit semaphore, r - 1 overwrites a slot that r is
-  still reading (ring of 4, eager DMAs)."""
+  still reading (ring of 4, eager DMAs), in VMEM or in HBM."""
+  monkeypatch.setattr(rp, "FORCE_SLOTS", slots)
   n = 4
   q, k, v, _, _ = _inputs(1, 16 * n, 2, 2, 16)
   mesh = make_mesh((n,), ("sp",), explicit=False)
@@ -290,13 +356,16 @@ def _trace_kernels(hook: str, q, k, v, do, n, **opts):
   ],
   ids=["full", "causal-zigzag", "causal", "causal-window"],
 )
-def test_bytes_sent_follow_the_schedule(opts, load_balance, kv_sends):
+@pytest.mark.parametrize("slots", ["vmem", "hbm"])
+def test_bytes_sent_follow_the_schedule(opts, load_balance, kv_sends, slots, monkeypatch):
   """Counted from the DMAs the kernels start (once per grid step of B x K), over all 4 ring members: K/V
   (kv heads only) `kv_sends` shard sends, forward and backward alike; the backward adds the f32 dK/dV
   accumulators n times per member.  Every member sends on each of the n - 1 hops (12 sends) unless nobody
   downstream reads the shard: on the causal contiguous layout member r sends at hops t <= r, and member 3 never
   (shards past the wrap are invisible to everyone): 3 + 2 + 1 = 6.  A causal window of 20 over 16-token shards
-  sees 3 shards, so the ring ends after hop 2, and member r sends at hop t when r + 1 sees r - t: 3 + 2 = 5."""
+  sees 3 shards, so the ring ends after hop 2, and member r sends at hop t when r + 1 sees r - t: 3 + 2 = 5.
+  The same with the slots in HBM: the tiles a kernel streams through VMEM are local copies, never sends."""
+  monkeypatch.setattr(rp, "FORCE_SLOTS", slots)
   n, B, T, N, K, H = 4, 2, 64, 8, 2, 16
   q, k, v, do, _ = _inputs(B, T, N, K, H)
   log = _trace_kernels("DMA_LOG", q, k, v, do, n, load_balance=load_balance, **opts)
@@ -319,7 +388,8 @@ def _protocol_events(n, opts):
 @pytest.mark.parametrize(
   "n,opts", [(4, {}), (2, {}), (4, dict(is_causal=True, local_window_size=(20, 0)))], ids=["ring4", "ring2", "window"]
 )
-def test_protocol_rules_hold_in_program_order(n, opts):
+@pytest.mark.parametrize("slots", ["vmem", "hbm"])
+def test_protocol_rules_hold_in_program_order(n, opts, slots, monkeypatch):
   """The protocol rules, read from the kernels' own program order (the hops are unrolled at trace time):
   * the credit for hop t is released inside hop t, before its first DMA or compute, never at the end of hop
     t - 1 (a compiler may hoist a late signal above the loads of the slot it frees);
@@ -358,8 +428,11 @@ def test_protocol_rules_hold_in_program_order(n, opts):
   [(False, None, False), (True, 30.0, False), (True, 30.0, True)],
   ids=["plain", "seg-cap", "seg-cap-dropout"],
 )
-def test_kernels_lower_to_mosaic_for_tpu(segments, cap, dropout):
-  """jax.export runs the Pallas -> Mosaic lowering of both ring kernels for TPU (ring of 4, bf16, GQA)."""
+@pytest.mark.parametrize("slots", ["vmem", "hbm"])
+def test_kernels_lower_to_mosaic_for_tpu(segments, cap, dropout, slots, monkeypatch):
+  """jax.export runs the Pallas -> Mosaic lowering of both ring kernels for TPU (ring of 4, bf16, GQA), with
+  the slots in VMEM and in HBM."""
+  monkeypatch.setattr(rp, "FORCE_SLOTS", slots)
   spec = AttentionSpec(
     mask=masks.MaskSpec(is_causal=True, has_segments=segments),
     scale=0.1,
@@ -419,15 +492,27 @@ def test_planner_counts_every_ring_buffer(segments, dropout, dtype):
   dims["dropout"] = dropout
   assert planner.ring_footprint("ring_fwd", **dims).buffers == common.plan_vmem_bytes(fwd_plan(d))
   assert planner.ring_footprint("ring_bwd", **dims).buffers == common.plan_vmem_bytes(bwd_plan(d))
-  with pytest.raises(ValueError, match="kernel must be 'ring_fwd' or 'ring_bwd'"):
+  d = dataclasses.replace(d, slots="hbm")
+  assert planner.ring_footprint("ring_fwd_hbm", **dims).buffers == common.plan_vmem_bytes(fwd_plan_hbm(d))
+  assert planner.ring_footprint("ring_bwd_hbm", **dims).buffers == common.plan_vmem_bytes(bwd_plan_hbm(d))
+  # HBM slots: no VMEM buffer grows with the shard
+  longer = dict(dims, T=64 * 1024, S=64 * 1024)
+  for kernel in ("ring_fwd_hbm", "ring_bwd_hbm"):
+    assert planner.ring_footprint(kernel, **longer) == planner.ring_footprint(kernel, **dims)
+  with pytest.raises(ValueError, match="kernel must be 'ring_fwd', 'ring_bwd', 'ring_fwd_hbm' or 'ring_bwd_hbm'"):
     planner.ring_footprint("fwd", **dims)
 
 
-def test_ring_fits():
+def test_ring_fits_and_slots():
   small = dict(num_heads=8, num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
   assert planner.ring_fits(T=1024, S=1024, generation="v5e", **small)
-  assert not planner.ring_fits(T=1 << 20, S=1 << 20, generation="v5e", **small)  # the shard must fit VMEM
+  assert planner.ring_slots(T=1024, S=1024, bq=256, bk=512, generation="v5e", **small) == "vmem"
+  # A shard too long for VMEM runs with HBM slots: only tiles in VMEM.
+  assert planner.ring_fits(T=1 << 20, S=1 << 20, generation="v5e", **small)
+  assert planner.ring_slots(T=1 << 20, S=1 << 20, bq=256, bk=512, generation="v5e", **small) == "hbm"
   assert not planner.ring_fits(T=100, S=1024, generation="v5e", **small)  # no legal grouped q tile
+  # Not even the smallest tiles fit: a group of 512 q heads of head_dim 512 is 8 MiB per 16-row q tile.
+  assert not planner.ring_fits(T=1024, S=1024, num_heads=512, num_kv_heads=1, head_dim=512, dtype=jnp.bfloat16)
 
 
 def test_selection_and_errors():
@@ -467,8 +552,9 @@ def test_layer_with_tuple_seq_axis():
   np.testing.assert_equal(np.isfinite(np.asarray(got)).all(), True)
 
 
-def test_default_prefers_the_kernel_ring_only_where_shards_fit(monkeypatch):
-  """implementation=None on a TPU: the in-kernel ring when its shards fit VMEM, else pallas_tpu."""
+def test_default_prefers_the_kernel_ring_where_it_fits(monkeypatch):
+  """implementation=None on a TPU: the in-kernel ring (VMEM or HBM slots) when its tiles fit VMEM, else
+  pallas_tpu."""
   from flax_ringattn._src import backends
   from flax_ringattn._src.backends.pallas_tpu.ring import PallasTpuRingBackend
   from flax_ringattn._src.ring import op
@@ -483,11 +569,16 @@ def test_default_prefers_the_kernel_ring_only_where_shards_fit(monkeypatch):
   )
   assert op._fit_to_shard(ring, None, spec, *small, 4) is ring
   assert op._fit_to_shard(ring, "pallas_tpu_ring", spec, *small, 4) is ring  # named: never replaced
-  huge = (
+  long = (
     jax.ShapeDtypeStruct((1, 4 << 20, 8, 128), jnp.bfloat16),
     jax.ShapeDtypeStruct((1, 4 << 20, 2, 128), jnp.bfloat16),
   )
-  assert op._fit_to_shard(ring, None, spec, *huge, 4) == "pallas_tpu"
+  assert op._fit_to_shard(ring, None, spec, *long, 4) is ring  # HBM slots: the shard length is not capped
+  wide = (
+    jax.ShapeDtypeStruct((1, 4 * 256, 512, 512), jnp.bfloat16),
+    jax.ShapeDtypeStruct((1, 4 * 256, 1, 512), jnp.bfloat16),
+  )
+  assert op._fit_to_shard(ring, None, spec, *wide, 4) == "pallas_tpu"
   assert picked == ["pallas_tpu"]
 
 

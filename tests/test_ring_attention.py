@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 from tolerances import assert_close
 
 import flax_ringattn as fr
+from flax_ringattn._src.backends.pallas_tpu import ring_protocol as rp
 from flax_ringattn._src.testing.interpret import interpret_params, no_races
 
 
@@ -63,13 +64,30 @@ class Backend:
   # replaces the cases' own lengths, or None to run the cases as written.
   tiled_shards: tuple | None = None
   cases: frozenset | None = None  # run only these case names (None: all); the rest is covered elsewhere
+  # pallas_tpu_ring only: force the communication slots into "vmem" or "hbm" (`ring_protocol.FORCE_SLOTS`);
+  # None lets the planner choose (VMEM at these sizes).
+  slots: str | None = None
+  label: str | None = None  # the test id, where two entries share a backend name
+
+  @property
+  def id(self) -> str:
+    return self.label or self.name
 
   @property
   def ring_sizes(self):
     return tuple(sorted({n for n, _ in self.f32_rings + self.bf16_rings}))
 
+  @contextlib.contextmanager
   def checks(self):
-    return no_races() if self.race_checked else contextlib.nullcontext()
+    with no_races() if self.race_checked else contextlib.nullcontext():
+      if self.slots is None:
+        yield
+        return
+      saved, rp.FORCE_SLOTS = rp.FORCE_SLOTS, self.slots
+      try:
+        yield
+      finally:
+        rp.FORCE_SLOTS = saved
 
   def shape_case(self, case, n):
     """The case at this backend's geometry for ring size n, and the block sizes to run it with."""
@@ -142,6 +160,22 @@ BACKENDS.append(
     marks=(pytest.mark.interpret,),
     race_checked=True,
     # Interpret mode is slow: the other mask features run in test_pallas_tpu_ring.py on other ring sizes.
+    cases=frozenset({"causal_lb", "gqa", "cross_causal_lb", "empty_rows"}),
+  )
+)
+# The in-kernel ring with HBM slots (shards too long for VMEM; forced here on short ones): 4 x 2 tiles per
+# shard, so q tiles, streamed kv tiles and the dK / dV pass's streamed q tiles all loop.
+BACKENDS.append(
+  Backend(
+    "pallas_tpu_ring",
+    label="pallas_tpu_ring_hbm",
+    slots="hbm",
+    extra=(("interpret", interpret_params()),),
+    f32_rings=((2, None),),
+    bf16_rings=((2, frozenset({"gqa"})),),
+    marks=(pytest.mark.interpret,),
+    race_checked=True,
+    tiled_shards=(256, 64, fr.BlockSizes(block_q=64, block_kv=128), fr.BlockSizes(block_q=32, block_kv=128)),
     cases=frozenset({"causal_lb", "gqa", "cross_causal_lb", "empty_rows"}),
   )
 )
@@ -260,7 +294,7 @@ def _matrix():
       for dtype, rings in ((jnp.float32, b.f32_rings), (jnp.bfloat16, b.bf16_rings)):
         for n, names in rings:
           if names is None or case.name in names:
-            tag = f"{b.name}-{case.name}-ring{n}-{jnp.dtype(dtype).name.replace('float', 'f')}"
+            tag = f"{b.id}-{case.name}-ring{n}-{jnp.dtype(dtype).name.replace('float', 'f')}"
             yield pytest.param(b, case, n, dtype, id=tag, marks=b.marks)
 
 
@@ -287,7 +321,7 @@ def test_matches_reference(backend, case, n, dtype):
     assert_close(g, rg, dtype, "grad")
 
 
-@pytest.mark.parametrize("backend", [pytest.param(b, id=b.name, marks=b.marks) for b in BACKENDS])
+@pytest.mark.parametrize("backend", [pytest.param(b, id=b.id, marks=b.marks) for b in BACKENDS])
 def test_empty_rows_are_exact_zeros(backend):
   sizes = (2,) if backend.race_checked else (2, 4)  # TPU interpret mode: ring 4 runs in the matrix
   n = max(n for n in sizes if _supported(backend, "empty_rows", n))
@@ -302,7 +336,7 @@ def test_empty_rows_are_exact_zeros(backend):
   assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(dq)).all()
 
 
-@pytest.mark.parametrize("backend", [pytest.param(b, id=b.name, marks=b.marks) for b in BACKENDS])
+@pytest.mark.parametrize("backend", [pytest.param(b, id=b.id, marks=b.marks) for b in BACKENDS])
 def test_deterministic(backend):
   n = 2 if backend.race_checked else backend.ring_sizes[-1]  # TPU interpret mode: a ring of 2 is enough
   case, blocks = backend.shape_case(Case("det", N=8, K=2, is_causal=True, load_balance=True, segments="self"), n)

@@ -139,7 +139,7 @@ def ring_fwd(q, k, v, q_seg, kv_seg, *, spec, axis_name, load_balance, interpret
   if d.slots == "hbm":
     from flax_ringattn._src.backends.pallas_tpu.ring_forward_hbm import ring_fwd_hbm
 
-    o, lse = ring_fwd_hbm(d, spec, meta, kinds, args, interpret=interpret)
+    o, lse = ring_fwd_hbm(d, spec, meta, kinds, args, interpret=interpret, protocol_bug=protocol_bug)
   else:
     kernel = functools.partial(_kernel, spec=spec, d=d, protocol_bug=protocol_bug)
     sems = rp.sem_scratch(d, 3 if d.has_segments else 2)

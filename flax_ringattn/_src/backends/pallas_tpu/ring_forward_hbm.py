@@ -63,7 +63,7 @@ def fwd_plan_hbm(d: rp.RingDims) -> c.CallPlan:
   )
 
 
-def _kernel(meta_ref, kinds_ref, q_hbm, k_hbm, v_hbm, *refs, spec, d: rp.RingDims):
+def _kernel(meta_ref, kinds_ref, q_hbm, k_hbm, v_hbm, *refs, spec, d: rp.RingDims, protocol_bug=None):
   if d.has_segments:
     qseg_hbm, kvseg_hbm, *refs = refs
   drop_ref, refs = c.split_dropout_ref(spec, refs)
@@ -93,7 +93,7 @@ def _kernel(meta_ref, kinds_ref, q_hbm, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
     rp.note("ring_fwd", "hop", t)
     src = own if t == 0 else [s.at[t % 2] for s in slots]
     pairs = [(a, s.at[(t + 1) % 2]) for a, s in zip(src, slots, strict=True)]
-    sends = rp.start_kv_sends(comms, d, t, pairs, send_sems, recv_sems)
+    sends = rp.start_kv_sends(comms, d, t, pairs, send_sems, recv_sems, credits=protocol_bug != "no_credit")
     first, last = t == 0, t == d.live - 1
 
     def q_tile(i, _, t=t, src=src, first=first, last=last):
@@ -163,9 +163,10 @@ def sems(d: rp.RingDims):
   ]
 
 
-def ring_fwd_hbm(d: rp.RingDims, spec, meta, kinds, args, *, interpret):
-  """(o [B, N, T, H] f32, lse [B, N, T, 1] f32) heads-major; `args` as `ring_forward.ring_fwd` builds them."""
-  kernel = functools.partial(_kernel, spec=spec, d=d)
+def ring_fwd_hbm(d: rp.RingDims, spec, meta, kinds, args, *, interpret, protocol_bug=None):
+  """(o [B, N, T, H] f32, lse [B, N, T, 1] f32) heads-major; `args` as `ring_forward.ring_fwd` builds them.
+  `protocol_bug="no_credit"` (tests only) drops the credit exchange."""
+  kernel = functools.partial(_kernel, spec=spec, d=d, protocol_bug=protocol_bug)
   o, lse, *_ = rp.ring_call(kernel, fwd_plan_hbm(d), sems(d), d, interpret=interpret, name="ring_fwd")(
     meta, kinds, *args
   )
