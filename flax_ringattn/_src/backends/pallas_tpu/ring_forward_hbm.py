@@ -5,17 +5,19 @@ schedule and the tile step are those of `ring_forward.py`; what moves is the
 storage.  Per grid step (b, kv head h), per hop t:
 
     for each q tile i (skipped, copies and all, if EMPTY for the whole hop,
-    except on the first hop, which initialises the state, and the last,
-    which finishes it):
-        copy q tile i and its m / l / acc state from HBM (the first hop
-        initialises the state instead);
+    except on the first hop, which writes every row):
+        copy q tile i and its state from HBM (the first hop initialises
+        the state instead);
         stream the hop's kv tiles from its slot (double-buffered, EMPTY tiles
         skipped) through `forward.online_softmax_step`;
-        write the state back (the last hop writes o and lse instead).
+        write the state back, finished.
 
-acc lives in the o output itself; m and l in two f32 HBM buffers.  The own
-K/V are read from the input and sent from it on hop 0 (no copy into a slot);
-hop t >= 1 holds the shard that arrived in slot t % 2.
+Between hops the state of a row is stored finished, as (o, lse) = (acc / l,
+m + log l), in the o and lse outputs themselves, and resumed as m = lse,
+l = 1, acc = o: the same softmax rescaled, so no m / l buffers live in HBM
+and the last hop's write is the result.  The own K/V are read from the input
+and sent from it on hop 0 (no copy into a slot); hop t >= 1 holds the shard
+that arrived in slot t % 2.
 """
 
 from __future__ import annotations
@@ -48,7 +50,6 @@ def fwd_plan_hbm(d: rp.RingDims) -> c.CallPlan:
   drop_specs, drop_dtypes = c.dropout_specs(d.has_dropout)
   in_specs += drop_specs
   in_dtypes += drop_dtypes
-  outs += [((G, T, c.LANES), c.F32), ((G, T, c.LANES), c.F32)]  # m, l between hops
   scratch += [((2, bk, H), d.dtype), ((2, bk, H), d.dtype)]  # streamed k, v tiles
   if d.has_segments:
     scratch += [((2, 1, bk), jnp.int32)]
@@ -69,7 +70,7 @@ def _kernel(meta_ref, kinds_ref, q_hbm, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
   drop_ref, refs = c.split_dropout_ref(spec, refs)
   o_hbm, lse_hbm, k_slots, v_slots, *refs = refs
   seg_slots = refs.pop(0) if d.has_segments else None
-  m_hbm, l_hbm, q_buf, *refs = refs
+  q_buf, *refs = refs
   qseg_buf = refs.pop(0) if d.has_segments else None
   k_buf, v_buf, *refs = refs
   kvseg_buf = refs.pop(0) if d.has_segments else None
@@ -94,18 +95,22 @@ def _kernel(meta_ref, kinds_ref, q_hbm, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
     src = own if t == 0 else [s.at[t % 2] for s in slots]
     pairs = [(a, s.at[(t + 1) % 2]) for a, s in zip(src, slots, strict=True)]
     sends = rp.start_kv_sends(comms, d, t, pairs, send_sems, recv_sems, credits=protocol_bug != "no_credit")
-    first, last = t == 0, t == d.live - 1
+    first = t == 0
 
-    def q_tile(i, _, t=t, src=src, first=first, last=last):
+    def q_tile(i, _, t=t, src=src, first=first):
       rows = pl.ds(i * bq, bq)
       row_live = st.any_live(kinds_ref, t, row=i, count=nk)
-      state = [(m_hbm.at[:, rows], m_sc), (l_hbm.at[:, rows], l_sc), (o_hbm.at[b, heads, rows], acc_sc)]
+      state = [(o_hbm.at[b, heads, rows], acc_sc), (lse_hbm.at[b, heads, rows], lse_sc)]
       if first:
         m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, c.F32)
         l_sc[...] = jnp.zeros(l_sc.shape, c.F32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, c.F32)
       else:
-        rp.when(row_live | last, lambda: st.sync_copies(state, io_sems))
+
+        @pl.when(row_live)
+        def _load():
+          st.sync_copies(state, io_sems)
+          _resume(lse_sc, m_sc, l_sc)
 
       @pl.when(row_live)
       def _compute():
@@ -139,16 +144,25 @@ def _kernel(meta_ref, kinds_ref, q_hbm, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
 
         st.stream(nk, lambda j: st.live_tile(kinds_ref, t, i, j), tiles, bufs, tile_sems, kv_tile)
 
-      if last:  # a row with no visible key on the whole ring: o = 0, lse = -inf
+      # Every hop leaves the state finished, (o, lse) = (acc / l, m + log l), in the outputs: a row with no
+      # visible key so far holds (0, -inf), and the last hop's write is the result.
+      @pl.when(row_live | first)
+      def _store():
         finish(m_sc, l_sc, acc_sc, acc_sc, lse_sc)
-        st.sync_copies([(acc_sc, o_hbm.at[b, heads, rows]), (lse_sc, lse_hbm.at[b, heads, rows])], io_sems)
-      else:
-        rp.when(row_live | first, lambda: st.sync_copies([(v, h_) for h_, v in state], io_sems))
+        st.sync_copies([(v, h_) for h_, v in state], io_sems)
 
     rp.note("ring_fwd", "compute", t)
     jax.lax.fori_loop(0, nq, q_tile, None)
     for s in sends:
       s.wait()
+
+
+def _resume(lse_sc, m_sc, l_sc):
+  """The online-softmax state of a finished (o, lse) row: m = lse and l = 1, so acc = o (the same softmax,
+  rescaled); a row with nothing visible yet (lse = -inf) resumes as m = -inf, l = 0, acc = 0."""
+  lse = lse_sc[...]
+  m_sc[...] = jnp.broadcast_to(lse, m_sc.shape)
+  l_sc[...] = jnp.broadcast_to(jnp.where(jnp.isneginf(lse), 0.0, 1.0), l_sc.shape)
 
 
 def sems(d: rp.RingDims):
