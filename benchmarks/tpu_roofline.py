@@ -41,6 +41,14 @@ per-device shard length T / n:
 * in-kernel ring (`implementation="pallas_tpu_ring"`): per generation, the shard
   length below which a full-mask hop's compute at the MXU peak is shorter than
   its send over one ICI link (`kernel_ring_min_shard`), forward and backward.
+* in-kernel ring with HBM slots (`ring_forward_hbm.py`, `ring_backward_hbm.py`): per
+  generation and long shard lengths (KERNEL_RING_HBM_SHARDS), one full-mask hop of
+  one device (`ring_hbm_hop`, printed by `print_kernel_ring_hbm`): FLOPs and their
+  time at the MXU peak, the HBM bytes the kernel copies per tile (q, state, streamed
+  K/V; backward: dQ pass, dK/dV pass, fold) plus the ring's send read and receive
+  written, their time, the bound, the ICI send time and whether the hop hides it;
+  the slots and tiles `planner.plan_ring` picks, and the size of the ring's SMEM
+  tile table.
 
 Hardware numbers are JAX's own table (`pltpu.get_tpu_info_for_chip`, per
 TensorCore, times the TensorCores of one JAX device: v4 and v5p chips are one
@@ -682,6 +690,191 @@ def print_kernel_ring(gens: Sequence[str], p: Problem) -> None:
 
 
 # ------------------------------------------------------------------------------------------
+# The in-kernel ring with HBM slots (`ring_forward_hbm.py`, `ring_backward_hbm.py`): per-hop model, full mask.
+
+KERNEL_RING_HBM_SHARDS = (1024, 8192, 32768, 131072)  # per-device shard lengths T / n of `print_kernel_ring_hbm`
+
+
+@dataclasses.dataclass(frozen=True)
+class RingHop:
+  """One hop of an HBM-slot ring kernel on one device (all B x K grid steps), full mask: every tile computes."""
+
+  pas: str  # "fwd" or "bwd"
+  hop: int
+  tiles: tuple[int, int]  # (bq, bk) the kernel runs with
+  slots: str  # what `planner.plan_ring` picks at this shape: "hbm" = this kernel runs, "vmem" = the other one
+  smem_table: int  # bytes of the ring's tile table, n x T/bq x S/bk int32 (`ring_protocol.ring_dims` refuses more
+  # than common.SMEM_TABLE_BYTES)
+  flops: float
+  tile_bytes: float  # HBM bytes of the kernel's own copies: outer tiles, state, streamed tiles, fold
+  ring_bytes: float  # HBM bytes of the ring's sends: the outgoing copy read here plus the incoming one written here
+  sent: float  # bytes this device sends to its neighbour over ICI this hop
+  t_mxu: float  # flops / bf16 peak
+  t_hbm: float  # bytes / HBM bandwidth
+  t_ici: float | None  # sent / one ICI link one way; None where the link is unknown
+
+  @property
+  def bytes(self) -> float:
+    return self.tile_bytes + self.ring_bytes
+
+  @property
+  def bound(self) -> str:
+    return "mxu" if self.t_mxu >= self.t_hbm else "hbm"
+
+  @property
+  def t_hop(self) -> float:
+    return max(self.t_mxu, self.t_hbm)
+
+  @property
+  def hidden(self) -> bool | None:
+    """Whether the hop's compute (roofline) is at least as long as its send; None without a link figure."""
+    return None if self.t_ici is None else self.t_ici <= self.t_hop
+
+
+def middle_hop(n: int) -> int:
+  """The hop `print_kernel_ring_hbm` shows: hop 1 of a ring of 3 or more (state read and written, K/V sent;
+  backward also dq read, the fold, and the dK/dV accumulators sent), else hop 0."""
+  return 1 if n > 2 else 0
+
+
+def ring_hbm_hop(
+  gen: str,
+  L: int,
+  p: Problem,
+  pas: str,
+  *,
+  hop: int | None = None,
+  tile: tuple[int, int] | None = None,
+  tiled: bool = True,
+) -> RingHop:
+  """HBM bytes, FLOPs and ICI send of hop `hop` (default `middle_hop(p.n)`) of the HBM-slot ring kernel `pas`
+  ("fwd": `ring_forward_hbm._kernel`, hops 0 .. n-1; "bwd": `ring_backward_hbm._kernel`, hops 0 .. n, hop n
+  only sending the accumulators home) on one device with shard length L = T = S, full mask (no tile, row or
+  column skipped, every member sends: live = n).  `tile` (bq, bk) defaults to the ring planner's
+  (`planner.plan_ring`, as the kernels plan them without BlockSizes).
+
+  Per (batch row, kv head), with nq = L / bq q tiles and nk = L / bk kv tiles, and bb(shape, dtype) the bytes
+  of one copy (`block_bytes`: (sublane, 128) HBM tiles, so an f32 [G, bq, 1] lse / delta tile moves G x bq x 128
+  words; bare elements with tiled=False):
+
+  forward, per q tile: q [G, bq, H] in; the state, stored finished in the outputs as o [G, bq, H] f32 and lse
+    [G, bq, 1] f32, read (not on hop 0, which initialises it) and written back (every hop, the last one's write
+    being the result); all nk K and V tiles [bk, H] streamed.  2 matmuls per tile pair.
+  backward, dQ pass per q tile: q, dO [G, bq, H] and lse, delta [G, bq, 1] f32 in, dq [G, bq, H] f32 read (not
+    on hop 0) and written, all nk K / V tiles streamed; 3 matmuls per tile pair.  dK/dV pass per kv tile: K, V
+    [bk, H] in, all nq q / dO / lse / delta tiles streamed, dK, dV [bk, H] f32 written; 4 matmuls.  Fold (hops
+    1 .. n-1) per kv tile: for dK and dV, read the arrived accumulator and the local sum, write the sum.  After
+    the last hop, the accumulators [S, H] f32 are copied out (counted in that hop).
+  sends: K and V [S, H] on hops t < n - 1; backward also the f32 dK / dV accumulators on hops t >= 1.  Each
+    sent byte is read from this device's HBM and (from the upstream neighbour) written into it: 2 x sent.
+  """
+  if pas not in PASSES:
+    raise ValueError(f"pas must be one of {tuple(PASSES)}, got {pas!r}")
+  n = p.n
+  t = middle_hop(n) if hop is None else hop
+  last = n - 1 if pas == "fwd" else (n if n > 1 else 0)
+  if not 0 <= t <= last:
+    raise ValueError(f"hop {t} is not a hop of the {pas} ring of {n} (0 .. {last})")
+  hw = hardware(gen)
+  dtype = jnp.dtype(p.dtype)
+  plan = planner.plan_ring(
+    T=L,
+    S=L,
+    n=n,
+    num_heads=p.N,
+    num_kv_heads=p.K,
+    head_dim=p.H,
+    dtype=dtype,
+    backward=pas == "bwd",
+    tiles=tile,
+    generation=gen,
+  )
+  bq, bk, slots = plan.bq, plan.bk, plan.slots
+  if L % bq or L % bk:
+    raise ValueError(f"tiles {bq}x{bk} do not divide the shard length {L}")
+  G, H, nq, nk, f32 = p.G, p.H, L // bq, L // bk, "float32"
+  bb = functools.partial(block_bytes, tiled=tiled)
+  q_t, f32_q, stat = bb((G, bq, H), dtype), bb((G, bq, H), f32), bb((G, bq, 1), f32)
+  kv_t, f32_kv = bb((bk, H), dtype), bb((bk, H), f32)
+  shard, acc = bb((L, H), dtype), bb((L, H), f32)  # one K (or V) shard; one dK (or dV) accumulator
+  computes = t < n  # backward hop n only sends
+  if pas == "fwd":
+    matmuls = MATMULS["fwd"]
+    state = f32_q + stat  # o, lse
+    per_row = q_t + nk * 2 * kv_t + (state if t > 0 else 0) + state
+    tile_bytes = nq * per_row
+    sent = 2 * shard if t < n - 1 else 0
+  else:
+    matmuls = MATMULS["dq"] + MATMULS["dkv"]
+    q_side = 2 * q_t + 2 * stat  # q, dO, lse, delta
+    dq_pass = nq * (q_side + (f32_q if t > 0 else 0) + f32_q + nk * 2 * kv_t)
+    dkv_pass = nk * (2 * kv_t + nq * q_side + 2 * f32_kv)
+    fold = nk * 2 * 3 * f32_kv if 1 <= t < n else 0
+    copy_out = 2 * 2 * acc if t == last else 0  # dK, dV: read the home slot, write the output
+    tile_bytes = (dq_pass + dkv_pass if computes else 0) + fold + copy_out
+    sent = (2 * shard if t < n - 1 else 0) + (2 * acc if t >= 1 else 0)
+  bh = p.B * p.K
+  flops = float(bh * matmuls * 2 * G * L * L * H) if computes else 0.0
+  tile_bytes, sent = float(bh * tile_bytes), float(bh * sent)
+  ring_bytes = 2 * sent
+  return RingHop(
+    pas=pas,
+    hop=t,
+    tiles=(bq, bk),
+    slots=slots,
+    smem_table=n * nq * nk * 4,
+    flops=flops,
+    tile_bytes=tile_bytes,
+    ring_bytes=ring_bytes,
+    sent=sent,
+    t_mxu=flops / hw.peak,
+    t_hbm=(tile_bytes + ring_bytes) / hw.hbm_bw,
+    t_ici=sent / hw.ici_link if hw.ici_link else None,
+  )
+
+
+def print_kernel_ring_hbm(
+  gens: Sequence[str], p: Problem, tiled: bool, shards: Sequence[int] = KERNEL_RING_HBM_SHARDS
+) -> None:
+  t = middle_hop(p.n)
+  kib = common.SMEM_TABLE_BYTES // 1024
+  print("\nIn-kernel ring with HBM slots (pallas_tpu_ring, ring_forward_hbm / ring_backward_hbm), per hop")
+  print(f"(model-derived, not measured; `ring_hbm_hop`): hop {t} of a ring of n={p.n}, full mask, one device.  K/V")
+  print("slots, softmax state, dq and the dK/dV accumulators live in HBM; tiles stream through VMEM.")
+  print("  GFLOP, mxu ms: the hop's matmuls at the bf16 MXU peak.  HBM GB, hbm ms: the kernel's tile copies (fwd:")
+  print("  q, o / lse state in and out, all K/V tiles per q tile; bwd: dQ pass, dK/dV pass, fold) plus the ring's")
+  print("  traffic (the outgoing send read here, the incoming one written here).  hop ms = max of the two; bound =")
+  print("  the larger.")
+  print("  sent MB, ICI ms: the hop's send (fwd: K/V; bwd: K/V + f32 dK/dV) over one ICI link one way, as in the ICI")
+  print("  table; hidden = the hop computes at least that long.  tiles, slots: planner.plan_ring(T/n, T/n, n, ...)")
+  print("  per direction ('vmem': the VMEM-slot kernel runs there, no HBM traffic inside a hop, and the row shows what")
+  print("  HBM slots would cost at its tiles).  SMEM KiB: the ring's tile table (n x T/bq x S/bk int32), kept within")
+  print(f"  {kib} KiB by the planner.  Ignores VPU work, grid-step overhead, and that the outer tile's copies are")
+  print("  synchronous (not overlapped with compute).")
+  print(
+    f"  {'gen':4} {'T/n':>7} {'pass':4} {'tiles':>9} {'slots':>5} {'SMEM KiB':>9} {'GFLOP':>9} {'mxu ms':>8} "
+    f"{'HBM GB':>8} {'hbm ms':>8} {'FLOP/B':>7} {'bound':>5} {'hop ms':>8} {'sent MB':>8} {'ICI ms':>8} {'hidden':>6}"
+  )
+  for g in gens:
+    for L in shards:
+      for pas in PASSES:
+        try:
+          r = ring_hbm_hop(g, L, p, pas, hop=t, tiled=tiled)
+        except ValueError as e:
+          print(f"  {g:4} {L:>7} {pas:4} error: {e}")
+          continue
+        smem = f"{r.smem_table / 1024:.1f}{'!' if r.smem_table > common.SMEM_TABLE_BYTES else ''}"
+        ici = "n/a" if r.t_ici is None else _fmt_time(r.t_ici)
+        hidden = "n/a" if r.hidden is None else ("yes" if r.hidden else "no")
+        tiles_s = f"{r.tiles[0]}x{r.tiles[1]}"
+        print(
+          f"  {g:4} {L:>7} {pas:4} {tiles_s:>9} {r.slots:>5} {smem:>9} "
+          f"{r.flops / 1e9:>9.1f} {_fmt_time(r.t_mxu):>8} {r.bytes / GB:>8.3f} {_fmt_time(r.t_hbm):>8} "
+          f"{r.flops / r.bytes:>7.0f} {r.bound:>5} {_fmt_time(r.t_hop):>8} {r.sent / MB:>8.1f} {ici:>8} {hidden:>6}"
+        )
+
+
+# ------------------------------------------------------------------------------------------
 # Timing on an attached TPU.
 
 
@@ -990,6 +1183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   print_ici(results, args.generations, args.seq_lens, ici_masks, p)
   print_paged(args.generations, p, args, tiled)
   print_kernel_ring(args.generations, p)
+  print_kernel_ring_hbm(args.generations, p, tiled)
   time_on_tpu(args, p, args.seq_lens, args.masks, tiled)
   print(f"\n(model run took {time.perf_counter() - t0:.1f} s)")
   return 0

@@ -80,3 +80,81 @@ def test_ring_wrong_result_exits_1_before_timing(ring, monkeypatch):
   with pytest.raises(SystemExit) as exit_info:
     ring.main(["--quick", "--impls", "ring"])
   assert exit_info.value.code == ring.EXIT_WRONG_RESULT == 1
+
+
+@pytest.fixture(scope="module")
+def roofline():
+  return _load("tpu_roofline")
+
+
+KIB = 1024
+
+
+def test_roofline_ring_hbm_hop_hand_counted(roofline):
+  """`ring_hbm_hop` on v5e, B=1, N=2, K=1 (G=2), H=128, bf16, ring of n=4, shard L=256, tiles bq=bk=128
+  (nq = nk = 2), (sublane, 128)-tiled bytes.  One copy of: a q / dO tile [2, 128, 128] bf16 = 64 KiB; a K / V
+  tile [128, 128] bf16 = 32 KiB; an f32 [2, 128, 128] tile (o, dq) = 128 KiB; an lse /
+  delta tile [2, 128, 1] f32, lane-padded to 128 = 128 KiB (bare: 1 KiB); a dK / dV tile [128, 128] f32 = 64 KiB;
+  a K / V shard [256, 128] bf16 = 64 KiB; a dK / dV accumulator [256, 128] f32 = 128 KiB.
+
+  fwd, per q tile: q 64 + K/V of both kv tiles 2 x (32 + 32) = 128 + state (o 128, lse 128) 256 in (not hop 0)
+  and 256 out.  x 2 q tiles.  Send: K + V = 128 KiB, read here + received here.
+    hop 1: 2 x (64 + 128 + 256 + 256) = 1408;  hop 0: 2 x (64 + 128 + 256) = 896;
+    hop 3 (last, no send): 1408.  Bare bytes (lse 1 KiB), hop 1: 2 x (64 + 128 + 129 + 129) = 900.
+  bwd hop 1: dQ pass 2 x (q 64 + dO 64 + lse 128 + delta 128 + dq in 128 + dq out 128 + K/V 128) = 1536;
+    dK/dV pass 2 x (K/V 64 + both q tiles 2 x 384 + dK, dV out 128) = 1920; fold 2 x 2 x 3 x 64 = 768:
+    4224.  Send: K/V 128 + dK/dV 256 = 384 KiB.  Bare bytes (lse / delta 1 KiB): dQ 2 x 514 = 1028,
+    dK/dV 2 x (64 + 2 x 130 + 128) = 904, fold 768: 2700.
+  FLOPs: 2 x G x L x L x H = 33554432 per matmul; fwd 2 matmuls, bwd 3 (dQ) + 4 (dK/dV).
+  """
+  p = roofline.Problem(B=1, N=2, K=1, H=128, dtype="bfloat16", n=4, window=0)
+  hw = roofline.hardware("v5e")
+
+  def hop(pas, t, tiled=True):
+    return roofline.ring_hbm_hop("v5e", 256, p, pas, hop=t, tile=(128, 128), tiled=tiled)
+
+  mm = 2 * 2 * 256 * 256 * 128
+
+  f = hop("fwd", 1)
+  assert (f.tiles, f.hop, f.smem_table) == ((128, 128), 1, 4 * 2 * 2 * 4)
+  assert (f.flops, f.tile_bytes, f.sent, f.ring_bytes) == (2 * mm, 1408 * KIB, 128 * KIB, 256 * KIB)
+  assert f.bytes == 1664 * KIB and f.t_mxu == f.flops / hw.peak and f.t_hbm == f.bytes / hw.hbm_bw
+  assert f.t_ici == f.sent / hw.ici_link and f.bound == ("mxu" if f.t_mxu >= f.t_hbm else "hbm")
+  assert f.hidden == (f.t_ici <= max(f.t_mxu, f.t_hbm))
+  assert (hop("fwd", 0).tile_bytes, hop("fwd", 0).sent) == (896 * KIB, 128 * KIB)
+  assert (hop("fwd", 3).tile_bytes, hop("fwd", 3).sent, hop("fwd", 3).t_ici) == (1408 * KIB, 0, 0)
+  assert hop("fwd", 1, tiled=False).tile_bytes == 900 * KIB
+
+  b = hop("bwd", 1)
+  assert (b.flops, b.tile_bytes, b.sent, b.ring_bytes) == (7 * mm, 4224 * KIB, 384 * KIB, 768 * KIB)
+  assert hop("bwd", 1, tiled=False).tile_bytes == 2700 * KIB
+  assert roofline.middle_hop(p.n) == 1 and roofline.ring_hbm_hop("v5e", 256, p, "bwd", tile=(128, 128)).hop == 1
+  with pytest.raises(ValueError, match="not a hop"):
+    hop("fwd", 4)
+
+
+def test_roofline_prints_the_ring_hbm_section(roofline, capsys):
+  """The section the script prints after `print_kernel_ring` (main calls it): header, labelled as a model, and a
+  row per pass, with the ring planner's tiles and slots."""
+  p = roofline.Problem(B=1, N=32, K=8, H=128, dtype="bfloat16", n=8, window=4096)
+  roofline.print_kernel_ring_hbm(["v5e"], p, True, shards=(8192,))
+  out = capsys.readouterr().out
+  assert "In-kernel ring with HBM slots" in out and "model-derived, not measured" in out
+  rows = [line.split() for line in out.splitlines() if line.startswith("  v5e")]
+  assert [r[2] for r in rows] == ["fwd", "bwd"]
+  plans = [
+    roofline.planner.plan_ring(
+      T=8192,
+      S=8192,
+      n=8,
+      num_heads=32,
+      num_kv_heads=8,
+      head_dim=128,
+      dtype=jnp.bfloat16,
+      backward=bwd,
+      generation="v5e",
+    )
+    for bwd in (False, True)
+  ]
+  assert [(r[3], r[4]) for r in rows] == [(f"{pl.bq}x{pl.bk}", pl.slots) for pl in plans]
+  assert all(r[11] in ("mxu", "hbm") for r in rows)

@@ -503,27 +503,40 @@ def test_planner_counts_every_ring_buffer(segments, dropout, dtype):
     planner.ring_footprint("fwd", **dims)
 
 
-def test_ring_fits_and_slots():
-  small = dict(num_heads=8, num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
-  assert planner.ring_fits(T=1024, S=1024, generation="v5e", **small)
-  assert planner.ring_slots(T=1024, S=1024, bq=256, bk=512, generation="v5e", **small) == "vmem"
-  # A shard too long for VMEM runs with HBM slots: only tiles in VMEM.
-  assert planner.ring_fits(T=1 << 20, S=1 << 20, generation="v5e", **small)
-  assert planner.ring_slots(T=1 << 20, S=1 << 20, bq=256, bk=512, generation="v5e", **small) == "hbm"
-  assert not planner.ring_fits(T=100, S=1024, generation="v5e", **small)  # no legal grouped q tile
-  # Not even the smallest tiles fit: a group of 512 q heads of head_dim 512 is 8 MiB per 16-row q tile.
-  assert not planner.ring_fits(T=1024, S=1024, num_heads=512, num_kv_heads=1, head_dim=512, dtype=jnp.bfloat16)
-
-
-def test_selection_and_errors():
-  q = jnp.zeros((1, 64, 2, 16))
-  assert "pallas_tpu_ring" in fr.available_implementations()
-  if jax.default_backend() != "tpu":
-    with pytest.raises(NotImplementedError, match=r"pallas_tpu_ring needs a TPU .* pass interpret=True"):
-      fr.ring_attention(q, q, q, implementation="pallas_tpu_ring")
-  with pytest.raises(NotImplementedError, match=r"pallas_tpu_ring supports float32 and bfloat16 inputs"):
-    h = q.astype(jnp.float16)
-    fr.ring_attention(h, h, h, implementation="pallas_tpu_ring", interpret=True)
+def test_ring_plan():
+  """The ring's planner: VMEM slots at the largest tiles that fit with whole shards resident, else HBM slots at
+  the least-traffic tiles; the tile table of n hops always within SMEM; the caller's tiles kept."""
+  small = dict(num_heads=8, num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16, generation="v5e")
+  plan = lambda **kw: planner.plan_ring(**small, **kw)  # noqa: E731
+  fwd = plan(T=1024, S=1024, n=8, backward=False)
+  assert fwd.slots == "vmem"
+  dims = dict(T=1024, S=1024, num_heads=8, num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
+  budget = planner.budget_bytes("v5e")
+  assert planner.ring_footprint("ring_fwd", bq=fwd.bq, bk=fwd.bk, **dims).total <= budget
+  # the largest: a taller or wider legal tile does not fit
+  for bq, bk in ((2 * fwd.bq, fwd.bk), (fwd.bq, 2 * fwd.bk)):
+    if bq <= 1024 and bk <= 1024:
+      assert planner.ring_footprint("ring_fwd", bq=bq, bk=bk, **dims).total > budget
+  # A shard too long for VMEM: HBM slots, and the tile table of a ring of 8 fits SMEM.
+  for backward in (False, True):
+    long = plan(T=1 << 17, S=1 << 17, n=8, backward=backward)
+    assert long.slots == "hbm", long
+    assert 8 * ((1 << 17) // long.bq) * ((1 << 17) // long.bk) * 4 <= common.SMEM_TABLE_BYTES
+  # The caller's tiles are kept; only the slots are chosen.
+  assert plan(T=1024, S=1024, n=4, backward=False, tiles=(64, 128)) == planner.RingPlan("vmem", 64, 128)
+  assert plan(T=1 << 17, S=1 << 17, n=4, backward=False, tiles=(512, 512)) == planner.RingPlan("hbm", 512, 512)
+  with pytest.raises(ValueError, match=r"plan_ring: no legal TPU tile for q_len=100"):
+    plan(T=100, S=1024, n=4, backward=False)  # no legal grouped q tile
+  assert planner.ring_fits(T=1024, S=1024, n=4, **small)
+  assert planner.ring_fits(T=1 << 17, S=1 << 17, n=4, **small)  # HBM slots: no VMEM cap on the shard length
+  # ... but the tile table is: n x T/bq x S/bk int32 within 512 KiB, at most 2048-token tiles.
+  assert not planner.ring_fits(T=1 << 20, S=1 << 20, n=4, **small)
+  assert not planner.ring_fits(T=100, S=1024, n=4, **small)
+  # Not even the smallest tiles fit: a group of 2048 q heads of head_dim 512 is 32 MiB per 16-row q tile.
+  wide = dict(small, num_heads=2048, num_kv_heads=1, head_dim=512)
+  assert not planner.ring_fits(T=1024, S=1024, n=4, **wide)
+  with pytest.raises(ValueError, match=r"plan_ring: no legal tiles .* fit the v5e VMEM budget .* with HBM slots"):
+    planner.plan_ring(T=1024, S=1024, n=4, backward=True, **wide)
 
 
 @interpret
@@ -569,11 +582,11 @@ def test_default_prefers_the_kernel_ring_where_it_fits(monkeypatch):
   )
   assert op._fit_to_shard(ring, None, spec, *small, 4) is ring
   assert op._fit_to_shard(ring, "pallas_tpu_ring", spec, *small, 4) is ring  # named: never replaced
-  long = (
-    jax.ShapeDtypeStruct((1, 4 << 20, 8, 128), jnp.bfloat16),
-    jax.ShapeDtypeStruct((1, 4 << 20, 2, 128), jnp.bfloat16),
+  long = (  # 32K tokens per device (planned for v4 off TPU: 16 MiB of VMEM)
+    jax.ShapeDtypeStruct((1, 4 << 15, 8, 128), jnp.bfloat16),
+    jax.ShapeDtypeStruct((1, 4 << 15, 2, 128), jnp.bfloat16),
   )
-  assert op._fit_to_shard(ring, None, spec, *long, 4) is ring  # HBM slots: the shard length is not capped
+  assert op._fit_to_shard(ring, None, spec, *long, 4) is ring  # HBM slots: the shard length is not capped by VMEM
   wide = (
     jax.ShapeDtypeStruct((1, 4 * 256, 512, 512), jnp.bfloat16),
     jax.ShapeDtypeStruct((1, 4 * 256, 1, 512), jnp.bfloat16),

@@ -166,15 +166,17 @@ def ring_attention(
   else:
     n = 1
   _check_shard_lengths(T, S, n, load_balance, local=True, axis_name=axis_name, strategy=strategy)
-  backend = _fit_to_shard(backend, implementation, spec, q, k, 1, strategy)  # q, k are the local shards here
+  # q, k are the local shards here: split by 1, on a ring of n
+  backend = _fit_to_shard(backend, implementation, spec, q, k, 1, strategy, ring_size=n)
   # Inside the caller's shard_map only the ring axis is known: batch and heads count as global here (shard
   # them yourself and dropout masks repeat).
   return _local_fn(axis_name, load_balance, spec, backend, strategy)(q, k, v, q_seg, kv_seg, drop)
 
 
-def _fit_to_shard(backend, implementation, spec, q, k, n, strategy="ring"):
+def _fit_to_shard(backend, implementation, spec, q, k, n, strategy="ring", *, ring_size=None):
   """implementation=None picks the in-kernel ring (on a TPU, never in interpret mode) only for the ring strategy
-  and where its shards of q [B, T / n, ...] and k [B, S / n, ...] fit VMEM; else the block-kernel ring."""
+  and where its planner finds slots and tiles for shards of q [B, T / n, ...] and k [B, S / n, ...]
+  (`planner.ring_fits`: VMEM slots, or HBM slots with only tiles in VMEM); else the block-kernel ring."""
   if backend.name != "pallas_tpu_ring":
     return backend
   if strategy != "ring":
@@ -188,7 +190,8 @@ def _fit_to_shard(backend, implementation, spec, q, k, n, strategy="ring"):
     return backend
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
-  if backend.fits(T=T // n, S=S // n, N=N, K=K, H=H, dtype=q.dtype, spec=spec):
+  ring = n if ring_size is None else ring_size
+  if backend.fits(T=T // n, S=S // n, N=N, K=K, H=H, dtype=q.dtype, spec=spec, n=ring):
     return backend
   return backends.get_backend("pallas_tpu", dtype=q.dtype, spec=spec, shapes=(q.shape, k.shape))
 

@@ -438,12 +438,108 @@ def ring_footprint(
   return Footprint(buffers=2 * (inputs + outputs) + scratch, temporaries=temporaries)
 
 
-def ring_slots(
+@dataclasses.dataclass(frozen=True)
+class RingPlan:
+  """Where the in-kernel ring keeps its slots ("vmem" or "hbm") and its tiles, for one direction."""
+
+  slots: str
+  bq: int
+  bk: int
+
+
+def plan_ring(
   *,
   T,
   S,
-  bq,
-  bk,
+  n,
+  num_heads,
+  num_kv_heads,
+  head_dim,
+  dtype,
+  backward: bool,
+  has_segments=False,
+  soft_cap=False,
+  dropout=False,
+  tiles=None,
+  generation=None,
+) -> RingPlan:
+  """Slots and tiles of the in-kernel ring's forward (or backward) kernel on (T, S) shards of a ring of n.
+
+  VMEM slots when some legal tiles fit `generation`'s budget with the whole
+  shards resident (no HBM traffic inside a hop), at the largest such tiles;
+  else HBM slots (only tiles in VMEM, any shard length), at the tiles with the
+  least HBM traffic (`hbm_bytes` of the block kernels the passes mirror), then
+  the largest.  Either way the ring's tile table (n x T/bq x S/bk int32) must
+  fit its SMEM share.  `tiles=(bq, bk)` (the caller's BlockSizes) is kept and
+  only the slots are chosen.
+  """
+  generation = current_generation() if generation is None else generation
+  budget = budget_bytes(generation)
+  if tiles is not None:
+    pairs = [tuple(tiles)]
+  else:
+    qs = q_candidates(T, dtype, grouped=num_heads > num_kv_heads)
+    pairs = [(bq, bk) for bq in qs for bk in candidates(S, c.LANES)]
+    if not pairs:
+      raise ValueError(
+        f"plan_ring: no legal TPU tile for q_len={T} (multiples of {c.sublanes(dtype)} up to {MAX_TILE}, or the "
+        f"whole axis up to {MAX_TILE}) or kv_len={S} (multiples of {c.LANES}, same rule)"
+      )
+    pairs = [(bq, bk) for bq, bk in pairs if n * (T // bq) * (S // bk) * 4 <= c.SMEM_TABLE_BYTES]
+  dims = dict(
+    T=T,
+    S=S,
+    num_heads=num_heads,
+    num_kv_heads=num_kv_heads,
+    head_dim=head_dim,
+    dtype=dtype,
+    has_segments=has_segments,
+    soft_cap=soft_cap,
+    dropout=dropout,
+  )
+  name = "ring_bwd" if backward else "ring_fwd"
+  resident = [(bq, bk) for bq, bk in pairs if ring_footprint(name, bq=bq, bk=bk, **dims).total <= budget]
+  if resident:
+    bq, bk = max(resident, key=lambda t: (t[0] * t[1], t[0]))
+    return RingPlan("vmem", bq, bk)
+  streamed = [(bq, bk) for bq, bk in pairs if ring_footprint(name + "_hbm", bq=bq, bk=bk, **dims).total <= budget]
+  if tiles is not None and not streamed:
+    streamed = pairs  # the caller's tiles: run them as asked (Mosaic reports what does not fit)
+  if not streamed:
+    raise ValueError(
+      f"plan_ring: no legal tiles of the q_len={T}, kv_len={S} shards fit the {generation} VMEM budget of "
+      f"{budget / MiB:.1f} MiB with HBM slots ({num_heads // num_kv_heads} q heads per kv head, "
+      f"head_dim={head_dim}), with a tile table for a ring of {n} within {c.SMEM_TABLE_BYTES} bytes of SMEM"
+    )
+  passes = ("dq", "dkv") if backward else ("fwd",)
+
+  def key(t):
+    bq, bk = t
+    traffic = sum(
+      hbm_bytes(
+        k,
+        bq=bq,
+        bk=bk,
+        q_len=T,
+        kv_len=S,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+      )
+      for k in passes
+    )
+    return (traffic, -bq * bk, -bq)
+
+  bq, bk = min(streamed, key=key)
+  return RingPlan("hbm", bq, bk)
+
+
+def ring_fits(
+  *,
+  T,
+  S,
+  n=1,
   num_heads,
   num_kv_heads,
   head_dim,
@@ -452,51 +548,24 @@ def ring_slots(
   soft_cap=False,
   dropout=False,
   generation=None,
-) -> str:
-  """Where the in-kernel ring keeps its communication slots at tiles (bq, bk): "vmem" when both VMEM-slot
-  kernels fit `generation`'s budget with whole shards resident, else "hbm" (tiles streamed: no shard cap)."""
-  generation = current_generation() if generation is None else generation
-  dims = dict(
-    T=T,
-    S=S,
-    bq=bq,
-    bk=bk,
-    num_heads=num_heads,
-    num_kv_heads=num_kv_heads,
-    head_dim=head_dim,
-    dtype=dtype,
-    has_segments=has_segments,
-    soft_cap=soft_cap,
-    dropout=dropout,
-  )
-  need = max(ring_footprint(k, **dims).total for k in ("ring_fwd", "ring_bwd"))
-  return "vmem" if need <= budget_bytes(generation) else "hbm"
-
-
-def ring_fits(
-  *, T, S, num_heads, num_kv_heads, head_dim, dtype, has_segments=False, soft_cap=False, dropout=False, generation=None
 ) -> bool:
-  """Whether the in-kernel ring runs this (T, S) shard pair at the smallest legal tiles: with VMEM slots (the
-  shards resident), or else with HBM slots (only tiles in VMEM)."""
-  generation = current_generation() if generation is None else generation
-  qs = q_candidates(T, dtype, grouped=num_heads > num_kv_heads)
-  ks = candidates(S, c.LANES)
-  if not qs or not ks:
+  """Whether `plan_ring` finds slots and tiles for both directions on (T, S) shards of a ring of n."""
+  try:
+    for backward in (False, True):
+      plan_ring(
+        T=T,
+        S=S,
+        n=n,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        backward=backward,
+        has_segments=has_segments,
+        soft_cap=soft_cap,
+        dropout=dropout,
+        generation=generation,
+      )
+  except ValueError:
     return False
-  dims = dict(
-    T=T,
-    S=S,
-    bq=qs[0],
-    bk=ks[0],
-    num_heads=num_heads,
-    num_kv_heads=num_kv_heads,
-    head_dim=head_dim,
-    dtype=dtype,
-    has_segments=has_segments,
-    soft_cap=soft_cap,
-    dropout=dropout,
-  )
-  budget = budget_bytes(generation)
-  return any(
-    max(ring_footprint(k + suffix, **dims).total for k in ("ring_fwd", "ring_bwd")) <= budget for suffix in ("", "_hbm")
-  )
+  return True

@@ -1,6 +1,8 @@
 """`implementation="pallas_tpu_ring"`: the whole ring in one kernel per direction, with its custom_vjp.
 
-The kernels and their protocol: `ring_protocol.py`, `ring_forward.py`, `ring_backward.py`.
+The protocol: `ring_protocol.py`.  The kernels: `ring_forward.py` / `ring_backward.py` with VMEM slots (whole
+shards resident), `ring_forward_hbm.py` / `ring_backward_hbm.py` with HBM slots (tiles streamed: any shard
+length), chosen per call by `planner.plan_ring`.
 """
 
 from __future__ import annotations
@@ -114,13 +116,14 @@ class PallasTpuRingBackend:
       q, k, v, q_seg, kv_seg, drop, axis_name=axis_name, load_balance=load_balance, spec=spec, interpret=self.interpret
     )
 
-  def fits(self, *, T, S, N, K, H, dtype, spec) -> bool:
-    """Whether a (T, S) shard pair fits the kernels' VMEM (`planner.ring_fits`)."""
+  def fits(self, *, T, S, N, K, H, dtype, spec, n=1) -> bool:
+    """Whether the kernels run a (T, S) shard pair: with VMEM slots, or HBM slots and tiles (`planner.ring_fits`)."""
     from flax_ringattn._src.backends.pallas_tpu import planner
 
     return planner.ring_fits(
       T=T,
       S=S,
+      n=n,
       num_heads=N,
       num_kv_heads=K,
       head_dim=H,

@@ -1,6 +1,6 @@
 """Forward kernel of the in-kernel ring with HBM slots (protocol: `ring_protocol.py`; streaming: `ring_stream.py`).
 
-For shards too long for VMEM (`planner.ring_slots`).  The protocol, the hop
+For shards too long for VMEM (`planner.plan_ring`).  The protocol, the hop
 schedule and the tile step are those of `ring_forward.py`; what moves is the
 storage.  Per grid step (b, kv head h), per hop t:
 

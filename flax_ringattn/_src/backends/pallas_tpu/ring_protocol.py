@@ -3,10 +3,17 @@
 One `pallas_call` per layer call does every hop.  Grid (B, K), both axes
 "arbitrary" (every device runs the grid steps in the same order); a grid step
 owns the G = N / K q heads of one kv head for one batch row and runs the whole
-ring for them.  Its K/V travel in two VMEM slots per array (`slot = hop % 2`);
-the own shard is copied from HBM into slot 0, every other shard arrives from
-the upstream neighbour by `pltpu.make_async_remote_copy`, and no device ever
-reads a neighbour's HBM.
+ring for them.  Its K/V travel in two slots per array (`slot = hop % 2`);
+every shard but the own one arrives from the upstream neighbour by
+`pltpu.make_async_remote_copy`, and no device ever reads a neighbour's HBM.
+
+Where the slots live (`RingDims.slots`, chosen by `planner.plan_ring`):
+"vmem" when the whole q shard, the state and both slots fit VMEM
+(`ring_forward.py`, `ring_backward.py`; the own shard is copied into slot 0);
+else "hbm" (`ring_forward_hbm.py`, `ring_backward_hbm.py`): slots, state and
+accumulators in HBM, tiles streamed through VMEM (`ring_stream.py`), the own
+shard read and sent straight from the input.  Both kinds run the same hop
+loops (`start_kv_sends`, `backward_hops`), so the schedule below is theirs.
 
 Hop schedule of ring member r in a ring of n (data flows r -> r + 1, members
 on a snake through the device grid, `layout.snake_coords`):
@@ -77,7 +84,7 @@ DMA_LOG = None
 # ("wait", descriptor id).  The hops are unrolled in Python, so trace order is program order.
 EVENTS = None
 # Test hook: "vmem" or "hbm" overrides the planner's choice of where the communication slots live
-# (`planner.ring_slots`), so small test shapes can run the HBM-slot kernels.
+# (`planner.plan_ring`), so small test shapes can run the HBM-slot kernels.
 FORCE_SLOTS = None
 
 
@@ -110,7 +117,7 @@ class RingDims:
   # that shard on a later hop (`kv_send_table`).  () when every member sends on every hop.
   kv_sends: tuple = ()
   # Where the communication slots and the softmax state live: "vmem" (whole shards resident, `ring_forward.py`)
-  # or "hbm" (tiles streamed through VMEM, `ring_forward_hbm.py`), by `planner.ring_slots`.
+  # or "hbm" (tiles streamed through VMEM, `ring_forward_hbm.py`), by `planner.plan_ring`.
   slots: str = "vmem"
 
   @property
@@ -126,26 +133,31 @@ def ring_dims(spec, q, k, axis_name, load_balance, *, has_segments: bool, backwa
   n = 1
   for s in sizes:
     n *= s
-  bq, bk = c.block_tiles(spec, q, k, backward=backward)
-  table = n * (T // bq) * (S // bk) * 4
-  if table > c.SMEM_TABLE_BYTES:
-    raise ValueError(
-      f"pallas_tpu_ring: the tile table of {n} hops x {T // bq} x {S // bk} tiles needs {table} bytes of SMEM, "
-      f"more than {c.SMEM_TABLE_BYTES}; use larger tiles"
-    )
-  slots = FORCE_SLOTS or planner.ring_slots(
+  plan_args = dict(
     T=T,
     S=S,
-    bq=bq,
-    bk=bk,
+    n=n,
     num_heads=N,
     num_kv_heads=K,
     head_dim=H,
     dtype=q.dtype,
+    backward=backward,
     has_segments=has_segments,
     soft_cap=spec.logits_soft_cap is not None,
     dropout=bool(spec.dropout_rate),
   )
+  if spec.block_sizes is None:  # the ring's own plan: slots and tiles, the tile table within SMEM
+    plan = planner.plan_ring(**plan_args)
+  else:  # the caller's tiles (checked as the block kernels check them); only the slots are chosen
+    plan = planner.plan_ring(**plan_args, tiles=c.block_tiles(spec, q, k, backward=backward))
+  bq, bk = plan.bq, plan.bk
+  table = n * (T // bq) * (S // bk) * 4
+  if table > c.SMEM_TABLE_BYTES:
+    raise ValueError(
+      f"pallas_tpu_ring: the tile table of {n} hops x {T // bq} x {S // bk} tiles needs {table} bytes of SMEM, "
+      f"more than {c.SMEM_TABLE_BYTES}; use larger tiles (or block_sizes=None: the ring's planner keeps it within)"
+    )
+  slots = FORCE_SLOTS or plan.slots
   vis = visibility(spec.mask, n, sizes, T, S, bq, bk, load_balance)
   live = live_hops(vis)
   sends = kv_send_table(vis, live)

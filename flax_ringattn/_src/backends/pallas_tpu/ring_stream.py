@@ -1,6 +1,6 @@
 """Tile streaming for the in-kernel ring with HBM communication slots (`ring_forward_hbm.py`, `ring_backward_hbm.py`).
 
-When a shard does not fit VMEM (`planner.ring_slots`), the ring's K/V slots,
+When a shard does not fit VMEM (`planner.plan_ring`), the ring's K/V slots,
 the dK / dV accumulator slots and the online-softmax state live in HBM, and
 each hop walks its tiles through VMEM:
 
