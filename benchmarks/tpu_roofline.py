@@ -703,8 +703,8 @@ class RingHop:
   hop: int
   tiles: tuple[int, int]  # (bq, bk) the kernel runs with
   slots: str  # what `planner.plan_ring` picks at this shape: "hbm" = this kernel runs, "vmem" = the other one
-  smem_table: int  # bytes of the ring's tile table, n x T/bq x S/bk int32 (`ring_protocol.ring_dims` refuses more
-  # than common.SMEM_TABLE_BYTES)
+  smem_table: int  # bytes of the ring's tile table (`planner.ring_table_bytes`: n x T/bq x S/bk classes of 2 bits;
+  # `ring_protocol.ring_dims` refuses more than common.SMEM_TABLE_BYTES)
   flops: float
   tile_bytes: float  # HBM bytes of the kernel's own copies: outer tiles, state, streamed tiles, fold
   ring_bytes: float  # HBM bytes of the ring's sends: the outgoing copy read here plus the incoming one written here
@@ -822,7 +822,7 @@ def ring_hbm_hop(
     hop=t,
     tiles=(bq, bk),
     slots=slots,
-    smem_table=n * nq * nk * 4,
+    smem_table=planner.ring_table_bytes(n, nq, nk),
     flops=flops,
     tile_bytes=tile_bytes,
     ring_bytes=ring_bytes,
@@ -848,7 +848,9 @@ def print_kernel_ring_hbm(
   print("  sent MB, ICI ms: the hop's send (fwd: K/V; bwd: K/V + f32 dK/dV) over one ICI link one way, as in the ICI")
   print("  table; hidden = the hop computes at least that long.  tiles, slots: planner.plan_ring(T/n, T/n, n, ...)")
   print("  per direction ('vmem': the VMEM-slot kernel runs there, no HBM traffic inside a hop, and the row shows what")
-  print("  HBM slots would cost at its tiles).  SMEM KiB: the ring's tile table (n x T/bq x S/bk int32), kept within")
+  print(
+    "  HBM slots would cost at its tiles).  SMEM KiB: the ring's tile table (n x T/bq x S/bk, 2 bits a tile), within"
+  )
   print(f"  {kib} KiB by the planner.  Ignores VPU work, grid-step overhead, and that the outer tile's copies are")
   print("  synchronous (not overlapped with compute).")
   print(

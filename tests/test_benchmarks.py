@@ -116,7 +116,7 @@ def test_roofline_ring_hbm_hop_hand_counted(roofline):
   mm = 2 * 2 * 256 * 256 * 128
 
   f = hop("fwd", 1)
-  assert (f.tiles, f.hop, f.smem_table) == ((128, 128), 1, 4 * 2 * 2 * 4)
+  assert (f.tiles, f.hop, f.smem_table) == ((128, 128), 1, 4 * 2 * 1 * 4)  # n x nq rows of one packed word
   assert (f.flops, f.tile_bytes, f.sent, f.ring_bytes) == (2 * mm, 1408 * KIB, 128 * KIB, 256 * KIB)
   assert f.bytes == 1664 * KIB and f.t_mxu == f.flops / hw.peak and f.t_hbm == f.bytes / hw.hbm_bw
   assert f.t_ici == f.sent / hw.ici_link and f.bound == ("mxu" if f.t_mxu >= f.t_hbm else "hbm")

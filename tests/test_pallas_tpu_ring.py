@@ -128,13 +128,24 @@ def test_ring_sizes_and_dma_modes(n, mode, opts, lb, segments, capfd):
 
 # The HBM-slot kernels (`ring_forward_hbm.py`, `ring_backward_hbm.py`), forced on short shards; ring 2 and the
 # shared features run in test_ring_attention.py (pallas_tpu_ring_hbm).  (ring size, DMA mode, features, zigzag,
-# segment ids, shard length, block_q): 256-token shards walk 2 kv tiles of 128 per q tile.
+# segment ids, shard length, block_q, (B, N, K)): 256-token shards walk 2 kv tiles of 128 per q tile; B = K = 2
+# runs four grid steps through the same HBM slots.
 HBM_CASES = [
-  (1, "on_wait", dict(is_causal=True, logits_soft_cap=5.0), False, True, 256, 64),
-  (4, "eager", dict(is_causal=True), False, True, 32, 16),  # skipped sends: stale HBM slots never read
-  (4, "on_wait", dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(3)), False, False, 32, 16),
-  (8, "on_wait", dict(is_causal=True, local_window_size=(40, 0)), True, True, 16, 16),
-  (8, "eager", dict(local_window_size=(20, 3)), False, False, 16, 16),
+  (1, "on_wait", dict(is_causal=True, logits_soft_cap=5.0), False, True, 256, 64, (1, 2, 1)),
+  # skipped sends: stale HBM slots never read
+  (4, "eager", dict(is_causal=True), False, True, 32, 16, (2, 4, 2)),
+  (
+    4,
+    "on_wait",
+    dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(3)),
+    False,
+    False,
+    32,
+    16,
+    (1, 2, 1),
+  ),
+  (8, "on_wait", dict(is_causal=True, local_window_size=(40, 0)), True, True, 16, 16, (1, 2, 1)),
+  (8, "eager", dict(local_window_size=(20, 3)), False, False, 16, 16, (1, 2, 1)),
 ]
 
 
@@ -146,13 +157,14 @@ def hbm_slots(monkeypatch):
 
 @interpret
 @pytest.mark.parametrize(
-  "n,mode,opts,lb,segments,shard,bq",
+  "n,mode,opts,lb,segments,shard,bq,heads",
   HBM_CASES,
   ids=[f"ring{c[0]}-{c[1]}-{'-'.join(k for k in c[2] if k != 'dropout_rng')}" for c in HBM_CASES],
 )
-def test_hbm_slots(n, mode, opts, lb, segments, shard, bq, hbm_slots, capfd):
+def test_hbm_slots(n, mode, opts, lb, segments, shard, bq, heads, hbm_slots, capfd):
   """As test_ring_sizes_and_dma_modes, with the slots, the softmax state and the accumulators in HBM."""
-  q, k, v, do, seg = _inputs(1, shard * n, 2, 1, 16, segments=segments)
+  B, N, K = heads
+  q, k, v, do, seg = _inputs(B, shard * n, N, K, 16, segments=segments)
   mesh = make_mesh((n,), ("sp",))
   with no_races():
     out, grads = _run(
@@ -276,8 +288,9 @@ def test_tuple_axis_errors():
 
 
 def test_tile_table_too_large_for_smem():
-  """n hops x 1024 x 64 tiles of 4 bytes = 1 MiB of tile table: more than the SMEM share."""
-  q = jax.ShapeDtypeStruct((1, 4 * 8192, 1, 8), jnp.float32)
+  """4 hops x 8192 q tiles x 512 kv tiles, 2 bits a tile (32 words a row) = 4 MiB of tile table: more than the
+  SMEM share.  The ring's own planner (block_sizes=None) never picks such tiles."""
+  q = jax.ShapeDtypeStruct((1, 4 * 65536, 1, 8), jnp.float32)
   mesh = make_mesh((4,), ("sp",))
 
   def f(q):
@@ -291,7 +304,7 @@ def test_tile_table_too_large_for_smem():
       block_sizes=fr.BlockSizes(block_q=8, block_kv=128),
     )
 
-  with pytest.raises(ValueError, match=r"pallas_tpu_ring: the tile table of 4 hops x 1024 x 64 tiles needs 1048576"):
+  with pytest.raises(ValueError, match=r"pallas_tpu_ring: the tile table of 4 hops x 8192 x 512 tiles needs 4194304"):
     jax.eval_shape(f, q)
 
 
@@ -503,6 +516,33 @@ def test_planner_counts_every_ring_buffer(segments, dropout, dtype):
     planner.ring_footprint("fwd", **dims)
 
 
+def test_packed_tile_table_round_trips():
+  """`pack_kinds` / `tile_kind`: every class of a [n, nq, nk] table read back, with nk not a multiple of 16."""
+  n, nq, nk = 3, 5, 37
+  kinds = jax.random.randint(jax.random.key(0), (n, nq, nk), 0, 3, jnp.int32)
+  packed = rp.pack_kinds(kinds)
+  assert packed.shape == (n * nq * 3,) and packed.dtype == jnp.int32
+  d = rp.RingDims(
+    axes=(),
+    sizes=(),
+    n=n,
+    load_balance=False,
+    B=1,
+    T=nq * 8,
+    S=nk * 128,
+    N=1,
+    K=1,
+    H=8,
+    dtype=jnp.float32,
+    bq=8,
+    bk=128,
+    has_segments=False,
+    live=n,
+  )
+  got = np.array([[[int(rp.tile_kind(packed, d, t, i, j)) for j in range(nk)] for i in range(nq)] for t in range(n)])
+  np.testing.assert_array_equal(got, np.asarray(kinds))
+
+
 def test_ring_plan():
   """The ring's planner: VMEM slots at the largest tiles that fit with whole shards resident, else HBM slots at
   the least-traffic tiles; the tile table of n hops always within SMEM; the caller's tiles kept."""
@@ -521,7 +561,7 @@ def test_ring_plan():
   for backward in (False, True):
     long = plan(T=1 << 17, S=1 << 17, n=8, backward=backward)
     assert long.slots == "hbm", long
-    assert 8 * ((1 << 17) // long.bq) * ((1 << 17) // long.bk) * 4 <= common.SMEM_TABLE_BYTES
+    assert planner.ring_table_bytes(8, (1 << 17) // long.bq, (1 << 17) // long.bk) <= common.SMEM_TABLE_BYTES
   # The caller's tiles are kept; only the slots are chosen.
   assert plan(T=1024, S=1024, n=4, backward=False, tiles=(64, 128)) == planner.RingPlan("vmem", 64, 128)
   assert plan(T=1 << 17, S=1 << 17, n=4, backward=False, tiles=(512, 512)) == planner.RingPlan("hbm", 512, 512)
@@ -529,8 +569,9 @@ def test_ring_plan():
     plan(T=100, S=1024, n=4, backward=False)  # no legal grouped q tile
   assert planner.ring_fits(T=1024, S=1024, n=4, **small)
   assert planner.ring_fits(T=1 << 17, S=1 << 17, n=4, **small)  # HBM slots: no VMEM cap on the shard length
-  # ... but the tile table is: n x T/bq x S/bk int32 within 512 KiB, at most 2048-token tiles.
-  assert not planner.ring_fits(T=1 << 20, S=1 << 20, n=4, **small)
+  # ... but the tile table is: n x T/bq x S/bk tiles of 2 bits within 512 KiB, at most 2048-token tiles.
+  assert planner.ring_table_bytes(4, 512, 512) == 4 * 512 * 32 * 4
+  assert not planner.ring_fits(T=1 << 21, S=1 << 21, n=4, **small)
   assert not planner.ring_fits(T=100, S=1024, n=4, **small)
   # Not even the smallest tiles fit: a group of 2048 q heads of head_dim 512 is 32 MiB per 16-row q tile.
   wide = dict(small, num_heads=2048, num_kv_heads=1, head_dim=512)

@@ -94,10 +94,11 @@ def tpu_tile(length: int, requested: int, align: int, *, what: str) -> int:
   )
 
 
-def block_tiles(spec, q, k, *, backward: bool) -> tuple[int, int]:
+def block_tiles(spec, q, k, *, backward: bool, block_tables: bool = True) -> tuple[int, int]:
   """(bq, bk) for one block: q tiles sublane-aligned, kv tiles lane-aligned (the score tile's minor dim).
 
-  Without `spec.block_sizes` the planner picks the largest tiles that fit VMEM.
+  Without `spec.block_sizes` the planner picks the largest tiles that fit VMEM.  `block_tables=False` skips
+  the SMEM check of the block kernels' two tile tables (the in-kernel ring checks its own, packed one).
   """
   from flax_ringattn._src.backends.pallas_tpu import planner  # (planner imports this module)
 
@@ -127,7 +128,7 @@ def block_tiles(spec, q, k, *, backward: bool) -> tuple[int, int]:
       f"{sublanes(q.dtype)} or implementation='xla'"
     )
   table = 2 * (T // bq) * (S // bk) * 4  # tile-class and fetch-index tables, scalar-prefetched into SMEM
-  if table > SMEM_TABLE_BYTES:
+  if block_tables and table > SMEM_TABLE_BYTES:
     raise ValueError(
       f"pallas_tpu: {T // bq} x {S // bk} tiles (q_len={T}, kv_len={S}, block_q{suffix}={bq}, block_kv{suffix}={bk}) "
       f"need {table} bytes of tile tables in SMEM, more than {SMEM_TABLE_BYTES}; use larger tiles "

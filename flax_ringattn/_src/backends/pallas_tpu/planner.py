@@ -438,6 +438,15 @@ def ring_footprint(
   return Footprint(buffers=2 * (inputs + outputs) + scratch, temporaries=temporaries)
 
 
+RING_KINDS_PER_WORD = 16  # the ring's tile table packs 2-bit tile classes, 16 to an int32 word (fixed:
+# `ring_protocol.tile_kind` unpacks with shifts by 4)
+
+
+def ring_table_bytes(n: int, q_tiles: int, kv_tiles: int) -> int:
+  """SMEM bytes of the ring's tile table: n hops x q_tiles rows of ceil(kv_tiles / 16) int32 words, 1-D."""
+  return n * q_tiles * -(-kv_tiles // RING_KINDS_PER_WORD) * 4
+
+
 @dataclasses.dataclass(frozen=True)
 class RingPlan:
   """Where the in-kernel ring keeps its slots ("vmem" or "hbm") and its tiles, for one direction."""
@@ -469,7 +478,7 @@ def plan_ring(
   shards resident (no HBM traffic inside a hop), at the largest such tiles;
   else HBM slots (only tiles in VMEM, any shard length), at the tiles with the
   least HBM traffic (`hbm_bytes` of the block kernels the passes mirror), then
-  the largest.  Either way the ring's tile table (n x T/bq x S/bk int32) must
+  the largest.  Either way the ring's tile table (`ring_table_bytes`) must
   fit its SMEM share.  `tiles=(bq, bk)` (the caller's BlockSizes) is kept and
   only the slots are chosen.
   """
@@ -485,7 +494,7 @@ def plan_ring(
         f"plan_ring: no legal TPU tile for q_len={T} (multiples of {c.sublanes(dtype)} up to {MAX_TILE}, or the "
         f"whole axis up to {MAX_TILE}) or kv_len={S} (multiples of {c.LANES}, same rule)"
       )
-    pairs = [(bq, bk) for bq, bk in pairs if n * (T // bq) * (S // bk) * 4 <= c.SMEM_TABLE_BYTES]
+    pairs = [(bq, bk) for bq, bk in pairs if ring_table_bytes(n, T // bq, S // bk) <= c.SMEM_TABLE_BYTES]
   dims = dict(
     T=T,
     S=S,

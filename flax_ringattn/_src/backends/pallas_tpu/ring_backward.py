@@ -181,7 +181,7 @@ def _hop(
           ds.astype(q.dtype), q, _TN, preferred_element_type=c.F32, precision=spec.precision
         )
 
-      c.by_tile_kind(kinds_ref[t, i, j], update)
+      c.by_tile_kind(rp.tile_kind(kinds_ref, d, t, i, j), update)
 
     jax.lax.fori_loop(0, d.S // bk, kv_tile, None)
 

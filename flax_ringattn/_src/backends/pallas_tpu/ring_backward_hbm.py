@@ -133,7 +133,7 @@ def _kernel(meta_ref, kinds_ref, q_hbm, do_hbm, lse_hbm, delta_hbm, k_hbm, v_hbm
 
     def q_tile(i, _):
       rows = pl.ds(i * bq, bq)
-      row_live = st.any_live(kinds_ref, t, row=i, count=nk)
+      row_live = st.any_live(kinds_ref, d, t, row=i, count=nk)
       dq_tile = dq_hbm.at[b, heads, rows]
       if t == 0:
         dq_sc[...] = jnp.zeros(dq_sc.shape, c.F32)
@@ -152,10 +152,10 @@ def _kernel(meta_ref, kinds_ref, q_hbm, do_hbm, lse_hbm, delta_hbm, k_hbm, v_hbm
             dq = jax.lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=c.F32, precision=spec.precision)
             dq_sc[...] = dq_sc[...] + dq.reshape(G, bq, d.H)
 
-          c.by_tile_kind(kinds_ref[t, i, j], update)
+          c.by_tile_kind(rp.tile_kind(kinds_ref, d, t, i, j), update)
 
         st.stream(
-          nk, lambda j: st.live_tile(kinds_ref, t, i, j), lambda j: kv_side(src, j), kv_bufs, tile_sems, kv_tile
+          nk, lambda j: st.live_tile(kinds_ref, d, t, i, j), lambda j: kv_side(src, j), kv_bufs, tile_sems, kv_tile
         )
         if t > 0:
           st.sync_copies([(dq_sc, dq_tile)], io_sems)
@@ -171,7 +171,7 @@ def _kernel(meta_ref, kinds_ref, q_hbm, do_hbm, lse_hbm, delta_hbm, k_hbm, v_hbm
 
     def kv_tile(j, _):
       cols = pl.ds(j * bk, bk)
-      col_live = st.any_live(kinds_ref, t, col=j, count=nq)
+      col_live = st.any_live(kinds_ref, d, t, col=j, count=nq)
       dk_sc[...] = jnp.zeros(dk_sc.shape, c.F32)
       dv_sc[...] = jnp.zeros(dv_sc.shape, c.F32)
 
@@ -193,9 +193,9 @@ def _kernel(meta_ref, kinds_ref, q_hbm, do_hbm, lse_hbm, delta_hbm, k_hbm, v_hbm
               ds.astype(q.dtype), q, _TN, preferred_element_type=c.F32, precision=spec.precision
             )
 
-          c.by_tile_kind(kinds_ref[t, i, j], update)
+          c.by_tile_kind(rp.tile_kind(kinds_ref, d, t, i, j), update)
 
-        st.stream(nq, lambda i: st.live_tile(kinds_ref, t, i, j), q_side, q_bufs, tile_sems, q_tile)
+        st.stream(nq, lambda i: st.live_tile(kinds_ref, d, t, i, j), q_side, q_bufs, tile_sems, q_tile)
 
       stores = [(dk_sc, dk_dst.at[cols]), (dv_sc, dv_dst.at[cols])]
       if t == 0:  # slot 0 is the accumulator itself: every tile is written, zeros where nothing is visible
@@ -217,7 +217,7 @@ def _kernel(meta_ref, kinds_ref, q_hbm, do_hbm, lse_hbm, delta_hbm, k_hbm, v_hbm
     def kv_tile(j, _):
       cols = pl.ds(j * bk, bk)
 
-      @pl.when(st.any_live(kinds_ref, t, col=j, count=nq))
+      @pl.when(st.any_live(kinds_ref, d, t, col=j, count=nq))
       def _add():
         for acc, loc in ((dk_slots, dk_loc), (dv_slots, dv_loc)):
           st.sync_copies([(acc.at[slot, cols], dk_sc), (loc.at[cols], dv_sc)], io_sems)

@@ -115,7 +115,7 @@ def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
             drop=tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h),
           )
 
-        c.by_tile_kind(kinds_ref[t, i, j], update)
+        c.by_tile_kind(rp.tile_kind(kinds_ref, d, t, i, j), update)
 
       jax.lax.fori_loop(0, d.S // bk, kv_tile, None)
 

@@ -99,7 +99,7 @@ def _kernel(meta_ref, kinds_ref, q_hbm, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
 
     def q_tile(i, _, t=t, src=src, first=first):
       rows = pl.ds(i * bq, bq)
-      row_live = st.any_live(kinds_ref, t, row=i, count=nk)
+      row_live = st.any_live(kinds_ref, d, t, row=i, count=nk)
       state = [(o_hbm.at[b, heads, rows], acc_sc), (lse_hbm.at[b, heads, rows], lse_sc)]
       if first:
         m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, c.F32)
@@ -135,14 +135,14 @@ def _kernel(meta_ref, kinds_ref, q_hbm, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
               drop=tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h),
             )
 
-          c.by_tile_kind(kinds_ref[t, i, j], update)
+          c.by_tile_kind(rp.tile_kind(kinds_ref, d, t, i, j), update)
 
         def tiles(j):
           cols = pl.ds(j * bk, bk)
           out = [src[0].at[cols], src[1].at[cols]]
           return out + [src[2].at[:, cols]] if d.has_segments else out
 
-        st.stream(nk, lambda j: st.live_tile(kinds_ref, t, i, j), tiles, bufs, tile_sems, kv_tile)
+        st.stream(nk, lambda j: st.live_tile(kinds_ref, d, t, i, j), tiles, bufs, tile_sems, kv_tile)
 
       # Every hop leaves the state finished, (o, lse) = (acc / l, m + log l), in the outputs: a row with no
       # visible key so far holds (0, -inf), and the last hop's write is the result.

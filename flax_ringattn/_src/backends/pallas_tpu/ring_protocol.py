@@ -149,9 +149,9 @@ def ring_dims(spec, q, k, axis_name, load_balance, *, has_segments: bool, backwa
   if spec.block_sizes is None:  # the ring's own plan: slots and tiles, the tile table within SMEM
     plan = planner.plan_ring(**plan_args)
   else:  # the caller's tiles (checked as the block kernels check them); only the slots are chosen
-    plan = planner.plan_ring(**plan_args, tiles=c.block_tiles(spec, q, k, backward=backward))
+    plan = planner.plan_ring(**plan_args, tiles=c.block_tiles(spec, q, k, backward=backward, block_tables=False))
   bq, bk = plan.bq, plan.bk
-  table = n * (T // bq) * (S // bk) * 4
+  table = planner.ring_table_bytes(n, T // bq, S // bk)
   if table > c.SMEM_TABLE_BYTES:
     raise ValueError(
       f"pallas_tpu_ring: the tile table of {n} hops x {T // bq} x {S // bk} tiles needs {table} bytes of SMEM, "
@@ -242,8 +242,8 @@ def ring_tables(spec, d: RingDims, q_seg, kv_seg):
 
   meta int32: [own shard, src shard of hops 0 .. n-1, upstream coords..., downstream coords..., then with
   `d.kv_sends`: whether this member sends its K/V at hops 0 .. live-2, whether its upstream neighbour does].
-  kinds int32 [n, T / bq, S / bk]: `masks.classify` of every tile pair of every hop (the segment-id extents
-  of the other shards come from a small all_gather of per-tile min / max).
+  kinds: `masks.classify` of every tile pair of every hop, packed by `pack_kinds` (read with `tile_kind`; the
+  segment-id extents of the other shards come from a small all_gather of per-tile min / max).
   """
   n, sizes, shard, member = layout.ring_geometry(d.axes or None)
   srcs = [layout.ring_shard((member - t) % n, sizes) for t in range(n)]
@@ -279,7 +279,27 @@ def ring_tables(spec, d: RingDims, q_seg, kv_seg):
         masks.Extent(row(kp.min(axis=1)), row(kp.max(axis=1)), row(smin), row(smax)),
       )
     )
-  return meta, jnp.stack(kinds).astype(jnp.int32)
+  return meta, pack_kinds(jnp.stack(kinds).astype(jnp.int32))
+
+
+def pack_kinds(kinds):
+  """int32 [n, T/bq, S/bk] tile classes -> the 1-D SMEM table of `tile_kind`: each row's classes 2 bits each,
+  16 to a word (`planner.RING_KINDS_PER_WORD`), padded with EMPTY.  A 1-D table has no SMEM tile padding."""
+  per = planner.RING_KINDS_PER_WORD
+  n, nq, nk = kinds.shape
+  words = -(-nk // per)
+  kinds = jnp.pad(kinds, ((0, 0), (0, 0), (0, words * per - nk))).reshape(n, nq, words, per)
+  shifts = 2 * jnp.arange(per, dtype=jnp.int32)
+  return jnp.sum(jnp.left_shift(kinds, shifts), axis=-1, dtype=jnp.int32).reshape(-1)
+
+
+def tile_kind(kinds_ref, d: RingDims, t, i, j):
+  """The class (`masks.EMPTY` / `PARTIAL` / `FULL`) of tile pair (i, j) of hop t, from the packed table."""
+  words = -(-(d.S // d.bk) // planner.RING_KINDS_PER_WORD)
+  # 16 classes a word: j >> 4 and j & 15 (shifts and masks: Mosaic lowers `//` and `%` on scalars through
+  # sign(), which it cannot lower off TPU; j >= 0 anyway).
+  word = kinds_ref[(t * (d.T // d.bq) + i) * words + jax.lax.shift_right_logical(j, 4)]
+  return jax.lax.shift_right_logical(word, 2 * (j & 15)) & 3
 
 
 class Comms:

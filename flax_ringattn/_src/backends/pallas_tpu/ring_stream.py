@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from flax_ringattn._src import masks
+from flax_ringattn._src.backends.pallas_tpu import ring_protocol as rp
 
 NUM_IO_SEMS = 6  # the most synchronous copies one outer tile starts together (the dQ pass: q, dO, lse, delta,
 # q segment ids, dq)
@@ -38,18 +39,18 @@ def sync_copies(pairs, sems):
     cp.wait()
 
 
-def live_tile(kinds_ref, t, i=None, j=None):
+def live_tile(kinds_ref, d, t, i, j):
   """Whether hop t's tile pair (i, j) is not EMPTY."""
-  return kinds_ref[t, i, j] != masks.EMPTY
+  return rp.tile_kind(kinds_ref, d, t, i, j) != masks.EMPTY
 
 
-def any_live(kinds_ref, t, *, row=None, col=None, count: int):
+def any_live(kinds_ref, d, t, *, row=None, col=None, count: int):
   """Whether q tile `row` (over its `count` kv tiles), or kv tile `col` (over `count` q tiles), has a tile that
   is not EMPTY at hop t: a scalar loop over the SMEM tile table."""
 
   def step(x, acc):
     i, j = (row, x) if row is not None else (x, col)
-    return acc | live_tile(kinds_ref, t, i, j)
+    return acc | live_tile(kinds_ref, d, t, i, j)
 
   return jax.lax.fori_loop(0, count, step, jnp.bool_(False))
 
