@@ -158,3 +158,16 @@ def test_roofline_prints_the_ring_hbm_section(roofline, capsys):
   ]
   assert [(r[3], r[4]) for r in rows] == [(f"{pl.bq}x{pl.bk}", pl.slots) for pl in plans]
   assert all(r[11] in ("mxu", "hbm") for r in rows)
+
+
+def test_roofline_hbm_slot_hops_are_mxu_bound(roofline):
+  """What the README says of the model: for the script's default problem, from 8K-token shards on, every
+  generation's HBM-slot hop (fwd and bwd, at the ring planner's tiles) is MXU-bound, and hides its ICI send where
+  a link figure exists (v5e, v5p, v6e)."""
+  p = roofline.Problem(B=1, N=32, K=8, H=128, dtype="bfloat16", n=8, window=4096)
+  for g in roofline.GENERATIONS:
+    for L in (8192, 32768):
+      for pas in ("fwd", "bwd"):
+        r = roofline.ring_hbm_hop(g, L, p, pas)
+        assert r.slots == "hbm" and r.bound == "mxu", (g, L, pas, r)
+        assert r.hidden is (None if g in ("v4", "v7x") else True), (g, L, pas, r)

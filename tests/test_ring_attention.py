@@ -336,7 +336,9 @@ def test_empty_rows_are_exact_zeros(backend):
   assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(dq)).all()
 
 
-@pytest.mark.parametrize("backend", [pytest.param(b, id=b.id, marks=b.marks) for b in BACKENDS])
+# The HBM-slot ring (slots="hbm") reduces in the same fixed order as the VMEM-slot one (no atomics, tiles and
+# hops in program order); its numerics run in the matrix above.
+@pytest.mark.parametrize("backend", [pytest.param(b, id=b.id, marks=b.marks) for b in BACKENDS if b.slots is None])
 def test_deterministic(backend):
   n = 2 if backend.race_checked else backend.ring_sizes[-1]  # TPU interpret mode: a ring of 2 is enough
   case, blocks = backend.shape_case(Case("det", N=8, K=2, is_causal=True, load_balance=True, segments="self"), n)

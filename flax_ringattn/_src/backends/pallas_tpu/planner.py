@@ -438,8 +438,8 @@ def ring_footprint(
   return Footprint(buffers=2 * (inputs + outputs) + scratch, temporaries=temporaries)
 
 
-RING_KINDS_PER_WORD = 16  # the ring's tile table packs 2-bit tile classes, 16 to an int32 word (fixed:
-# `ring_protocol.tile_kind` unpacks with shifts by 4)
+RING_KINDS_PER_WORD = 16  # the ring's tile table packs 2-bit tile classes, 16 to an int32 word (a power of two:
+# `ring_protocol.tile_kind` unpacks with shifts and masks)
 
 
 def ring_table_bytes(n: int, q_tiles: int, kv_tiles: int) -> int:
@@ -538,6 +538,10 @@ def plan_ring(
       )
       for k in passes
     )
+    if backward:
+      # `hbm_bytes` counts lse and delta at 4 bytes a row; the dK/dV pass copies their [G, bq, 1] f32 tiles,
+      # which TPU HBM tiling pads to 128 lanes, once per kv tile.
+      traffic += (S // bk) * 2 * T * num_heads * (c.LANES - 1) * 4
     return (traffic, -bq * bk, -bq)
 
   bq, bk = min(streamed, key=key)

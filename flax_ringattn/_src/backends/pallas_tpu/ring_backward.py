@@ -19,11 +19,7 @@ from jax.experimental import pallas as pl
 
 from flax_ringattn._src.backends.pallas_tpu import common as c
 from flax_ringattn._src.backends.pallas_tpu import ring_protocol as rp
-from flax_ringattn._src.backends.pallas_tpu.backward import _probs_and_dscores
-from flax_ringattn._src.backends.pallas_tpu.ring_forward import tile_dropout, tile_masks
-
-_NN = (((1,), (0,)), ((), ()))  # [m, k] x [k, n]
-_TN = (((0,), (0,)), ((), ()))  # [k, m] x [k, n]
+from flax_ringattn._src.backends.pallas_tpu.backward import _NN, _TN, _probs_and_dscores
 
 
 def bwd_plan(d: rp.RingDims) -> c.CallPlan:
@@ -80,7 +76,7 @@ def _kernel(meta_ref, kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm
   if d.has_segments:
     pairs.append((kvseg_hbm.at[b], seg_slots.at[0]))
     slots.append(seg_slots)
-  rp.load_own(pairs, load_sems)
+  rp.sync_copies(pairs, load_sems)
   dq_ref[...] = jnp.zeros(dq_ref.shape, c.F32)
 
   def compute(t):
@@ -155,7 +151,7 @@ def _hop(
 
       def update(masked):
         segs = (qseg_ref.at[rows, :], seg_slots.at[slot, :, cols]) if d.has_segments else ()
-        mask = tile_masks(d, comms, t, i, j, *segs) if masked else None
+        mask = rp.tile_masks(d, comms, t, i, j, *segs) if masked else None
         q_t, k_t = q_ref.at[:, rows, :], k_slots.at[slot, cols, :]
         p, ds, do = _probs_and_dscores(
           q_t,
@@ -167,7 +163,7 @@ def _hop(
           mask,
           spec=spec,
           masked=masked,
-          drop=tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h),
+          drop=rp.tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h),
         )
         G, _, H = q_t.shape
         k = k_t[...]

@@ -32,11 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 from flax_ringattn._src.backends.pallas_tpu import common as c
 from flax_ringattn._src.backends.pallas_tpu import ring_protocol as rp
 from flax_ringattn._src.backends.pallas_tpu import ring_stream as st
-from flax_ringattn._src.backends.pallas_tpu.backward import _probs_and_dscores
-from flax_ringattn._src.backends.pallas_tpu.ring_forward import tile_dropout, tile_masks
-
-_NN = (((1,), (0,)), ((), ()))  # [m, k] x [k, n]
-_TN = (((0,), (0,)), ((), ()))  # [k, m] x [k, n]
+from flax_ringattn._src.backends.pallas_tpu.backward import _NN, _TN, _probs_and_dscores
 
 
 def bwd_plan_hbm(d: rp.RingDims) -> c.CallPlan:
@@ -107,11 +103,6 @@ def _kernel(meta_ref, kinds_ref, q_hbm, do_hbm, lse_hbm, delta_hbm, k_hbm, v_hbm
     out.append(delta_hbm.at[b, heads, rows])
     return out + [qseg_hbm.at[b, rows]] if d.has_segments else out
 
-  def kv_side(src, j):
-    cols = pl.ds(j * bk, bk)
-    out = [src[0].at[cols], src[1].at[cols]]
-    return out + [src[2].at[:, cols]] if d.has_segments else out
-
   def tile_grads(t, i, j, qs, ks, masked):
     """(p, dS, dO) of tile pair (i, j) of hop t from the q-side buffers `qs` and the kv buffers `ks`."""
     segs = (qs[4], ks[2]) if d.has_segments else ()
@@ -122,10 +113,10 @@ def _kernel(meta_ref, kinds_ref, q_hbm, do_hbm, lse_hbm, delta_hbm, k_hbm, v_hbm
       qs[1],
       qs[2],
       qs[3],
-      tile_masks(d, comms, t, i, j, *segs) if masked else None,
+      rp.tile_masks(d, comms, t, i, j, *segs) if masked else None,
       spec=spec,
       masked=masked,
-      drop=tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h),
+      drop=rp.tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h),
     )
 
   def dq_pass(t):
@@ -141,7 +132,7 @@ def _kernel(meta_ref, kinds_ref, q_hbm, do_hbm, lse_hbm, delta_hbm, k_hbm, v_hbm
       @pl.when(row_live)
       def _compute():
         qs = [buf.at[0] for buf in q_bufs]
-        st.sync_copies(list(zip(q_side(i), qs, strict=True)) + ([] if t == 0 else [(dq_tile, dq_sc)]), io_sems)
+        rp.sync_copies(list(zip(q_side(i), qs, strict=True)) + ([] if t == 0 else [(dq_tile, dq_sc)]), io_sems)
 
         def kv_tile(j, slot):
           ks = [buf.at[slot] for buf in kv_bufs]
@@ -155,13 +146,18 @@ def _kernel(meta_ref, kinds_ref, q_hbm, do_hbm, lse_hbm, delta_hbm, k_hbm, v_hbm
           c.by_tile_kind(rp.tile_kind(kinds_ref, d, t, i, j), update)
 
         st.stream(
-          nk, lambda j: st.live_tile(kinds_ref, d, t, i, j), lambda j: kv_side(src, j), kv_bufs, tile_sems, kv_tile
+          nk,
+          lambda j: st.live_tile(kinds_ref, d, t, i, j),
+          lambda j: st.kv_tiles(src, j, bk),
+          kv_bufs,
+          tile_sems,
+          kv_tile,
         )
         if t > 0:
-          st.sync_copies([(dq_sc, dq_tile)], io_sems)
+          rp.sync_copies([(dq_sc, dq_tile)], io_sems)
 
       if t == 0:  # the first writer of every dq row
-        st.sync_copies([(dq_sc, dq_tile)], io_sems)
+        rp.sync_copies([(dq_sc, dq_tile)], io_sems)
 
     jax.lax.fori_loop(0, nq, q_tile, None)
 
@@ -178,7 +174,7 @@ def _kernel(meta_ref, kinds_ref, q_hbm, do_hbm, lse_hbm, delta_hbm, k_hbm, v_hbm
       @pl.when(col_live)
       def _compute():
         ks = [buf.at[0] for buf in kv_bufs]
-        st.sync_copies(list(zip(kv_side(src, j), ks, strict=True)), io_sems)
+        rp.sync_copies(list(zip(st.kv_tiles(src, j, bk), ks, strict=True)), io_sems)
 
         def q_tile(i, slot):
           qs = [buf.at[slot] for buf in q_bufs]
@@ -199,9 +195,9 @@ def _kernel(meta_ref, kinds_ref, q_hbm, do_hbm, lse_hbm, delta_hbm, k_hbm, v_hbm
 
       stores = [(dk_sc, dk_dst.at[cols]), (dv_sc, dv_dst.at[cols])]
       if t == 0:  # slot 0 is the accumulator itself: every tile is written, zeros where nothing is visible
-        st.sync_copies(stores, io_sems)
+        rp.sync_copies(stores, io_sems)
       else:
-        rp.when(col_live, lambda: st.sync_copies(stores, io_sems))
+        rp.when(col_live, lambda: rp.sync_copies(stores, io_sems))
 
     jax.lax.fori_loop(0, nk, kv_tile, None)
 
@@ -220,15 +216,15 @@ def _kernel(meta_ref, kinds_ref, q_hbm, do_hbm, lse_hbm, delta_hbm, k_hbm, v_hbm
       @pl.when(st.any_live(kinds_ref, d, t, col=j, count=nq))
       def _add():
         for acc, loc in ((dk_slots, dk_loc), (dv_slots, dv_loc)):
-          st.sync_copies([(acc.at[slot, cols], dk_sc), (loc.at[cols], dv_sc)], io_sems)
+          rp.sync_copies([(acc.at[slot, cols], dk_sc), (loc.at[cols], dv_sc)], io_sems)
           dk_sc[...] = dk_sc[...] + dv_sc[...]
-          st.sync_copies([(dk_sc, acc.at[slot, cols])], io_sems)
+          rp.sync_copies([(dk_sc, acc.at[slot, cols])], io_sems)
 
     jax.lax.fori_loop(0, nk, kv_tile, None)
 
   kv_pairs = lambda t: [(a, s.at[(t + 1) % 2]) for a, s in zip(src_of(t), slots, strict=True)]  # noqa: E731
   home = rp.backward_hops(comms, d, kv_pairs, (dk_slots, dv_slots), send_sems, recv_sems, compute=compute, fold=fold)
-  st.sync_copies([(dk_slots.at[home], dk_out.at[b, h]), (dv_slots.at[home], dv_out.at[b, h])], io_sems)
+  rp.sync_copies([(dk_slots.at[home], dk_out.at[b, h]), (dv_slots.at[home], dv_out.at[b, h])], io_sems)
 
 
 def sems(d: rp.RingDims):

@@ -45,23 +45,6 @@ def fwd_plan(d: rp.RingDims) -> c.CallPlan:
   )
 
 
-def tile_masks(d: rp.RingDims, comms, t, i, j, qseg=None, kvseg=None):
-  """The mask operands of tile pair (i, j) of hop t: position column / row, then (with segment ids) the tile's
-  q segment-id column (bq, 1) and kv segment-id row (1, bk), refs or values."""
-  qp = rp.tile_positions(d, comms.own_shard(), i * d.bq, d.bq, rows=True)
-  kp = rp.tile_positions(d, comms.src_shard(t), j * d.bk, d.bk, rows=False)
-  return [qp, kp] if qseg is None else [qp, kp, qseg, kvseg]
-
-
-def tile_dropout(spec, d: rp.RingDims, comms, t, i, j, drop_ref, b, h):
-  """The dropout scale of tile pair (i, j) of hop t (None without dropout): global positions, as the mask's."""
-  if drop_ref is None:
-    return None
-  qp = rp.tile_positions(d, comms.own_shard(), i * d.bq, d.bq, rows=True)
-  kp = rp.tile_positions(d, comms.src_shard(t), j * d.bk, d.bk, rows=False)
-  return c.dropout_scale(spec, drop_ref, b, h, d.G, qp, kp)
-
-
 def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDims, protocol_bug=None):
   if d.has_segments:
     qseg_ref, kvseg_hbm, *refs = refs
@@ -82,7 +65,7 @@ def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
   if d.has_segments:
     pairs.append((kvseg_hbm.at[b], seg_slots.at[0]))
     slots.append(seg_slots)
-  rp.load_own(pairs, load_sems)
+  rp.sync_copies(pairs, load_sems)
   m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, c.F32)
   l_sc[...] = jnp.zeros(l_sc.shape, c.F32)
   acc_sc[...] = jnp.zeros(acc_sc.shape, c.F32)
@@ -101,7 +84,7 @@ def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
 
         def update(masked):
           segs = (qseg_ref.at[rows, :], seg_slots.at[slot, :, cols]) if d.has_segments else ()
-          mask = tile_masks(d, comms, t, i, j, *segs) if masked else None
+          mask = rp.tile_masks(d, comms, t, i, j, *segs) if masked else None
           online_softmax_step(
             q_ref.at[:, rows, :],
             k_slots.at[slot, cols, :],
@@ -112,7 +95,7 @@ def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
             acc_sc.at[:, rows, :],
             spec=spec,
             masked=masked,
-            drop=tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h),
+            drop=rp.tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h),
           )
 
         c.by_tile_kind(rp.tile_kind(kinds_ref, d, t, i, j), update)

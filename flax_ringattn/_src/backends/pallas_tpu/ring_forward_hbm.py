@@ -33,7 +33,6 @@ from flax_ringattn._src.backends.pallas_tpu import common as c
 from flax_ringattn._src.backends.pallas_tpu import ring_protocol as rp
 from flax_ringattn._src.backends.pallas_tpu import ring_stream as st
 from flax_ringattn._src.backends.pallas_tpu.forward import finish, online_softmax_step
-from flax_ringattn._src.backends.pallas_tpu.ring_forward import tile_dropout, tile_masks
 
 
 def fwd_plan_hbm(d: rp.RingDims) -> c.CallPlan:
@@ -109,7 +108,7 @@ def _kernel(meta_ref, kinds_ref, q_hbm, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
 
         @pl.when(row_live)
         def _load():
-          st.sync_copies(state, io_sems)
+          rp.sync_copies(state, io_sems)
           _resume(lse_sc, m_sc, l_sc)
 
       @pl.when(row_live)
@@ -117,7 +116,7 @@ def _kernel(meta_ref, kinds_ref, q_hbm, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
         q_side = [(q_hbm.at[b, heads, rows], q_buf)]
         if d.has_segments:
           q_side.append((qseg_hbm.at[b, rows], qseg_buf))
-        st.sync_copies(q_side, io_sems)
+        rp.sync_copies(q_side, io_sems)
 
         def kv_tile(j, slot):
           def update(masked):
@@ -126,22 +125,18 @@ def _kernel(meta_ref, kinds_ref, q_hbm, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
               q_buf,
               k_buf.at[slot],
               v_buf.at[slot],
-              tile_masks(d, comms, t, i, j, *segs) if masked else None,
+              rp.tile_masks(d, comms, t, i, j, *segs) if masked else None,
               m_sc,
               l_sc,
               acc_sc,
               spec=spec,
               masked=masked,
-              drop=tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h),
+              drop=rp.tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h),
             )
 
           c.by_tile_kind(rp.tile_kind(kinds_ref, d, t, i, j), update)
 
-        def tiles(j):
-          cols = pl.ds(j * bk, bk)
-          out = [src[0].at[cols], src[1].at[cols]]
-          return out + [src[2].at[:, cols]] if d.has_segments else out
-
+        tiles = lambda j: st.kv_tiles(src, j, bk)  # noqa: E731
         st.stream(nk, lambda j: st.live_tile(kinds_ref, d, t, i, j), tiles, bufs, tile_sems, kv_tile)
 
       # Every hop leaves the state finished, (o, lse) = (acc / l, m + log l), in the outputs: a row with no
@@ -149,7 +144,7 @@ def _kernel(meta_ref, kinds_ref, q_hbm, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
       @pl.when(row_live | first)
       def _store():
         finish(m_sc, l_sc, acc_sc, acc_sc, lse_sc)
-        st.sync_copies([(v, h_) for h_, v in state], io_sems)
+        rp.sync_copies([(v, h_) for h_, v in state], io_sems)
 
     rp.note("ring_fwd", "compute", t)
     jax.lax.fori_loop(0, nq, q_tile, None)

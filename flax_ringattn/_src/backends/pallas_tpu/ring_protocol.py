@@ -80,8 +80,9 @@ COLLECTIVE_IDS = {"ring_fwd": 0, "ring_bwd": 1}
 # members start it) at trace time; each runs once per grid step.
 DMA_LOG = None
 # Test hook: when a list, the protocol's events are appended in program order at trace time, as (kernel name,
-# event, detail): ("hop", t), ("compute", t), ("release", None), ("acquire", None), ("start", descriptor id),
-# ("wait", descriptor id).  The hops are unrolled in Python, so trace order is program order.
+# event, detail): ("slots", "vmem" or "hbm") when a kernel is launched, then ("hop", t), ("compute", t),
+# ("release", None), ("acquire", None), ("start", descriptor id), ("wait", descriptor id).  The hops are
+# unrolled in Python, so trace order is program order.
 EVENTS = None
 # Test hook: "vmem" or "hbm" overrides the planner's choice of where the communication slots live
 # (`planner.plan_ring`), so small test shapes can run the HBM-slot kernels.
@@ -295,11 +296,12 @@ def pack_kinds(kinds):
 
 def tile_kind(kinds_ref, d: RingDims, t, i, j):
   """The class (`masks.EMPTY` / `PARTIAL` / `FULL`) of tile pair (i, j) of hop t, from the packed table."""
-  words = -(-(d.S // d.bk) // planner.RING_KINDS_PER_WORD)
-  # 16 classes a word: j >> 4 and j & 15 (shifts and masks: Mosaic lowers `//` and `%` on scalars through
-  # sign(), which it cannot lower off TPU; j >= 0 anyway).
-  word = kinds_ref[(t * (d.T // d.bq) + i) * words + jax.lax.shift_right_logical(j, 4)]
-  return jax.lax.shift_right_logical(word, 2 * (j & 15)) & 3
+  per = planner.RING_KINDS_PER_WORD
+  words = -(-(d.S // d.bk) // per)
+  # j // per and j % per as a shift and a mask (per is a power of two; Mosaic lowers a traced `//` through
+  # sign(), which needs the TPU's info; j >= 0 anyway).
+  word = kinds_ref[(t * (d.T // d.bq) + i) * words + jax.lax.shift_right_logical(j, per.bit_length() - 1)]
+  return jax.lax.shift_right_logical(word, 2 * (j & (per - 1))) & 3
 
 
 class Comms:
@@ -392,13 +394,30 @@ def when(flag, fn):
     pl.when(flag)(fn)
 
 
-def load_own(pairs, sem):
-  """Copies the own shard (HBM -> slot 0) with local DMAs: start all, then wait all."""
-  copies = [pltpu.make_async_copy(src, dst, sem.at[i]) for i, (src, dst) in enumerate(pairs)]
+def sync_copies(pairs, sems):
+  """Local copies (src, dst) with DMAs: start all, then wait for all (the i-th on sems.at[i])."""
+  copies = [pltpu.make_async_copy(src, dst, sems.at[i]) for i, (src, dst) in enumerate(pairs)]
   for cp in copies:
     cp.start()
   for cp in copies:
     cp.wait()
+
+
+def tile_masks(d: RingDims, comms, t, i, j, qseg=None, kvseg=None):
+  """The mask operands of tile pair (i, j) of hop t: position column / row, then (with segment ids) the tile's
+  q segment-id column (bq, 1) and kv segment-id row (1, bk), refs or values."""
+  qp = tile_positions(d, comms.own_shard(), i * d.bq, d.bq, rows=True)
+  kp = tile_positions(d, comms.src_shard(t), j * d.bk, d.bk, rows=False)
+  return [qp, kp] if qseg is None else [qp, kp, qseg, kvseg]
+
+
+def tile_dropout(spec, d: RingDims, comms, t, i, j, drop_ref, b, h):
+  """The dropout scale of tile pair (i, j) of hop t (None without dropout): global positions, as the mask's."""
+  if drop_ref is None:
+    return None
+  qp = tile_positions(d, comms.own_shard(), i * d.bq, d.bq, rows=True)
+  kp = tile_positions(d, comms.src_shard(t), j * d.bk, d.bk, rows=False)
+  return c.dropout_scale(spec, drop_ref, b, h, d.G, qp, kp)
 
 
 def start_kv_sends(comms, d: RingDims, t: int, pairs, send_sems, recv_sems, *, credits=True):
@@ -488,6 +507,7 @@ def ring_call(kernel, plan: c.CallPlan, sems, d: RingDims, *, interpret, name: s
   params = pltpu.CompilerParams(**kwargs)
 
   def run(*args):
+    note(name, "slots", d.slots)
     args = vma.unify(*args)
     mat = vma.manual_axis_type(args[0])
     out_shapes = [jax.ShapeDtypeStruct(o.shape, o.dtype, manual_axis_type=mat) for o in plan.out_shapes]

@@ -26,17 +26,14 @@ from jax.experimental.pallas import tpu as pltpu
 from flax_ringattn._src import masks
 from flax_ringattn._src.backends.pallas_tpu import ring_protocol as rp
 
-NUM_IO_SEMS = 6  # the most synchronous copies one outer tile starts together (the dQ pass: q, dO, lse, delta,
-# q segment ids, dq)
+NUM_IO_SEMS = 6  # the most synchronous copies (`ring_protocol.sync_copies`) one outer tile starts together (the
+# dQ pass: q, dO, lse, delta, q segment ids, dq)
 
 
-def sync_copies(pairs, sems):
-  """Local copies (src, dst): start all, then wait for all."""
-  copies = [pltpu.make_async_copy(src, dst, sems.at[i]) for i, (src, dst) in enumerate(pairs)]
-  for cp in copies:
-    cp.start()
-  for cp in copies:
-    cp.wait()
+def kv_tiles(src, j: int, bk: int):
+  """Tile j of the hop's K, V (and kv segment ids [1, S]) slots `src`: the sources `stream` copies."""
+  cols = pl.ds(j * bk, bk)
+  return [src[0].at[cols], src[1].at[cols]] + [s.at[:, cols] for s in src[2:]]
 
 
 def live_tile(kinds_ref, d, t, i, j):
@@ -63,7 +60,10 @@ def stream(count: int, live, sources, buffers, sems, body):
   buffer slot j % 2; its copy starts during step j - 1 (step 0: before the
   loop), so it overlaps the compute of tile j - 1.  An EMPTY tile starts no
   copy and its step waits for none.  Buffer slot (j + 1) % 2 is written only
-  after step j - 1, its last reader, has finished.
+  after step j - 1, its last reader, has finished.  These are local copies
+  started and waited in different loop iterations, so the wait rebuilds the
+  descriptor (same source, buffer and semaphore) as Pallas TPU pipelines do;
+  the protocol's build-once rule is for the remote copies.
   """
 
   def copies(j, slot):
