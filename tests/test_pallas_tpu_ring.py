@@ -106,7 +106,14 @@ RING_CASES = [
 def test_ring_sizes_and_dma_modes(n, mode, opts, lb, segments, capfd):
   """GQA 2:1, shards of 16 tokens, forward and all gradients against the reference, no races, and every
   semaphore back at zero when the kernels end (interpret mode prints the ones that are not)."""
-  q, k, v, do, seg = _inputs(1, 16 * n, 2, 1, 16, segments=segments)
+  _check_ring_case(n, mode, opts, lb, segments, capfd)
+
+
+def _check_ring_case(n, mode, opts, lb, segments, capfd, *, shard=16, bq=16, heads=(1, 2, 1)):
+  """One in-kernel ring run on a ring of n against the reference (forward and all gradients), with the race
+  detector on and every semaphore back at zero; `heads` = (B, N, K), head_dim 16."""
+  B, N, K = heads
+  q, k, v, do, seg = _inputs(B, shard * n, N, K, 16, segments=segments)
   mesh = make_mesh((n,), ("sp",))
   with no_races():
     out, grads = _run(
@@ -121,6 +128,7 @@ def test_ring_sizes_and_dma_modes(n, mode, opts, lb, segments, capfd):
       opts,
       load_balance=lb,
       params=interpret_params(dma_execution_mode=mode),
+      blocks=fr.BlockSizes(block_q=bq, block_kv=128),
     )
   assert "non-zero count" not in capfd.readouterr().out
   _check(out, grads, q, k, v, do, seg, opts)
@@ -156,26 +164,7 @@ def hbm_slots(monkeypatch):
 )
 def test_hbm_slots(n, mode, opts, lb, segments, shard, bq, heads, hbm_slots, capfd):
   """As test_ring_sizes_and_dma_modes, with the slots, the softmax state and the accumulators in HBM."""
-  B, N, K = heads
-  q, k, v, do, seg = _inputs(B, shard * n, N, K, 16, segments=segments)
-  mesh = make_mesh((n,), ("sp",))
-  with no_races():
-    out, grads = _run(
-      "pallas_tpu_ring",
-      mesh,
-      "sp",
-      q,
-      k,
-      v,
-      do,
-      seg,
-      opts,
-      load_balance=lb,
-      params=interpret_params(dma_execution_mode=mode),
-      blocks=fr.BlockSizes(block_q=bq, block_kv=128),
-    )
-  assert "non-zero count" not in capfd.readouterr().out
-  _check(out, grads, q, k, v, do, seg, opts)
+  _check_ring_case(n, mode, opts, lb, segments, capfd, shard=shard, bq=bq, heads=heads)
 
 
 @interpret

@@ -94,11 +94,10 @@ def tpu_tile(length: int, requested: int, align: int, *, what: str) -> int:
   )
 
 
-def block_tiles(spec, q, k, *, backward: bool, block_tables: bool = True) -> tuple[int, int]:
+def block_tiles(spec, q, k, *, backward: bool) -> tuple[int, int]:
   """(bq, bk) for one block: q tiles sublane-aligned, kv tiles lane-aligned (the score tile's minor dim).
 
-  Without `spec.block_sizes` the planner picks the largest tiles that fit VMEM.  `block_tables=False` skips
-  the SMEM check of the block kernels' two tile tables (the in-kernel ring checks its own, packed one).
+  Without `spec.block_sizes` the planner picks the largest tiles that fit VMEM.
   """
   from flax_ringattn._src.backends.pallas_tpu import planner  # (planner imports this module)
 
@@ -127,13 +126,6 @@ def block_tiles(spec, q, k, *, backward: bool, block_tables: bool = True) -> tup
       f"for {jnp.dtype(q.dtype).name}, got the whole shard q_len={T}; use a shard length that is a multiple of "
       f"{sublanes(q.dtype)} or implementation='xla'"
     )
-  table = 2 * (T // bq) * (S // bk) * 4  # tile-class and fetch-index tables, scalar-prefetched into SMEM
-  if block_tables and table > SMEM_TABLE_BYTES:
-    raise ValueError(
-      f"pallas_tpu: {T // bq} x {S // bk} tiles (q_len={T}, kv_len={S}, block_q{suffix}={bq}, block_kv{suffix}={bk}) "
-      f"need {table} bytes of tile tables in SMEM, more than {SMEM_TABLE_BYTES}; use larger tiles "
-      "(BlockSizes or block_sizes=None to let plan_block_sizes choose)"
-    )
   return bq, bk
 
 
@@ -142,6 +134,14 @@ def block_setup(spec, q, k, q_pos, kv_pos, q_seg, kv_seg, *, backward: bool):
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   bq, bk = block_tiles(spec, q, k, backward=backward)
+  table = 2 * (T // bq) * (S // bk) * 4  # tile-class and fetch-index tables, scalar-prefetched into SMEM
+  if table > SMEM_TABLE_BYTES:
+    suffix = "_bwd" if backward else ""
+    raise ValueError(
+      f"pallas_tpu: {T // bq} x {S // bk} tiles (q_len={T}, kv_len={S}, block_q{suffix}={bq}, block_kv{suffix}={bk}) "
+      f"need {table} bytes of tile tables in SMEM, more than {SMEM_TABLE_BYTES}; use larger tiles "
+      "(BlockSizes or block_sizes=None to let plan_block_sizes choose)"
+    )
   dims = dict(
     B=B,
     T=T,

@@ -136,6 +136,11 @@ def hbm_bytes(kernel: str, *, bq, bk, q_len, kv_len, num_heads, num_kv_heads, he
   raise ValueError(f"kernel must be 'fwd', 'dq' or 'dkv', got {kernel!r}")
 
 
+def _traffic(kernels, bq, bk, **shape) -> int:
+  """`hbm_bytes` summed over `kernels` ('fwd', 'dq', 'dkv') at tiles (bq, bk)."""
+  return sum(hbm_bytes(k, bq=bq, bk=bk, **shape) for k in kernels)
+
+
 def _best(kernels, q_len, kv_len, dtype, budget, **dims):
   """The fitting (bq, bk) with the least HBM traffic, then the largest area.
 
@@ -144,25 +149,13 @@ def _best(kernels, q_len, kv_len, dtype, budget, **dims):
   """
   best, best_key = None, None
   grouped = dims["num_heads"] > dims["num_kv_heads"]
+  heads = {k: dims[k] for k in ("num_heads", "num_kv_heads", "head_dim")}
   for bq in q_candidates(q_len, dtype, grouped=grouped):
     for bk in candidates(kv_len, c.LANES):
       need = max(footprint(k, bq=bq, bk=bk, dtype=dtype, **dims).total for k in kernels)
       if need > budget:
         continue
-      traffic = sum(
-        hbm_bytes(
-          k,
-          bq=bq,
-          bk=bk,
-          q_len=q_len,
-          kv_len=kv_len,
-          dtype=dtype,
-          num_heads=dims["num_heads"],
-          num_kv_heads=dims["num_kv_heads"],
-          head_dim=dims["head_dim"],
-        )
-        for k in kernels
-      )
+      traffic = _traffic(kernels, bq, bk, q_len=q_len, kv_len=kv_len, dtype=dtype, **heads)
       key = (traffic, -bq * bk, -bq)
       if best_key is None or key < best_key:
         best, best_key = (bq, bk), key
@@ -524,19 +517,8 @@ def plan_ring(
 
   def key(t):
     bq, bk = t
-    traffic = sum(
-      hbm_bytes(
-        k,
-        bq=bq,
-        bk=bk,
-        q_len=T,
-        kv_len=S,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        dtype=dtype,
-      )
-      for k in passes
+    traffic = _traffic(
+      passes, bq, bk, q_len=T, kv_len=S, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
     )
     if backward:
       # `hbm_bytes` counts lse and delta at 4 bytes a row; the dK/dV pass copies their [G, bq, 1] f32 tiles,

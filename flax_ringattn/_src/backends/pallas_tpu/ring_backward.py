@@ -80,30 +80,52 @@ def _kernel(meta_ref, kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm
   dq_ref[...] = jnp.zeros(dq_ref.shape, c.F32)
 
   def compute(t):
+    """Hop t on slot t % 2: one pass per tile pair computes p and dS once for all three gradients; the
+    contribution to the shard held this hop is summed in dk_loc / dv_loc (added to the arriving accumulator
+    by `fold`)."""
+    slot, bq, bk = t % 2, d.bq, d.bk
     dk_loc[...] = jnp.zeros(dk_loc.shape, c.F32)
     dv_loc[...] = jnp.zeros(dv_loc.shape, c.F32)
-    _hop(
-      d,
-      spec,
-      comms,
-      t,
-      t % 2,
-      kinds_ref,
-      q_ref,
-      do_ref,
-      lse_ref,
-      delta_ref,
-      qseg_ref,
-      k_slots,
-      v_slots,
-      seg_slots,
-      dq_ref,
-      dk_loc,
-      dv_loc,
-      drop_ref,
-      b,
-      h,
-    )
+
+    def q_tile(i, _):
+      rows = pl.ds(i * bq, bq)
+
+      def kv_tile(j, _):
+        cols = pl.ds(j * bk, bk)
+
+        def update(masked):
+          segs = (qseg_ref.at[rows, :], seg_slots.at[slot, :, cols]) if d.has_segments else ()
+          mask = rp.tile_masks(d, comms, t, i, j, *segs) if masked else None
+          q_t, k_t = q_ref.at[:, rows, :], k_slots.at[slot, cols, :]
+          p, ds, do = _probs_and_dscores(
+            q_t,
+            k_t,
+            v_slots.at[slot, cols, :],
+            do_ref.at[:, rows, :],
+            lse_ref.at[:, rows, :],
+            delta_ref.at[:, rows, :],
+            mask,
+            spec=spec,
+            masked=masked,
+            drop=rp.tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h),
+          )
+          G, _, H = q_t.shape
+          k = k_t[...]
+          q = q_t[...].reshape(G * bq, H)
+          dq = jax.lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=c.F32, precision=spec.precision)
+          dq_ref[:, rows, :] = dq_ref[:, rows, :] + dq.reshape(G, bq, H)
+          dv_loc[cols, :] = dv_loc[cols, :] + jax.lax.dot_general(
+            p.astype(do.dtype), do, _TN, preferred_element_type=c.F32, precision=spec.precision
+          )
+          dk_loc[cols, :] = dk_loc[cols, :] + jax.lax.dot_general(
+            ds.astype(q.dtype), q, _TN, preferred_element_type=c.F32, precision=spec.precision
+          )
+
+        c.by_tile_kind(rp.tile_kind(kinds_ref, d, t, i, j), update)
+
+      jax.lax.fori_loop(0, d.S // bk, kv_tile, None)
+
+    jax.lax.fori_loop(0, d.T // bq, q_tile, None)
 
   def fold(t):
     if t == 0:
@@ -117,71 +139,6 @@ def _kernel(meta_ref, kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm
   home = rp.backward_hops(comms, d, kv_pairs, (dk_slots, dv_slots), send_sems, recv_sems, compute=compute, fold=fold)
   dk_ref[...] = dk_slots[home]
   dv_ref[...] = dv_slots[home]
-
-
-def _hop(
-  d,
-  spec,
-  comms,
-  t,
-  slot,
-  kinds_ref,
-  q_ref,
-  do_ref,
-  lse_ref,
-  delta_ref,
-  qseg_ref,
-  k_slots,
-  v_slots,
-  seg_slots,
-  dq_ref,
-  dk_loc,
-  dv_loc,
-  drop_ref,
-  b,
-  h,
-):
-  bq, bk = d.bq, d.bk
-
-  def q_tile(i, _):
-    rows = pl.ds(i * bq, bq)
-
-    def kv_tile(j, _):
-      cols = pl.ds(j * bk, bk)
-
-      def update(masked):
-        segs = (qseg_ref.at[rows, :], seg_slots.at[slot, :, cols]) if d.has_segments else ()
-        mask = rp.tile_masks(d, comms, t, i, j, *segs) if masked else None
-        q_t, k_t = q_ref.at[:, rows, :], k_slots.at[slot, cols, :]
-        p, ds, do = _probs_and_dscores(
-          q_t,
-          k_t,
-          v_slots.at[slot, cols, :],
-          do_ref.at[:, rows, :],
-          lse_ref.at[:, rows, :],
-          delta_ref.at[:, rows, :],
-          mask,
-          spec=spec,
-          masked=masked,
-          drop=rp.tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h),
-        )
-        G, _, H = q_t.shape
-        k = k_t[...]
-        q = q_t[...].reshape(G * bq, H)
-        dq = jax.lax.dot_general(ds.astype(k.dtype), k, _NN, preferred_element_type=c.F32, precision=spec.precision)
-        dq_ref[:, rows, :] = dq_ref[:, rows, :] + dq.reshape(G, bq, H)
-        dv_loc[cols, :] = dv_loc[cols, :] + jax.lax.dot_general(
-          p.astype(do.dtype), do, _TN, preferred_element_type=c.F32, precision=spec.precision
-        )
-        dk_loc[cols, :] = dk_loc[cols, :] + jax.lax.dot_general(
-          ds.astype(q.dtype), q, _TN, preferred_element_type=c.F32, precision=spec.precision
-        )
-
-      c.by_tile_kind(rp.tile_kind(kinds_ref, d, t, i, j), update)
-
-    jax.lax.fori_loop(0, d.S // bk, kv_tile, None)
-
-  jax.lax.fori_loop(0, d.T // bq, q_tile, None)
 
 
 def ring_bwd(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec, axis_name, load_balance, interpret, dropout=None):

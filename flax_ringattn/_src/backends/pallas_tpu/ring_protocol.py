@@ -150,7 +150,7 @@ def ring_dims(spec, q, k, axis_name, load_balance, *, has_segments: bool, backwa
   if spec.block_sizes is None:  # the ring's own plan: slots and tiles, the tile table within SMEM
     plan = planner.plan_ring(**plan_args)
   else:  # the caller's tiles (checked as the block kernels check them); only the slots are chosen
-    plan = planner.plan_ring(**plan_args, tiles=c.block_tiles(spec, q, k, backward=backward, block_tables=False))
+    plan = planner.plan_ring(**plan_args, tiles=c.block_tiles(spec, q, k, backward=backward))
   bq, bk = plan.bq, plan.bk
   table = planner.ring_table_bytes(n, T // bq, S // bk)
   if table > c.SMEM_TABLE_BYTES:
@@ -403,11 +403,17 @@ def sync_copies(pairs, sems):
     cp.wait()
 
 
+def pair_positions(d: RingDims, comms, t, i, j):
+  """Global positions of tile pair (i, j) of hop t: the q tile's (bq, 1) column and the kv tile's (1, bk) row."""
+  qp = tile_positions(d, comms.own_shard(), i * d.bq, d.bq, rows=True)
+  kp = tile_positions(d, comms.src_shard(t), j * d.bk, d.bk, rows=False)
+  return qp, kp
+
+
 def tile_masks(d: RingDims, comms, t, i, j, qseg=None, kvseg=None):
   """The mask operands of tile pair (i, j) of hop t: position column / row, then (with segment ids) the tile's
   q segment-id column (bq, 1) and kv segment-id row (1, bk), refs or values."""
-  qp = tile_positions(d, comms.own_shard(), i * d.bq, d.bq, rows=True)
-  kp = tile_positions(d, comms.src_shard(t), j * d.bk, d.bk, rows=False)
+  qp, kp = pair_positions(d, comms, t, i, j)
   return [qp, kp] if qseg is None else [qp, kp, qseg, kvseg]
 
 
@@ -415,9 +421,7 @@ def tile_dropout(spec, d: RingDims, comms, t, i, j, drop_ref, b, h):
   """The dropout scale of tile pair (i, j) of hop t (None without dropout): global positions, as the mask's."""
   if drop_ref is None:
     return None
-  qp = tile_positions(d, comms.own_shard(), i * d.bq, d.bq, rows=True)
-  kp = tile_positions(d, comms.src_shard(t), j * d.bk, d.bk, rows=False)
-  return c.dropout_scale(spec, drop_ref, b, h, d.G, qp, kp)
+  return c.dropout_scale(spec, drop_ref, b, h, d.G, *pair_positions(d, comms, t, i, j))
 
 
 def start_kv_sends(comms, d: RingDims, t: int, pairs, send_sems, recv_sems, *, credits=True):
