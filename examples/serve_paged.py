@@ -11,6 +11,12 @@ What it shows
   still prefilling and two tokens (last answer, next query key) of each request
   that is answering; finished requests free their slot and pages and a waiting
   request takes them.  So almost every step mixes prefill and decode.
+* A full cache is handled, never ignored: a waiting request is admitted only
+  when the pages its whole sequence needs are not promised to running ones
+  (refuse), and after every step the layers' `overflowed()` flags are read:
+  a slot whose tokens did not fit is freed and its request re-queued from its
+  start (evict).  `--num-pages` below `--max-seqs` x pages per sequence makes
+  admission wait for pages.
 * It prints each request's answers (generated value vs. the truth), the
   retrieval accuracy, tokens/s and the page-cache utilisation.
 
@@ -53,6 +59,7 @@ def parse_args(argv=None):
   p.add_argument("--max-seqs", type=int, default=3, help="concurrent sequences (cache slots)")
   p.add_argument("--max-batched-tokens", type=int, default=1024, help="rows of one ragged batch")
   p.add_argument("--page-size", type=int, default=16)
+  p.add_argument("--num-pages", type=int, default=None, help="pages of the cache (default: every slot full)")
   p.add_argument("--seed", type=int, default=1)
   return p.parse_args(argv)
 
@@ -138,27 +145,32 @@ def main(args):
   queue = make_requests(args, config.vocab_size, rng)
   longest = max(len(r.prompt) + 2 * len(r.keys) for r in queue)
   pages_per_seq = -(-longest // args.page_size)
+  num_pages = args.num_pages or args.max_seqs * pages_per_seq
+  pages_of = lambda req: -(-(len(req.prompt) + 2 * len(req.keys)) // args.page_size)  # noqa: E731
+  if max(pages_of(r) for r in queue) > num_pages:
+    raise SystemExit(f"--num-pages={num_pages} cannot hold the longest request ({max(map(pages_of, queue))} pages)")
   for block in model.blocks:
     block.attn.init_cache(
-      num_pages=args.max_seqs * pages_per_seq,
+      num_pages=num_pages,
       page_size=args.page_size,
       max_num_seqs=args.max_seqs,
       pages_per_seq=pages_per_seq,
     )
   print(
     f"serving {len(queue)} requests (prompts {sorted({len(r.prompt) for r in queue})} tokens, {args.queries} answers each) "
-    f"with {args.max_seqs} slots x {pages_per_seq} pages of {args.page_size} tokens, "
+    f"with {args.max_seqs} slots x {pages_per_seq} pages of {args.page_size} tokens ({num_pages} pages), "
     f"<= {args.max_batched_tokens} tokens per step"
   )
 
   T, S = args.max_batched_tokens, args.max_seqs
   slots: list[Request | None] = [None] * S
   finished, steps, tokens_done, utils = [], 0, 0, []
-  mixed_steps = 0
+  mixed_steps = evictions = 0
   start = None
   while queue or any(slots):
     for i in range(S):  # continuous batching: waiting requests take free slots
-      if slots[i] is None and queue:
+      promised = sum(pages_of(r) for r in slots if r is not None)
+      if slots[i] is None and queue and promised + pages_of(queue[0]) <= num_pages:  # else refuse for now
         slots[i] = queue.pop(0)
     budget = T
     rows = {}
@@ -200,6 +212,16 @@ def main(args):
     steps += 1
     tokens_done += int(cu[-1])
     utils.append(cache_utilization(model))
+    # Slots whose tokens did not fit stored none of them (and flag it until freed): evict and re-queue.
+    overflowed = np.asarray(model.blocks[0].attn.overflowed())
+    if overflowed.any():
+      free_slots(model, jnp.asarray(overflowed))
+      for i in np.nonzero(overflowed)[0]:
+        req = slots[i]
+        queue.insert(0, dataclasses.replace(req, fed=0, last=0, answers=[], tail=[]))
+        slots[i] = None
+        rows.pop(i, None)
+        evictions += 1
     done_mask = np.zeros(S, bool)
     for i, feed in rows.items():
       req = slots[i]
@@ -233,7 +255,7 @@ def main(args):
     f"accuracy {correct}/{total} = {correct / max(total, 1):.2f} (chance {1 / 64:.3f}); "
     f"{steps} steps ({mixed_steps} mixed prefill+decode), {tokens_done} tokens in {elapsed:.1f} s = "
     f"{tokens_done / elapsed:,.0f} tokens/s; page-cache utilisation mean {np.mean(utils):.1%}, "
-    f"min {np.min(utils):.1%}"
+    f"min {np.min(utils):.1%}; {evictions} evictions"
   )
   return {"accuracy": correct / max(total, 1), "steps": steps, "tokens_per_second": tokens_done / elapsed}
 

@@ -5,7 +5,7 @@ The public surface (see README.md for the table):
 * ops: `ring_attention`, `paged_attention`, `reference_attention`,
   `paged_reference_attention`
 * layers: `RingMultiHeadAttention`, `make_ring_attention_fn`,
-  `PagedMultiHeadAttention`; cache: `PagedKVCache`; `convert` (swap every
+  `PagedMultiHeadAttention`; cache: `PagedKVCache` (`CacheOverflowError`); `convert` (swap every
   `nnx.MultiHeadAttention` of a model in place) and its `ConversionReport`
 * dense masks: `padded_segment_ids`, `structure_from_dense_mask`,
   `dense_mask_from_structure`
@@ -26,7 +26,7 @@ from flax_ringattn._src.masks import dense_mask_from_structure, padded_segment_i
 from flax_ringattn._src.nnx.convert import ConversionReport, convert
 from flax_ringattn._src.nnx.paged_mha import PagedMultiHeadAttention
 from flax_ringattn._src.nnx.ring_mha import RingMultiHeadAttention, make_ring_attention_fn
-from flax_ringattn._src.paged.cache import PagedKVCache
+from flax_ringattn._src.paged.cache import CacheOverflowError, PagedKVCache
 from flax_ringattn._src.paged.op import paged_attention
 from flax_ringattn._src.paged.reference import paged_reference_attention
 from flax_ringattn._src.reference import reference_attention
@@ -36,6 +36,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
   "BlockSizes",
+  "CacheOverflowError",
   "Hardware",
   "ConversionReport",
   "PagedKVCache",

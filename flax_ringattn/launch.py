@@ -12,7 +12,7 @@ the one that crosses processes).
 
 On a real cluster nothing here is needed: TPU slices and SLURM / Open MPI GPU
 clusters are detected by `jax.distributed.initialize()` itself (see the README,
-"Running across processes and hosts").
+"Running on accelerators and many hosts").
 
 If any process fails, the launcher waits `--grace` seconds for the others to
 fail on their own (JAX's heartbeat, `heartbeat_timeout_seconds`, detects a

@@ -77,6 +77,7 @@ def test_train_long_context_layer_then_load_and_serve(tmp_path):
   assert summary, served
   assert int(summary.group(1)) > 0, served
   assert float(summary.group(2)) > 50.0, served
+  assert "; 0 evictions" in served, served  # the cache fits every request: nothing overflowed
 
 
 @pytest.mark.slow

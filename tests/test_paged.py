@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -562,21 +563,36 @@ def _with(b: Batch, name, index, value):
   return b.replace(**{name: jnp.asarray(x, jnp.int32)})
 
 
+# Each message names the operand, the slot or position, and the bad value.
 CHECKED_PROBLEMS = {
-  "page_id_negative": (lambda b: _with(b, "page_indices", (1, 2), -1), "page_indices out of range"),
-  "page_id_too_large": (lambda b: _with(b, "page_indices", (2, 0), P), "page_indices out of range"),
-  "kv_lens_past_pages": (lambda b: _with(b, "kv_lens", 3, CAP + 1), "kv_lens exceeds the pages"),
-  "decreasing_cu_q_lens": (lambda b: _with(b, "cu_q_lens", 2, 2), "non-decreasing"),
-  "cu_q_lens_not_from_zero": (lambda b: _with(b, "cu_q_lens", 0, 1), "start at 0"),
+  "page_id_negative": (
+    lambda b: _with(b, "page_indices", (1, 2), -1),
+    "page_indices[1, 2]=-1 is out of range [0, 40) (k_pages.shape[0]); slot 1 uses its first 3 pages "
+    "(kv_lens[1]=9, page_size=4)",
+  ),
+  "page_id_too_large": (lambda b: _with(b, "page_indices", (2, 0), P), "page_indices[2, 0]=40 is out of range [0, 40)"),
+  "kv_lens_past_pages": (
+    lambda b: _with(b, "kv_lens", 3, CAP + 1),
+    "kv_lens[3]=25 exceeds the slot's pages: pages_per_seq * page_size = 6 * 4 = 24",
+  ),
+  "kv_lens_negative": (lambda b: _with(b, "kv_lens", 3, -1), "kv_lens[3]=-1 must be >= 0"),
+  "decreasing_cu_q_lens": (
+    lambda b: _with(b, "cu_q_lens", 2, 2),
+    "cu_q_lens must be non-decreasing over its first num_seqs + 1 entries: cu_q_lens[1]=3 > cu_q_lens[2]=2",
+  ),
+  "cu_q_lens_not_from_zero": (lambda b: _with(b, "cu_q_lens", 0, 1), "cu_q_lens[0]=1 must be 0"),
   "too_many_tokens": (  # 43 new tokens (each within its kv_lens) for T = 32 rows
     lambda b: b.replace(
       kv_lens=jnp.asarray([10, 9, 12, 24, 0, 0], jnp.int32),
       cu_q_lens=jnp.asarray([0, 10, 11, 23, 43, 43, 43], jnp.int32),
     ),
-    "the batch has 43 new tokens, more than max_num_batched_tokens=32",
+    "the batch has 43 new tokens (cu_q_lens[num_seqs=4]), more than max_num_batched_tokens=32 (q.shape[0])",
   ),
-  "q_len_over_kv_len": (lambda b: _with(b, "kv_lens", 0, 2), "more new tokens than kv_lens"),
-  "num_seqs_too_large": (lambda b: _with(b, "num_seqs", 0, S + 1), "num_seqs=7 must be in"),
+  "q_len_over_kv_len": (
+    lambda b: _with(b, "kv_lens", 0, 2),
+    "slot 0 has 3 new tokens (cu_q_lens[1] - cu_q_lens[0]) but kv_lens[0]=2: kv_lens must count the new tokens",
+  ),
+  "num_seqs_too_large": (lambda b: _with(b, "num_seqs", 0, S + 1), "num_seqs=7 must be in [0, max_num_seqs=6]"),
 }
 
 
@@ -598,6 +614,20 @@ def test_checked_reports_dynamic_problems(problem):
   corrupt, message = CHECKED_PROBLEMS[problem]
   err, _ = _checked(*corrupt(_good_checked_batch()).args)
   assert err.get() is not None and message in err.get(), err.get()
+
+
+@pytest.mark.parametrize("problem", list(CHECKED_PROBLEMS))
+def test_concrete_metadata_is_validated_eagerly(problem):
+  """On concrete arrays the same checks raise at once, without checked=True."""
+  corrupt, message = CHECKED_PROBLEMS[problem]
+  b = corrupt(_good_checked_batch())
+  with pytest.raises(ValueError, match=re.escape("paged_attention: " + message)):
+    fr.paged_attention(*b.args, block_sizes=SMALL)
+
+
+def test_concrete_good_batch_runs_eagerly():
+  b = _good_checked_batch()
+  assert_close(fr.paged_attention(*b.args, block_sizes=SMALL), ref_fn(*b.args), F32)
 
 
 def test_checked_requires_checkify():

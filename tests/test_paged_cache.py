@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 import flax_ringattn as fr
 
@@ -46,6 +50,7 @@ _share = jax.jit(fr.PagedKVCache.share_prefix)
 _needed = jax.jit(fr.PagedKVCache.pages_needed)
 _num_free = jax.jit(fr.PagedKVCache.num_free_pages)
 _util = jax.jit(fr.PagedKVCache.utilization)
+_fits = jax.jit(fr.PagedKVCache.fits)
 
 
 def _batch(rng, lens, num_tokens=16, pad_value=1e6, max_num_seqs=None):
@@ -350,31 +355,47 @@ def test_free_one_sharer_keeps_shared_pages():
 
 
 # -- a full cache -----------------------------------------------------------------------
+#
+# A write is all or nothing per slot.  Eagerly (concrete arrays) a write that does not fit raises
+# CacheOverflowError; under jit the slot stores none of its tokens and is flagged in `overflowed` until freed.
 
 
-def test_cache_full_drops_writes_of_unserved_slots():
+def _eager_append(cache, k, v, cu, n, **kw):
+  return cache.append(k, v, cu, n, **kw)
+
+
+def test_cache_full_refuses_whole_writes_of_unserved_slots():
   rng = np.random.default_rng(9)
   c = _create(num_pages=5, max_num_seqs=3, pages_per_seq=3)
   history = {}
   c = _step(c, rng, [7, 0, 0], history)  # 2 pages used, 3 free
   new = jnp.asarray([1, 6, 6])  # slot 0: 0 pages (room in its page), slot 1: 2, slot 2: 2
   assert int(_needed(c, new)) == 4 and int(_num_free(c)) == 3
+  np.testing.assert_array_equal(_fits(c, new), [True, True, False])
   before = c
   k, v, cu, n, per_slot = _batch(rng, [1, 6, 6])
   c = _append(c, k, v, cu, n)
   table = np.asarray(c.page_indices)
-  # Served in slot order: slot 1 gets both pages, slot 2 only its first.
-  assert (table[1, :2] >= 0).all() and table[2, 0] >= 0 and table[2, 1] == -1
-  assert int(_num_free(c)) == 0
+  # Served in slot order: slot 1 gets both pages; slot 2 none, and stores none of its 6 tokens.
+  assert (table[1, :2] >= 0).all() and (table[2] == -1).all()
+  np.testing.assert_array_equal(c.overflowed, [False, False, True])
+  np.testing.assert_array_equal(c.kv_lens, [8, 6, 0])
+  assert int(_num_free(c)) == 1
   for i in (0, 1):
     history[i].append(per_slot[i])
     _assert_slot(c, i, history)
-  # Slot 2: its first 4 tokens were stored, the last 2 dropped; nothing else changed.
-  k2, _ = per_slot[2]
-  np.testing.assert_array_equal(np.asarray(np.asarray(c.k_pages)[table[2, 0]]), k2[:4])
   np.testing.assert_array_equal(np.asarray(c.page_indices)[0], np.asarray(before.page_indices)[0])
-  np.testing.assert_array_equal(c.ref_counts, np.bincount(table[table >= 0], minlength=5))
-  assert len(set(table[table >= 0].tolist())) == 5  # no page handed out twice
+  _check_invariants(c)
+  # The flag sticks: a later write to slot 2 is refused too, even with pages free, until it is freed.
+  k, v, cu, n, _ = _batch(rng, [0, 0, 1])
+  c = _append(c, k, v, cu, n)
+  assert bool(c.overflowed[2]) and int(c.kv_lens[2]) == 0 and int(_num_free(c)) == 1
+  lens, table = c.attention_view()
+  assert int(lens[2]) == 0 and (np.asarray(table)[2] == -1).all()
+  c = _free(c, _slots(c, 2))
+  assert not np.asarray(c.overflowed).any()
+  c = _step(c, rng, [0, 0, 1])
+  assert int(c.kv_lens[2]) == 1 and not bool(c.overflowed[2])
 
 
 def test_cache_full_no_page_at_all():
@@ -385,6 +406,7 @@ def test_cache_full_no_page_at_all():
   assert int(_num_free(c)) == 0 and int(_needed(c, jnp.asarray([0, 3]))) == 1
   c = _step(c, rng, [0, 3])
   np.testing.assert_array_equal(np.asarray(c.page_indices)[1], -1)
+  np.testing.assert_array_equal(c.overflowed, [False, True])
   _assert_slot(c, 0, history)
   np.testing.assert_array_equal(c.ref_counts, [1, 1])
 
@@ -398,6 +420,64 @@ def test_cache_full_copy_on_write_does_not_corrupt_sharer():
   assert int(_num_free(c)) == 0 and int(_needed(c, jnp.asarray([0, 1]))) == 1
   c = _step(c, rng, [0, 1])  # slot 1 writes position 5 of the shared page: no page for the copy
   _assert_slot(c, 0, history)  # slot 0's token 5 must be intact
+  assert bool(c.overflowed[1]) and int(c.kv_lens[1]) == 5  # slot 1 keeps its shared prefix, stores nothing new
+  _check_invariants(c)
+
+
+def test_cache_past_pages_per_seq_refused_under_jit():
+  """The issue's case: 40 tokens into a slot of 4 pages of 8."""
+  c = _create(num_pages=16, page_size=8, max_num_seqs=2, pages_per_seq=4)
+  k, v, cu, n, _ = _batch(np.random.default_rng(12), [40, 3], num_tokens=48)
+  c = _append(c, k, v, cu, n)
+  np.testing.assert_array_equal(c.overflowed, [True, False])
+  np.testing.assert_array_equal(c.kv_lens, [0, 3])
+  _check_invariants(c)
+
+
+# (capacity limit, slot lens, expected message)
+OVERFLOWS = {
+  "pages_per_seq": (
+    dict(num_pages=16, page_size=8, max_num_seqs=2, pages_per_seq=4),
+    [40, 3],
+    "slot 0 cannot take 40 more tokens: it holds 0 and a slot holds at most pages_per_seq * page_size = 4 * 8 = 32",
+  ),
+  "free_pages": (
+    dict(num_pages=3, page_size=8, max_num_seqs=2, pages_per_seq=4),
+    [16, 16],
+    "slot 1 needs 2 more pages for 16 new tokens (it holds 0), but only 1 of num_pages=3 are free",
+  ),
+}
+
+
+@pytest.mark.parametrize("limit", list(OVERFLOWS))
+def test_cache_overflow_raises_eagerly(limit):
+  sizes, lens, message = OVERFLOWS[limit]
+  c = _create(**sizes)
+  k, v, cu, n, _ = _batch(np.random.default_rng(13), lens, num_tokens=48)
+  with pytest.raises(fr.CacheOverflowError, match=re.escape(message)):
+    _eager_append(c, k, v, cu, n)
+  with pytest.raises(fr.CacheOverflowError, match=re.escape(message)):
+    c.reserve(_lens(c, *lens))
+  # Within capacity, the same eager write goes through.
+  ok = _eager_append(c, k[:8], v[:8], jnp.asarray([0, 4, 8], jnp.int32), n)
+  np.testing.assert_array_equal(ok.kv_lens, [4, 4])
+
+
+@pytest.mark.parametrize("limit", list(OVERFLOWS))
+def test_cache_overflow_checked_under_jit(limit):
+  sizes, lens, message = OVERFLOWS[limit]
+  c = _create(**sizes)
+  k, v, cu, n, _ = _batch(np.random.default_rng(14), lens, num_tokens=48)
+  checked = jax.jit(checkify.checkify(lambda c, k, v, cu, n: c.append(k, v, cu, n, checked=True)))
+  err, _ = checked(c, k, v, cu, n)
+  short = message.split(" (it holds")[0] if limit == "free_pages" else message.split(": it holds")[0]
+  assert err.get() is not None and short in err.get(), err.get()
+  # A slot flagged by an earlier step and written again: the third check.
+  flagged = dataclasses.replace(c, overflowed=jnp.asarray([False, True]))
+  err, _ = checked(flagged, k, v, jnp.asarray([0, 0, 1], jnp.int32), n)
+  assert "slot 1 overflowed in an earlier step" in err.get(), err.get()
+  err, _ = checked(c, k[:8], v[:8], jnp.asarray([0, 4, 8], jnp.int32), n)
+  assert err.get() is None
 
 
 # -- utilization -----------------------------------------------------------------------
@@ -468,7 +548,7 @@ def test_cache_through_jit_and_scan(dtype):
   rng = np.random.default_rng(16)
   c = _create(dtype=dtype)
   leaves = jax.tree.leaves(c)
-  assert len(leaves) == (7 if dtype == jnp.int8 else 5)
+  assert len(leaves) == (8 if dtype == jnp.int8 else 6)  # pages, table, lens, refs, overflowed (+ 2 scales)
   k, v, cu, n, _ = _batch(rng, [2, 3, 1, 4])
 
   @jax.jit

@@ -432,13 +432,17 @@ def test_layer_uses_fused_write():
   rng = np.random.default_rng(82)
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(paged_mha, "paged_attention_with_cache_write", spy)
-    for lens in ([9, 3], [1, 1, 6], [1, 1, 1, 1]):
+    # The last step overflows slot 0 (26 + 7 tokens > pages_per_seq * page_size = 32): the fused kernel must
+    # store none of them (it reads the cache's attention_view) and return 0 for its rows, as the XLA path does.
+    for lens in ([9, 3], [1, 1, 6], [1, 1, 1, 1], [15, 1], [7, 1, 0, 1]):
       _, _, _, cu, n = _ragged(rng, lens)
       x = jnp.asarray(rng.normal(size=(16, 16)), F32)
       with no_races():
         y = jax.block_until_ready(step(fused, x, cu, n))
       assert_close(y, step(plain, x, cu, n), F32)
-      np.testing.assert_array_equal(
-        np.asarray(fused.kv_cache.get_value().k_pages), np.asarray(plain.kv_cache.get_value().k_pages)
-      )
+      for name in ("k_pages", "v_pages", "kv_lens", "overflowed"):
+        got, want = (np.asarray(getattr(layer.kv_cache.get_value(), name)) for layer in (fused, plain))
+        np.testing.assert_array_equal(got, want, name)
+  np.testing.assert_array_equal(np.asarray(fused.overflowed()), [True, False, False, False])
+  np.testing.assert_array_equal(np.asarray(y[:7]), 0.0)
   assert calls == [1]  # traced once: one compile across the changing batches

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
+
 import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -9,6 +12,41 @@ from jax.sharding import PartitionSpec as P
 from flax_ringattn._src import sharding
 
 _PROJECTIONS = ("query", "key", "value", "out", "query_ln", "key_ln")
+_FLAX_OPTIONS = tuple(p for p in inspect.signature(nnx.MultiHeadAttention.__init__).parameters if p != "self")
+
+
+def check_keywords(cls, kwargs):
+  """Raises TypeError naming `cls` for a keyword neither `cls.__init__` nor `nnx.MultiHeadAttention` takes.
+
+  The layers pass what they do not know on to `nnx.MultiHeadAttention.__init__`, which would otherwise report a
+  typo against flax's class.
+  """
+  unknown = [k for k in kwargs if k not in _FLAX_OPTIONS]
+  if not unknown:
+    return
+  own = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "kwargs")]
+  close = difflib.get_close_matches(unknown[0], own + list(_FLAX_OPTIONS), n=1)
+  hint = f" (did you mean {close[0]!r}?)" if close else ""
+  raise TypeError(
+    f"{cls.__name__}() got an unexpected keyword argument {unknown[0]!r}{hint}; it takes the arguments of "
+    f"nnx.MultiHeadAttention plus {', '.join(p for p in own if p not in _FLAX_OPTIONS)}"
+  )
+
+
+def check_mesh_axes(cls_name: str, mesh, **axes):
+  """Raises ValueError when an axis given for `cls_name` (seq_axis=..., head_axis=...) is not one of `mesh`.
+
+  A tuple names several axes (a sequence sharded over their product).  Without a mesh, nothing to check: the
+  axes must then be bound by the caller's own `shard_map`.
+  """
+  if mesh is None:
+    return
+  names = tuple(mesh.axis_names)
+  for arg, axis in axes.items():
+    for a in axis if isinstance(axis, (tuple, list)) else (axis,):
+      if a is not None and a not in names:
+        which = "" if a == axis else f" names {a!r}, which"
+        raise ValueError(f"{cls_name}: {arg}={axis!r}{which} is not an axis of the mesh (mesh axes: {names})")
 
 
 def head_sharding_metadata(head_axis, mesh, *, kernel_metadata, bias_metadata, out_kernel_metadata, out_bias_metadata):

@@ -27,7 +27,7 @@ from flax.nnx.nn.attention import dot_product_attention
 from jax.sharding import PartitionSpec as P
 
 from flax_ringattn._src import sharding
-from flax_ringattn._src.nnx.common import _PROJECTIONS, head_param_spec, place_params
+from flax_ringattn._src.nnx.common import _PROJECTIONS, check_mesh_axes, head_param_spec, place_params
 from flax_ringattn._src.nnx.paged_mha import PagedMultiHeadAttention
 from flax_ringattn._src.nnx.ring_mha import RingMultiHeadAttention
 
@@ -185,6 +185,14 @@ def convert(model, *, to: str = "ring", mesh=None, seq_axis=None, **layer_option
     raise ValueError(f"{to=} must be 'ring' or 'paged'")
   if to == "paged" and seq_axis is not None:
     raise ValueError(f"{seq_axis=} applies to to='ring' only: paged layers shard heads (head_axis), not the sequence")
+  # Checked before anything is replaced, so a wrong axis leaves the model as it was.
+  check_mesh_axes(
+    "convert",
+    mesh,
+    seq_axis=seq_axis,
+    head_axis=layer_options.get("head_axis"),
+    batch_axis=layer_options.get("batch_axis"),
+  )
   report = ConversionReport(to=to)
   found = [(path, node) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.MultiHeadAttention)]
   for path, old in found:

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from flax_ringattn._src import sharding
-from flax_ringattn._src.nnx.common import head_sharding_metadata
+from flax_ringattn._src import sharding, validation
+from flax_ringattn._src.nnx.common import check_keywords, check_mesh_axes, head_sharding_metadata
 from flax_ringattn._src.paged.cache import PagedKVCache
 from flax_ringattn._src.paged.op import paged_attention, paged_attention_with_cache_write, uses_fused_cache_write
 
@@ -24,7 +24,19 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
   existing layer or of a `RingMultiHeadAttention` load with `nnx.update`), plus
   keyword-only `mesh` / `head_axis` (kv heads sharded over a tensor axis: the op
   then runs under `shard_map` over it), `sliding_window`, `logits_soft_cap`,
-  `implementation`, `block_sizes` and `interpret` (as for `paged_attention`).
+  `implementation`, `block_sizes` and `interpret` (as for `paged_attention`), and
+  `checked`.  `decode` may be left out or True (the layer always samples from
+  its paged cache); decode=False raises.
+
+  A step whose new tokens do not fit a sequence's cache slot (past
+  `pages_per_seq * page_size` tokens, or no free pages left) is never cut
+  short: called eagerly it raises `CacheOverflowError` naming the slot; under
+  `jit` the slot stores none of its tokens, its rows return 0, and
+  `layer.overflowed()` ([max_num_seqs] bool) flags it until `free`: check it
+  after each step (refuse or evict the request; see the README).  With
+  `checked=True` the step instead raises under
+  `jax.experimental.checkify.checkify`, and `paged_attention`'s metadata checks
+  run too.
 
   On pallas_tpu (a TPU with implementation=None, or interpret=...), without
   `head_axis`, a step writes the new tokens' K/V into their pages inside the
@@ -59,6 +71,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     implementation: str | None = None,
     block_sizes=None,
     interpret=None,
+    checked: bool = False,
     dropout_rate: float = 0.0,
     kernel_metadata: Mapping = MappingProxyType({}),
     out_kernel_metadata: Mapping = MappingProxyType({}),
@@ -66,8 +79,15 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     out_bias_metadata: Mapping = MappingProxyType({}),
     **kwargs,
   ):
+    check_keywords(type(self), kwargs)
+    if kwargs.pop("decode", None) is False:
+      raise ValueError(
+        "PagedMultiHeadAttention always samples from its paged cache (init_cache(...)); decode=False asks for a "
+        "layer without a cache: use nnx.MultiHeadAttention or RingMultiHeadAttention (or leave decode out)"
+      )
     if dropout_rate:
       raise NotImplementedError(f"PagedMultiHeadAttention does not implement dropout ({dropout_rate=})")
+    check_mesh_axes(type(self).__name__, mesh, head_axis=head_axis)
     metadata = head_sharding_metadata(
       head_axis,
       mesh,
@@ -79,11 +99,8 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     if mesh is not None and head_axis is not None:
       size = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)).get(head_axis)
       kv = num_kv_heads if num_kv_heads is not None else num_heads
-      if size is None:
-        raise ValueError(f"head_axis={head_axis!r} is not an axis of the mesh (mesh axes: {tuple(mesh.axis_names)})")
       if kv % size:
         raise ValueError(f"num_kv_heads={kv} must be a multiple of the {head_axis!r} axis size {size}")
-    kwargs.setdefault("decode", False)
     super().__init__(
       num_heads,
       in_features,
@@ -92,6 +109,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       num_kv_heads,
       in_kv_features,
       dropout_rate=0.0,
+      decode=False,  # flax's own single-index cache stays off: the paged cache replaces it
       **metadata,
       **kwargs,
     )
@@ -102,6 +120,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     self.implementation = implementation
     self.block_sizes = block_sizes
     self.interpret = interpret
+    self.checked = validation.check_bool("checked", checked)
     self.kv_cache: nnx.Cache | None = nnx.data(None)
 
   def init_cache(  # type: ignore[override]
@@ -139,6 +158,10 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     cache = self._cache().free(slots)
     self.kv_cache.set_value(cache)
 
+  def overflowed(self):
+    """[max_num_seqs] bool: slots whose write did not fit; they store nothing more until `free` (see the class)."""
+    return self._cache().overflowed
+
   def _cache(self) -> PagedKVCache:
     if self.kv_cache is None:
       raise ValueError("the paged cache is not initialised: call init_cache(...) first")
@@ -152,21 +175,23 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     state = (cache.k_pages, cache.v_pages, cache.kv_lens, cache.page_indices, cu, n)
     if not uses_fused_cache_write(query, *state, k_scale=cache.k_scale, v_scale=cache.v_scale, **options):
       return None
-    cache, k_new, v_new, k_sc, v_sc = cache.reserve_append(key, value, cu, n)
+    cache, k_new, v_new, k_sc, v_sc = cache.reserve_append(key, value, cu, n, checked=self.checked)
+    kv_lens, table = cache.attention_view()
     result = paged_attention_with_cache_write(
       query,
       k_new,
       v_new,
       cache.k_pages,
       cache.v_pages,
-      cache.kv_lens,
-      cache.page_indices,
+      kv_lens,
+      table,
       cu,
       n,
       k_scale=cache.k_scale,
       v_scale=cache.v_scale,
       k_new_scale=k_sc,
       v_new_scale=v_sc,
+      checked=self.checked,
       **options,
     )
     if result is None:
@@ -176,11 +201,30 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     self.kv_cache.set_value(cache)
     return out
 
-  def __call__(self, inputs, *, cu_q_lens, num_seqs, sow_weights: bool = False, **unused):  # type: ignore[override]
+  def __call__(  # type: ignore[override]
+    self,
+    inputs,
+    *,
+    cu_q_lens,
+    num_seqs,
+    mask=None,
+    deterministic: bool | None = None,
+    rngs=None,
+    sow_weights: bool = False,
+    decode: bool | None = None,
+  ):
+    """One serving step: `inputs` [T, features], the new tokens of every slot back to back (see the class).
+
+    `deterministic` and `rngs` are accepted for `nnx.MultiHeadAttention` call compatibility and unused (no
+    dropout); `mask`, `sow_weights` and decode=False raise.
+    """
+    del deterministic, rngs
     if sow_weights:
       raise NotImplementedError("sow_weights=True is not supported by PagedMultiHeadAttention")
-    if unused.get("mask") is not None:
+    if mask is not None:
       raise NotImplementedError("PagedMultiHeadAttention takes no dense mask: causality comes from the cache positions")
+    if decode is False:
+      raise ValueError("PagedMultiHeadAttention always decodes from its paged cache: decode=False is not supported")
     if inputs.ndim != 2:
       raise ValueError(f"inputs must be [max_num_batched_tokens, features] (rank 2), got shape {tuple(inputs.shape)}")
     if inputs.shape[-1] != self.in_features:
@@ -199,13 +243,16 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       fused = self._fused_step(query, key, value, cu_q_lens, num_seqs, options)
       if fused is not None:
         return self.out(fused)
-    cache = self._cache().append(key, value, cu_q_lens, num_seqs)
+    cache = self._cache().append(key, value, cu_q_lens, num_seqs, checked=self.checked)
     self.kv_cache.set_value(cache)
 
     def attend(q, k_pages, v_pages, k_scale, v_scale, kv_lens, table, cu, n):
-      return paged_attention(q, k_pages, v_pages, kv_lens, table, cu, n, k_scale=k_scale, v_scale=v_scale, **options)
+      return paged_attention(
+        q, k_pages, v_pages, kv_lens, table, cu, n, k_scale=k_scale, v_scale=v_scale, checked=self.checked, **options
+      )
 
-    args = (query, cache.k_pages, cache.v_pages, cache.k_scale, cache.v_scale, cache.kv_lens, cache.page_indices)
+    kv_lens, table = cache.attention_view()
+    args = (query, cache.k_pages, cache.v_pages, cache.k_scale, cache.v_scale, kv_lens, table)
     meta = (jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(num_seqs, jnp.int32))
     if self.mesh is not None and self.head_axis is not None:
       h = self.head_axis

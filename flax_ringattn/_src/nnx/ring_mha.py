@@ -18,14 +18,22 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from flax_ringattn._src import masks, sharding
-from flax_ringattn._src.nnx.common import head_sharding_metadata, place_params
-from flax_ringattn._src.ring.op import ring_attention
+from flax_ringattn._src.nnx.common import check_keywords, check_mesh_axes, head_sharding_metadata, place_params
+from flax_ringattn._src.ring import strategies
+from flax_ringattn._src.ring.op import check_mesh_lengths, ring_attention
 
 _MASK_ALTERNATIVES = (
   "ring attention never passes a dense [B, N, T, S] mask to its kernels (it would cost O(T * S) memory on every "
   "device); express the mask with is_causal=True, segment_ids=... (packed documents; padding: see "
   "flax_ringattn.padded_segment_ids), local_window_size=... (sliding window), or a combination, or keep "
   "nnx.MultiHeadAttention for this layer"
+)
+
+
+_NO_DECODE = (
+  "decode=True (autoregressive KV cache) is not supported by RingMultiHeadAttention; "
+  "ring attention is for training and prefill over sharded sequences (PagedMultiHeadAttention, or "
+  "convert(model, to='paged'), gives layers for sampling with a paged cache)"
 )
 
 
@@ -37,11 +45,15 @@ def _unsupported_call_options(*, sow_weights, bias=None, decode=False):
       "sow_weights=True is not supported: ring attention never materialises the [T, S] attention weights"
     )
   if decode:
-    raise NotImplementedError(
-      "decode=True (autoregressive KV cache) is not supported by RingMultiHeadAttention; "
-      "ring attention is for training and prefill over sharded sequences (convert(model, to='paged') gives "
-      "layers for sampling with a paged cache)"
-    )
+    raise NotImplementedError(_NO_DECODE)
+
+
+def _check_layout_options(cls_name, mesh, seq_axis, head_axis, batch_axis, strategy):
+  """What the layers and `make_ring_attention_fn` can check before any call: strategy, and axes on the mesh."""
+  strategy = strategies.check_strategy(strategy)
+  if seq_axis is not None:
+    strategies.check_axes(strategy, seq_axis)
+  check_mesh_axes(cls_name, mesh, seq_axis=seq_axis, head_axis=head_axis, batch_axis=batch_axis)
 
 
 def _raise_if_inexact(exact):
@@ -160,7 +172,11 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     out_bias_metadata: Mapping = MappingProxyType({}),
     **kwargs,
   ):
+    check_keywords(type(self), kwargs)
+    if kwargs.get("decode"):
+      raise NotImplementedError(_NO_DECODE)
     seq_axis = sharding.sequence_axis(mesh, seq_axis, arg="seq_axis")
+    _check_layout_options(type(self).__name__, mesh, seq_axis, head_axis, batch_axis, strategy)
     metadata = head_sharding_metadata(
       head_axis,
       mesh,
@@ -232,6 +248,14 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       raise ValueError(
         f"inputs_q has {inputs_q.shape[-1]} features but the layer expects in_features={self.in_features}"
       )
+    check_mesh_lengths(
+      self.mesh,
+      self.seq_axis,
+      inputs_q.shape[-2],
+      inputs_k.shape[-2],
+      load_balance=self.load_balance,
+      strategy=self.strategy,
+    )
     causal = is_causal
     if mask is not None:
       B, T, S = inputs_q.shape[0], inputs_q.shape[-2], inputs_k.shape[-2]
@@ -312,6 +336,7 @@ def make_ring_attention_fn(
   `NotImplementedError` naming the alternatives.
   """
   seq_axis = sharding.sequence_axis(mesh, seq_axis, arg="seq_axis")
+  _check_layout_options("make_ring_attention_fn", mesh, seq_axis, head_axis, batch_axis, strategy)
 
   def ring_attention_fn(
     query,

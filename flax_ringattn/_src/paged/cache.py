@@ -11,7 +11,11 @@ Invariants:
 * ref_counts[p] is the number of slots referencing page p (0 = free);
 * a free page holds zeros: `free` zeroes a page when its last reference goes,
   so a new owner can never read a previous request's keys and values;
-* a write into a page shared by several slots first copies it (copy-on-write).
+* a write into a page shared by several slots first copies it (copy-on-write);
+* a write is all or nothing per slot: a slot whose new tokens do not fit (past
+  `pages_per_seq * page_size` tokens, or more pages than are free) stores none
+  of them and is marked in `overflowed` until `free` (see `reserve`).  Called
+  on concrete arrays, the write raises `CacheOverflowError` instead.
 """
 
 from __future__ import annotations
@@ -20,9 +24,27 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import checkify
 
 from flax_ringattn._src import paged_common as common
 from flax_ringattn._src import paged_metadata as metadata
+from flax_ringattn._src.validation import check_bool
+
+
+class CacheOverflowError(ValueError):
+  """A write to a `PagedKVCache` slot does not fit: past its pages, or more pages than are free."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Admission:
+  """Per slot [S], for a write of `new_lens` tokens: whether it fits, and why not."""
+
+  new_lens: jax.Array
+  wants: jax.Array  # new_lens > 0
+  within: jax.Array  # kv_lens + new_lens <= pages_per_seq * page_size
+  extra: jax.Array  # pages it needs beyond those it holds (copy-on-write included)
+  free_before: jax.Array  # free pages left after the slots before it were served
+  accepted: jax.Array  # served (wants, within, not overflowed, enough pages)
 
 
 @jax.tree_util.register_dataclass
@@ -35,6 +57,8 @@ class PagedKVCache:
   ref_counts: jax.Array  # [P] int32
   k_scale: jax.Array | None = None  # [P, page_size, K] for quantized pages
   v_scale: jax.Array | None = None
+  # [S] bool: a write to the slot did not fit; the slot stores nothing more until `free` (None: all False).
+  overflowed: jax.Array | None = None
 
   @classmethod
   def create(
@@ -70,6 +94,7 @@ class PagedKVCache:
       ref_counts=jnp.zeros((num_pages,), jnp.int32),
       k_scale=scale,
       v_scale=scale,
+      overflowed=jnp.zeros((max_num_seqs,), bool),
     )
 
   # -- shapes -----------------------------------------------------------------
@@ -93,13 +118,21 @@ class PagedKVCache:
   def num_free_pages(self):
     return jnp.sum(self.ref_counts == 0)
 
+  def _overflowed(self):
+    return jnp.zeros((self.max_num_seqs,), bool) if self.overflowed is None else self.overflowed
+
   def pages_needed(self, new_lens):
-    """Pages the slots need beyond what they hold to store `new_lens` [S] more tokens."""
-    ps = self.page_size
-    have = -(-self.kv_lens // ps)
-    need = jnp.minimum(-(-(self.kv_lens + new_lens) // ps), self.pages_per_seq)  # as `reserve` caps it
-    cow = self._copy_on_write_mask(new_lens)
-    return jnp.sum(jnp.maximum(need - have, 0) + cow)
+    """Pages the slots need beyond what they hold to store `new_lens` [S] more tokens (copy-on-write included)."""
+    return jnp.sum(self._admission(new_lens).extra)
+
+  def fits(self, new_lens):
+    """[S] bool: the slots whose `new_lens` [S] more tokens `reserve` would store (served in slot order).
+
+    A slot with no new tokens fits; a slot past its capacity, or already `overflowed`, never does.  Check this
+    before a step to refuse work the cache cannot hold.
+    """
+    a = self._admission(new_lens)
+    return a.accepted | ~a.wants
 
   def utilization(self):
     """Token slots holding data / token slots of allocated pages (shared pages counted once)."""
@@ -111,6 +144,12 @@ class PagedKVCache:
     allocated = jnp.sum(self.ref_counts > 0) * ps
     return jnp.where(allocated > 0, jnp.sum(per_page) / jnp.maximum(allocated, 1), 1.0)
 
+  def attention_view(self):
+    """(kv_lens, page_indices) as attention reads them: `overflowed` slots have length 0 and no pages, so their
+    rows see nothing (they return 0) and a fused cache write stores nothing for them."""
+    over = self._overflowed()
+    return jnp.where(over, 0, self.kv_lens), jnp.where(over[:, None], -1, self.page_indices)
+
   # -- allocation ---------------------------------------------------------------
   def _copy_on_write_mask(self, new_lens):
     ps = self.page_size
@@ -120,16 +159,111 @@ class PagedKVCache:
     shared = self.ref_counts[jnp.clip(page, 0, self.num_pages - 1)] > 1
     return (partial & (page >= 0) & shared).astype(jnp.int32)
 
-  def reserve(self, new_lens) -> PagedKVCache:
+  def _admission(self, new_lens) -> _Admission:
+    """Which slots' writes of `new_lens` [S] tokens fit, served greedily in slot order (all or nothing each)."""
+    ps, pps = self.page_size, self.pages_per_seq
+    new_lens = jnp.asarray(new_lens, jnp.int32)
+    wants = new_lens > 0
+    within = self.kv_lens + new_lens <= pps * ps
+    have = -(-self.kv_lens // ps)
+    extra = jnp.maximum(-(-(self.kv_lens + new_lens) // ps) - have, 0) + self._copy_on_write_mask(new_lens)
+    free = self.num_free_pages().astype(jnp.int32)
+    candidate = wants & within & ~self._overflowed()
+
+    def serve(used, x):
+      pages, ok = x
+      take = ok & (used + pages <= free)
+      return used + jnp.where(take, pages, 0), (take, free - used)
+
+    _, (accepted, free_before) = jax.lax.scan(serve, jnp.int32(0), (extra, candidate))
+    return _Admission(new_lens, wants, within, extra, free_before, accepted)
+
+  def _check_admission(self, a: _Admission, checked: bool):
+    """Raises `CacheOverflowError` for a refused write on concrete arrays; adds checkify checks when `checked`."""
+    refused = a.wants & ~a.accepted
+    was = self._overflowed()
+    beyond = refused & ~a.within & ~was
+    no_pages = refused & a.within & ~was
+    again = refused & was
+    cap = self.pages_per_seq * self.page_size
+    if not any(isinstance(x, jax.core.Tracer) for x in (refused, self.kv_lens, a.new_lens)):
+      if bool(jnp.any(refused)):
+        s = int(jnp.argmax(refused))
+        raise CacheOverflowError(
+          self._overflow_message(s, a, bool(again[s]), bool(beyond[s]), kv=int(self.kv_lens[s]), cap=cap)
+        )
+      return
+    if not checked:
+      return
+    first = lambda m: jnp.argmax(m).astype(jnp.int32)  # noqa: E731
+    s = first(beyond)
+    checkify.check(
+      ~jnp.any(beyond),
+      "PagedKVCache: slot {s} cannot take {n} more tokens: it holds {kv} and a slot holds at most "
+      f"pages_per_seq * page_size = {self.pages_per_seq} * {self.page_size} = {cap} tokens",
+      s=s,
+      n=a.new_lens[s],
+      kv=self.kv_lens[s],
+    )
+    s = first(no_pages)
+    checkify.check(
+      ~jnp.any(no_pages),
+      "PagedKVCache: slot {s} needs {need} more pages for {n} new tokens but only {free} of "
+      f"num_pages={self.num_pages} are free after the slots before it",
+      s=s,
+      need=a.extra[s],
+      n=a.new_lens[s],
+      free=a.free_before[s],
+    )
+    s = first(again)
+    checkify.check(
+      ~jnp.any(again),
+      "PagedKVCache: slot {s} overflowed in an earlier step and stores nothing more: free it and re-admit its request",
+      s=s,
+    )
+
+  def _overflow_message(self, s, a: _Admission, again: bool, beyond: bool, *, kv: int, cap: int) -> str:
+    n = int(a.new_lens[s])
+    if again:
+      return (
+        f"PagedKVCache: slot {s} overflowed in an earlier step and stores nothing more ({n} new tokens refused): "
+        "free it (free(slots)) and re-admit its request"
+      )
+    if beyond:
+      return (
+        f"PagedKVCache: slot {s} cannot take {n} more tokens: it holds {kv} and a slot holds at most "
+        f"pages_per_seq * page_size = {self.pages_per_seq} * {self.page_size} = {cap} tokens (create the cache "
+        "with more pages_per_seq, or split the request)"
+      )
+    return (
+      f"PagedKVCache: slot {s} needs {int(a.extra[s])} more pages for {n} new tokens (it holds {kv}), but only "
+      f"{int(a.free_before[s])} of num_pages={self.num_pages} are free after the slots before it (free finished "
+      "slots, or refuse the work: check fits(new_lens) before the step)"
+    )
+
+  def reserve(self, new_lens, *, checked: bool = False) -> PagedKVCache:
     """Gives every slot the pages it needs for `new_lens` [S] more tokens.
 
     Pages come from the free list in slot order.  A shared page about to be
-    written is first copied.  When the cache is full, the slots that cannot be
-    served get no page (their writes are dropped and reads masked): check
-    `pages_needed(new_lens) <= num_free_pages()` before admitting work.
+    written is first copied.  A slot whose tokens do not fit (more than
+    `pages_per_seq * page_size` in all, or more pages than are free after the
+    slots before it) gets nothing: its write is refused whole, never cut short.
+    On concrete arrays that raises `CacheOverflowError` (naming the slot, the
+    tokens and the capacity).  Under `jit` the slot is marked in
+    `overflowed` (it then stores nothing more until `free`): check that flag
+    after a step, or `fits(new_lens)` before it, or pass `checked=True` and
+    run under `jax.experimental.checkify.checkify` to raise instead.
     """
+    a = self._admission(new_lens)
+    self._check_admission(a, check_bool("checked", checked))
+    refused = a.wants & ~a.accepted
+    new_lens = jnp.where(a.accepted, a.new_lens, 0)
+    cache = dataclasses.replace(self, overflowed=self._overflowed() | refused)
+    return cache._grow(new_lens)
+
+  def _grow(self, new_lens) -> PagedKVCache:
+    """The page moves of `reserve` for `new_lens` [S] that fit (all of them, by `_admission`)."""
     ps, P, S, pps = self.page_size, self.num_pages, self.max_num_seqs, self.pages_per_seq
-    new_lens = jnp.asarray(new_lens, jnp.int32)
     have = -(-self.kv_lens // ps)
     need = jnp.minimum(-(-(self.kv_lens + new_lens) // ps), pps)
     cow = self._copy_on_write_mask(new_lens)
@@ -149,8 +283,8 @@ class PagedKVCache:
     if k_scale is not None:
       k_scale = k_scale.at[fresh].set(k_scale[jnp.clip(old, 0, P - 1)], mode="drop")
       v_scale = v_scale.at[fresh].set(v_scale[jnp.clip(old, 0, P - 1)], mode="drop")
-    # A copy that finds no free page must not write into the shared page: the
-    # slot lets go of it (its write is dropped, its reads of it masked).
+    # Admission leaves every served slot its pages, so a copy always finds one; were it not to, the slot
+    # must still not write into the shared page: it lets go of it.
     lost = (cow > 0) & ~ok_copy
     refs = self.ref_counts.at[jnp.where(cow > 0, old, P)].add(-1, mode="drop")
     # Two slots sharing a page may both copy it in the same step; the original
@@ -170,47 +304,48 @@ class PagedKVCache:
       self, k_pages=k_pages, v_pages=v_pages, page_indices=table, ref_counts=refs, k_scale=k_scale, v_scale=v_scale
     )
 
-  def append(self, k, v, cu_q_lens, num_seqs) -> PagedKVCache:
-    """Reserves pages and writes the new K/V [T, K, H] of a ragged batch; kv_lens grows."""
+  def _stored_lens(self, q_lens):
+    """[S] new tokens each slot stores this step: its q_lens, or 0 where its write was refused (`overflowed`)."""
+    return jnp.where(self._overflowed(), 0, q_lens)
+
+  def append(self, k, v, cu_q_lens, num_seqs, *, checked: bool = False) -> PagedKVCache:
+    """Reserves pages and writes the new K/V [T, K, H] of a ragged batch; kv_lens grows (see `reserve` for a
+    write that does not fit)."""
     T = k.shape[0]
     q_lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
-    cache = self.reserve(q_lens)
-    return cache._write(k, v, cu_q_lens, num_seqs, q_lens, T)
+    cache = self.reserve(q_lens, checked=checked)
+    return cache._write(k, v, cu_q_lens, num_seqs, cache._stored_lens(q_lens), T)
 
-  def reserve_append(self, k, v, cu_q_lens, num_seqs):
+  def reserve_append(self, k, v, cu_q_lens, num_seqs, *, checked: bool = False):
     """`append` without the page writes, for a kernel that writes the new tokens itself (the fused write).
 
     Returns (cache, stored_k, stored_v, k_token_scale, v_token_scale): the cache with its pages reserved
     (copy-on-write done) and kv_lens grown, and the new K/V [T, K, H] as the pages store them (quantized, with
-    per-token scales [T, K], when the cache keeps scales; else the scales are None).
+    per-token scales [T, K], when the cache keeps scales; else the scales are None).  The kernel must read the
+    lengths and page table of `cache.attention_view()`, so that a refused slot's tokens are stored nowhere.
     """
     q_lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
-    cache = self.reserve(q_lens)
+    cache = self.reserve(q_lens, checked=checked)
     k_store, k_sc = _quantize(cache.k_pages.dtype, cache.k_scale is not None, k)
     v_store, v_sc = _quantize(cache.v_pages.dtype, cache.v_scale is not None, v)
-    cap = cache.pages_per_seq * cache.page_size
-    cache = dataclasses.replace(cache, kv_lens=jnp.minimum(cache.kv_lens + q_lens, cap))
+    cache = dataclasses.replace(cache, kv_lens=cache.kv_lens + cache._stored_lens(q_lens))
     return cache, k_store, v_store, k_sc, v_sc
 
   def _write(self, k, v, cu_q_lens, num_seqs, q_lens, T) -> PagedKVCache:
+    """Stores the rows of the slots with q_lens [S] > 0 (the others' rows are refused, or padding)."""
     cache = self
     seq, start, valid = metadata.token_owner(cu_q_lens, num_seqs, T)
     pos = cache.kv_lens[seq] + jnp.arange(T) - start
     ps, P = cache.page_size, cache.num_pages
     col = jnp.clip(pos // ps, 0, cache.pages_per_seq - 1)
     page = cache.page_indices[seq, col]
-    ok = valid & (pos // ps < cache.pages_per_seq) & (page >= 0)
+    ok = valid & (q_lens[seq] > 0) & (pos // ps < cache.pages_per_seq) & (page >= 0)
     page = jnp.where(ok, page, P)
     slot = pos % ps
     k_pages, k_scale = _store(cache.k_pages, cache.k_scale, page, slot, k)
     v_pages, v_scale = _store(cache.v_pages, cache.v_scale, page, slot, v)
     return dataclasses.replace(
-      cache,
-      k_pages=k_pages,
-      v_pages=v_pages,
-      k_scale=k_scale,
-      v_scale=v_scale,
-      kv_lens=jnp.minimum(cache.kv_lens + q_lens, cache.pages_per_seq * ps),
+      cache, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale, kv_lens=cache.kv_lens + q_lens
     )
 
   def free(self, slots) -> PagedKVCache:
@@ -231,6 +366,7 @@ class PagedKVCache:
       page_indices=jnp.where(slots[:, None], -1, self.page_indices),
       kv_lens=jnp.where(slots, 0, self.kv_lens),
       ref_counts=refs,
+      overflowed=None if self.overflowed is None else self.overflowed & ~slots,
     )
 
   def share_prefix(self, src, dst, num_tokens) -> PagedKVCache:

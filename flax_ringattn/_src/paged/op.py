@@ -15,7 +15,6 @@ from jax.sharding import AxisType, PartitionSpec
 
 from flax_ringattn._src import backends, validation
 from flax_ringattn._src import paged_common as common
-from flax_ringattn._src import paged_metadata as metadata
 from flax_ringattn._src.backends.pallas_tpu import paged as pallas_paged
 from flax_ringattn._src.backends.pallas_tpu import planner
 from flax_ringattn._src.backends.xla import paged as xla_paged
@@ -70,11 +69,15 @@ def paged_attention(
     block_sizes: `BlockSizes(block_q=rows per chunk, block_kv=kv tokens per
       step, a multiple of page_size)`.  None: (16, 128) on XLA; on pallas_tpu
       `plan_paged_block_sizes`, which fits both kernels in the chip's VMEM.
-    checked: add `checkify` checks for the dynamic problems (page ids out of
-      range, kv_lens past a sequence's pages, decreasing cu_q_lens, more new
-      tokens than T or than kv_lens); run the call under
-      `jax.experimental.checkify.checkify`.  Without it, bad metadata can never
-      make a sequence read outside its own pages: such slots are masked.
+    checked: under `jit`, add `checkify` checks of the metadata's values
+      (num_seqs in range, cu_q_lens starting at 0 and non-decreasing, at most T
+      new tokens, q_len <= kv_len, kv_lens within pages_per_seq * page_size,
+      page ids in [0, P) for the pages a sequence uses); run the call under
+      `jax.experimental.checkify.checkify`.  Called on concrete arrays, the
+      same checks always run and raise `ValueError` (naming the operand, the
+      slot or position, and the value), whatever `checked` says.  Unchecked
+      under `jit`, bad metadata can still never make a sequence read outside
+      its own pages: such slots are masked.
     interpret: run the pallas_tpu kernel in Pallas TPU interpret mode (on CPU):
       True or a `jax.experimental.pallas.tpu.InterpretParams`.  Implies
       implementation="pallas_tpu" when implementation is None.
@@ -105,8 +108,7 @@ def paged_attention(
   kv_lens, page_indices, cu_q_lens, num_seqs = (
     jnp.asarray(x, jnp.int32) for x in (kv_lens, page_indices, cu_q_lens, num_seqs)
   )
-  if checked:
-    _dynamic_checks(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps)
+  check_metadata(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps, checked=checked)
   args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
   mesh = _explicit_mesh(args)
   if mesh is None:
@@ -233,6 +235,7 @@ def paged_attention_with_cache_write(
   scale=None,
   implementation=None,
   block_sizes=None,
+  checked: bool = False,
   interpret=None,
 ):
   """Attention with the fused cache write, when the call runs on pallas_tpu; else None (append separately).
@@ -241,7 +244,7 @@ def paged_attention_with_cache_write(
   scaled cache; k_pages .. v_scale: the cache after `PagedKVCache.reserve_append` (pages reserved,
   copy-on-write done, kv_lens grown).  Returns (out [T, N, H], k_pages, v_pages, k_scale, v_scale), the pages
   with the new tokens written in the same launch (buffers aliased: donate them to update in place).  Serving
-  only: not differentiable.
+  only: not differentiable.  `checked` as for `paged_attention`.
   """
   spec, k_scale, v_scale = _spec_for(
     q,
@@ -265,6 +268,9 @@ def paged_attention_with_cache_write(
     return None
   kv_lens, page_indices, cu_q_lens, num_seqs = (
     jnp.asarray(x, jnp.int32) for x in (kv_lens, page_indices, cu_q_lens, num_seqs)
+  )
+  check_metadata(
+    kv_lens, page_indices, cu_q_lens, num_seqs, q.shape[0], k_pages.shape[0], k_pages.shape[1], checked=checked
   )
   return pallas_paged.paged_fwd_write(
     q,
@@ -335,33 +341,91 @@ def _explicit_mesh(args):
   return mesh
 
 
-def _dynamic_checks(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps):
+def _metadata_problems(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps):
+  """The value checks of the ragged batch's metadata: [(bad, message, values)], each `bad` a bool scalar and
+  `values` the scalars its message names (the first offending slot or position).  Only live entries count:
+  the first num_seqs + 1 of cu_q_lens, the first num_seqs slots, the pages a slot's kv_lens uses."""
   S, pps = page_indices.shape
+  i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+  first = lambda m: jnp.argmax(m.reshape(-1)).astype(jnp.int32)  # noqa: E731
   n = num_seqs[0]
   live = jnp.arange(S) < n
-  checkify.check((n >= 0) & (n <= S), "num_seqs={n} must be in [0, max_num_seqs={S}]", n=n, S=jnp.int32(S))
-  steps = cu_q_lens[1:] - cu_q_lens[:-1]
-  checkify.check(
-    (cu_q_lens[0] == 0) & jnp.all(jnp.where(live, steps >= 0, True)),
-    "cu_q_lens must start at 0 and be non-decreasing over the first num_seqs + 1 entries",
+  problems = [
+    (
+      (n < 0) | (n > S),
+      "num_seqs={n} must be in [0, max_num_seqs={S}] (page_indices.shape[0])",
+      dict(n=n, S=i32(S)),
+    ),
+    (cu_q_lens[0] != 0, "cu_q_lens[0]={c0} must be 0 (the first sequence starts at row 0)", dict(c0=cu_q_lens[0])),
+  ]
+  down = live & (cu_q_lens[1:] < cu_q_lens[:-1])
+  i = first(down)
+  problems.append(
+    (
+      jnp.any(down),
+      "cu_q_lens must be non-decreasing over its first num_seqs + 1 entries: cu_q_lens[{i}]={a} > cu_q_lens[{j}]={b}",
+      dict(i=i, a=cu_q_lens[i], j=i + 1, b=cu_q_lens[i + 1]),
+    )
   )
   total = cu_q_lens[jnp.clip(n, 0, S)]
-  checkify.check(
-    total <= T, "the batch has {total} new tokens, more than max_num_batched_tokens={T}", total=total, T=jnp.int32(T)
+  problems.append(
+    (
+      total > T,
+      "the batch has {total} new tokens (cu_q_lens[num_seqs={n}]), more than max_num_batched_tokens={T} (q.shape[0])",
+      dict(total=total, n=n, T=i32(T)),
+    )
   )
-  q_lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
-  checkify.check(
-    jnp.all(jnp.where(live, q_lens <= kv_lens, True)),
-    "a sequence has more new tokens than kv_lens (kv_lens must count the new tokens too)",
+  negative = live & (kv_lens < 0)
+  s = first(negative)
+  problems.append((jnp.any(negative), "kv_lens[{s}]={kv} must be >= 0", dict(s=s, kv=kv_lens[s])))
+  q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+  over = live & (q_lens > kv_lens)
+  s = first(over)
+  problems.append(
+    (
+      jnp.any(over),
+      "slot {s} has {q} new tokens (cu_q_lens[{s1}] - cu_q_lens[{s}]) but kv_lens[{s}]={kv}: kv_lens must count "
+      "the new tokens too",
+      dict(s=s, q=q_lens[s], s1=s + 1, kv=kv_lens[s]),
+    )
   )
-  checkify.check(
-    jnp.all(jnp.where(live, kv_lens <= pps * ps, True)),
-    "kv_lens exceeds the pages of a sequence (pages_per_seq * page_size = {cap})",
-    cap=jnp.int32(pps * ps),
+  long = live & (kv_lens > pps * ps)
+  s = first(long)
+  problems.append(
+    (
+      jnp.any(long),
+      "kv_lens[{s}]={kv} exceeds the slot's pages: pages_per_seq * page_size = {pps} * {ps} = {cap}",
+      dict(s=s, kv=kv_lens[s], pps=i32(pps), ps=i32(ps), cap=i32(pps * ps)),
+    )
   )
   used = (jnp.arange(pps)[None] * ps < kv_lens[:, None]) & live[:, None]
   bad = used & ((page_indices < 0) | (page_indices >= P))
-  checkify.check(~jnp.any(bad), "page_indices out of range [0, {P}) for pages a sequence uses", P=jnp.int32(P))
+  k = first(bad)
+  s, j = k // pps, k % pps
+  problems.append(
+    (
+      jnp.any(bad),
+      "page_indices[{s}, {j}]={p} is out of range [0, {P}) (k_pages.shape[0]); slot {s} uses its first {u} "
+      "pages (kv_lens[{s}]={kv}, page_size={ps})",
+      dict(s=s, j=j, p=page_indices[s, j], P=i32(P), u=(kv_lens[s] + ps - 1) // ps, kv=kv_lens[s], ps=i32(ps)),
+    )
+  )
+  return problems
+
+
+def check_metadata(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps, *, checked: bool):
+  """Validates the metadata's values: eagerly (ValueError) when every array is concrete, which costs jitted
+  calls nothing; under a trace, as `checkify` checks when `checked`."""
+  arrays = (kv_lens, page_indices, cu_q_lens, num_seqs)
+  concrete = not any(isinstance(x, jax.core.Tracer) for x in arrays)
+  if not concrete and not checked:
+    return
+  for bad, message, values in _metadata_problems(*arrays, T, P, ps):
+    if concrete:
+      if bool(bad):
+        raise ValueError("paged_attention: " + message.format(**{k: int(v) for k, v in values.items()}))
+    else:
+      checkify.check(~bad, "paged_attention: " + message, **values)
 
 
 def _backend_fwd(*args, spec):

@@ -209,6 +209,20 @@ def _local_fn(axis_name, load_balance, spec, backend, strategy):
   return lambda q, k, v, qs, ks, drop: strategies.attention_local(q, k, v, qs, ks, drop, strategy=strategy, cfg=cfg)
 
 
+def check_mesh_lengths(mesh, axis_name, T, S, *, load_balance=False, strategy="ring"):
+  """The op's check of global q/kv lengths against the ring size of `axis_name` on `mesh`, for callers (the
+  layers) that shard their inputs before calling `ring_attention`: they fail with the op's message, not JAX's
+  sharding error.  Axis names are checked by the caller."""
+  if mesh is None or axis_name is None:
+    return
+  axes = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+  n = 1
+  for ax in axes:
+    n *= sizes.get(ax, 1)
+  _check_shard_lengths(T, S, n, load_balance, local=False, axis_name=axis_name, strategy=strategy)
+
+
 def _check_shard_lengths(T, S, n, load_balance, *, local, axis_name, strategy="ring"):
   per = 2 if load_balance else 1
   what = "local shard" if local else "global"
