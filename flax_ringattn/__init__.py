@@ -2,7 +2,9 @@
 
 The public surface (see README.md for the table):
 
-* ops: `ring_attention`, `paged_attention`, `reference_attention`,
+* ops: `ring_attention`, `dot_product_attention` (a hand-written attention
+  block with the model's own mask, as ring attention), `paged_attention`,
+  `reference_attention`,
   `paged_reference_attention`
 * layers: `RingMultiHeadAttention`, `make_ring_attention_fn`,
   `PagedMultiHeadAttention`; cache: `PagedKVCache` (`CacheOverflowError`); `convert` (swap every
@@ -30,6 +32,7 @@ from flax_ringattn._src.paged.cache import CacheOverflowError, PagedKVCache
 from flax_ringattn._src.paged.op import paged_attention
 from flax_ringattn._src.paged.reference import paged_reference_attention
 from flax_ringattn._src.reference import reference_attention
+from flax_ringattn._src.ring.dense import dot_product_attention
 from flax_ringattn._src.ring.op import ring_attention
 
 __version__ = "0.1.0.dev0"
@@ -45,6 +48,7 @@ __all__ = [
   "available_implementations",
   "convert",
   "dense_mask_from_structure",
+  "dot_product_attention",
   "make_ring_attention_fn",
   "padded_segment_ids",
   "paged_attention",

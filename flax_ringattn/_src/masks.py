@@ -151,33 +151,57 @@ def tile_kinds(spec: MaskSpec, q_pos, kv_pos, q_seg, kv_seg, bq: int, bk: int):
 # expresses that exactly: valid tokens carry their segment's id on both sides,
 # padding gets PAD_Q_ID as a query and PAD_KV_ID as a key, which never match.
 #
-# Recovery from the dense mask m (self attention, T == S), per batch row:
-#   valid[i]  = m[i, i]                 (a valid token always sees itself)
-#   seg[i]    = first j with m[i, j]     (the first token of i's segment: every
-#                                         member sees it, causal or not)
-#   causal    = no m[i, j] with j > i
-# and the recovery is verified by rebuilding the mask from (causal, q_ids,
-# kv_ids) with `pair_visible` and comparing it with m elementwise.  Any mask
-# outside the family (a window, a prefix-LM mask, per-head masks, a padding
-# query that sees keys, ...) fails that comparison.
+# Hand-written decoders (Gemma, Llama, Qwen styles) mask keys only: a padding
+# query still sees the valid keys before it, and a sliding window is ANDed in.
+# A (q_ids, kv_ids) pair expresses that too: the padding query carries the id of
+# the keys it sees.  So the family recovered is exactly
+#   [causal] & [window] & (q_ids[i] == kv_ids[j]),
+# with the window given by the caller (it is static for the ring), and the
+# recovery from the dense mask m (self attention, T == S), per batch row, is:
+#   first[i]   = first key row i sees            (its segment's start, or the
+#                                                 window's left edge in it)
+#   label0[j]  = min first[i] over rows i seeing j (<= j; a segment's keys chain
+#                                                 down to its first key)
+#   label      = label0 iterated to its fixed point by pointer jumping
+#                (ceil(log2 S) + 1 gathers: window chains are long)
+#   kv_ids[j]  = label[j], or PAD_KV_ID for a key nobody sees
+#   q_ids[i]   = label[first[i]], or PAD_Q_ID for a row that sees nothing
+#   causal     = no m[i, j] with j > i
+# and the recovery is verified by rebuilding the mask from (causal, window,
+# q_ids, kv_ids) with `pair_visible` and comparing it with m elementwise.  Any
+# mask outside the family (a window that was not declared, a prefix-LM mask,
+# per-head masks, ...) fails that comparison.
 
 PAD_Q_ID = -1  # segment id of a padding query
 PAD_KV_ID = -2  # segment id of a padding key: no query ever matches it
 
 
-def padded_segment_ids(valid, segment_ids=None):
+_NO_SEGMENTS = object()
+
+
+def padded_segment_ids(valid, segment_ids=_NO_SEGMENTS, *, mask_queries: bool = True):
   """(q_ids, kv_ids) [B, T] int32 for packed, padded self attention, without any [T, T] mask.
 
   Pass the result as `segment_ids=` together with `is_causal=True` instead of
   building `combine_masks(make_attention_mask(valid, valid), make_causal_mask(x),
   make_attention_mask(segment_ids, segment_ids, jnp.equal))`: the two describe the
-  same mask (padding rows see nothing and padding keys are seen by nobody).
+  same mask.
 
   Args:
     valid: [B, T] bool (or 0/1): True for real tokens, False for padding.
-    segment_ids: optional [B, T] int ids of packed documents (None: one document
-      per row).
+    segment_ids: [B, T] int ids of packed documents, or None for one document
+      per row.  Required: forgetting the documents of a packed batch would let
+      them see each other with no error, so None must be said explicitly.
+    mask_queries: True (flax's `make_attention_mask(valid, valid)`): a padding
+      query sees nothing and a padding key is seen by nobody.  False (the
+      key-only masks of hand-written decoders such as Gemma's or Llama's): a
+      padding query still sees the valid keys of its own document.
   """
+  if segment_ids is _NO_SEGMENTS:
+    raise TypeError(
+      "padded_segment_ids(valid, segment_ids): pass the packed documents' ids, or segment_ids=None when every row "
+      "is one document (a packed batch without its ids would let documents see each other, with no error)"
+    )
   valid = jnp.asarray(valid) != 0
   if segment_ids is None:
     seg = jnp.zeros(valid.shape, jnp.int32)
@@ -187,7 +211,8 @@ def padded_segment_ids(valid, segment_ids=None):
       raise ValueError(f"segment_ids must have the shape of valid {tuple(valid.shape)}, got {tuple(seg.shape)}")
   # Padding ids below every real id, so a user id can never collide with them.
   low = jnp.minimum(jnp.min(jnp.where(valid, seg, 0)), 0)
-  return jnp.where(valid, seg, low + PAD_Q_ID), jnp.where(valid, seg, low + PAD_KV_ID)
+  q_ids = jnp.where(valid, seg, low + PAD_Q_ID) if mask_queries else seg
+  return q_ids, jnp.where(valid, seg, low + PAD_KV_ID)
 
 
 def check_dense_mask_shape(mask, B: int, N: int, T: int, S: int):
@@ -200,36 +225,54 @@ def check_dense_mask_shape(mask, B: int, N: int, T: int, S: int):
     )
 
 
-def structure_from_dense_mask(mask):
+def structure_from_dense_mask(mask, *, local_window_size=None):
   """(is_causal, q_ids, kv_ids, exact) recovered from a dense self-attention mask.
 
   Args:
-    mask: [B, N | 1, T, T], nonzero = visible.
+    mask: [B, N | 1, T, T] or [B, T, T], nonzero = visible.
+    local_window_size: None, w or (left, right): a sliding window the mask is
+      known to include (jax.nn's meaning); it is part of the rebuilt mask.
 
   Returns:
     is_causal: bool scalar array.  q_ids, kv_ids: [B, T] int32 (see
-    `padded_segment_ids`).  exact: bool scalar array, True iff the mask rebuilt
-    from the structure equals `mask` in every entry (every head included).
-    Costs a few elementwise passes over the mask (no matmul).
+    `padded_segment_ids`; a padding query that sees keys carries their id).
+    exact: bool scalar array, True iff the mask rebuilt from the structure
+    equals `mask` in every entry (every head included).  Costs a few
+    elementwise passes and reductions over the mask (no matmul).
   """
   m = jnp.asarray(mask) != 0
+  if m.ndim == 3:
+    m = m[:, None]
   B, _, T, S = m.shape
-  m0 = m[:, 0]  # [B, T, T]
-  pos = jnp.arange(T, dtype=jnp.int32)
-  valid = jnp.diagonal(m0, axis1=1, axis2=2)  # [B, T]
+  m0 = m[:, 0]  # [B, T, S]
+  pos_q = jnp.arange(T, dtype=jnp.int32)[None, :, None]
+  pos_kv = jnp.arange(S, dtype=jnp.int32)[None, None, :]
+  sees = jnp.any(m0, axis=-1)  # [B, T]
   first = jnp.argmax(m0, axis=-1).astype(jnp.int32)
-  q_ids = jnp.where(valid, first, PAD_Q_ID)
-  kv_ids = jnp.where(valid, first, PAD_KV_ID)
-  is_causal = ~jnp.any(m0 & (pos[None, None, :] > pos[None, :, None]))
-  rebuilt = dense_mask_from_structure(is_causal, q_ids, kv_ids)  # [B, 1, T, T]
+  label = jnp.min(jnp.where(m0, first[:, :, None], S), axis=1)  # [B, S]
+  seen = label < S
+  label = jnp.where(seen, label, jnp.arange(S, dtype=jnp.int32)[None])
+  for _ in range(max(1, int(np.ceil(np.log2(max(S, 2))))) + 1):
+    label = jnp.take_along_axis(label, label, axis=1)
+  kv_ids = jnp.where(seen, label, PAD_KV_ID)
+  q_ids = jnp.where(sees, jnp.take_along_axis(label, first, axis=1), PAD_Q_ID)
+  is_causal = ~jnp.any(m0 & (pos_kv > pos_q))
+  rebuilt = dense_mask_from_structure(is_causal, q_ids, kv_ids, local_window_size=local_window_size)  # [B, 1, T, T]
   exact = jnp.all(rebuilt == m)
   return is_causal, q_ids, kv_ids, exact
 
 
-def dense_mask_from_structure(is_causal, q_ids, kv_ids):
-  """[B, 1, T, S] bool mask of (causal, segment ids): the inverse of `structure_from_dense_mask`."""
+def dense_mask_from_structure(is_causal, q_ids, kv_ids, *, local_window_size=None):
+  """[B, 1, T, S] bool mask of (causal, window, segment ids): the inverse of `structure_from_dense_mask`.
+
+  `local_window_size` is None, w or (left, right), as in `ring_attention`.
+  """
+  window = local_window_size
+  if window is not None and not isinstance(window, tuple | list):
+    window = (int(window), int(window))
   T, S = q_ids.shape[1], kv_ids.shape[1]
   pos_q = jnp.arange(T, dtype=jnp.int32)[None, :, None]
   pos_kv = jnp.arange(S, dtype=jnp.int32)[None, None, :]
-  seg = pair_visible(MaskSpec(has_segments=True), pos_q, pos_kv, q_ids[:, :, None], kv_ids[:, None, :])
+  spec = MaskSpec(window=None if window is None else tuple(window), has_segments=True)
+  seg = pair_visible(spec, pos_q, pos_kv, q_ids[:, :, None], kv_ids[:, None, :])
   return (seg & ((pos_kv <= pos_q) | ~jnp.asarray(is_causal)))[:, None]

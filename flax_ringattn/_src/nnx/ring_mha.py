@@ -12,23 +12,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from flax_ringattn._src import masks, sharding
+from flax_ringattn._src import sharding
 from flax_ringattn._src.nnx.common import check_keywords, check_mesh_axes, head_sharding_metadata, place_params
 from flax_ringattn._src.ring import strategies
+from flax_ringattn._src.ring.dense import call_with_mask_structure, dense_mask_options
 from flax_ringattn._src.ring.op import check_mesh_lengths, ring_attention
-
-_MASK_ALTERNATIVES = (
-  "ring attention never passes a dense [B, N, T, S] mask to its kernels (it would cost O(T * S) memory on every "
-  "device); express the mask with is_causal=True, segment_ids=... (packed documents; padding: see "
-  "flax_ringattn.padded_segment_ids), local_window_size=... (sliding window), or a combination, or keep "
-  "nnx.MultiHeadAttention for this layer"
-)
-
 
 _NO_DECODE = (
   "decode=True (autoregressive KV cache) is not supported by RingMultiHeadAttention; "
@@ -56,58 +47,6 @@ def _check_layout_options(cls_name, mesh, seq_axis, head_axis, batch_axis, strat
   check_mesh_axes(cls_name, mesh, seq_axis=seq_axis, head_axis=head_axis, batch_axis=batch_axis)
 
 
-def _raise_if_inexact(exact):
-  if not bool(exact):
-    raise ValueError(
-      "the dense mask=... is not of the family ring attention recovers exactly (causal or not, segments, "
-      f"padding: combine_masks of make_causal_mask / make_attention_mask); {_MASK_ALTERNATIVES}"
-    )
-
-
-def _is_concrete(x) -> bool:
-  return not isinstance(x, jax.core.Tracer)
-
-
-def dense_mask_options(mask, *, B, N, T, S, is_causal, segment_ids, checked: bool):
-  """Turns a dense mask into (is_causal, segment_ids) for `ring_attention`.
-
-  is_causal comes back as a Python bool when the mask is concrete (or has no
-  causal question left because is_causal=True), else as a traced bool (the
-  caller then branches with `lax.cond`).  The recovery is verified: a concrete
-  mask raises `ValueError` at once, a traced one (under jit) through a host
-  callback when `checked` (the default); see `masks.structure_from_dense_mask`.
-  """
-  if segment_ids is not None:
-    raise ValueError("pass either mask=... or segment_ids=..., not both (segment_ids already describe the mask)")
-  if T != S:
-    raise NotImplementedError(
-      f"a dense mask=... is recovered for self attention only (T == S), got T={T}, S={S}; for cross attention "
-      "pass segment_ids=(q_ids, kv_ids) instead"
-    )
-  masks.check_dense_mask_shape(mask, B, N, T, S)
-  mask = jnp.asarray(mask) != 0
-  if is_causal:
-    mask = mask & jnp.tril(jnp.ones((T, S), bool))
-  causal, q_ids, kv_ids, exact = masks.structure_from_dense_mask(mask)
-  if q_ids.shape[0] != B:
-    q_ids, kv_ids = (jnp.broadcast_to(x, (B, T)) for x in (q_ids, kv_ids))
-  if _is_concrete(exact):
-    _raise_if_inexact(exact)
-    causal = bool(causal)
-  elif checked:
-    jax.debug.callback(_raise_if_inexact, exact)
-  if is_causal:
-    causal = True
-  return causal, (q_ids, kv_ids)
-
-
-def call_with_mask_structure(fn, causal):
-  """fn(is_causal) with a static flag: directly, or through `lax.cond` on a traced one."""
-  if isinstance(causal, bool):
-    return fn(causal)
-  return jax.lax.cond(causal, lambda: fn(True), lambda: fn(False))
-
-
 class RingMultiHeadAttention(nnx.MultiHeadAttention):
   """`nnx.MultiHeadAttention` whose attention is ring attention over a mesh axis.
 
@@ -130,8 +69,9 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       (then seq_axis=(ring_axis, ulysses_axis)); see `ring_attention`.
     implementation, block_sizes, interpret: passed to `ring_attention`
       (`interpret=True` runs the pallas_tpu kernels in TPU interpret mode on CPU).
-    local_window_size, logits_soft_cap: mask / logit options of `ring_attention`
-      applied on every call.
+    local_window_size, logits_soft_cap, scale: mask / logit options of
+      `ring_attention` applied on every call (scale: default H ** -0.5; 1.0
+      for a model that pre-scales q).
     check_mask: verify, under jit, that a dense `mask=` was recovered exactly
       (a host callback per call; a concrete mask is always checked).
 
@@ -165,6 +105,7 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     interpret=None,
     local_window_size=None,
     logits_soft_cap: float | None = None,
+    scale: float | None = None,
     check_mask: bool = True,
     kernel_metadata: Mapping = MappingProxyType({}),
     out_kernel_metadata: Mapping = MappingProxyType({}),
@@ -199,6 +140,7 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     self.interpret = interpret
     self.local_window_size = local_window_size
     self.logits_soft_cap = logits_soft_cap
+    self.scale = scale
     self.check_mask = check_mask
 
   def _dropout_rng(self, deterministic, rngs):
@@ -260,7 +202,15 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     if mask is not None:
       B, T, S = inputs_q.shape[0], inputs_q.shape[-2], inputs_k.shape[-2]
       causal, segment_ids = dense_mask_options(
-        mask, B=B, N=self.num_heads, T=T, S=S, is_causal=is_causal, segment_ids=segment_ids, checked=self.check_mask
+        mask,
+        B=B,
+        N=self.num_heads,
+        T=T,
+        S=S,
+        is_causal=is_causal,
+        segment_ids=segment_ids,
+        checked=self.check_mask,
+        local_window_size=self.local_window_size,
       )
     dropout_rng = self._dropout_rng(deterministic, rngs)
 
@@ -286,6 +236,7 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
         segment_ids=segment_ids,
         local_window_size=self.local_window_size,
         logits_soft_cap=self.logits_soft_cap,
+        scale=self.scale,
         load_balance=self.load_balance,
         strategy=self.strategy,
         implementation=self.implementation,
@@ -317,6 +268,7 @@ def make_ring_attention_fn(
   load_balance: bool = False,
   local_window_size=None,
   logits_soft_cap: float | None = None,
+  scale: float | None = None,
   implementation: str | None = None,
   block_sizes=None,
   interpret=None,
@@ -329,7 +281,7 @@ def make_ring_attention_fn(
   The returned function accepts every keyword flax passes (mask, dropout_rng,
   dropout_rate, broadcast_dropout, deterministic, dtype, precision, module,
   is_causal, ...); `is_causal` is on when either this factory or the call asks
-  for it.  `strategy` picks the sequence-parallel strategy (see `ring_attention`;
+  for it; `scale` is the logit scale (default H ** -0.5).  `strategy` picks the sequence-parallel strategy (see `ring_attention`;
   "ulysses_ring" takes seq_axis=(ring_axis, ulysses_axis)).  A dense mask is
   recovered as in `RingMultiHeadAttention`; dropout runs in the ring.  A bias
   and sow_weights (module=...) raise
@@ -364,7 +316,15 @@ def make_ring_attention_fn(
     if mask is not None:
       B, T, N = query.shape[0], query.shape[1], query.shape[2]
       causal, segment_ids = dense_mask_options(
-        mask, B=B, N=N, T=T, S=key.shape[1], is_causal=causal, segment_ids=segment_ids, checked=check_mask
+        mask,
+        B=B,
+        N=N,
+        T=T,
+        S=key.shape[1],
+        is_causal=causal,
+        segment_ids=segment_ids,
+        checked=check_mask,
+        local_window_size=local_window_size,
       )
     use_dropout = bool(dropout_rate) and not deterministic
     if use_dropout and dropout_rng is None:
@@ -381,6 +341,7 @@ def make_ring_attention_fn(
         segment_ids=segment_ids,
         local_window_size=local_window_size,
         logits_soft_cap=logits_soft_cap,
+        scale=scale,
         load_balance=load_balance,
         strategy=strategy,
         implementation=implementation,

@@ -1,0 +1,223 @@
+"""Dense masks into ring attention: recover the structure of a model's own mask, and the one-call port.
+
+Models hand attention a dense boolean mask (flax's `make_attention_mask`, or the
+`[B, T, S]` key masks of hand-written decoders) or an additive 0 / -inf bias.
+Ring attention never passes an O(T * S) mask to a kernel: it recovers the
+structure the mask encodes, `[causal] & [window] & (q_ids[i] == kv_ids[j])`
+(`masks.structure_from_dense_mask`), verifies the recovery entry by entry, and
+runs on `is_causal` + `segment_ids` (+ the declared window).  Used by the NNX
+layers (`mask=`), `convert` and `dot_product_attention` below; no flax import.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flax_ringattn._src import masks, sharding
+from flax_ringattn._src.ring.op import ring_attention
+
+# An additive bias entry at or below this hides its key (exp underflows to exactly 0 in every float type).
+BIAS_MASKED = -1e6
+
+_MASK_ALTERNATIVES = (
+  "ring attention never passes a dense [B, N, T, S] mask to its kernels (it would cost O(T * S) memory on every "
+  "device); express the mask with is_causal=True, segment_ids=... (packed documents; padding: see "
+  "flax_ringattn.padded_segment_ids), local_window_size=... (sliding window), or a combination, or keep "
+  "the model's own attention for this layer"
+)
+
+
+def _raise_if_inexact(exact):
+  if not bool(exact):
+    raise ValueError(
+      "the dense mask=... is not of the family ring attention recovers exactly ([causal] & [window] & "
+      "(q_ids[i] == kv_ids[j]): causal or not, packed segments, padding of queries and keys or of keys only, "
+      "and a sliding window declared with local_window_size=...; a bias must be 0 or <= "
+      f"{BIAS_MASKED:g}); {_MASK_ALTERNATIVES}"
+    )
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def dense_mask_options(
+  mask, *, B, N, T, S, is_causal, segment_ids, checked: bool, local_window_size=None, also_exact=None
+):
+  """Turns a dense mask into (is_causal, segment_ids) for `ring_attention`.
+
+  is_causal comes back as a Python bool when the mask is concrete (or has no
+  causal question left because is_causal=True), else as a traced bool (the
+  caller then branches with `lax.cond`).  The recovery is verified: a concrete
+  mask raises `ValueError` at once, a traced one (under jit) through a host
+  callback when `checked` (the default); see `masks.structure_from_dense_mask`.
+  `also_exact` (a bool scalar) joins that verdict (e.g. "the bias was 0 / -inf").
+  """
+  if segment_ids is not None:
+    raise ValueError("pass either mask=... or segment_ids=..., not both (segment_ids already describe the mask)")
+  if T != S:
+    raise NotImplementedError(
+      f"a dense mask=... is recovered for self attention only (T == S), got T={T}, S={S}; for cross attention "
+      "pass segment_ids=(q_ids, kv_ids) instead"
+    )
+  masks.check_dense_mask_shape(mask, B, N, T, S)
+  mask = jnp.asarray(mask) != 0
+  if is_causal:
+    mask = mask & jnp.tril(jnp.ones((T, S), bool))
+  causal, q_ids, kv_ids, exact = masks.structure_from_dense_mask(mask, local_window_size=local_window_size)
+  if also_exact is not None:
+    exact = exact & also_exact
+  if q_ids.shape[0] != B:
+    q_ids, kv_ids = (jnp.broadcast_to(x, (B, T)) for x in (q_ids, kv_ids))
+  if _is_concrete(exact):
+    _raise_if_inexact(exact)
+    causal = bool(causal)
+  elif checked:
+    jax.debug.callback(_raise_if_inexact, exact)
+  if is_causal:
+    causal = True
+  return causal, (q_ids, kv_ids)
+
+
+def call_with_mask_structure(fn, causal):
+  """fn(is_causal) with a static flag: directly, or through `lax.cond` on a traced one."""
+  if isinstance(causal, bool):
+    return fn(causal)
+  return jax.lax.cond(causal, lambda: fn(True), lambda: fn(False))
+
+
+def as_four_dims(x, name: str):
+  """A mask or bias of shape [T, S], [B, T, S] or [B | 1, N | 1, T, S] as 4-D."""
+  shape = tuple(getattr(x, "shape", ()))
+  if len(shape) == 2:
+    return x[None, None]
+  if len(shape) == 3:
+    return x[:, None]
+  if len(shape) == 4:
+    return x
+  raise ValueError(f"{name} must be [T, S], [B, T, S] or [B | 1, N | 1, T, S], got {name}.shape={shape}")
+
+
+def bias_as_mask(bias):
+  """(visible mask, exact) of an additive bias: 0 is visible, <= BIAS_MASKED hidden, anything else inexact."""
+  b = jnp.asarray(bias)
+  visible = b == 0
+  return visible, jnp.all(visible | (b <= BIAS_MASKED))
+
+
+def context_mesh(mesh, axis_name):
+  """`mesh`, else the mesh of `jax.set_mesh` (unless `axis_name` is already bound by the caller's shard_map)."""
+  if mesh is not None:
+    return mesh
+  if axis_name is not None and all(sharding.axis_is_bound(a) for a in _axes(axis_name)):
+    return None
+  current = jax.sharding.get_abstract_mesh()
+  return current if current is not None and current.axis_names else None
+
+
+def _axes(axis_name):
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def dot_product_attention(
+  q,
+  k,
+  v,
+  *,
+  mask=None,
+  bias=None,
+  is_causal: bool = False,
+  segment_ids=None,
+  scale: float | None = None,
+  logits_soft_cap: float | None = None,
+  local_window_size=None,
+  mesh=None,
+  axis_name=None,
+  load_balance: bool = False,
+  strategy: str = "ring",
+  implementation: str | None = None,
+  block_sizes=None,
+  batch_axis=None,
+  head_axis=None,
+  precision=None,
+  interpret=None,
+  check_mask: bool = True,
+):
+  """`jax.nn.dot_product_attention`'s call, run as ring attention over a mesh axis.
+
+  One call replaces the hand-written einsum -> mask -> softmax -> einsum block
+  of a model (Gemma, Llama and Qwen styles): pass the model's q, k, v, its own
+  mask or bias, its scale, soft cap and window.
+
+  Args:
+    q: [B, T, N, H]; k, v: [B, S, K, H] (N % K == 0; only the K kv heads
+      travel).  Global arrays with a mesh, local shards inside your shard_map.
+    mask: the model's boolean mask, True = visible: [T, S], [B, T, S] (the key
+      masks of hand-written decoders, padding queries may see keys) or
+      [B | 1, N | 1, T, S].  Its structure `[causal] & [window] & (q_ids[i] ==
+      kv_ids[j])` is recovered and verified (a concrete mask raises at once
+      when it is not of that family; under jit a host callback raises, unless
+      check_mask=False).  No O(T * S) array reaches a kernel.
+    bias: instead of a mask, an additive bias of 0 (visible) and large
+      negatives (<= -1e6 or -inf, hidden), in the same layouts.
+    is_causal, segment_ids, local_window_size, logits_soft_cap: as in
+      `ring_attention`.  A window the model builds into its mask must be
+      declared here (it is part of the verified structure).
+    scale: the logit scale (default H ** -0.5); pass 1.0 when q is pre-scaled.
+    mesh: the mesh to run on; default: the mesh of `jax.set_mesh`, if any.
+    axis_name: the sequence axis (default: the mesh's only axis).
+    load_balance, strategy, implementation, block_sizes, batch_axis,
+      head_axis, precision, interpret: as in `ring_attention`.
+
+  Returns:
+    [B, T, N, H] in q.dtype.  Rows with no visible key are 0 (a hand-written
+    softmax over only masked logits gives their mean instead).
+  """
+  if mask is not None and bias is not None:
+    raise ValueError("pass either mask=... or bias=..., not both")
+  mesh = context_mesh(mesh, axis_name)
+  axis_name = sharding.sequence_axis(mesh, axis_name, arg="axis_name")
+  also_exact = None
+  if bias is not None:
+    mask, also_exact = bias_as_mask(as_four_dims(bias, "bias"))
+  causal = is_causal
+  if mask is not None:
+    mask = as_four_dims(mask, "mask")
+    B, T, N = q.shape[0], q.shape[1], q.shape[2]
+    causal, segment_ids = dense_mask_options(
+      mask,
+      B=B,
+      N=N,
+      T=T,
+      S=k.shape[1],
+      is_causal=is_causal,
+      segment_ids=segment_ids,
+      checked=check_mask,
+      local_window_size=local_window_size,
+      also_exact=also_exact,
+    )
+
+  def attend(is_causal):
+    return ring_attention(
+      q,
+      k,
+      v,
+      axis_name=axis_name,
+      mesh=mesh,
+      is_causal=is_causal,
+      segment_ids=segment_ids,
+      local_window_size=local_window_size,
+      logits_soft_cap=logits_soft_cap,
+      scale=scale,
+      load_balance=load_balance,
+      strategy=strategy,
+      implementation=implementation,
+      block_sizes=block_sizes,
+      batch_axis=batch_axis,
+      head_axis=head_axis,
+      precision=precision,
+      interpret=interpret,
+    )
+
+  return call_with_mask_structure(attend, causal)
