@@ -27,6 +27,7 @@ from flax.nnx.nn.attention import dot_product_attention
 from jax.sharding import PartitionSpec as P
 
 from flax_ringattn._src import sharding
+from flax_ringattn._src.nnx import handwritten
 from flax_ringattn._src.nnx.common import _PROJECTIONS, check_mesh_axes, head_param_spec, place_params
 from flax_ringattn._src.nnx.paged_mha import PagedMultiHeadAttention
 from flax_ringattn._src.nnx.ring_mha import RingMultiHeadAttention
@@ -53,17 +54,45 @@ _OPTIONS = (
 
 @dataclasses.dataclass
 class ConversionReport:
-  """What `convert` did: `replaced` paths, and `skipped` (path, reason) pairs."""
+  """What `convert` did.
+
+  `replaced` / `skipped` (path, reason): the `nnx.MultiHeadAttention` layers.  `watched`: the model's own
+  modules that look for attention written by hand at their first call; `sites` (`SiteReport`s, filled at the
+  first call, or at once with `convert(..., example=...)`): each hand-written attention found, converted
+  (with what was recognised: heads and groups, scale, soft cap, window, mask kind, softmax) or left alone
+  (with the reason).  `converted` and `left_alone` list them by kind.
+  """
 
   to: str
   replaced: list[str] = dataclasses.field(default_factory=list)
   skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
   placed: list[str] = dataclasses.field(default_factory=list)  # other arrays moved from one device to the mesh
+  watched: list[str] = dataclasses.field(default_factory=list)
+  sites: list = dataclasses.field(default_factory=list)
+
+  def add_site(self, site) -> None:
+    if not any(s.path == site.path and s.converted == site.converted for s in self.sites):
+      self.sites.append(site)
+
+  @property
+  def converted(self):
+    return [s for s in self.sites if s.converted]
+
+  @property
+  def left_alone(self):
+    return [s for s in self.sites if not s.converted]
 
   def __str__(self) -> str:
     lines = [f"convert(to={self.to!r}): {len(self.replaced)} replaced, {len(self.skipped)} not replaced"]
     lines += [f"  replaced {path}" for path in self.replaced]
     lines += [f"  kept     {path}: {why}" for path, why in self.skipped]
+    if self.watched:
+      lines.append(
+        f"  hand-written attention: {len(self.converted)} converted, {len(self.left_alone)} left alone"
+        + ("" if self.sites else f" (found at the first call; {len(self.watched)} modules watched)")
+      )
+      lines += [f"  converted {s}" for s in self.converted]
+      lines += [f"  left     {s}" for s in self.left_alone]
     if self.placed:
       lines.append(f"  {len(self.placed)} other arrays of the model replicated on the mesh (they were on one device)")
     return "\n".join(lines)
@@ -158,7 +187,16 @@ def _replicate_the_rest(model, mesh) -> list[str]:
   return placed
 
 
-def convert(model, *, to: str = "ring", mesh=None, seq_axis=None, **layer_options) -> ConversionReport:
+def convert(
+  model,
+  *,
+  to: str = "ring",
+  mesh=None,
+  seq_axis=None,
+  handwritten: bool = True,
+  example=None,
+  **layer_options,
+) -> ConversionReport:
   """Replaces, in place, every `nnx.MultiHeadAttention` of `model` by the library's layer.
 
   Args:
@@ -171,9 +209,22 @@ def convert(model, *, to: str = "ring", mesh=None, seq_axis=None, **layer_option
       one device are replicated on it).
     seq_axis: mesh axis of the sequence (ring only; default: the mesh's only
       axis).
+    handwritten: (ring only) also convert attention written by hand in the
+      model's own modules (einsum or matmul logits, scale, tanh cap,
+      `where` mask or additive bias, softmax, einsum with v; MHA, grouped or
+      repeated GQA): the innermost module holding such a block runs it as
+      ring attention over `seq_axis`, with the mask recovered from the
+      model's own (see "Hand-written attention" in the README).
+    example: optional `fn(model)` calling the model once as training will
+      (e.g. `lambda m: m(tokens, positions, mask)`); run abstractly (no
+      compute, the model unchanged) so the report lists the hand-written
+      sites at once instead of after the first real call.
     **layer_options: more keyword options of the new layer, e.g. `head_axis`,
       `batch_axis`, `load_balance`, `implementation`, `block_sizes`,
-      `local_window_size`, `logits_soft_cap`, `check_mask`.
+      `local_window_size`, `logits_soft_cap`, `check_mask`.  Hand-written
+      sites use `strategy`, `implementation`, `block_sizes`, `batch_axis`,
+      `head_axis`, `interpret`, `check_mask` and `local_window_size` (a
+      window the model builds from data, e.g. positions, must be declared).
 
   Returns:
     A `ConversionReport`: the paths replaced and, for each attention layer
@@ -209,6 +260,36 @@ def convert(model, *, to: str = "ring", mesh=None, seq_axis=None, **layer_option
       parent = _child(parent, key)
     _set_child(parent, path[-1], new)
     report.replaced.append(_path_name(path))
-  if mesh is not None and report.replaced:
+  if to == "ring" and handwritten:
+    _watch_handwritten(model, mesh, seq_axis, layer_options, report)
+  if mesh is not None and (report.replaced or report.watched):
     report.placed = _replicate_the_rest(model, mesh)
+  if example is not None:
+    graphdef, state = nnx.split(model)
+    jax.eval_shape(lambda st: example(nnx.merge(graphdef, st)), state)
   return report
+
+
+_HANDWRITTEN_OPTIONS = (
+  "strategy",
+  "implementation",
+  "block_sizes",
+  "batch_axis",
+  "head_axis",
+  "interpret",
+  "check_mask",
+  "local_window_size",
+)
+
+
+def _watch_handwritten(model, mesh, seq_axis, layer_options, report):
+  options = handwritten.RingOptions(
+    mesh=mesh,
+    seq_axis=sharding.sequence_axis(mesh, seq_axis, arg="seq_axis"),
+    **{k: layer_options[k] for k in _HANDWRITTEN_OPTIONS if k in layer_options},
+  )
+  classes: dict = {}
+  nodes = [(path, node) for path, node in nnx.iter_graph(model) if handwritten.is_user_module(node)]
+  for path, node in nodes:
+    handwritten.watch(node, _path_name(path), options, report, classes)
+    report.watched.append(_path_name(path))

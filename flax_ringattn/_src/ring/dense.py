@@ -176,14 +176,63 @@ def dot_product_attention(
   """
   if mask is not None and bias is not None:
     raise ValueError("pass either mask=... or bias=..., not both")
-  mesh = context_mesh(mesh, axis_name)
-  axis_name = sharding.sequence_axis(mesh, axis_name, arg="axis_name")
   also_exact = None
   if bias is not None:
     mask, also_exact = bias_as_mask(as_four_dims(bias, "bias"))
+  return masked_ring_attention(
+    q,
+    k,
+    v,
+    mask=None if mask is None else as_four_dims(mask, "mask"),
+    also_exact=also_exact,
+    is_causal=is_causal,
+    segment_ids=segment_ids,
+    scale=scale,
+    logits_soft_cap=logits_soft_cap,
+    local_window_size=local_window_size,
+    mesh=mesh,
+    axis_name=axis_name,
+    load_balance=load_balance,
+    strategy=strategy,
+    implementation=implementation,
+    block_sizes=block_sizes,
+    batch_axis=batch_axis,
+    head_axis=head_axis,
+    precision=precision,
+    interpret=interpret,
+    check_mask=check_mask,
+  )
+
+
+def masked_ring_attention(
+  q,
+  k,
+  v,
+  *,
+  mask,
+  also_exact=None,
+  is_causal=False,
+  segment_ids=None,
+  scale=None,
+  logits_soft_cap=None,
+  local_window_size=None,
+  mesh=None,
+  axis_name=None,
+  load_balance=False,
+  strategy="ring",
+  implementation=None,
+  block_sizes=None,
+  batch_axis=None,
+  head_axis=None,
+  precision=None,
+  interpret=None,
+  check_mask=True,
+):
+  """`dot_product_attention` on a 4-D boolean mask (or None) whose recovery must also satisfy `also_exact`."""
+  mesh = context_mesh(mesh, axis_name)
+  axis_name = sharding.sequence_axis(mesh, axis_name, arg="axis_name")
   causal = is_causal
   if mask is not None:
-    mask = as_four_dims(mask, "mask")
     B, T, N = q.shape[0], q.shape[1], q.shape[2]
     causal, segment_ids = dense_mask_options(
       mask,

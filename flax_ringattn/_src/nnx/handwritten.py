@@ -1,0 +1,287 @@
+"""`convert` for attention written by hand: every user module of a model is watched, and the innermost one
+whose call contains an attention pattern runs that attention as ring attention.
+
+Mechanism (see `ring/pattern.py` for the matcher):
+
+* `watch` gives each user-defined module of the model (not flax's own classes) a subclass whose `__call__`
+  first traces the original call to a jaxpr, with the module functionalised (`nnx.split` / `nnx.merge`) and
+  avals stripped of shardings, and looks for attention sites in it.
+* While a module is traced, the watched modules it calls trace themselves too ("nested discovery").  When one
+  of them holds a site, the outer module runs its own code unchanged and leaves the rewrite to it: the site
+  belongs to the innermost module, so `nnx.remat`, `nnx.scan` and python loops around layers keep working,
+  and the report names the attention module itself.
+* The module holding sites evaluates its jaxpr equation by equation, computing each site with
+  `masked_ring_attention` on the model's own q, k, v and mask and never the site's logits; its new state
+  (caches, counters) is written back with `nnx.update`.
+* A call that passes a non-None argument named like `*cache*` (sampling) runs the model's code unchanged,
+  and so does a site whose queries and keys differ in length.
+* Plans are cached per module class on the call's structure, static arguments and avals: a jitted step
+  traces once, an eager loop traces once per shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import threading
+
+import jax
+import numpy as np
+from flax import nnx
+
+from flax_ringattn._src.ring import pattern
+from flax_ringattn._src.ring.dense import bias_as_mask, masked_ring_attention
+
+
+@dataclasses.dataclass
+class SiteReport:
+  """One attention written by hand: where, what was recognised, and whether it runs as ring attention."""
+
+  path: str
+  module: str
+  converted: bool
+  details: dict = dataclasses.field(default_factory=dict)
+  reason: str = ""
+
+  def __str__(self) -> str:
+    if not self.converted:
+      return f"{self.path} ({self.module}): {self.reason}"
+    d = self.details
+    parts = [f"heads {d['q_heads']}/{d['kv_heads']} (groups {d['groups']}{', kv repeated' if d['kv_repeated'] else ''})"]
+    parts.append(f"scale {d['scale']:.6g}" + (f" (q pre-scaled by {d['scale_on_q']:.6g})" if d["scale_on_q"] else ""))
+    if d["soft_cap"] is not None:
+      parts.append(f"soft cap {d['soft_cap']:.6g}")
+    if d["window"] is not None:
+      parts.append(f"window {d['window']}")
+    parts.append(f"mask {d['mask']}")
+    parts.append(f"softmax {d['softmax']}")
+    return f"{self.path} ({self.module}): " + ", ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class RingOptions:
+  """What a watched module runs its sites with (the `convert` keywords)."""
+
+  mesh: object = None
+  seq_axis: object = None
+  strategy: str = "ring"
+  implementation: str | None = None
+  block_sizes: object = None
+  batch_axis: object = None
+  head_axis: object = None
+  interpret: object = None
+  check_mask: bool = True
+  local_window_size: object = None  # declared for every site (a window the model builds from data)
+
+
+_LOCAL = threading.local()
+
+
+def _discovering() -> bool:
+  return getattr(_LOCAL, "depth", 0) > 0
+
+
+class _Discovery:
+  """Marks a trace of a module's original call; nested watched modules report whether they hold sites."""
+
+  def __enter__(self):
+    _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
+    self.outer_found = getattr(_LOCAL, "found", False)
+    _LOCAL.found = False
+    return self
+
+  def __exit__(self, *exc):
+    self.found_inside = _LOCAL.found
+    _LOCAL.found = self.outer_found or self.found_inside
+    _LOCAL.depth -= 1
+    return False
+
+
+@dataclasses.dataclass
+class _Plan:
+  program: pattern.Program | None
+  sites: list
+  out_tree: object = None
+  dyn_index: tuple = ()
+  delegated: bool = False
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, jax.core.Tracer))
+
+
+def _abstract(x):
+  return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+
+def _uses_cache(call, module, args, kwargs) -> bool:
+  try:
+    bound = inspect.signature(call).bind(module, *args, **kwargs)
+  except TypeError:
+    return False
+  return any("cache" in name.lower() and value is not None for name, value in bound.arguments.items())
+
+
+def _plan(module, call, args, kwargs):
+  """The traced and matched plan of this call (cached on the class); records the report."""
+  cls = type(module)
+  graphdef, state = nnx.split(module)
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  dyn_index = tuple(i for i, x in enumerate(leaves) if _is_array(x))
+  statics = tuple(None if i in dyn_index else x for i, x in enumerate(leaves))
+  state_avals = tuple((tuple(np.shape(x)), str(x.dtype)) for x in jax.tree.leaves(state))
+  dyn_avals = tuple((tuple(np.shape(leaves[i])), str(leaves[i].dtype)) for i in dyn_index)
+  key = (graphdef, treedef, statics, state_avals, dyn_avals)
+  try:
+    hash(key)
+  except TypeError:
+    key = None
+  cache = cls._fr_plans
+  if key is not None and key in cache:
+    plan = cache[key]
+    if plan.sites or plan.delegated:
+      _LOCAL.found = True if _discovering() else getattr(_LOCAL, "found", False)
+    return plan
+
+  def original(state, dyn):
+    full = list(leaves)
+    for i, x in zip(dyn_index, dyn, strict=True):
+      full[i] = x
+    a, kw = jax.tree.unflatten(treedef, full)
+    m = nnx.merge(graphdef, state)
+    out = call(m, *a, **kw)
+    return out, nnx.state(m)
+
+  with _Discovery() as found:
+    closed, out_shape = jax.make_jaxpr(original, return_shape=True)(
+      jax.tree.map(_abstract, state), [_abstract(leaves[i]) for i in dyn_index]
+    )
+  program = pattern.Program.flatten(closed)
+  sites, rejected = pattern.find_sites(program)
+  plan = _Plan(program, sites, jax.tree.structure(out_shape), dyn_index, delegated=found.found_inside)
+  if plan.delegated:
+    plan.sites = []
+  else:
+    _record(module, sites, rejected)
+  if sites and not plan.delegated and _discovering():
+    _LOCAL.found = True
+  if key is not None:
+    cache[key] = plan
+  return plan
+
+
+def _record(module, sites, rejected):
+  report = type(module)._fr_report
+  path = getattr(module, "_fr_path", type(module).__name__)
+  name = type(module)._fr_original.__name__
+  for n, site in enumerate(sites):
+    where = path if len(sites) == 1 else f"{path}[{n}]"
+    report.add_site(SiteReport(where, name, True, site.describe()))
+  for n, rej in enumerate(rejected):
+    where = path if len(rejected) == 1 else f"{path}[{n}]"
+    report.add_site(SiteReport(where, name, False, reason=rej.reason))
+
+
+def _run(module, plan: _Plan, args, kwargs):
+  opts: RingOptions = type(module)._fr_options
+  graphdef, state = nnx.split(module)
+  leaves = jax.tree.leaves((args, kwargs))
+  inputs = [*jax.tree.leaves(state), *(leaves[i] for i in plan.dyn_index)]
+  replace = {}
+  for site in plan.sites:
+    replace[site.g2] = _site_fn(site, opts)
+  skip = set().union(*(s.interior for s in plan.sites))
+  outs = plan.program.run(inputs, replace=replace, skip=skip)
+  out, new_state = jax.tree.unflatten(plan.out_tree, outs)
+  nnx.update(module, new_state)
+  return out
+
+
+class _SiteFn:
+  """The replacement of one site's second dot_general (its `inputs` keep those values alive)."""
+
+  def __init__(self, site, opts):
+    self.site, self.opts = site, opts
+    self.inputs = site.inputs
+
+  def __call__(self, read):
+    site, opts = self.site, self.opts
+    q, k, v, masks = pattern.site_inputs(site, read)
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
+    mask, exact = None, None
+    for kind, negate, arr in masks:
+      if kind == "mask":
+        vis = (arr != 0) != negate
+      else:
+        vis, ok = bias_as_mask(arr)
+        exact = ok if exact is None else exact & ok
+      mask = vis if mask is None else mask & vis
+    window = opts.local_window_size if opts.local_window_size is not None else site.window
+    out = masked_ring_attention(
+      q,
+      k,
+      v,
+      mask=None if mask is None else mask[:, None],
+      also_exact=exact,
+      scale=site.scale,
+      logits_soft_cap=site.cap,
+      local_window_size=window,
+      mesh=opts.mesh,
+      axis_name=opts.seq_axis,
+      strategy=opts.strategy,
+      implementation=opts.implementation,
+      block_sizes=opts.block_sizes,
+      batch_axis=opts.batch_axis,
+      head_axis=opts.head_axis,
+      interpret=opts.interpret,
+      check_mask=opts.check_mask,
+    )
+    return pattern.site_output(site, out)
+
+
+def _site_fn(site, opts):
+  return _SiteFn(site, opts)
+
+
+def _watched_call(self, *args, **kwargs):
+  cls = type(self)
+  call = cls._fr_original.__call__
+  if _uses_cache(call, self, args, kwargs):
+    return call(self, *args, **kwargs)
+  plan = _plan(self, call, args, kwargs)
+  if _discovering() or not plan.sites:
+    return call(self, *args, **kwargs)
+  return _run(self, plan, args, kwargs)
+
+
+def is_user_module(node) -> bool:
+  """A module of the model's own code (not flax's or this library's), with its own `__call__`."""
+  cls = type(node)
+  mod = cls.__module__ or ""
+  if mod.startswith(("flax.", "flax_ringattn.")) or getattr(cls, "_fr_original", None) is not None:
+    return False
+  own = (c for c in cls.__mro__ if not (c.__module__ or "").startswith(("flax.", "builtins")))
+  return isinstance(node, nnx.Module) and any("__call__" in vars(c) for c in own)
+
+
+def watch(node, path: str, options: RingOptions, report, classes: dict):
+  """Gives `node` the watching subclass of its class (one per class and `convert` call)."""
+  cls = type(node)
+  sub = classes.get(cls)
+  if sub is None:
+    sub = type(
+      cls.__name__,
+      (cls,),
+      {
+        "__call__": _watched_call,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "_fr_original": cls,
+        "_fr_options": options,
+        "_fr_report": report,
+        "_fr_plans": {},
+      },
+    )
+    classes[cls] = sub
+  node.__class__ = sub
+  node._fr_path = path
