@@ -84,14 +84,19 @@ def _window_mask():
   return ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 4))[None, None]
 
 
-def test_mask_outside_the_family_raises_naming_alternatives():
+def test_mask_outside_the_family_raises_naming_alternatives(capfd):
   ring = fr.RingMultiHeadAttention(HEADS, F, decode=False, rngs=nnx.Rngs(1))
   x = jnp.zeros((B, T, F))
   with pytest.raises(ValueError, match=r"not of the family .*padded_segment_ids.* local_window_size="):
     ring(x, mask=_window_mask())
-  # Under jit the check runs on device and raises through a host callback.
-  with pytest.raises(Exception, match="not of the family"):
-    jax.block_until_ready(nnx.jit(lambda m, x, mask: m(x, mask=mask))(ring, x, _window_mask()))
+  # Under jit the check runs on device: a host callback reports it on stderr and the output is NaN (raising
+  # there would hang the other devices in the ring's collectives).
+  out = jax.block_until_ready(nnx.jit(lambda m, x, mask: m(x, mask=mask))(ring, x, _window_mask()))
+  assert np.isnan(np.asarray(out)).all()
+  assert "attention output set to NaN: the dense mask=... is not of the family" in capfd.readouterr().err
+  # Declared, the window is part of the family.
+  windowed = fr.RingMultiHeadAttention(HEADS, F, decode=False, rngs=nnx.Rngs(1), local_window_size=(3, 0))
+  assert np.isfinite(np.asarray(nnx.jit(lambda m, x, mask: m(x, mask=mask))(windowed, x, _window_mask()))).all()
   # A per-head mask is outside the family too.
   causal = nnx.make_causal_mask(jnp.ones((B, T)))
   per_head = jnp.concatenate([causal, jnp.ones((B, HEADS - 1, T, T))], axis=1)

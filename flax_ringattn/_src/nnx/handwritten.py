@@ -47,7 +47,9 @@ class SiteReport:
     if not self.converted:
       return f"{self.path} ({self.module}): {self.reason}"
     d = self.details
-    parts = [f"heads {d['q_heads']}/{d['kv_heads']} (groups {d['groups']}{', kv repeated' if d['kv_repeated'] else ''})"]
+    parts = [
+      f"heads {d['q_heads']}/{d['kv_heads']} (groups {d['groups']}{', kv repeated' if d['kv_repeated'] else ''})"
+    ]
     parts.append(f"scale {d['scale']:.6g}" + (f" (q pre-scaled by {d['scale_on_q']:.6g})" if d["scale_on_q"] else ""))
     if d["soft_cap"] is not None:
       parts.append(f"soft cap {d['soft_cap']:.6g}")
@@ -104,6 +106,7 @@ class _Plan:
   out_tree: object = None
   dyn_index: tuple = ()
   delegated: bool = False
+  rejected: bool = False
 
 
 def _is_array(x) -> bool:
@@ -139,7 +142,7 @@ def _plan(module, call, args, kwargs):
   cache = cls._fr_plans
   if key is not None and key in cache:
     plan = cache[key]
-    if plan.sites or plan.delegated:
+    if plan.sites or plan.delegated or plan.rejected:
       _LOCAL.found = True if _discovering() else getattr(_LOCAL, "found", False)
     return plan
 
@@ -159,11 +162,12 @@ def _plan(module, call, args, kwargs):
   program = pattern.Program.flatten(closed)
   sites, rejected = pattern.find_sites(program)
   plan = _Plan(program, sites, jax.tree.structure(out_shape), dyn_index, delegated=found.found_inside)
+  plan.rejected = bool(rejected)
   if plan.delegated:
     plan.sites = []
   else:
     _record(module, sites, rejected)
-  if sites and not plan.delegated and _discovering():
+  if (sites or rejected) and not plan.delegated and _discovering():
     _LOCAL.found = True
   if key is not None:
     cache[key] = plan

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from flax_ringattn._src import sharding
 from flax_ringattn._src.nnx.common import check_keywords, check_mesh_axes, head_sharding_metadata, place_params
 from flax_ringattn._src.ring import strategies
-from flax_ringattn._src.ring.dense import call_with_mask_structure, dense_mask_options
+from flax_ringattn._src.ring.dense import call_with_mask_structure, dense_mask_options, poison_unless
 from flax_ringattn._src.ring.op import check_mesh_lengths, ring_attention
 
 _NO_DECODE = (
@@ -73,7 +73,8 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       `ring_attention` applied on every call (scale: default H ** -0.5; 1.0
       for a model that pre-scales q).
     check_mask: verify, under jit, that a dense `mask=` was recovered exactly
-      (a host callback per call; a concrete mask is always checked).
+      (a host callback per call reports a failure on stderr and the output is
+      NaN; a concrete mask is always checked and raises).
 
   `__call__` takes the arguments of `nnx.MultiHeadAttention.__call__` plus
   `is_causal` and `segment_ids` ([B, T] or a (q_ids, kv_ids) pair).  A dense
@@ -198,10 +199,10 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       load_balance=self.load_balance,
       strategy=self.strategy,
     )
-    causal = is_causal
+    causal, exact = is_causal, None
     if mask is not None:
       B, T, S = inputs_q.shape[0], inputs_q.shape[-2], inputs_k.shape[-2]
-      causal, segment_ids = dense_mask_options(
+      causal, segment_ids, exact = dense_mask_options(
         mask,
         B=B,
         N=self.num_heads,
@@ -250,7 +251,7 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
         broadcast_dropout=self.broadcast_dropout,
       )
 
-    x = call_with_mask_structure(attend, causal)
+    x = poison_unless(exact, call_with_mask_structure(attend, causal))
     if out_sharding is None and mesh is not None and sharding.has_explicit_axes(mesh, seq):
       # Explicit axes: the out projection contracts the (possibly sharded)
       # heads, so say where the result lives.
@@ -312,10 +313,10 @@ def make_ring_attention_fn(
       query, key, value = promote_dtype((query, key, value), dtype=dtype)
     elif dtype is not None:
       query, key, value = (x.astype(dtype) for x in (query, key, value))
-    causal = bool(is_causal or is_causal_default)
+    causal, exact = bool(is_causal or is_causal_default), None
     if mask is not None:
       B, T, N = query.shape[0], query.shape[1], query.shape[2]
-      causal, segment_ids = dense_mask_options(
+      causal, segment_ids, exact = dense_mask_options(
         mask,
         B=B,
         N=N,
@@ -355,7 +356,7 @@ def make_ring_attention_fn(
         broadcast_dropout=broadcast_dropout,
       )
 
-    return call_with_mask_structure(attend, causal)
+    return poison_unless(exact, call_with_mask_structure(attend, causal))
 
   is_causal_default = is_causal
   return ring_attention_fn

@@ -11,6 +11,9 @@ layers (`mask=`), `convert` and `dot_product_attention` below; no flax import.
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import jax
 import jax.numpy as jnp
 
@@ -28,14 +31,26 @@ _MASK_ALTERNATIVES = (
 )
 
 
+def _inexact_message() -> str:
+  return (
+    "the dense mask=... is not of the family ring attention recovers exactly ([causal] & [window] & "
+    "(q_ids[i] == kv_ids[j]): causal or not, packed segments, padding of queries and keys or of keys only, "
+    "and a sliding window declared with local_window_size=...; a bias must be 0 or <= "
+    f"{BIAS_MASKED:g}); {_MASK_ALTERNATIVES}"
+  )
+
+
 def _raise_if_inexact(exact):
   if not bool(exact):
-    raise ValueError(
-      "the dense mask=... is not of the family ring attention recovers exactly ([causal] & [window] & "
-      "(q_ids[i] == kv_ids[j]): causal or not, packed segments, padding of queries and keys or of keys only, "
-      "and a sliding window declared with local_window_size=...; a bias must be 0 or <= "
-      f"{BIAS_MASKED:g}); {_MASK_ALTERNATIVES}"
-    )
+    raise ValueError(_inexact_message())
+
+
+def _report_if_inexact(exact):
+  # Under jit the check runs in a host callback.  Raising there would stop one device's thread while the
+  # others wait in the ring's collectives (a hang, then an abort), so it reports and the output is NaN.
+  if not bool(exact):
+    logging.getLogger("flax_ringattn").error("attention output set to NaN: %s", _inexact_message())
+    print(f"flax_ringattn: attention output set to NaN: {_inexact_message()}", file=sys.stderr, flush=True)
 
 
 def _is_concrete(x) -> bool:
@@ -45,14 +60,17 @@ def _is_concrete(x) -> bool:
 def dense_mask_options(
   mask, *, B, N, T, S, is_causal, segment_ids, checked: bool, local_window_size=None, also_exact=None
 ):
-  """Turns a dense mask into (is_causal, segment_ids) for `ring_attention`.
+  """Turns a dense mask into (is_causal, segment_ids, exact) for `ring_attention`.
 
   is_causal comes back as a Python bool when the mask is concrete (or has no
   causal question left because is_causal=True), else as a traced bool (the
   caller then branches with `lax.cond`).  The recovery is verified: a concrete
-  mask raises `ValueError` at once, a traced one (under jit) through a host
-  callback when `checked` (the default); see `masks.structure_from_dense_mask`.
-  `also_exact` (a bool scalar) joins that verdict (e.g. "the bias was 0 / -inf").
+  mask raises `ValueError` at once.  A traced one (under jit), when `checked`
+  (the default), is reported on stderr by a host callback, and `exact` (a
+  traced bool, else None) tells the caller to poison its output with NaN
+  (`poison_unless`): raising inside a multi-device program would hang it.  See
+  `masks.structure_from_dense_mask`.  `also_exact` (a bool scalar) joins that
+  verdict (e.g. "the bias was 0 / -inf").
   """
   if segment_ids is not None:
     raise ValueError("pass either mask=... or segment_ids=..., not both (segment_ids already describe the mask)")
@@ -70,14 +88,23 @@ def dense_mask_options(
     exact = exact & also_exact
   if q_ids.shape[0] != B:
     q_ids, kv_ids = (jnp.broadcast_to(x, (B, T)) for x in (q_ids, kv_ids))
+  verdict = None
   if _is_concrete(exact):
     _raise_if_inexact(exact)
     causal = bool(causal)
   elif checked:
-    jax.debug.callback(_raise_if_inexact, exact)
+    jax.debug.callback(_report_if_inexact, exact)
+    verdict = exact
   if is_causal:
     causal = True
-  return causal, (q_ids, kv_ids)
+  return causal, (q_ids, kv_ids), verdict
+
+
+def poison_unless(exact, out):
+  """out, or NaN everywhere when a traced mask was not recovered exactly (`exact` False; None: nothing)."""
+  if exact is None:
+    return out
+  return jnp.where(exact, out, jnp.asarray(jnp.nan, out.dtype))
 
 
 def call_with_mask_structure(fn, causal):
@@ -231,10 +258,10 @@ def masked_ring_attention(
   """`dot_product_attention` on a 4-D boolean mask (or None) whose recovery must also satisfy `also_exact`."""
   mesh = context_mesh(mesh, axis_name)
   axis_name = sharding.sequence_axis(mesh, axis_name, arg="axis_name")
-  causal = is_causal
+  causal, exact = is_causal, None
   if mask is not None:
     B, T, N = q.shape[0], q.shape[1], q.shape[2]
-    causal, segment_ids = dense_mask_options(
+    causal, segment_ids, exact = dense_mask_options(
       mask,
       B=B,
       N=N,
@@ -269,4 +296,4 @@ def masked_ring_attention(
       interpret=interpret,
     )
 
-  return call_with_mask_structure(attend, causal)
+  return poison_unless(exact, call_with_mask_structure(attend, causal))

@@ -71,6 +71,15 @@ _CONST_OPS = (
   "max",
   "min",
   "abs",
+  "sqrt",
+  "rsqrt",
+  "pow",
+  "integer_pow",
+  "exp",
+  "log",
+  "tanh",
+  "square",
+  "stop_gradient",
 )
 
 
@@ -469,9 +478,12 @@ def _match(prog: Program, g1: int, producers, consumers, outputs):
         stats[out] = st
       elif name in ("max", "min") and all(_is_literal(a) or a in stats for a in e.ins):
         stats[out] = st
-      elif name == "div" and st.kind == "sum" and e.ins[1] in stats and _uniform_scalar(
-        const_value(prog, e.ins[0], producers)
-      ) == 1.0:
+      elif (
+        name == "div"
+        and st.kind == "sum"
+        and e.ins[1] in stats
+        and _uniform_scalar(const_value(prog, e.ins[0], producers)) == 1.0
+      ):
         stats[out] = _Stat("recip")
       else:
         raise _Fail(f"the softmax statistic goes into {name}")
@@ -655,69 +667,81 @@ def _is_zero(prog, atom, producers):
 
 def _constant_band(prog, atom, src_lay, producers, sizes):
   """A sliding window the model built from constants (`triu` / `tril` bands ANDed or multiplied into the
-  mask): the (left, right) of the band factor, or None."""
-  factors = []
+  mask): the (left, right) of the constant factors' band, or None."""
+  consts = []
 
-  def collect(a, depth=6):
+  def collect(a, depth=8):
+    val = const_value(prog, a, producers)
+    if val is not None:
+      consts.append(val)
+      return
     if depth == 0 or _is_literal(a) or a not in producers:
-      factors.append(a)
       return
     e = prog.eqns[producers[a]]
     if e.name in ("and", "mul"):
       for b in e.ins:
         collect(b, depth - 1)
-    elif e.name in ("convert_element_type", "ne", "broadcast_in_dim") and not _is_literal(e.ins[0]):
-      if e.name == "ne" and not _is_zero(prog, e.ins[1], producers):
-        factors.append(a)
-        return
-      factors.append(a)
+    elif e.name in ("convert_element_type", "broadcast_in_dim") or (
+      e.name == "ne" and _is_zero(prog, e.ins[1], producers)
+    ):
       collect(e.ins[0], depth - 1)
-    else:
-      factors.append(a)
 
   collect(atom)
-  for f in factors:
-    val = const_value(prog, f, producers)
-    if val is None or val.ndim < 2:
+  band = None
+  for val in consts:
+    v = np.asarray(val) != 0
+    while v.ndim > 2 and (v.shape[0] == 1 or bool(np.all(v == v[:1]))):
+      v = v[0]  # leading (batch, head) axes of a band built like the mask: the same band in each
+    if v.ndim != 2 or v.shape[0] != v.shape[1]:
       continue
-    band = np.squeeze(val != 0)
-    if band.ndim != 2 or band.shape[0] != band.shape[1]:
-      continue
-    i, j = np.nonzero(band)
-    if i.size == 0:
-      continue
-    left, right = int(np.max(i - j)), int(np.max(j - i))
-    n = band.shape[0]
-    rows, cols = np.indices(band.shape)
-    if not np.array_equal(band, (cols >= rows - left) & (cols <= rows + right)):
-      continue
-    if left >= n - 1 and right >= n - 1:
-      continue  # no band at all
-    if right == 0 and left >= n - 1:
-      continue  # the causal triangle: recovered from the whole mask
-    return (min(left, n), min(right, n))
-  return None
+    band = v if band is None else band & v
+  if band is None:
+    return None
+  i, j = np.nonzero(band)
+  if i.size == 0:
+    return None
+  left, right = int(np.max(i - j)), int(np.max(j - i))
+  n = band.shape[0]
+  rows, cols = np.indices(band.shape)
+  if not np.array_equal(band, (cols >= rows - left) & (cols <= rows + right)):
+    return None
+  if left >= n - 1 and right >= n - 1:
+    return None  # no band at all
+  if right == 0 and left >= n - 1:
+    return None  # the causal triangle: recovered from the whole mask
+  return (left, right)
 
 
-def _repeat_source(prog, atom, head_axis, producers):
-  """The [.., K, ..] array `atom` repeats G times along `head_axis` (as jnp.repeat does), with G; else None."""
+def _repeat_source(prog, atom, lay, head, producers):
+  """(src, G, layout of src) when `atom` (axes labelled `lay`) repeats src G times along the axis labelled
+  `head`, as `jnp.repeat` does (a broadcast then a merging reshape, possibly transposed after); else None."""
   if atom not in producers:
     return None
   e = prog.eqns[producers[atom]]
+  if e.name == "transpose":
+    perm = e.params["permutation"]
+    src_lay = [None] * len(lay)
+    for out_axis, in_axis in enumerate(perm):
+      src_lay[in_axis] = lay[out_axis]
+    return _repeat_source(prog, e.ins[0], tuple(src_lay), head, producers)
   if e.name != "reshape" or e.ins[0] not in producers:
     return None
   b = prog.eqns[producers[e.ins[0]]]
   if b.name != "broadcast_in_dim":
     return None
+  axes = [n for n, ax in enumerate(lay) if ax == (head,)]
+  if len(axes) != 1:
+    return None
+  h = axes[0]
   src = b.ins[0]
   src_shape, mid = tuple(src.aval.shape), tuple(b.params["shape"])
   dims = b.params["broadcast_dimensions"]
   out_shape = tuple(atom.aval.shape)
-  if len(mid) != len(src_shape) + 1 or tuple(dims) != tuple(d + (d > head_axis) for d in range(len(src_shape))):
+  if len(mid) != len(src_shape) + 1 or tuple(dims) != tuple(d + (d > h) for d in range(len(src_shape))):
     return None
-  if mid[:head_axis + 1] + mid[head_axis + 2:] != src_shape or out_shape[head_axis] != mid[head_axis] * mid[head_axis + 1]:
+  if mid[: h + 1] + mid[h + 2 :] != src_shape or out_shape[h] != mid[h] * mid[h + 1]:
     return None
-  return src, mid[head_axis + 1]
+  return src, mid[h + 1], lay
 
 
 def _finish(prog, g2, e2, tracks, sizes, lay_l, lay_r, e1, state, interior, producers, consumers, outputs):
@@ -795,12 +819,10 @@ def _finish(prog, g2, e2, tracks, sizes, lay_l, lay_r, e1, state, interior, prod
   # GQA by jnp.repeat of k and v: move only the kv heads.
   k_src, v_src, repeated = (k_atom, k_lay), (v_atom, tuple(v_lay)), False
   if heads:
-    kh = next(n for n, ax in enumerate(k_lay) if ax[0] == heads[0])
-    vh = next(n for n, ax in enumerate(v_lay) if heads[0] in ax)
-    kr = _repeat_source(prog, k_atom, kh, producers)
-    vr = _repeat_source(prog, v_atom, vh, producers)
-    if kr and vr and kr[1] == vr[1] and kr[1] > 1 and v_lay[vh] == (heads[0],):
-    # Split the head atom into (kv head, group): q's head axis reads K-major, as jnp.repeat lays it out.
+    kr = _repeat_source(prog, k_atom, k_lay, heads[0], producers)
+    vr = _repeat_source(prog, v_atom, tuple(v_lay), heads[0], producers)
+    if kr and vr and kr[1] == vr[1] and kr[1] > 1:
+      # Split the head atom into (kv head, group): q's head axis reads K-major, as jnp.repeat lays it out.
       g = kr[1]
       kv_name, grp = heads[0] + "k", heads[0] + "g"
       sizes[kv_name], sizes[grp] = sizes[heads[0]] // g, g
@@ -810,7 +832,7 @@ def _finish(prog, g2, e2, tracks, sizes, lay_l, lay_r, e1, state, interior, prod
       out_layout = tuple(
         tuple(a2 for a in ax for a2 in ((kv_name, grp) if a == heads[0] else (a,))) for ax in out_layout
       )
-      k_src, v_src = (kr[0], only_kv(k_lay)), (vr[0], only_kv(tuple(v_lay)))
+      k_src, v_src = (kr[0], only_kv(kr[2])), (vr[0], only_kv(vr[2]))
       roles["K"], roles["G"] = kv_name, grp
       if groups:
         raise _Fail("GQA both grouped in the einsum and repeated")
