@@ -188,3 +188,24 @@ def bias(heads=4, kv_heads=2, head_dim=8):
 
 def segments(heads=4, head_dim=8):
   return lambda rngs: SegmentAttention(heads, head_dim, rngs=rngs)
+
+
+class ScanDecoder(nnx.Module):
+  """The blocks stacked (`nnx.vmap` at construction) and applied with `nnx.scan`."""
+
+  def __init__(self, make_attn, layers=2, *, rngs):
+    self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+      return Block(make_attn(rngs), rngs)
+
+    self.blocks = create(rngs)
+
+  def __call__(self, tokens, positions, mask):
+    @nnx.scan(in_axes=(0, nnx.Carry, None, None), out_axes=nnx.Carry)
+    def body(block, x, positions, mask):
+      return block(x, positions, mask)
+
+    return self.embed.attend(body(self.blocks, self.embed(tokens), positions, mask))

@@ -1,0 +1,225 @@
+"""`convert` on decoders that write attention by hand (look-alikes in `handwritten_models.py`).
+
+Each style is converted with one call and compared with the unconverted model on one batch holding a
+right-padded row, a left-padded row and a packed row (documents and padding): logits on every token that sees
+a key, and the gradients of a masked next-token loss with respect to every parameter (f32, 2e-5).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from flax import nnx
+from tolerances import assert_close
+
+import flax_ringattn as fr
+import handwritten_models as hm
+
+T = 32  # 4 tokens per device on the ring of 8
+F32 = jnp.float32
+
+
+def _batch():
+  """tokens, positions, segments (0 = padding), valid [3, T]: right-padded, left-padded, packed rows."""
+  tokens = np.random.default_rng(0).integers(1, hm.VOCAB, size=(3, T))
+  seg = np.ones((3, T), np.int32)
+  seg[0, 24:] = 0  # right padding
+  seg[1, :6] = 0  # left padding
+  seg[2, 12:26] = 2  # two documents, then padding
+  seg[2, 26:] = 0
+  pos = np.tile(np.arange(T), (3, 1))
+  pos[1] = np.clip(np.arange(T) - 6, 0, None)
+  pos[2, 12:] = np.arange(T - 12)
+  valid = seg > 0
+  return jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(valid)
+
+
+def _key_mask(seg, valid):
+  """[B, T, T] as hand-written decoders build it: causal, same document, valid keys (queries not masked)."""
+  causal = np.tril(np.ones((T, T), bool))
+  same = np.asarray(seg)[:, :, None] == np.asarray(seg)[:, None, :]
+  return jnp.asarray(causal[None] & same & np.asarray(valid)[:, None, :])
+
+
+def _inputs(style):
+  tokens, pos, seg, valid = _batch()
+  mask = _key_mask(seg, valid)
+  # A finite large negative: with -inf the unconverted model itself turns fully masked rows into NaN.
+  third = {"mask": mask, "bias": jnp.where(mask, 0.0, -1e9), "segments": seg}[style]
+  sees = np.asarray(mask).any(-1)  # rows with a visible key (fully masked rows differ by design)
+  return tokens, pos, third, sees, valid
+
+
+STYLES = {
+  "gemma_gqa_cap_window": (hm.gemma(cap=5.0, window=8, qk_norm=True), "mask"),
+  "gemma_mqa": (hm.gemma(kv_heads=1), "mask"),
+  "gemma_mha": (hm.gemma(kv_heads=4), "mask"),
+  "llama": (hm.llama(), "mask"),
+  "bias_repeat": (hm.bias(), "bias"),
+  "segments_inside": (hm.segments(), "segments"),
+}
+
+EXPECTED = {  # what the report must say was recognised
+  "gemma_gqa_cap_window": dict(q_heads=4, kv_heads=2, groups=2, scale=1.0, soft_cap=5.0, window=(7, 7)),
+  "gemma_mqa": dict(q_heads=4, kv_heads=1, groups=4, scale=1.0, soft_cap=None, window=None),
+  "gemma_mha": dict(q_heads=4, kv_heads=4, groups=1, scale=1.0, soft_cap=None, window=None),
+  "llama": dict(q_heads=4, kv_heads=2, groups=2, scale=8**-0.5, soft_cap=None, window=None),
+  "bias_repeat": dict(q_heads=4, kv_heads=2, groups=2, scale=8**-0.5, soft_cap=None, kv_repeated=True, mask="bias"),
+  "segments_inside": dict(q_heads=4, kv_heads=4, groups=1, scale=8**-0.5, soft_cap=None, window=None),
+}
+
+
+def _loss(model, tokens, pos, third, valid):
+  logits = model(tokens, pos, third)  # sequence-sharded when converted: no slicing, only elementwise ops
+  logp = jax.nn.log_softmax(logits.astype(F32), -1)
+  targets = jnp.roll(tokens, -1, axis=1)
+  nll = -jnp.sum(logp * jax.nn.one_hot(targets, hm.VOCAB), -1)
+  w = (valid & jnp.roll(valid, -1, axis=1) & (jnp.arange(T) < T - 1)).astype(F32)
+  return jnp.sum(nll * w) / jnp.sum(w)
+
+
+def _grads(model, *args):
+  graphdef, state = nnx.split(model, nnx.Param)
+  rest = nnx.state(model, nnx.Not(nnx.Param))
+
+  def f(params):
+    return _loss(nnx.merge(graphdef, params, rest), *args)
+
+  return jax.jit(jax.value_and_grad(f)), state
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+def test_converted_style_matches_unconverted(style):
+  make, kind = STYLES[style]
+  tokens, pos, third, sees, valid = _inputs(kind)
+  ref = hm.Decoder(make, rngs=nnx.Rngs(0))
+  model = hm.Decoder(make, rngs=nnx.Rngs(0))
+  mesh = make_mesh((8,), ("sp",))
+  report = fr.convert(model, mesh=mesh, seq_axis="sp", example=lambda m: m(tokens, pos, third))
+  # One site per layer, in the attention module itself, with what was recognised.
+  assert [s.path for s in report.converted] == ["blocks.0.attn", "blocks.1.attn"] or style == "segments_inside"
+  assert len(report.converted) == 2 and not report.left_alone, str(report)
+  for site in report.converted:
+    for key, want in EXPECTED[style].items():
+      got = site.details[key]
+      assert got == pytest.approx(want) if isinstance(want, float) else got == want, (key, got, want, str(report))
+  # Logits on every row that sees a key.
+  got = nnx.jit(lambda m, *a: m(*a))(model, tokens, pos, third)
+  want = ref(tokens, pos, third)
+  assert_close(np.asarray(got)[sees], np.asarray(want)[sees], F32)
+  # Loss and every parameter gradient; the ring really runs (a collective-permute in the compiled step).
+  step, params = _grads(model, tokens, pos, third, valid)
+  ref_step, ref_params = _grads(ref, tokens, pos, third, valid)
+  (loss, grads), (ref_loss, ref_grads) = step(params), ref_step(ref_params)
+  assert_close(loss, ref_loss, F32)
+  assert_close(grads, ref_grads, F32, "grad")
+  hlo = step.lower(params).compile().as_text()
+  assert "collective-permute" in hlo
+
+
+def test_report_before_the_first_call_and_after():
+  tokens, pos, third, _, _ = _inputs("mask")
+  model = hm.Decoder(hm.llama(), rngs=nnx.Rngs(0))
+  report = fr.convert(model, mesh=make_mesh((8,), ("sp",), explicit=False))
+  assert not report.sites and "found at the first call" in str(report)
+  assert {"<root>", "blocks.0.attn", "blocks.1"} <= set(report.watched)
+  model(tokens, pos, third)  # eager, Auto mesh
+  assert [s.path for s in report.converted] == ["blocks.0.attn", "blocks.1.attn"], str(report)
+  assert "converted blocks.0.attn (LlamaAttention): heads 4/2 (groups 2), scale 0.353553, mask where" in str(report)
+
+
+def test_remat_and_scan():
+  """Layers under nnx.remat (a python loop) and nnx.scan (stacked layers) convert and match."""
+  tokens, pos, third, sees, valid = _inputs("mask")
+  # Auto axes: on Explicit ones the scan carry would change type (the ring returns it sequence-sharded) unless
+  # the embedding's output already is, and an embedding lookup of sharded tokens needs an explicit out_sharding.
+  mesh = make_mesh((8,), ("sp",), explicit=False)
+  for build in (
+    lambda: hm.Decoder(hm.gemma(), remat=True, rngs=nnx.Rngs(0)),
+    lambda: hm.ScanDecoder(hm.gemma(), rngs=nnx.Rngs(0)),
+  ):
+    ref, model = build(), build()
+    report = fr.convert(model, mesh=mesh)
+
+    @nnx.jit
+    def step(m, tokens, pos, third):
+      return nnx.value_and_grad(lambda m: _loss(m, tokens, pos, third, valid))(m)
+
+    (loss, grads), (ref_loss, ref_grads) = step(model, tokens, pos, third), step(ref, tokens, pos, third)
+    assert report.converted, str(report)
+    assert_close(loss, ref_loss, F32)
+    assert_close(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), F32, "grad")
+
+
+def test_kv_cache_path_runs_the_models_own_code():
+  """Called with a cache (sampling), the converted module runs the model's code: outputs and cache equal."""
+  attn, ref = (hm.GemmaAttention(4, 2, 8, rngs=nnx.Rngs(0)) for _ in range(2))
+  holder = nnx.Dict(attn=attn)
+  fr.convert(holder, mesh=make_mesh((8,), ("sp",), explicit=False))
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(1, 1, hm.D)), F32)
+  cache = {"k": jnp.ones((1, 16, 2, 8)), "v": jnp.ones((1, 16, 2, 8)), "end": 3}
+  mask = jnp.ones((1, 1, 16), bool)
+  got, got_cache = holder["attn"](x, jnp.full((1, 1), 3), mask, cache=cache)
+  want, want_cache = ref(x, jnp.full((1, 1), 3), mask, cache=cache)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got_cache, want_cache)
+  assert not type(holder["attn"])._fr_plans  # no trace was taken
+
+
+class _DropoutOnProbs(nnx.Module):
+  """Attention with dropout on the probabilities: not the pattern; reported, never converted."""
+
+  def __init__(self, rngs):
+    self.inner = hm.LlamaAttention(4, 4, 8, rngs=rngs)
+
+  def __call__(self, x, positions, mask):
+    a = self.inner
+    B = x.shape[0]
+    q = a.q_proj(x).reshape(B, T, 4, 8)
+    k = a.k_proj(x).reshape(B, T, 4, 8)
+    v = a.v_proj(x).reshape(B, T, 4, 8)
+    logits = jnp.where(mask[:, None], jnp.einsum("BTNH,BSNH->BNTS", q, k), -1e9)
+    probs = jax.nn.softmax(logits, -1) * (jnp.arange(T) % 2 == 0)  # a fixed "dropout" pattern
+    return a.o_proj(jnp.einsum("BNTS,BSNH->BTNH", probs, v).reshape(B, T, -1))
+
+
+def test_unrecognised_attention_is_reported_and_left_alone():
+  tokens, pos, third, _, _ = _inputs("mask")
+  x = jnp.asarray(np.random.default_rng(2).normal(size=(3, T, hm.D)), F32)
+  ref = _DropoutOnProbs(nnx.Rngs(0))
+  holder = nnx.Dict(attn=_DropoutOnProbs(nnx.Rngs(0)))
+  report = fr.convert(holder, mesh=make_mesh((8,), ("sp",), explicit=False), example=lambda m: m["attn"](x, pos, third))
+  assert not report.converted
+  (site,) = report.left_alone
+  assert site.path == "attn" and "mul on the attention probs" in site.reason, str(report)
+  np.testing.assert_array_equal(np.asarray(holder["attn"](x, pos, third)), np.asarray(ref(x, pos, third)))
+
+
+@pytest.mark.parametrize("mutation", ["cap", "window"])
+def test_a_dropped_cap_or_window_fails_the_comparison(mutation, monkeypatch):
+  """The equivalence check can fail: drop the recognised cap (or window) and the converted model differs."""
+  from flax_ringattn._src.ring import pattern
+
+  real = pattern.find_sites
+
+  def mutant(prog):
+    sites, rejected = real(prog)
+    for s in sites:
+      if mutation == "cap":
+        s.cap = None
+      else:
+        for m in s.masks:
+          m.window = None
+    return sites, rejected
+
+  monkeypatch.setattr(pattern, "find_sites", mutant)
+  tokens, pos, third, sees, _ = _inputs("mask")
+  make = hm.gemma(cap=2.0, window=8)
+  ref, model = hm.Decoder(make, rngs=nnx.Rngs(0)), hm.Decoder(make, rngs=nnx.Rngs(0))
+  fr.convert(model, mesh=make_mesh((8,), ("sp",)))
+  got = np.asarray(nnx.jit(lambda m, *a: m(*a))(model, tokens, pos, third))
+  with pytest.raises(AssertionError):
+    assert_close(got[sees], np.asarray(ref(tokens, pos, third))[sees], F32)
