@@ -223,3 +223,37 @@ def test_a_dropped_cap_or_window_fails_the_comparison(mutation, monkeypatch):
   got = np.asarray(nnx.jit(lambda m, *a: m(*a))(model, tokens, pos, third))
   with pytest.raises(AssertionError):
     assert_close(got[sees], np.asarray(ref(tokens, pos, third))[sees], F32)
+
+
+@pytest.mark.slow
+def test_memory_of_a_converted_train_step_grows_linearly():
+  """Compile only: temp memory of a Llama-style train step on 8 devices, converted and not, at T = 2k and 4k.
+
+  The unconverted step holds [B, N, T, S] f32 logits and probabilities (quadratic); the converted one holds
+  O(T / n) per device (the model's [B, T, S] bool mask is an argument, read by row-wise reductions only)."""
+  mesh = make_mesh((8,), ("sp",), explicit=False)
+
+  def temp_bytes(model, seq):
+    graphdef, params = nnx.split(model, nnx.Param)
+    rest = nnx.state(model, nnx.Not(nnx.Param))
+
+    def loss(params, tokens, pos, mask):
+      return jnp.mean(nnx.merge(graphdef, params, rest)(tokens, pos, mask).astype(F32) ** 2)
+
+    sds = jax.ShapeDtypeStruct
+    args = (sds((1, seq), jnp.int32), sds((1, seq), jnp.int32), sds((1, seq, seq), jnp.bool_))
+    return jax.jit(jax.grad(loss)).lower(params, *args).compile().memory_analysis().temp_size_in_bytes
+
+  sizes = {}
+  for seq in (2048, 4096):
+    ref = hm.Decoder(hm.llama(), rngs=nnx.Rngs(0))
+    conv = hm.Decoder(hm.llama(), rngs=nnx.Rngs(0))
+    fr.convert(conv, mesh=mesh)
+    sizes[seq] = (temp_bytes(ref, seq), temp_bytes(conv, seq))
+  (ref2, conv2), (ref4, conv4) = sizes[2048], sizes[4096]
+  print(
+    f"temp MiB: unconverted {ref2 / 2**20:.1f} -> {ref4 / 2**20:.1f}, converted {conv2 / 2**20:.2f} -> {conv4 / 2**20:.2f}"
+  )
+  assert ref4 / ref2 > 3.5  # quadratic
+  assert conv4 / conv2 < 2.3  # near-linear
+  assert conv4 < ref4 / 100

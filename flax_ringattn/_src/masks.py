@@ -160,11 +160,11 @@ def tile_kinds(spec: MaskSpec, q_pos, kv_pos, q_seg, kv_seg, bq: int, bk: int):
 # recovery from the dense mask m (self attention, T == S), per batch row, is:
 #   first[i]   = first key row i sees            (its segment's start, or the
 #                                                 window's left edge in it)
-#   label0[j]  = min first[i] over rows i seeing j (<= j; a segment's keys chain
+#   label0[j]  = first[j] when row j sees key j (<= j; a segment's keys chain
 #                                                 down to its first key)
 #   label      = label0 iterated to its fixed point by pointer jumping
 #                (ceil(log2 S) + 1 gathers: window chains are long)
-#   kv_ids[j]  = label[j], or PAD_KV_ID for a key nobody sees
+#   kv_ids[j]  = label[j], or PAD_KV_ID for a key its own row does not see
 #   q_ids[i]   = label[first[i]], or PAD_Q_ID for a row that sees nothing
 #   causal     = no m[i, j] with j > i
 # and the recovery is verified by rebuilding the mask from (causal, window,
@@ -240,26 +240,54 @@ def structure_from_dense_mask(mask, *, local_window_size=None):
     equals `mask` in every entry (every head included).  Costs a few
     elementwise passes and reductions over the mask (no matmul).
   """
-  m = jnp.asarray(mask) != 0
+  m = jnp.asarray(mask)
+  if m.dtype != jnp.bool_:
+    m = m != 0  # a [B, T, S] bool copy; a bool mask is read in place by every reduction below
   if m.ndim == 3:
     m = m[:, None]
   B, _, T, S = m.shape
   m0 = m[:, 0]  # [B, T, S]
-  pos_q = jnp.arange(T, dtype=jnp.int32)[None, :, None]
-  pos_kv = jnp.arange(S, dtype=jnp.int32)[None, None, :]
   sees = jnp.any(m0, axis=-1)  # [B, T]
   first = jnp.argmax(m0, axis=-1).astype(jnp.int32)
-  label = jnp.min(jnp.where(m0, first[:, :, None], S), axis=1)  # [B, S]
-  seen = label < S
+  # A key of the family is seen exactly when its own row sees it (a valid token sees itself; a padding key
+  # is seen by nobody), and then label0[j] = first[j].  So only row-wise reductions run: they fuse with the
+  # mask and stay on the device's rows when T is sharded (a column-wise one would not, and would hold a
+  # [B, T / n, S] int32 temporary).  For any other mask a wrong label only makes the verification fail.
+  seen = jnp.diagonal(m0, axis1=1, axis2=2) if T == S else jnp.any(m0, axis=1)  # [B, S]
+  label = first if T == S else jnp.take_along_axis(first, jnp.argmax(m0, axis=1).astype(jnp.int32), axis=1)
   label = jnp.where(seen, label, jnp.arange(S, dtype=jnp.int32)[None])
   for _ in range(max(1, int(np.ceil(np.log2(max(S, 2))))) + 1):
     label = jnp.take_along_axis(label, label, axis=1)
   kv_ids = jnp.where(seen, label, PAD_KV_ID)
   q_ids = jnp.where(sees, jnp.take_along_axis(label, first, axis=1), PAD_Q_ID)
-  is_causal = ~jnp.any(m0 & (pos_kv > pos_q))
-  rebuilt = dense_mask_from_structure(is_causal, q_ids, kv_ids, local_window_size=local_window_size)  # [B, 1, T, T]
-  exact = jnp.all(rebuilt == m)
+  is_causal = ~_any_pair(m, lambda mv, i, j, qid, kid: mv & (j > i), q_ids, kv_ids)
+  window = local_window_size
+  if window is not None and not isinstance(window, tuple | list):
+    window = (int(window), int(window))
+  spec = MaskSpec(window=None if window is None else tuple(window), has_segments=True)
+
+  def mismatch(mv, i, j, qid, kid):
+    rebuilt = pair_visible(spec, i, j, qid, kid) & ((j <= i) | ~is_causal)
+    return mv != rebuilt
+
+  exact = ~_any_pair(m, mismatch, q_ids, kv_ids)
   return is_causal, q_ids, kv_ids, exact
+
+
+def _any_pair(m, pred, q_ids, kv_ids):
+  """any(pred) over every (batch, head, query i, key j) of m [B, N, T, S], with an argmax over j (which XLA
+  fuses with the elementwise predicate) and the predicate recomputed at the [B, N, T] winners only.
+
+  pred(mv, i, j, q_id, kv_id) is elementwise over broadcastable mask values, positions and segment ids.
+  """
+  B, N, T, S = m.shape
+  i = jnp.arange(T, dtype=jnp.int32)[:, None]
+  j = jnp.arange(S, dtype=jnp.int32)[None, :]
+  full = pred(m, i, j, q_ids[:, None, :, None], kv_ids[:, None, None, :])
+  idx = jnp.argmax(full, axis=-1).astype(jnp.int32)  # [B, N, T]
+  mv = jnp.take_along_axis(m, idx[..., None], axis=-1)[..., 0]
+  kid = jnp.take_along_axis(jnp.broadcast_to(kv_ids[:, None, :], (B, N, S)), idx, axis=-1)
+  return jnp.any(pred(mv, i[:, 0], idx, q_ids[:, None, :], kid))
 
 
 def dense_mask_from_structure(is_causal, q_ids, kv_ids, *, local_window_size=None):

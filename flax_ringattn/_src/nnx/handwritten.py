@@ -26,6 +26,7 @@ import inspect
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -215,7 +216,9 @@ class _SiteFn:
     mask, exact = None, None
     for kind, negate, arr in masks:
       if kind == "mask":
-        vis = (arr != 0) != negate
+        # The model's own bool mask is read as it is: every extra elementwise op would make XLA hold a
+        # [B, T, S] copy for the several reductions of the recovery.
+        vis = arr if arr.dtype == jnp.bool_ and not negate else (arr != 0) != negate
       else:
         vis, ok = bias_as_mask(arr)
         exact = ok if exact is None else exact & ok

@@ -80,7 +80,9 @@ def dense_mask_options(
       "pass segment_ids=(q_ids, kv_ids) instead"
     )
   masks.check_dense_mask_shape(mask, B, N, T, S)
-  mask = jnp.asarray(mask) != 0
+  mask = jnp.asarray(mask)
+  if mask.dtype != jnp.bool_:
+    mask = mask != 0
   if is_causal:
     mask = mask & jnp.tril(jnp.ones((T, S), bool))
   causal, q_ids, kv_ids, exact = masks.structure_from_dense_mask(mask, local_window_size=local_window_size)
