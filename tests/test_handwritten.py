@@ -7,6 +7,7 @@ a key, and the gradients of a masked next-token loss with respect to every param
 
 from __future__ import annotations
 
+import handwritten_models as hm
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +17,6 @@ from flax import nnx
 from tolerances import assert_close
 
 import flax_ringattn as fr
-import handwritten_models as hm
 
 T = 32  # 4 tokens per device on the ring of 8
 F32 = jnp.float32
