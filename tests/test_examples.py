@@ -97,3 +97,16 @@ def test_swap_into_existing_model():
   assert "P(None, 'sp'" in stdout, stdout  # the activations really are sequence-sharded
   losses = [float(x) for x in re.search(r"train losses \(dropout 0.1 in the ring\): (.*)", stdout).group(1).split()]
   assert len(losses) == 2 and all(math.isfinite(x) for x in losses), stdout
+
+
+@pytest.mark.slow
+def test_swap_handwritten_attention():
+  stdout = _run(EXAMPLES / "swap_handwritten_attention.py", "--seq-len", "128", "--steps", "2")
+  for style in ("GemmaStyleAttention", "LlamaStyleAttention"):
+    assert f"converted attn.0 ({style})" in stdout and f"converted attn.1 ({style})" in stdout, stdout
+  assert "soft cap 30, window (31, 31)" in stdout, stdout
+  errs = [float(x) for x in re.findall(r"max \|ring - original\| over real tokens = (\S+)", stdout)]
+  assert len(errs) == 2 and max(errs) < 1e-4, stdout
+  assert "collective-permute in the compiled train step: True" in stdout, stdout
+  losses = [float(x) for x in re.search(r"llama train losses \(ring attention\): (.*)", stdout).group(1).split()]
+  assert len(losses) == 2 and all(math.isfinite(x) for x in losses) and losses[1] < losses[0], stdout

@@ -23,43 +23,55 @@ F32 = jnp.float32
 
 
 def _batch():
-  """tokens, positions, segments (0 = padding), valid [3, T]: right-padded, left-padded, packed rows."""
+  """tokens, positions, document ids, valid [3, T]: right-padded, left-padded and packed rows.
+
+  The padding of the first two rows carries the row's document id, so its queries still see the valid keys
+  (key-only padding, as hand-written decoders mask); the packed row's padding is a document of its own (0).
+  """
   tokens = np.random.default_rng(0).integers(1, hm.VOCAB, size=(3, T))
-  seg = np.ones((3, T), np.int32)
-  seg[0, 24:] = 0  # right padding
-  seg[1, :6] = 0  # left padding
-  seg[2, 12:26] = 2  # two documents, then padding
-  seg[2, 26:] = 0
+  doc = np.ones((3, T), np.int32)
+  valid = np.ones((3, T), bool)
+  valid[0, 24:] = False  # right padding
+  valid[1, :6] = False  # left padding
+  doc[2, 12:26] = 2  # two documents, then padding
+  doc[2, 26:] = 0
+  valid[2, 26:] = False
   pos = np.tile(np.arange(T), (3, 1))
   pos[1] = np.clip(np.arange(T) - 6, 0, None)
   pos[2, 12:] = np.arange(T - 12)
-  valid = seg > 0
-  return jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(valid)
+  return jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(doc), jnp.asarray(valid)
 
 
-def _key_mask(seg, valid):
+def _key_mask(doc, valid, window=None):
   """[B, T, T] as hand-written decoders build it: causal, same document, valid keys (queries not masked)."""
-  causal = np.tril(np.ones((T, T), bool))
-  same = np.asarray(seg)[:, :, None] == np.asarray(seg)[:, None, :]
-  return jnp.asarray(causal[None] & same & np.asarray(valid)[:, None, :])
+  i, j = np.indices((T, T))
+  visible = (j <= i) if window is None else (j <= i) & (j > i - window)
+  same = np.asarray(doc)[:, :, None] == np.asarray(doc)[:, None, :]
+  return jnp.asarray(visible[None] & same & np.asarray(valid)[:, None, :])
 
 
-def _inputs(style):
-  tokens, pos, seg, valid = _batch()
-  mask = _key_mask(seg, valid)
+def _inputs(style, window=None):
+  tokens, pos, doc, valid = _batch()
+  mask = _key_mask(doc, valid)
   # A finite large negative: with -inf the unconverted model itself turns fully masked rows into NaN.
-  third = {"mask": mask, "bias": jnp.where(mask, 0.0, -1e9), "segments": seg}[style]
-  sees = np.asarray(mask).any(-1)  # rows with a visible key (fully masked rows differ by design)
+  # The segment style gets ids with padding as document 0, which it masks as keys.
+  third = {"mask": mask, "bias": jnp.where(mask, 0.0, -1e9), "segments": jnp.where(valid, doc, 0)}[style]
+  # Rows that see a key through the model's whole mask (its window too); fully masked rows differ by design.
+  if style == "segments":  # its own mask: padding is document 0, hidden as keys and seeing nothing as queries
+    sees = np.asarray(valid)
+  else:
+    sees = np.asarray(_key_mask(doc, valid, window)).any(-1)
+    assert (sees & ~np.asarray(valid)).any()  # padding queries that see keys are compared too
   return tokens, pos, third, sees, valid
 
 
 STYLES = {
-  "gemma_gqa_cap_window": (hm.gemma(cap=5.0, window=8, qk_norm=True), "mask"),
-  "gemma_mqa": (hm.gemma(kv_heads=1), "mask"),
-  "gemma_mha": (hm.gemma(kv_heads=4), "mask"),
-  "llama": (hm.llama(), "mask"),
-  "bias_repeat": (hm.bias(), "bias"),
-  "segments_inside": (hm.segments(), "segments"),
+  "gemma_gqa_cap_window": (hm.gemma(cap=5.0, window=8, qk_norm=True), "mask", 8),
+  "gemma_mqa": (hm.gemma(kv_heads=1), "mask", None),
+  "gemma_mha": (hm.gemma(kv_heads=4), "mask", None),
+  "llama": (hm.llama(), "mask", None),
+  "bias_repeat": (hm.bias(), "bias", None),
+  "segments_inside": (hm.segments(), "segments", None),
 }
 
 EXPECTED = {  # what the report must say was recognised
@@ -93,8 +105,8 @@ def _grads(model, *args):
 
 @pytest.mark.parametrize("style", list(STYLES))
 def test_converted_style_matches_unconverted(style):
-  make, kind = STYLES[style]
-  tokens, pos, third, sees, valid = _inputs(kind)
+  make, kind, window = STYLES[style]
+  tokens, pos, third, sees, valid = _inputs(kind, window)
   ref = hm.Decoder(make, rngs=nnx.Rngs(0))
   model = hm.Decoder(make, rngs=nnx.Rngs(0))
   mesh = make_mesh((8,), ("sp",))
@@ -216,7 +228,7 @@ def test_a_dropped_cap_or_window_fails_the_comparison(mutation, monkeypatch):
     return sites, rejected
 
   monkeypatch.setattr(pattern, "find_sites", mutant)
-  tokens, pos, third, sees, _ = _inputs("mask")
+  tokens, pos, third, sees, _ = _inputs("mask", 8)
   make = hm.gemma(cap=2.0, window=8)
   ref, model = hm.Decoder(make, rngs=nnx.Rngs(0)), hm.Decoder(make, rngs=nnx.Rngs(0))
   fr.convert(model, mesh=make_mesh((8,), ("sp",)))

@@ -22,6 +22,10 @@ def test_readme_python_blocks_run():
   assert namespace["report"].replaced == ["attn"]
   assert (namespace["same"] == (namespace["mask"] != 0)).all()
   namespace["test_my_attention_matches_reference"](namespace["jnp"].bfloat16)
+  # The hand-written section converted its block, and the manual port ran.
+  assert [s.path for s in namespace["hw_report"].converted] == ["<root>"]
+  assert namespace["y_hw"].shape == namespace["x_hw"].shape
+  assert namespace["o_hw"].shape == namespace["q_hw"].shape
 
 
 # -- the API table cannot drift from the code -----------------------------------------------------

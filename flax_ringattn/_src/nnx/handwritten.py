@@ -267,7 +267,7 @@ def is_user_module(node) -> bool:
   mod = cls.__module__ or ""
   if mod.startswith(("flax.", "flax_ringattn.")) or getattr(cls, "_fr_original", None) is not None:
     return False
-  own = (c for c in cls.__mro__ if not (c.__module__ or "").startswith(("flax.", "builtins")))
+  own = (c for c in cls.__mro__ if c is not object and not (c.__module__ or "").startswith("flax."))
   return isinstance(node, nnx.Module) and any("__call__" in vars(c) for c in own)
 
 

@@ -141,8 +141,10 @@ def context_mesh(mesh, axis_name):
     return mesh
   if axis_name is not None and all(sharding.axis_is_bound(a) for a in _axes(axis_name)):
     return None
-  current = jax.sharding.get_abstract_mesh()
-  return current if current is not None and current.axis_names else None
+  for current in (jax.sharding.get_mesh(), jax.sharding.get_abstract_mesh()):
+    if current is not None and current.axis_names:
+      return current  # the concrete mesh when there is one: eager calls place their arrays on it
+  return None
 
 
 def _axes(axis_name):
