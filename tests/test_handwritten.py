@@ -55,7 +55,12 @@ def _inputs(style, window=None):
   mask = _key_mask(doc, valid)
   # A finite large negative: with -inf the unconverted model itself turns fully masked rows into NaN.
   # The segment style gets ids with padding as document 0, which it masks as keys.
-  third = {"mask": mask, "bias": jnp.where(mask, 0.0, -1e9), "segments": jnp.where(valid, doc, 0)}[style]
+  third = {
+    "mask": mask,
+    "bias": jnp.where(mask, 0.0, -1e9),
+    "bias_inf": jnp.where(mask, 0.0, -jnp.inf),  # one layer only: its fully masked rows are NaN in the model
+    "segments": jnp.where(valid, doc, 0),
+  }[style]
   # Rows that see a key through the model's whole mask (its window too); fully masked rows differ by design.
   if style == "segments":  # its own mask: padding is document 0, hidden as keys and seeing nothing as queries
     sees = np.asarray(valid)
@@ -71,6 +76,7 @@ STYLES = {
   "gemma_mha": (hm.gemma(kv_heads=4), "mask", None),
   "llama": (hm.llama(), "mask", None),
   "bias_repeat": (hm.bias(), "bias", None),
+  "bias_inf_one_layer": (hm.bias(), "bias_inf", None),
   "segments_inside": (hm.segments(), "segments", None),
 }
 
@@ -80,6 +86,7 @@ EXPECTED = {  # what the report must say was recognised
   "gemma_mha": dict(q_heads=4, kv_heads=4, groups=1, scale=1.0, soft_cap=None, window=None),
   "llama": dict(q_heads=4, kv_heads=2, groups=2, scale=8**-0.5, soft_cap=None, window=None),
   "bias_repeat": dict(q_heads=4, kv_heads=2, groups=2, scale=8**-0.5, soft_cap=None, kv_repeated=True, mask="bias"),
+  "bias_inf_one_layer": dict(q_heads=4, kv_heads=2, groups=2, kv_repeated=True, mask="bias"),
   "segments_inside": dict(q_heads=4, kv_heads=4, groups=1, scale=8**-0.5, soft_cap=None, window=None),
 }
 
@@ -107,13 +114,15 @@ def _grads(model, *args):
 def test_converted_style_matches_unconverted(style):
   make, kind, window = STYLES[style]
   tokens, pos, third, sees, valid = _inputs(kind, window)
-  ref = hm.Decoder(make, rngs=nnx.Rngs(0))
-  model = hm.Decoder(make, rngs=nnx.Rngs(0))
+  layers = 1 if kind == "bias_inf" else 2
+  ref = hm.Decoder(make, layers, rngs=nnx.Rngs(0))
+  model = hm.Decoder(make, layers, rngs=nnx.Rngs(0))
   mesh = make_mesh((8,), ("sp",))
   report = fr.convert(model, mesh=mesh, seq_axis="sp", example=lambda m: m(tokens, pos, third))
   # One site per layer, in the attention module itself, with what was recognised.
-  assert [s.path for s in report.converted] == ["blocks.0.attn", "blocks.1.attn"] or style == "segments_inside"
-  assert len(report.converted) == 2 and not report.left_alone, str(report)
+  inner = ".inner" if style == "segments_inside" else ""
+  assert [s.path for s in report.converted] == [f"blocks.{n}.attn{inner}" for n in range(layers)], str(report)
+  assert not report.left_alone, str(report)
   for site in report.converted:
     for key, want in EXPECTED[style].items():
       got = site.details[key]
@@ -126,6 +135,9 @@ def test_converted_style_matches_unconverted(style):
   step, params = _grads(model, tokens, pos, third, valid)
   ref_step, ref_params = _grads(ref, tokens, pos, third, valid)
   (loss, grads), (ref_loss, ref_grads) = step(params), ref_step(ref_params)
+  if kind == "bias_inf":  # the unconverted model's fully masked rows are NaN, and so are its gradients
+    assert np.isfinite(np.asarray(loss)) and all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+    return
   assert_close(loss, ref_loss, F32)
   assert_close(grads, ref_grads, F32, "grad")
   hlo = step.lower(params).compile().as_text()
@@ -269,3 +281,33 @@ def test_memory_of_a_converted_train_step_grows_linearly():
   assert ref4 / ref2 > 3.5  # quadratic
   assert conv4 / conv2 < 2.3  # near-linear
   assert conv4 < ref4 / 100
+
+
+class _HostRead(nnx.Module):
+  """A module whose call reads a value on the host: it cannot be traced abstractly, and must keep working."""
+
+  def __init__(self, rngs):
+    self.inner = hm.LlamaAttention(4, 2, 8, rngs=rngs)
+
+  def __call__(self, x, positions, mask):
+    scale = 2.0 if float(jnp.max(x)) > 0 else 1.0
+    return self.inner(x, positions, mask) * scale
+
+
+def test_a_module_that_only_runs_eagerly_keeps_working():
+  tokens, pos, third, _, _ = _inputs("mask")
+  x = jnp.asarray(np.random.default_rng(3).normal(size=(3, T, hm.D)), F32)
+  ref = _HostRead(nnx.Rngs(0))
+  holder = nnx.Dict(m=_HostRead(nnx.Rngs(0)))
+  report = fr.convert(holder, mesh=make_mesh((8,), ("sp",), explicit=False))
+  got = holder["m"](x, pos, third)
+  assert report.untraceable and report.untraceable[0].startswith("m: ConcretizationTypeError")
+  # Its inner attention module is traceable and converted; the eager outer code ran as written.
+  assert [s.path for s in report.converted] == ["m.inner"], str(report)
+  assert_close(
+    np.asarray(got)[np.asarray(valid_rows(third))], np.asarray(ref(x, pos, third))[np.asarray(valid_rows(third))], F32
+  )
+
+
+def valid_rows(mask):
+  return np.asarray(mask).any(-1)

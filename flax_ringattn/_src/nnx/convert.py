@@ -69,6 +69,7 @@ class ConversionReport:
   placed: list[str] = dataclasses.field(default_factory=list)  # other arrays moved from one device to the mesh
   watched: list[str] = dataclasses.field(default_factory=list)
   sites: list = dataclasses.field(default_factory=list)
+  untraceable: list[str] = dataclasses.field(default_factory=list)  # watched modules that only run eagerly
 
   def add_site(self, site) -> None:
     if not any(s.path == site.path and s.converted == site.converted for s in self.sites):

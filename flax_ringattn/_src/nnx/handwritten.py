@@ -157,9 +157,17 @@ def _plan(module, call, args, kwargs):
     return out, nnx.state(m)
 
   with _Discovery() as found:
-    closed, out_shape = jax.make_jaxpr(original, return_shape=True)(
-      jax.tree.map(_abstract, state), [_abstract(leaves[i]) for i in dyn_index]
-    )
+    try:
+      closed, out_shape = jax.make_jaxpr(original, return_shape=True)(
+        jax.tree.map(_abstract, state), [_abstract(leaves[i]) for i in dyn_index]
+      )
+    except Exception as e:  # noqa: BLE001 (a call that only runs eagerly, e.g. one reading values on the host)
+      # Not traceable on abstract values: the module runs its own code, as before convert.
+      cls._fr_report.untraceable.append(f"{getattr(module, '_fr_path', cls.__name__)}: {type(e).__name__}: {e}")
+      plan = _Plan(None, [])
+      if key is not None:
+        cache[key] = plan
+      return plan
   program = pattern.Program.flatten(closed)
   sites, rejected = pattern.find_sites(program)
   plan = _Plan(program, sites, jax.tree.structure(out_shape), dyn_index, delegated=found.found_inside)
