@@ -42,13 +42,15 @@ def rope(x, positions, base=10_000.0):
 
 
 class GemmaAttention(nnx.Module):
-  def __init__(self, heads, kv_heads, head_dim, *, cap=None, window=None, qk_norm=False, rngs):
+  def __init__(
+    self, heads, kv_heads, head_dim, *, cap=None, window=None, window_from_positions=False, qk_norm=False, rngs
+  ):
     self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
     init = nnx.initializers.normal(0.3)
     self.w_q = nnx.Param(init(rngs.params(), (heads, D, head_dim)))
     self.w_kv = nnx.Param(init(rngs.params(), (2, kv_heads, D, head_dim)))
     self.w_o = nnx.Param(init(rngs.params(), (heads, head_dim, D)))
-    self.cap, self.window = cap, window
+    self.cap, self.window, self.window_from_positions = cap, window, window_from_positions
     self.q_norm = RMS(head_dim) if qk_norm else None
     self.k_norm = RMS(head_dim) if qk_norm else None
 
@@ -72,7 +74,10 @@ class GemmaAttention(nnx.Module):
       logits = jnp.einsum("BTNH,BSNH->BTNS", q, k)
     if self.cap is not None:
       logits = jnp.tanh(logits / self.cap) * self.cap
-    if self.window is not None:
+    if self.window is not None and self.window_from_positions:  # built from data, as flax's examples/gemma does
+      near = jnp.abs(positions[:, :, None] - positions[:, None, :]) < self.window
+      mask = mask * near
+    elif self.window is not None:
       ones = jnp.ones_like(mask)
       band = jnp.triu(ones, -self.window + 1) * jnp.tril(ones, self.window - 1)
       mask = mask * band

@@ -311,3 +311,31 @@ def test_a_module_that_only_runs_eagerly_keeps_working():
 
 def valid_rows(mask):
   return np.asarray(mask).any(-1)
+
+
+def test_window_built_from_data_is_declared_per_module(capfd):
+  """A window built from positions is not visible statically: declared by a function of the module, it
+  converts exactly, local and global layers alike; undeclared, the output is NaN and stderr says why."""
+  tokens, pos, third, _, valid = _inputs("mask")
+  sees = np.asarray(_key_mask(*_batch()[2:], window=8)).any(-1)
+
+  class LocalGlobal(hm.Decoder):
+    def __init__(self, rngs):
+      super().__init__(hm.gemma(), rngs=rngs)
+      self.blocks[0].attn = hm.GemmaAttention(4, 2, 8, window=8, window_from_positions=True, rngs=rngs)
+
+  ref, model, undeclared = (LocalGlobal(nnx.Rngs(0)) for _ in range(3))
+  mesh = make_mesh((8,), ("sp",))
+  report = fr.convert(
+    model,
+    mesh=mesh,
+    local_window_size=lambda m: (7, 7) if m.window_from_positions else None,
+    example=lambda m: m(tokens, pos, third),
+  )
+  assert [s.details["window"] for s in report.converted] == ["(7, 7) (declared)", None], str(report)
+  got = np.asarray(nnx.jit(lambda m, *a: m(*a))(model, tokens, pos, third))
+  assert_close(got[sees], np.asarray(ref(tokens, pos, third))[sees], F32)
+  fr.convert(undeclared, mesh=mesh)
+  bad = np.asarray(nnx.jit(lambda m, *a: m(*a))(undeclared, tokens, pos, third))
+  assert np.isnan(bad).all()
+  assert "attention output set to NaN" in capfd.readouterr().err

@@ -224,8 +224,11 @@ def convert(
       `batch_axis`, `load_balance`, `implementation`, `block_sizes`,
       `local_window_size`, `logits_soft_cap`, `check_mask`.  Hand-written
       sites use `strategy`, `implementation`, `block_sizes`, `batch_axis`,
-      `head_axis`, `interpret`, `check_mask` and `local_window_size` (a
-      window the model builds from data, e.g. positions, must be declared).
+      `head_axis`, `interpret`, `check_mask` and `local_window_size`: a
+      window the model builds from data (e.g. from positions) must be
+      declared, as w, (left, right), or a function of the attention module
+      returning one or None (for models whose layers differ, e.g.
+      `lambda m: m.sliding_window_size if m.attn_type == LOCAL else None`).
 
   Returns:
     A `ConversionReport`: the paths replaced and, for each attention layer

@@ -74,7 +74,13 @@ class RingOptions:
   head_axis: object = None
   interpret: object = None
   check_mask: bool = True
-  local_window_size: object = None  # declared for every site (a window the model builds from data)
+  # A window the model builds from data (e.g. from positions): w, (left, right), or fn(module) -> either or
+  # None, for models whose layers differ (Gemma's local and global layers).
+  local_window_size: object = None
+
+  def declared_window(self, module):
+    w = self.local_window_size
+    return w(module) if callable(w) else w
 
 
 _LOCAL = threading.local()
@@ -187,9 +193,13 @@ def _record(module, sites, rejected):
   report = type(module)._fr_report
   path = getattr(module, "_fr_path", type(module).__name__)
   name = type(module)._fr_original.__name__
+  declared = type(module)._fr_options.declared_window(module) if sites else None
   for n, site in enumerate(sites):
     where = path if len(sites) == 1 else f"{path}[{n}]"
-    report.add_site(SiteReport(where, name, True, site.describe()))
+    details = site.describe()
+    if declared is not None:
+      details["window"] = f"{declared} (declared)"
+    report.add_site(SiteReport(where, name, True, details))
   for n, rej in enumerate(rejected):
     where = path if len(rejected) == 1 else f"{path}[{n}]"
     report.add_site(SiteReport(where, name, False, reason=rej.reason))
@@ -201,8 +211,9 @@ def _run(module, plan: _Plan, args, kwargs):
   leaves = jax.tree.leaves((args, kwargs))
   inputs = [*jax.tree.leaves(state), *(leaves[i] for i in plan.dyn_index)]
   replace = {}
+  declared = opts.declared_window(module)
   for site in plan.sites:
-    replace[site.g2] = _site_fn(site, opts)
+    replace[site.g2] = _SiteFn(site, opts, declared)
   skip = set().union(*(s.interior for s in plan.sites))
   outs = plan.program.run(inputs, replace=replace, skip=skip)
   out, new_state = jax.tree.unflatten(plan.out_tree, outs)
@@ -213,8 +224,8 @@ def _run(module, plan: _Plan, args, kwargs):
 class _SiteFn:
   """The replacement of one site's second dot_general (its `inputs` keep those values alive)."""
 
-  def __init__(self, site, opts):
-    self.site, self.opts = site, opts
+  def __init__(self, site, opts, declared_window=None):
+    self.site, self.opts, self.declared = site, opts, declared_window
     self.inputs = site.inputs
 
   def __call__(self, read):
@@ -231,7 +242,7 @@ class _SiteFn:
         vis, ok = bias_as_mask(arr)
         exact = ok if exact is None else exact & ok
       mask = vis if mask is None else mask & vis
-    window = opts.local_window_size if opts.local_window_size is not None else site.window
+    window = self.declared if self.declared is not None else site.window
     out = masked_ring_attention(
       q,
       k,
@@ -252,10 +263,6 @@ class _SiteFn:
       check_mask=opts.check_mask,
     )
     return pattern.site_output(site, out)
-
-
-def _site_fn(site, opts):
-  return _SiteFn(site, opts)
 
 
 def _watched_call(self, *args, **kwargs):
