@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from flax_ringattn._src.ring import pattern
-from flax_ringattn._src.ring.dense import bias_as_mask, masked_ring_attention
+from flax_ringattn._src.ring.dense import bias_as_mask, context_mesh, masked_ring_attention
 
 
 @dataclasses.dataclass
@@ -252,7 +252,7 @@ class _SiteFn:
       scale=site.scale,
       logits_soft_cap=site.cap,
       local_window_size=window,
-      mesh=opts.mesh,
+      mesh=context_mesh(opts.mesh, opts.seq_axis),
       axis_name=opts.seq_axis,
       strategy=opts.strategy,
       implementation=opts.implementation,

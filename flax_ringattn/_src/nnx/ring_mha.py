@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 from flax_ringattn._src import sharding
 from flax_ringattn._src.nnx.common import check_keywords, check_mesh_axes, head_sharding_metadata, place_params
 from flax_ringattn._src.ring import strategies
-from flax_ringattn._src.ring.dense import call_with_mask_structure, dense_mask_options, poison_unless
-from flax_ringattn._src.ring.op import check_mesh_lengths, ring_attention
+from flax_ringattn._src.ring.dense import masked_ring_attention
+from flax_ringattn._src.ring.op import check_mesh_lengths
 
 _NO_DECODE = (
   "decode=True (autoregressive KV cache) is not supported by RingMultiHeadAttention; "
@@ -199,20 +199,6 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       load_balance=self.load_balance,
       strategy=self.strategy,
     )
-    causal, exact = is_causal, None
-    if mask is not None:
-      B, T, S = inputs_q.shape[0], inputs_q.shape[-2], inputs_k.shape[-2]
-      causal, segment_ids, exact = dense_mask_options(
-        mask,
-        B=B,
-        N=self.num_heads,
-        T=T,
-        S=S,
-        is_causal=is_causal,
-        segment_ids=segment_ids,
-        checked=self.check_mask,
-        local_window_size=self.local_window_size,
-      )
     dropout_rng = self._dropout_rng(deterministic, rngs)
 
     mesh = self.mesh
@@ -226,32 +212,31 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
 
-    def attend(is_causal):
-      return ring_attention(
-        query,
-        key,
-        value,
-        axis_name=self.seq_axis,
-        mesh=mesh,
-        is_causal=is_causal,
-        segment_ids=segment_ids,
-        local_window_size=self.local_window_size,
-        logits_soft_cap=self.logits_soft_cap,
-        scale=self.scale,
-        load_balance=self.load_balance,
-        strategy=self.strategy,
-        implementation=self.implementation,
-        block_sizes=self.block_sizes,
-        interpret=self.interpret,
-        batch_axis=self.batch_axis if mesh is not None else None,
-        head_axis=self.head_axis if mesh is not None else None,
-        precision=self.precision,
-        dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
-        dropout_rng=dropout_rng,
-        broadcast_dropout=self.broadcast_dropout,
-      )
-
-    x = poison_unless(exact, call_with_mask_structure(attend, causal))
+    x = masked_ring_attention(
+      query,
+      key,
+      value,
+      mask=mask,
+      is_causal=is_causal,
+      segment_ids=segment_ids,
+      local_window_size=self.local_window_size,
+      logits_soft_cap=self.logits_soft_cap,
+      scale=self.scale,
+      mesh=mesh,
+      axis_name=self.seq_axis,
+      load_balance=self.load_balance,
+      strategy=self.strategy,
+      implementation=self.implementation,
+      block_sizes=self.block_sizes,
+      batch_axis=self.batch_axis if mesh is not None else None,
+      head_axis=self.head_axis if mesh is not None else None,
+      precision=self.precision,
+      interpret=self.interpret,
+      check_mask=self.check_mask,
+      dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
+      dropout_rng=dropout_rng,
+      broadcast_dropout=self.broadcast_dropout,
+    )
     if out_sharding is None and mesh is not None and sharding.has_explicit_axes(mesh, seq):
       # Explicit axes: the out projection contracts the (possibly sharded)
       # heads, so say where the result lives.
@@ -313,50 +298,35 @@ def make_ring_attention_fn(
       query, key, value = promote_dtype((query, key, value), dtype=dtype)
     elif dtype is not None:
       query, key, value = (x.astype(dtype) for x in (query, key, value))
-    causal, exact = bool(is_causal or is_causal_default), None
-    if mask is not None:
-      B, T, N = query.shape[0], query.shape[1], query.shape[2]
-      causal, segment_ids, exact = dense_mask_options(
-        mask,
-        B=B,
-        N=N,
-        T=T,
-        S=key.shape[1],
-        is_causal=causal,
-        segment_ids=segment_ids,
-        checked=check_mask,
-        local_window_size=local_window_size,
-      )
     use_dropout = bool(dropout_rate) and not deterministic
     if use_dropout and dropout_rng is None:
       raise ValueError(f"{dropout_rate=} with deterministic=False needs a dropout_rng")
 
-    def attend(is_causal):
-      return ring_attention(
-        query,
-        key,
-        value,
-        axis_name=seq_axis,
-        mesh=mesh,
-        is_causal=is_causal,
-        segment_ids=segment_ids,
-        local_window_size=local_window_size,
-        logits_soft_cap=logits_soft_cap,
-        scale=scale,
-        load_balance=load_balance,
-        strategy=strategy,
-        implementation=implementation,
-        block_sizes=block_sizes,
-        interpret=interpret,
-        batch_axis=batch_axis if mesh is not None else None,
-        head_axis=head_axis if mesh is not None else None,
-        precision=precision,
-        dropout_rate=dropout_rate if use_dropout else 0.0,
-        dropout_rng=dropout_rng if use_dropout else None,
-        broadcast_dropout=broadcast_dropout,
-      )
-
-    return poison_unless(exact, call_with_mask_structure(attend, causal))
+    return masked_ring_attention(
+      query,
+      key,
+      value,
+      mask=mask,
+      is_causal=bool(is_causal or is_causal_default),
+      segment_ids=segment_ids,
+      local_window_size=local_window_size,
+      logits_soft_cap=logits_soft_cap,
+      scale=scale,
+      mesh=mesh,
+      axis_name=seq_axis,
+      load_balance=load_balance,
+      strategy=strategy,
+      implementation=implementation,
+      block_sizes=block_sizes,
+      batch_axis=batch_axis if mesh is not None else None,
+      head_axis=head_axis if mesh is not None else None,
+      precision=precision,
+      interpret=interpret,
+      check_mask=check_mask,
+      dropout_rate=dropout_rate if use_dropout else 0.0,
+      dropout_rng=dropout_rng if use_dropout else None,
+      broadcast_dropout=broadcast_dropout,
+    )
 
   is_causal_default = is_causal
   return ring_attention_fn

@@ -187,9 +187,10 @@ def dot_product_attention(
     mask: the model's boolean mask, True = visible: [T, S], [B, T, S] (the key
       masks of hand-written decoders, padding queries may see keys) or
       [B | 1, N | 1, T, S].  Its structure `[causal] & [window] & (q_ids[i] ==
-      kv_ids[j])` is recovered and verified (a concrete mask raises at once
-      when it is not of that family; under jit a host callback raises, unless
-      check_mask=False).  No O(T * S) array reaches a kernel.
+      kv_ids[j])` is recovered and verified: a concrete mask raises at once
+      when it is not of that family; under jit the output is NaN and a host
+      callback says why on stderr (check_mask=False turns the check off).  No
+      O(T * S) array reaches a kernel.
     bias: instead of a mask, an additive bias of 0 (visible) and large
       negatives (<= -1e6 or -inf, hidden), in the same layouts.
     is_causal, segment_ids, local_window_size, logits_soft_cap: as in
@@ -210,6 +211,7 @@ def dot_product_attention(
   also_exact = None
   if bias is not None:
     mask, also_exact = bias_as_mask(as_four_dims(bias, "bias"))
+  mesh = context_mesh(mesh, axis_name)
   return masked_ring_attention(
     q,
     k,
@@ -258,9 +260,14 @@ def masked_ring_attention(
   precision=None,
   interpret=None,
   check_mask=True,
+  dropout_rate=0.0,
+  dropout_rng=None,
+  broadcast_dropout=True,
 ):
-  """`dot_product_attention` on a 4-D boolean mask (or None) whose recovery must also satisfy `also_exact`."""
-  mesh = context_mesh(mesh, axis_name)
+  """`ring_attention` with a dense 4-D boolean mask (or None) recovered into its structure (see
+  `dense_mask_options`; the recovery must also satisfy `also_exact`), the output poisoned with NaN when a
+  traced mask is outside the family.  The one path of the layers, `make_ring_attention_fn`, `convert`'s
+  hand-written sites and `dot_product_attention`."""
   axis_name = sharding.sequence_axis(mesh, axis_name, arg="axis_name")
   causal, exact = is_causal, None
   if mask is not None:
@@ -298,6 +305,9 @@ def masked_ring_attention(
       head_axis=head_axis,
       precision=precision,
       interpret=interpret,
+      dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng,
+      broadcast_dropout=broadcast_dropout,
     )
 
   return poison_unless(exact, call_with_mask_structure(attend, causal))
