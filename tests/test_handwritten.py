@@ -339,3 +339,45 @@ def test_window_built_from_data_is_declared_per_module(capfd):
   bad = np.asarray(nnx.jit(lambda m, *a: m(*a))(undeclared, tokens, pos, third))
   assert np.isnan(bad).all()
   assert "attention output set to NaN" in capfd.readouterr().err
+
+
+def _logits(q, k):
+  return jnp.einsum("btnh,bsnh->bnts", q, k)
+
+
+def _attend(p, v):
+  return jnp.einsum("bnts,bsnh->btnh", p, v)
+
+
+_I = jnp.arange(16)
+REJECTED = {  # attention-like computations the matcher must leave alone, with the reason it gives
+  "alibi_bias": (
+    lambda q, k, v: _attend(jax.nn.softmax(_logits(q, k) + -0.5 * jnp.abs(_I[:, None] - _I[None]), -1), v),
+    "a position bias",
+  ),
+  "scale_after_mask": (
+    lambda q, k, v: _attend(jax.nn.softmax(jnp.where(_I[:, None] >= _I[None], _logits(q, k), -1e9) * 0.3, -1), v),
+    "scaled after the mask",
+  ),
+  "mask_value_not_large": (
+    lambda q, k, v: _attend(jax.nn.softmax(jnp.where(_I[:, None] >= _I[None], _logits(q, k), -5.0), -1), v),
+    "not a mask value <= -1e6",
+  ),
+  "learned_temperature": (
+    lambda q, k, v: _attend(jax.nn.softmax(_logits(q, k) * q[0, 0, 0, 0], -1), v),
+    "non-constant",
+  ),
+  "softmax_over_queries": (lambda q, k, v: jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(_logits(q, k), -2), v), ""),
+  "weights_returned": (lambda q, k, v: (_attend(p := jax.nn.softmax(_logits(q, k), -1), v), p), "used outside"),
+}
+
+
+@pytest.mark.parametrize("case", list(REJECTED))
+def test_matcher_rejects_what_it_cannot_run_exactly(case):
+  from flax_ringattn._src.ring import pattern
+
+  fn, reason = REJECTED[case]
+  x = jnp.zeros((1, 16, 2, 8))
+  sites, rejected = pattern.find_sites(pattern.Program.flatten(jax.make_jaxpr(fn)(x, x, x)))
+  assert not sites
+  assert len(rejected) == 1 and reason in rejected[0].reason, rejected

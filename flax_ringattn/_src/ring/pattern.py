@@ -556,12 +556,15 @@ def _match(prog: Program, g1: int, producers, consumers, outputs):
       continue
     if name == "add" and x.stage == "logits":
       other = others[0]
-      c = _uniform_scalar(const_value(prog, other, producers))
+      val = const_value(prog, other, producers)
+      c = _uniform_scalar(val)
       if c == 0.0:
         tracks[out] = _Track(lay, "logits", x.dtype)
         continue
       if c is not None:
         raise _Fail(f"a constant {c} added to the logits")
+      if val is not None and not np.all((val == 0) | (val <= BIAS_MASKED)):
+        raise _Fail("an additive bias with values other than 0 and <= -1e6 (a position bias, e.g. ALiBi)")
       state["masks"].append(_mask_ref(prog, other, lay, producers, "bias", sizes=sizes))
       tracks[out] = _Track(lay, "logits", x.dtype)
       continue
