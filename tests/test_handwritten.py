@@ -381,3 +381,112 @@ def test_matcher_rejects_what_it_cannot_run_exactly(case):
   sites, rejected = pattern.find_sites(pattern.Program.flatten(jax.make_jaxpr(fn)(x, x, x)))
   assert not sites
   assert len(rejected) == 1 and reason in rejected[0].reason, rejected
+
+
+# From a review: branches of the logits that differ, a softmax mask, multi-axis reductions.
+_CAUSAL = _I[:, None] >= _I[None]
+REJECTED_BRANCHES = {
+  "scale_on_two_branches": lambda q, k, v: _attend(
+    (e := jnp.exp(_logits(q, k) * 0.5 - jnp.max(_logits(q, k) * 0.5, -1, keepdims=True)))
+    / jnp.sum(e, -1, keepdims=True),
+    v,
+  ),
+  "mask_only_in_the_max": lambda q, k, v: _attend(
+    (e := jnp.exp((s := _logits(q, k)) - jnp.max(jnp.where(_CAUSAL, s, -1e9), -1, keepdims=True)))
+    / jnp.sum(e, -1, keepdims=True),
+    v,
+  ),
+  "softmax_where": lambda q, k, v: _attend(jax.nn.softmax(_logits(q, k), -1, where=_CAUSAL), v),
+}
+
+
+@pytest.mark.parametrize("custom_jvp", [False, True], ids=["inlined", "custom_jvp"])
+@pytest.mark.parametrize("case", list(REJECTED_BRANCHES))
+def test_matcher_never_folds_what_one_branch_does_into_another(case, custom_jvp):
+  from flax_ringattn._src.ring import pattern
+
+  x = jnp.zeros((1, 16, 2, 8))
+  with jax.softmax_custom_jvp(custom_jvp) if hasattr(jax, "softmax_custom_jvp") else _flag(custom_jvp):
+    closed = jax.make_jaxpr(REJECTED_BRANCHES[case])(x, x, x)
+  sites, rejected = pattern.find_sites(pattern.Program.flatten(closed))
+  assert not sites and rejected, (case, rejected)
+
+
+class _flag:
+  def __init__(self, value):
+    self.value = value
+
+  def __enter__(self):
+    self.old = jax.config.jax_softmax_custom_jvp
+    jax.config.update("jax_softmax_custom_jvp", self.value)
+
+  def __exit__(self, *exc):
+    jax.config.update("jax_softmax_custom_jvp", self.old)
+
+
+def test_matcher_survives_multi_axis_reductions():
+  from flax_ringattn._src.ring import pattern
+
+  fn = lambda x, w: jnp.max(jnp.einsum("btd,de->bte", x, w), axis=(1, 2))  # noqa: E731
+  closed = jax.make_jaxpr(fn)(jnp.zeros((2, 8, 4)), jnp.zeros((4, 4)))
+  assert pattern.find_sites(pattern.Program.flatten(closed)) == ([], [])
+
+
+class _KeyPaddingEncoder(nnx.Module):
+  """Bidirectional attention with a BERT-style [B, 1, 1, S] key mask, a relu MLP child, attention inline."""
+
+  def __init__(self, rngs):
+    self.qkv = nnx.Linear(hm.D, 3 * 32, rngs=rngs)
+    self.mlp = _ReluMLP(rngs)
+
+  def __call__(self, x, keys, bias_form=False):
+    B = x.shape[0]
+    q, k, v = (t.reshape(B, T, 4, 8) for t in jnp.split(self.qkv(x), 3, -1))
+    s = jnp.einsum("BTNH,BSNH->BNTS", q, k) * 8**-0.5
+    m = keys[:, None, None, :]  # [B, 1, 1, S]
+    s = s + (1.0 - m) * -1e9 if bias_form else jnp.where(m > 0, s, -1e9)
+    out = jnp.einsum("BNTS,BSNH->BTNH", jax.nn.softmax(s, -1), v).reshape(B, T, 32)
+    return self.mlp(out)
+
+
+class _ReluMLP(nnx.Module):
+  def __init__(self, rngs):
+    self.lin = nnx.Linear(32, hm.D, rngs=rngs)
+
+  def __call__(self, x):
+    return jax.nn.relu(self.lin(x))
+
+
+@pytest.mark.parametrize("bias_form", [False, True], ids=["where", "same_rank_bias"])
+def test_key_padding_mask_and_inline_attention_beside_a_child(bias_form):
+  x = jnp.asarray(np.random.default_rng(4).normal(size=(2, T, hm.D)), F32)
+  keys = jnp.asarray(np.arange(T)[None] < np.array([[T], [T - 7]]), F32)
+  ref = _KeyPaddingEncoder(nnx.Rngs(0))
+  holder = nnx.Dict(enc=_KeyPaddingEncoder(nnx.Rngs(0)))
+  report = fr.convert(holder, mesh=make_mesh((8,), ("sp",), explicit=False))
+  got = nnx.jit(lambda h, x, k: h["enc"](x, k, bias_form))(holder, x, keys)
+  assert [s.path for s in report.converted] == ["enc"], str(report)
+  assert_close(got, ref(x, keys, bias_form), F32)
+
+
+class _WithRngs(nnx.Module):
+  def __init__(self, rngs):
+    self.attn = hm.LlamaAttention(4, 2, 8, rngs=rngs)
+    self.drop = nnx.Dropout(0.5)
+
+  def __call__(self, x, positions, mask, rngs):
+    return self.drop(self.attn(x, positions, mask), rngs=rngs)
+
+
+def test_nnx_object_arguments_keep_their_updates():
+  """A module called with rngs runs its own code (its rngs advance as before); its attention child converts."""
+  _, pos, third, _, _ = _inputs("mask")
+  x = jnp.asarray(np.random.default_rng(5).normal(size=(3, T, hm.D)), F32)
+  holder = nnx.Dict(m=_WithRngs(nnx.Rngs(0)))
+  report = fr.convert(holder, mesh=make_mesh((8,), ("sp",), explicit=False))
+  rngs = nnx.Rngs(dropout=1)
+  a = holder["m"](x, pos, third, rngs)
+  b = holder["m"](x, pos, third, rngs)
+  assert int(rngs.dropout.count[...]) == 2 and not np.array_equal(np.asarray(a) != 0, np.asarray(b) != 0)
+  assert any("called with an NNX object argument" in u for u in report.untraceable), report.untraceable
+  assert [s.path for s in report.converted] == ["m.attn"], str(report)

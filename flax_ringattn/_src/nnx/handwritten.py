@@ -91,19 +91,27 @@ def _discovering() -> bool:
 
 
 class _Discovery:
-  """Marks a trace of a module's original call; nested watched modules report whether they hold sites."""
+  """Marks a trace of a module's original call; the watched modules it calls add the sites (and rejected
+  sites) their own traces hold to its counters."""
 
   def __enter__(self):
     _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
-    self.outer_found = getattr(_LOCAL, "found", False)
-    _LOCAL.found = False
+    self.outer = (getattr(_LOCAL, "sites", 0), getattr(_LOCAL, "rejects", 0))
+    _LOCAL.sites, _LOCAL.rejects = 0, 0
     return self
 
   def __exit__(self, *exc):
-    self.found_inside = _LOCAL.found
-    _LOCAL.found = self.outer_found or self.found_inside
+    self.child_sites, self.child_rejects = _LOCAL.sites, _LOCAL.rejects
+    _LOCAL.sites, _LOCAL.rejects = self.outer
     _LOCAL.depth -= 1
     return False
+
+
+def _count_in_enclosing(plan):
+  """Tells the module whose trace called this one how many sites this call holds."""
+  if _discovering():
+    _LOCAL.sites = getattr(_LOCAL, "sites", 0) + plan.total_sites
+    _LOCAL.rejects = getattr(_LOCAL, "rejects", 0) + plan.total_rejects
 
 
 @dataclasses.dataclass
@@ -113,7 +121,8 @@ class _Plan:
   out_tree: object = None
   dyn_index: tuple = ()
   delegated: bool = False
-  rejected: bool = False
+  total_sites: int = 0  # sites in this call's jaxpr, its watched children's included
+  total_rejects: int = 0
 
 
 def _is_array(x) -> bool:
@@ -149,8 +158,7 @@ def _plan(module, call, args, kwargs):
   cache = cls._fr_plans
   if key is not None and key in cache:
     plan = cache[key]
-    if plan.sites or plan.delegated or plan.rejected:
-      _LOCAL.found = True if _discovering() else getattr(_LOCAL, "found", False)
+    _count_in_enclosing(plan)
     return plan
 
   def original(state, dyn):
@@ -176,14 +184,20 @@ def _plan(module, call, args, kwargs):
       return plan
   program = pattern.Program.flatten(closed)
   sites, rejected = pattern.find_sites(program)
-  plan = _Plan(program, sites, jax.tree.structure(out_shape), dyn_index, delegated=found.found_inside)
-  plan.rejected = bool(rejected)
-  if plan.delegated:
-    plan.sites = []
-  else:
-    _record(module, sites, rejected)
-  if (sites or rejected) and not plan.delegated and _discovering():
-    _LOCAL.found = True
+  # The children hold all of this call's sites: they convert them.  A site of this module's own code (attention
+  # inline beside attention children) makes this module convert every site of its call itself.
+  delegated = bool(sites) and len(sites) <= found.child_sites
+  plan = _Plan(
+    program,
+    [] if delegated else sites,
+    jax.tree.structure(out_shape),
+    dyn_index,
+    delegated=delegated,
+    total_sites=len(sites),
+    total_rejects=len(rejected),
+  )
+  _record(module, plan.sites, rejected if len(rejected) > found.child_rejects else [])
+  _count_in_enclosing(plan)
   if key is not None:
     cache[key] = plan
   return plan
@@ -261,6 +275,7 @@ class _SiteFn:
       head_axis=opts.head_axis,
       interpret=opts.interpret,
       check_mask=opts.check_mask,
+      precision=site.precision[0] if isinstance(site.precision, tuple) else site.precision,
     )
     return pattern.site_output(site, out)
 
@@ -269,6 +284,14 @@ def _watched_call(self, *args, **kwargs):
   cls = type(self)
   call = cls._fr_original.__call__
   if _uses_cache(call, self, args, kwargs):
+    return call(self, *args, **kwargs)
+  if any(nnx.graph.is_graph_node(x) for x in jax.tree.leaves((args, kwargs), is_leaf=nnx.graph.is_graph_node)):
+    # An NNX object passed in (rngs, a module) would be updated through the call: run the model's own code.
+    note = (
+      f"{getattr(self, '_fr_path', cls.__name__)}: called with an NNX object argument (e.g. rngs): runs its own code"
+    )
+    if note not in cls._fr_report.untraceable:
+      cls._fr_report.untraceable.append(note)
     return call(self, *args, **kwargs)
   plan = _plan(self, call, args, kwargs)
   if _discovering() or not plan.sites:

@@ -128,8 +128,8 @@ class PagedKVCache:
   def fits(self, new_lens):
     """[S] bool: the slots whose `new_lens` [S] more tokens `reserve` would store (served in slot order).
 
-    A slot with no new tokens fits; a slot past its capacity, or already `overflowed`, never does.  Check this
-    before a step to refuse work the cache cannot hold.
+    A slot with no new tokens fits; a slot past its capacity, or already `overflowed`, fits no new token.
+    Check this before a step to refuse work the cache cannot hold.
     """
     a = self._admission(new_lens)
     return a.accepted | ~a.wants

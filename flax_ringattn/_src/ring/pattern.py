@@ -262,12 +262,17 @@ def from_atoms(y, target, sizes, layout, shape):
 # -- constants ------------------------------------------------------------------------------------
 
 
+# Constants are evaluated on the host only up to this many elements (a [T, S] band at T = 4096): beyond it a
+# constant counts as unknown, which can only make the matcher reject or verify at run time, never guess.
+MAX_CONST_ELEMENTS = 1 << 24
+
+
 def const_value(prog: Program, atom, producers, depth: int = 12):
   """The concrete value of `atom` when it is computed from literals and constants only, else None."""
   if isinstance(atom, (Const, jex_core.Literal)):
     val = atom.val
     return None if isinstance(val, jax.core.Tracer) else np.asarray(val)
-  if depth == 0 or atom not in producers:
+  if depth == 0 or atom not in producers or math.prod(atom.aval.shape) > MAX_CONST_ELEMENTS:
     return None
   e = prog.eqns[producers[atom]]
   if e.name not in _CONST_OPS or len(e.outs) != 1:
@@ -278,6 +283,19 @@ def const_value(prog: Program, atom, producers, depth: int = 12):
   params = e.eqn.primitive.get_bind_params(e.params)
   with jax.ensure_compile_time_eval():
     return np.asarray(e.eqn.primitive.bind(*[jnp.asarray(v) for v in vals], **params))
+
+
+def scalar_value(prog: Program, atom, producers):
+  """The value of a constant that is one scalar broadcast (a scale, a mask fill), without building the
+  broadcast; None when `atom` is not such a constant."""
+  while not _is_literal(atom) and atom in producers:
+    e = prog.eqns[producers[atom]]
+    if e.name not in ("broadcast_in_dim", "convert_element_type", "reshape", "squeeze", "copy"):
+      break
+    atom = e.ins[0]
+  if math.prod(getattr(getattr(atom, "aval", None), "shape", ()) or ()) > 1:
+    return None
+  return _uniform_scalar(const_value(prog, atom, producers))
 
 
 def _uniform_scalar(val):
@@ -325,6 +343,7 @@ class Site:
   softmax_dtype: str
   q_prescaled: float | None = None
   kv_repeated: bool = False
+  precision: object = None  # the logits' dot_general precision, passed to the ring
 
   @property
   def inputs(self):
@@ -366,20 +385,33 @@ class _Fail(Exception):
   pass
 
 
+@dataclasses.dataclass(frozen=True)
+class _Form:
+  """What a tracked value computes from the raw logits x: mask(cap * tanh(scale * x / cap)) (no tanh when cap is
+  None), per branch: a statistic only combines with the very value it was computed from."""
+
+  scale: float = 1.0
+  cap: float | None = None
+  masks: tuple = ()
+  softmax_dtype: str | None = None
+
+
 @dataclasses.dataclass
 class _Track:
-  """What flows from the first dot_general: its layout and how far along the attention it is."""
+  """What flows from the first dot_general: its layout, how far along the attention it is, and its form."""
 
   layout: tuple
   stage: str  # logits -> shifted -> exp -> probs
   dtype: str
+  form: _Form = _Form()
 
 
 @dataclasses.dataclass
 class _Stat:
-  """A row statistic of the tracked values (softmax max or sum over S)."""
+  """A row statistic of one tracked value (softmax max or sum over S, or 1 / sum)."""
 
   kind: str  # "max", "sum", "recip"
+  src: object = None  # the tracked atom it reduces
 
 
 def find_sites(prog: Program):
@@ -395,6 +427,10 @@ def find_sites(prog: Program):
     except _Fail as err:
       if _reaches_softmax(prog, i, consumers):
         rejected.append(Rejected(i, str(err)))
+      continue
+    except Exception as err:  # noqa: BLE001 (an unforeseen shape of program: never convert, report if attention-like)
+      if _reaches_softmax(prog, i, consumers):
+        rejected.append(Rejected(i, f"not understood ({type(err).__name__}: {err})"))
       continue
     if site is None:
       continue
@@ -412,7 +448,7 @@ def _reaches_softmax(prog, g1, consumers, limit=64):
         continue
       seen.add(j)
       e = prog.eqns[j]
-      if e.name in ("exp", "custom_jvp_call") or e.name == "reduce_max":
+      if e.name == "exp" or (e.name == "custom_jvp_call" and _softmax_axis(e.params) is not None):
         return True
       if e.name == "dot_general":
         continue
@@ -448,7 +484,7 @@ def _match(prog: Program, g1: int, producers, consumers, outputs):
   tracks = {e1.outs[0]: _Track(tuple(out_axes), "logits", str(e1.outs[0].aval.dtype))}
   stats: dict = {}
   interior = {g1}
-  state = {"scale": 1.0, "cap": None, "capped": False, "masks": [], "S": None, "softmax": None, "sm_dtype": None}
+  state = {"S": None, "softmax": None}
 
   def s_axis(layout, axis):
     atoms = [a for a in layout[axis] if sizes[a] > 1]
@@ -478,13 +514,8 @@ def _match(prog: Program, g1: int, producers, consumers, outputs):
         stats[out] = st
       elif name in ("max", "min") and all(_is_literal(a) or a in stats for a in e.ins):
         stats[out] = st
-      elif (
-        name == "div"
-        and st.kind == "sum"
-        and e.ins[1] in stats
-        and _uniform_scalar(const_value(prog, e.ins[0], producers)) == 1.0
-      ):
-        stats[out] = _Stat("recip")
+      elif name == "div" and st.kind == "sum" and e.ins[1] in stats and scalar_value(prog, e.ins[0], producers) == 1.0:
+        stats[out] = _Stat("recip", st.src)
       else:
         raise _Fail(f"the softmax statistic goes into {name}")
       continue
@@ -514,30 +545,30 @@ def _match(prog: Program, g1: int, producers, consumers, outputs):
           raise _Fail("the logits are broadcast")
         lay = tuple(new)
       dtype = str(out.aval.dtype)
+      form = x.form
       if name == "convert_element_type" and x.stage in ("logits", "shifted"):
-        state["sm_dtype"] = dtype
-      tracks[out] = _Track(lay, x.stage, dtype)
+        form = dataclasses.replace(form, softmax_dtype=dtype)
+      tracks[out] = _Track(lay, x.stage, dtype, form)
       continue
     if name in ("mul", "div") and x.stage == "logits":
       if name == "div" and e.ins[0] not in tracks:
         raise _Fail("the logits divide a constant")
-      c = _uniform_scalar(const_value(prog, others[0], producers))
+      c = scalar_value(prog, others[0], producers)
       if c is None:
         raise _Fail(f"the logits are {'multiplied' if name == 'mul' else 'divided'} by a non-constant")
-      if state["masks"]:
+      if x.form.masks:
         raise _Fail("the logits are scaled after the mask")
       c = c if name == "mul" else 1.0 / c
-      if state["capped"]:
-        state["cap"] *= c
+      if x.form.cap is not None:
+        form = dataclasses.replace(x.form, cap=x.form.cap * c)
       else:
-        state["scale"] *= c
-      tracks[out] = _Track(lay, "logits", x.dtype)
+        form = dataclasses.replace(x.form, scale=x.form.scale * c)
+      tracks[out] = _Track(lay, "logits", x.dtype, form)
       continue
     if name == "tanh" and x.stage == "logits":
-      if state["capped"] or state["masks"]:
+      if x.form.cap is not None or x.form.masks:
         raise _Fail("tanh after a cap or a mask")
-      state["capped"], state["cap"] = True, 1.0
-      tracks[out] = _Track(lay, "logits", x.dtype)
+      tracks[out] = _Track(lay, "logits", x.dtype, dataclasses.replace(x.form, cap=1.0))
       continue
     if name == "select_n" and x.stage == "logits":
       if len(e.ins) != 3:
@@ -548,60 +579,67 @@ def _match(prog: Program, g1: int, producers, consumers, outputs):
       if (case0 in tracks) == (case1 in tracks):
         raise _Fail("both cases of a select are attention values")
       other = case1 if case0 in tracks else case0
-      c = _uniform_scalar(const_value(prog, other, producers))
+      c = scalar_value(prog, other, producers)
       if c is None or c > BIAS_MASKED:
         raise _Fail(f"a select against {c if c is not None else 'a non-constant'} (not a mask value <= -1e6)")
-      state["masks"].append(_mask_ref(prog, pred, lay, producers, "mask", negate=case0 in tracks, sizes=sizes))
-      tracks[out] = _Track(lay, "logits", x.dtype)
+      ref = _mask_ref(prog, pred, lay, producers, "mask", negate=case0 in tracks, sizes=sizes)
+      tracks[out] = _Track(lay, "logits", x.dtype, dataclasses.replace(x.form, masks=(*x.form.masks, ref)))
       continue
     if name == "add" and x.stage == "logits":
       other = others[0]
-      val = const_value(prog, other, producers)
-      c = _uniform_scalar(val)
+      c = scalar_value(prog, other, producers)
+      val = None if c is not None else const_value(prog, other, producers)
       if c == 0.0:
-        tracks[out] = _Track(lay, "logits", x.dtype)
+        tracks[out] = _Track(lay, "logits", x.dtype, x.form)
         continue
       if c is not None:
         raise _Fail(f"a constant {c} added to the logits")
       if val is not None and not np.all((val == 0) | (val <= BIAS_MASKED)):
         raise _Fail("an additive bias with values other than 0 and <= -1e6 (a position bias, e.g. ALiBi)")
-      state["masks"].append(_mask_ref(prog, other, lay, producers, "bias", sizes=sizes))
-      tracks[out] = _Track(lay, "logits", x.dtype)
+      ref = _mask_ref(prog, other, lay, producers, "bias", sizes=sizes)
+      tracks[out] = _Track(lay, "logits", x.dtype, dataclasses.replace(x.form, masks=(*x.form.masks, ref)))
       continue
+    if name in ("reduce_max", "argmax", "reduce_sum") and len(e.params["axes"]) != 1:
+      raise _Fail(f"{name} over several axes {e.params['axes']}")
     if name in ("reduce_max", "argmax") and x.stage == "logits":
-      (axis,) = e.params["axes"]
-      s_axis(lay, axis)
-      stats[out] = _Stat("max")
+      s_axis(lay, e.params["axes"][0])
+      stats[out] = _Stat("max", tracked[0])
       continue
     if name == "sub" and x.stage == "logits" and e.ins[0] in tracks and e.ins[1] in stats:
-      if stats[e.ins[1]].kind != "max":
-        raise _Fail("the logits minus something other than their max")
-      tracks[out] = _Track(lay, "shifted", x.dtype)
+      st = stats[e.ins[1]]
+      if st.kind != "max" or st.src is not e.ins[0]:
+        raise _Fail("the logits minus something other than their own max")
+      tracks[out] = _Track(lay, "shifted", x.dtype, x.form)
       continue
     if name == "exp" and x.stage in ("logits", "shifted"):
       state["softmax"] = "exp / sum"
-      tracks[out] = _Track(lay, "exp", x.dtype)
+      tracks[out] = _Track(lay, "exp", x.dtype, x.form)
       continue
     if name == "reduce_sum" and x.stage == "exp":
-      (axis,) = e.params["axes"]
-      s_axis(lay, axis)
-      stats[out] = _Stat("sum")
+      s_axis(lay, e.params["axes"][0])
+      stats[out] = _Stat("sum", tracked[0])
       continue
     if name == "div" and x.stage == "exp" and e.ins[0] in tracks and e.ins[1] in stats:
-      if stats[e.ins[1]].kind != "sum":
-        raise _Fail("exp divided by something other than its sum")
-      tracks[out] = _Track(lay, "probs", x.dtype)
+      st = stats[e.ins[1]]
+      if st.kind != "sum" or st.src is not e.ins[0]:
+        raise _Fail("exp divided by something other than its own sum")
+      tracks[out] = _Track(lay, "probs", x.dtype, x.form)
       continue
     if name == "mul" and x.stage == "exp" and any(a in stats and stats[a].kind == "recip" for a in e.ins):
-      tracks[out] = _Track(lay, "probs", x.dtype)
+      recip = next(stats[a] for a in e.ins if a in stats)
+      if recip.src is not tracked[0]:
+        raise _Fail("exp times the reciprocal of another sum")
+      tracks[out] = _Track(lay, "probs", x.dtype, x.form)
       continue
     if name == "custom_jvp_call" and x.stage == "logits":
       axis = _softmax_axis(e.params)
       if axis is None:
         raise _Fail("a custom_jvp function that is not a softmax")
+      if any(a is not tracked[0] and not (_is_literal(a) and np.size(a.val) <= 1) for a in e.ins):
+        raise _Fail("a softmax with a where= mask or another operand")
       s_axis(lay, axis)
       state["softmax"] = "jax.nn.softmax"
-      tracks[out] = _Track(lay, "probs", str(out.aval.dtype))
+      tracks[out] = _Track(lay, "probs", str(out.aval.dtype), x.form)
       continue
     raise _Fail(f"{name} on the attention {x.stage} (not scale, tanh cap, mask, bias or softmax)")
   if state["softmax"] is not None:
@@ -634,7 +672,9 @@ def _softmax_axis(params):
 
 def _mask_ref(prog, atom, lay, producers, kind, *, negate=False, sizes):
   """Traces a mask / bias operand (in the logits' layout `lay`) back through broadcasts and casts."""
-  src_lay = lay
+  # An operand of the logits' rank may broadcast its size-1 axes implicitly: those carry no atom.
+  shape = tuple(atom.aval.shape)
+  src_lay = tuple(() if n < len(shape) and shape[n] == 1 else ax for n, ax in enumerate(lay))
   nonzero = False
   while atom in producers:
     e = prog.eqns[producers[atom]]
@@ -665,7 +705,7 @@ def _mask_ref(prog, atom, lay, producers, kind, *, negate=False, sizes):
 
 
 def _is_zero(prog, atom, producers):
-  return _uniform_scalar(const_value(prog, atom, producers)) == 0.0
+  return scalar_value(prog, atom, producers) == 0.0
 
 
 def _constant_band(prog, atom, src_lay, producers, sizes):
@@ -790,7 +830,8 @@ def _finish(prog, g2, e2, tracks, sizes, lay_l, lay_r, e1, state, interior, prod
   if k_free != [S]:
     raise _Fail(f"k has free axes {k_free} besides the key axis")
   batch_atoms = [ax[0] for ax in q_lay if ax[0].startswith("b") and sizes[ax[0]] > 1]
-  mask_atoms = {a for m in state["masks"] for ax in m.layout for a in ax}
+  form = p.form
+  mask_atoms = {a for m in form.masks for ax in m.layout for a in ax}
   B = next((a for a in batch_atoms if a in mask_atoms), None)
   heads = [a for a in batch_atoms if a != B]
   if B is None and len(heads) > 1:
@@ -806,7 +847,7 @@ def _finish(prog, g2, e2, tracks, sizes, lay_l, lay_r, e1, state, interior, prod
   groups = [a for a in q_free if a != T]
   if len(groups) > 1:
     raise _Fail(f"more than one group axis {groups}")
-  for m in state["masks"]:
+  for m in form.masks:
     extra = [a for ax in m.layout for a in ax if a not in (B, T, S)]
     if extra:
       raise _Fail("a per-head mask")
@@ -840,10 +881,10 @@ def _finish(prog, g2, e2, tracks, sizes, lay_l, lay_r, e1, state, interior, prod
       if groups:
         raise _Fail("GQA both grouped in the einsum and repeated")
       repeated = True
-  scale, cap = state["scale"], None
-  if state["capped"]:
-    cap = state["cap"]
-    scale = state["scale"] * cap
+  scale, cap = form.scale, None
+  if form.cap is not None:
+    cap = form.cap
+    scale = form.scale * cap
   prescale = _q_prescale(prog, q_atom, producers)
   return Site(
     g1=_index_of(prog, e1),
@@ -859,9 +900,10 @@ def _finish(prog, g2, e2, tracks, sizes, lay_l, lay_r, e1, state, interior, prod
     out_dtype=e2.outs[0].aval.dtype,
     scale=scale,
     cap=cap,
-    masks=state["masks"],
+    masks=list(form.masks),
     softmax=state["softmax"],
-    softmax_dtype=state["sm_dtype"] or str(e1.outs[0].aval.dtype),
+    softmax_dtype=form.softmax_dtype or str(e1.outs[0].aval.dtype),
+    precision=e1.params.get("precision"),
     q_prescaled=prescale,
     kv_repeated=repeated,
   )
@@ -881,7 +923,7 @@ def _q_prescale(prog, q_atom, producers):
     e = prog.eqns[producers[q_atom]]
     if e.name == "mul":
       for a in e.ins:
-        c = _uniform_scalar(const_value(prog, a, producers))
+        c = scalar_value(prog, a, producers)
         if c is not None:
           return c
       return None
@@ -915,7 +957,9 @@ def site_inputs(site: Site, read):
     tgt = [a for a in (B, r["T"], r["S"]) if a is not None]
     arr = to_atoms(x, m.layout, sz, tgt)
     mb = sz[B] if B is not None and B in present else 1
-    arr = arr.reshape(mb, sz[r["T"]], sz[r["S"]])
+    t = sz[r["T"]] if r["T"] in present else 1  # a key-only [B, 1, 1, S] mask has no query axis
+    s_ = sz[r["S"]] if r["S"] in present else 1
+    arr = jnp.broadcast_to(arr.reshape(mb, t, s_), (mb, sz[r["T"]], sz[r["S"]]))
     masks.append((m.kind, m.negate, arr))
   return q, k, v, masks
 
