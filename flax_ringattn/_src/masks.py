@@ -261,16 +261,8 @@ def structure_from_dense_mask(mask, *, local_window_size=None):
   kv_ids = jnp.where(seen, label, PAD_KV_ID)
   q_ids = jnp.where(sees, jnp.take_along_axis(label, first, axis=1), PAD_Q_ID)
   is_causal = ~_any_pair(m, lambda mv, i, j, qid, kid: mv & (j > i), q_ids, kv_ids)
-  window = local_window_size
-  if window is not None and not isinstance(window, tuple | list):
-    window = (int(window), int(window))
-  spec = MaskSpec(window=None if window is None else tuple(window), has_segments=True)
-
-  def mismatch(mv, i, j, qid, kid):
-    rebuilt = pair_visible(spec, i, j, qid, kid) & ((j <= i) | ~is_causal)
-    return mv != rebuilt
-
-  exact = ~_any_pair(m, mismatch, q_ids, kv_ids)
+  rule = _structure_rule(is_causal, local_window_size)
+  exact = ~_any_pair(m, lambda mv, i, j, qid, kid: mv != rule(i, j, qid, kid), q_ids, kv_ids)
   return is_causal, q_ids, kv_ids, exact
 
 
@@ -295,12 +287,22 @@ def dense_mask_from_structure(is_causal, q_ids, kv_ids, *, local_window_size=Non
 
   `local_window_size` is None, w or (left, right), as in `ring_attention`.
   """
-  window = local_window_size
-  if window is not None and not isinstance(window, tuple | list):
-    window = (int(window), int(window))
   T, S = q_ids.shape[1], kv_ids.shape[1]
   pos_q = jnp.arange(T, dtype=jnp.int32)[None, :, None]
   pos_kv = jnp.arange(S, dtype=jnp.int32)[None, None, :]
+  rule = _structure_rule(is_causal, local_window_size)
+  return rule(pos_q, pos_kv, q_ids[:, :, None], kv_ids[:, None, :])[:, None]
+
+
+def _structure_rule(is_causal, local_window_size):
+  """visible(i, j, q_id, kv_id), elementwise over broadcastable arrays: [causal] & [window] & (q_id == kv_id).
+
+  The one rule `dense_mask_from_structure` builds and `structure_from_dense_mask` verifies against;
+  `is_causal` may be traced.
+  """
+  window = local_window_size
+  if window is not None and not isinstance(window, tuple | list):
+    window = (int(window), int(window))
   spec = MaskSpec(window=None if window is None else tuple(window), has_segments=True)
-  seg = pair_visible(spec, pos_q, pos_kv, q_ids[:, :, None], kv_ids[:, None, :])
-  return (seg & ((pos_kv <= pos_q) | ~jnp.asarray(is_causal)))[:, None]
+  causal = jnp.asarray(is_causal)
+  return lambda i, j, qid, kid: pair_visible(spec, i, j, qid, kid) & ((j <= i) | ~causal)

@@ -43,5 +43,31 @@ def sequence_axis(mesh, axis, *, arg: str):
   return names[0]
 
 
+def check_mesh_axes(mesh, *, where: str = "", **axes):
+  """Raises ValueError when an axis given as `role=axis` (a tuple names several) is not one of `mesh`'s.
+
+  `where` prefixes the message (the layer or function that was given the axis).  Without a mesh nothing is
+  checked: the axes must then be bound by the caller's own `shard_map`.
+  """
+  if mesh is None:
+    return
+  names = tuple(mesh.axis_names)
+  prefix = f"{where}: " if where else ""
+  for role, axis in axes.items():
+    for a in axis if isinstance(axis, (tuple, list)) else (axis,):
+      if a is not None and a not in names:
+        which = "" if a == axis else f" names {a!r}, which"
+        raise ValueError(f"{prefix}{role}={axis!r}{which} is not an axis of the mesh (mesh axes: {names})")
+
+
+def axes_size(mesh, axes) -> int:
+  """The number of devices along `axes` (one mesh axis or a tuple of them) of `mesh`."""
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+  n = 1
+  for a in axes if isinstance(axes, (tuple, list)) else (axes,):
+    n *= sizes[a]
+  return n
+
+
 def named(mesh, spec: P) -> NamedSharding:
   return NamedSharding(mesh, spec)

@@ -14,6 +14,11 @@ import jax
 import jax.numpy as jnp
 
 
+def all_concrete(*xs) -> bool:
+  """True when no argument is a tracer: the values can be read now (eager checks cost jitted calls nothing)."""
+  return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
 def check_qkv(q, k, v):
   """Validates the [B, T, N, H] / [B, S, K, H] layout; returns (B, T, S, N, K, H)."""
   for name, x in (("q", q), ("k", k), ("v", v)):

@@ -33,22 +33,6 @@ def check_keywords(cls, kwargs):
   )
 
 
-def check_mesh_axes(cls_name: str, mesh, **axes):
-  """Raises ValueError when an axis given for `cls_name` (seq_axis=..., head_axis=...) is not one of `mesh`.
-
-  A tuple names several axes (a sequence sharded over their product).  Without a mesh, nothing to check: the
-  axes must then be bound by the caller's own `shard_map`.
-  """
-  if mesh is None:
-    return
-  names = tuple(mesh.axis_names)
-  for arg, axis in axes.items():
-    for a in axis if isinstance(axis, (tuple, list)) else (axis,):
-      if a is not None and a not in names:
-        which = "" if a == axis else f" names {a!r}, which"
-        raise ValueError(f"{cls_name}: {arg}={axis!r}{which} is not an axis of the mesh (mesh axes: {names})")
-
-
 def head_sharding_metadata(head_axis, mesh, *, kernel_metadata, bias_metadata, out_kernel_metadata, out_bias_metadata):
   """Parameter metadata of nnx.MultiHeadAttention with the heads on `head_axis`.
 

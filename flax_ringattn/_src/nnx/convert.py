@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from flax_ringattn._src import sharding
 from flax_ringattn._src.nnx import handwritten
-from flax_ringattn._src.nnx.common import _PROJECTIONS, check_mesh_axes, head_param_spec, place_params
+from flax_ringattn._src.nnx.common import _PROJECTIONS, head_param_spec, place_params
 from flax_ringattn._src.nnx.paged_mha import PagedMultiHeadAttention
 from flax_ringattn._src.nnx.ring_mha import RingMultiHeadAttention
 
@@ -241,9 +241,9 @@ def convert(
   if to == "paged" and seq_axis is not None:
     raise ValueError(f"{seq_axis=} applies to to='ring' only: paged layers shard heads (head_axis), not the sequence")
   # Checked before anything is replaced, so a wrong axis leaves the model as it was.
-  check_mesh_axes(
-    "convert",
+  sharding.check_mesh_axes(
     mesh,
+    where="convert",
     seq_axis=seq_axis,
     head_axis=layer_options.get("head_axis"),
     batch_axis=layer_options.get("batch_axis"),

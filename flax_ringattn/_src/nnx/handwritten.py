@@ -22,6 +22,7 @@ Mechanism (see `ring/pattern.py` for the matcher):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import threading
 
@@ -133,19 +134,25 @@ def _abstract(x):
   return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
 
 
+_signature = functools.lru_cache(maxsize=None)(inspect.signature)
+
+
 def _uses_cache(call, module, args, kwargs) -> bool:
   try:
-    bound = inspect.signature(call).bind(module, *args, **kwargs)
+    bound = _signature(call).bind(module, *args, **kwargs)
   except TypeError:
     return False
   return any("cache" in name.lower() and value is not None for name, value in bound.arguments.items())
 
 
-def _plan(module, call, args, kwargs):
-  """The traced and matched plan of this call (cached on the class); records the report."""
+def _plan(module, call, split, flat):
+  """The traced and matched plan of this call (cached on the class); records the report.
+
+  split: `nnx.split(module)`; flat: `jax.tree.flatten((args, kwargs))` (both also serve `_run`).
+  """
   cls = type(module)
-  graphdef, state = nnx.split(module)
-  leaves, treedef = jax.tree.flatten((args, kwargs))
+  graphdef, state = split
+  leaves, treedef = flat
   dyn_index = tuple(i for i, x in enumerate(leaves) if _is_array(x))
   statics = tuple(None if i in dyn_index else x for i, x in enumerate(leaves))
   state_avals = tuple((tuple(np.shape(x)), str(x.dtype)) for x in jax.tree.leaves(state))
@@ -219,10 +226,8 @@ def _record(module, sites, rejected):
     report.add_site(SiteReport(where, name, False, reason=rej.reason))
 
 
-def _run(module, plan: _Plan, args, kwargs):
+def _run(module, plan: _Plan, state, leaves):
   opts: RingOptions = type(module)._fr_options
-  graphdef, state = nnx.split(module)
-  leaves = jax.tree.leaves((args, kwargs))
   inputs = [*jax.tree.leaves(state), *(leaves[i] for i in plan.dyn_index)]
   replace = {}
   declared = opts.declared_window(module)
@@ -293,10 +298,11 @@ def _watched_call(self, *args, **kwargs):
     if note not in cls._fr_report.untraceable:
       cls._fr_report.untraceable.append(note)
     return call(self, *args, **kwargs)
-  plan = _plan(self, call, args, kwargs)
+  split, flat = nnx.split(self), jax.tree.flatten((args, kwargs))
+  plan = _plan(self, call, split, flat)
   if _discovering() or not plan.sites:
     return call(self, *args, **kwargs)
-  return _run(self, plan, args, kwargs)
+  return _run(self, plan, split[1], flat[0])
 
 
 def is_user_module(node) -> bool:

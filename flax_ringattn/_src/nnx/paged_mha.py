@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from flax_ringattn._src import sharding, validation
-from flax_ringattn._src.nnx.common import check_keywords, check_mesh_axes, head_sharding_metadata
+from flax_ringattn._src.nnx.common import check_keywords, head_sharding_metadata
 from flax_ringattn._src.paged.cache import PagedKVCache
 from flax_ringattn._src.paged.op import paged_attention, paged_attention_with_cache_write, uses_fused_cache_write
 
@@ -87,7 +87,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       )
     if dropout_rate:
       raise NotImplementedError(f"PagedMultiHeadAttention does not implement dropout ({dropout_rate=})")
-    check_mesh_axes(type(self).__name__, mesh, head_axis=head_axis)
+    sharding.check_mesh_axes(mesh, where=type(self).__name__, head_axis=head_axis)
     metadata = head_sharding_metadata(
       head_axis,
       mesh,

@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from flax_ringattn._src import sharding
-from flax_ringattn._src.nnx.common import check_keywords, check_mesh_axes, head_sharding_metadata, place_params
+from flax_ringattn._src.nnx.common import check_keywords, head_sharding_metadata, place_params
 from flax_ringattn._src.ring import strategies
 from flax_ringattn._src.ring.dense import masked_ring_attention
 from flax_ringattn._src.ring.op import check_mesh_lengths
@@ -44,7 +44,7 @@ def _check_layout_options(cls_name, mesh, seq_axis, head_axis, batch_axis, strat
   strategy = strategies.check_strategy(strategy)
   if seq_axis is not None:
     strategies.check_axes(strategy, seq_axis)
-  check_mesh_axes(cls_name, mesh, seq_axis=seq_axis, head_axis=head_axis, batch_axis=batch_axis)
+  sharding.check_mesh_axes(mesh, where=cls_name, seq_axis=seq_axis, head_axis=head_axis, batch_axis=batch_axis)
 
 
 class RingMultiHeadAttention(nnx.MultiHeadAttention):

@@ -28,7 +28,7 @@ from jax.experimental import checkify
 
 from flax_ringattn._src import paged_common as common
 from flax_ringattn._src import paged_metadata as metadata
-from flax_ringattn._src.validation import check_bool
+from flax_ringattn._src.validation import all_concrete, check_bool
 
 
 class CacheOverflowError(ValueError):
@@ -178,68 +178,50 @@ class PagedKVCache:
     _, (accepted, free_before) = jax.lax.scan(serve, jnp.int32(0), (extra, candidate))
     return _Admission(new_lens, wants, within, extra, free_before, accepted)
 
-  def _check_admission(self, a: _Admission, checked: bool):
-    """Raises `CacheOverflowError` for a refused write on concrete arrays; adds checkify checks when `checked`."""
+  def _overflow_problems(self, a: _Admission):
+    """[(slots [S] bool, message, values(slot) -> dict)] of the writes `_admission` refused, one per reason; the
+    same message serves the eager error and the `checkify` check."""
     refused = a.wants & ~a.accepted
     was = self._overflowed()
-    beyond = refused & ~a.within & ~was
-    no_pages = refused & a.within & ~was
-    again = refused & was
-    cap = self.pages_per_seq * self.page_size
-    if not any(isinstance(x, jax.core.Tracer) for x in (refused, self.kv_lens, a.new_lens)):
-      if bool(jnp.any(refused)):
-        s = int(jnp.argmax(refused))
-        raise CacheOverflowError(
-          self._overflow_message(s, a, bool(again[s]), bool(beyond[s]), kv=int(self.kv_lens[s]), cap=cap)
-        )
-      return
-    if not checked:
-      return
-    first = lambda m: jnp.argmax(m).astype(jnp.int32)  # noqa: E731
-    s = first(beyond)
-    checkify.check(
-      ~jnp.any(beyond),
-      "PagedKVCache: slot {s} cannot take {n} more tokens: it holds {kv} and a slot holds at most "
-      f"pages_per_seq * page_size = {self.pages_per_seq} * {self.page_size} = {cap} tokens",
-      s=s,
-      n=a.new_lens[s],
-      kv=self.kv_lens[s],
-    )
-    s = first(no_pages)
-    checkify.check(
-      ~jnp.any(no_pages),
-      "PagedKVCache: slot {s} needs {need} more pages for {n} new tokens but only {free} of "
-      f"num_pages={self.num_pages} are free after the slots before it",
-      s=s,
-      need=a.extra[s],
-      n=a.new_lens[s],
-      free=a.free_before[s],
-    )
-    s = first(again)
-    checkify.check(
-      ~jnp.any(again),
-      "PagedKVCache: slot {s} overflowed in an earlier step and stores nothing more: free it and re-admit its request",
-      s=s,
-    )
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    pps, ps = self.pages_per_seq, self.page_size
+    return [
+      (
+        refused & ~a.within & ~was,
+        "PagedKVCache: slot {s} cannot take {n} more tokens: it holds {kv} and a slot holds at most "
+        "pages_per_seq * page_size = {pps} * {ps} = {cap} tokens (create the cache with more pages_per_seq, or "
+        "split the request)",
+        lambda s: dict(s=s, n=a.new_lens[s], kv=self.kv_lens[s], pps=i32(pps), ps=i32(ps), cap=i32(pps * ps)),
+      ),
+      (
+        refused & a.within & ~was,
+        "PagedKVCache: slot {s} needs {need} more pages for {n} new tokens (it holds {kv}), but only {free} of "
+        "num_pages={P} are free after the slots before it (free finished slots, or refuse the work: check "
+        "fits(new_lens) before the step)",
+        lambda s: dict(
+          s=s, need=a.extra[s], n=a.new_lens[s], kv=self.kv_lens[s], free=a.free_before[s], P=i32(self.num_pages)
+        ),
+      ),
+      (
+        refused & was,
+        "PagedKVCache: slot {s} overflowed in an earlier step and stores nothing more ({n} new tokens refused): "
+        "free it (free(slots)) and re-admit its request",
+        lambda s: dict(s=s, n=a.new_lens[s]),
+      ),
+    ]
 
-  def _overflow_message(self, s, a: _Admission, again: bool, beyond: bool, *, kv: int, cap: int) -> str:
-    n = int(a.new_lens[s])
-    if again:
-      return (
-        f"PagedKVCache: slot {s} overflowed in an earlier step and stores nothing more ({n} new tokens refused): "
-        "free it (free(slots)) and re-admit its request"
-      )
-    if beyond:
-      return (
-        f"PagedKVCache: slot {s} cannot take {n} more tokens: it holds {kv} and a slot holds at most "
-        f"pages_per_seq * page_size = {self.pages_per_seq} * {self.page_size} = {cap} tokens (create the cache "
-        "with more pages_per_seq, or split the request)"
-      )
-    return (
-      f"PagedKVCache: slot {s} needs {int(a.extra[s])} more pages for {n} new tokens (it holds {kv}), but only "
-      f"{int(a.free_before[s])} of num_pages={self.num_pages} are free after the slots before it (free finished "
-      "slots, or refuse the work: check fits(new_lens) before the step)"
-    )
+  def _check_admission(self, a: _Admission, checked: bool):
+    """Raises `CacheOverflowError` for a refused write on concrete arrays; adds checkify checks when `checked`."""
+    concrete = all_concrete(a.accepted, self.kv_lens, a.new_lens)
+    if not concrete and not checked:
+      return
+    for slots, message, values in self._overflow_problems(a):
+      s = jnp.argmax(slots).astype(jnp.int32)
+      if concrete:
+        if bool(jnp.any(slots)):
+          raise CacheOverflowError(message.format(**{k: int(v) for k, v in values(s).items()}))
+      else:
+        checkify.check(~jnp.any(slots), message, **values(s))
 
   def reserve(self, new_lens, *, checked: bool = False) -> PagedKVCache:
     """Gives every slot the pages it needs for `new_lens` [S] more tokens.

@@ -417,7 +417,7 @@ def check_metadata(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps, *, chec
   """Validates the metadata's values: eagerly (ValueError) when every array is concrete, which costs jitted
   calls nothing; under a trace, as `checkify` checks when `checked`."""
   arrays = (kv_lens, page_indices, cu_q_lens, num_seqs)
-  concrete = not any(isinstance(x, jax.core.Tracer) for x in arrays)
+  concrete = validation.all_concrete(*arrays)
   if not concrete and not checked:
     return
   for bad, message, values in _metadata_problems(*arrays, T, P, ps):

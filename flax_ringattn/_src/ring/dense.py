@@ -17,7 +17,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from flax_ringattn._src import masks, sharding
+from flax_ringattn._src import masks, sharding, validation
 from flax_ringattn._src.ring.op import ring_attention
 
 # An additive bias entry at or below this hides its key (exp underflows to exactly 0 in every float type).
@@ -51,10 +51,6 @@ def _report_if_inexact(exact):
   if not bool(exact):
     logging.getLogger("flax_ringattn").error("attention output set to NaN: %s", _inexact_message())
     print(f"flax_ringattn: attention output set to NaN: {_inexact_message()}", file=sys.stderr, flush=True)
-
-
-def _is_concrete(x) -> bool:
-  return not isinstance(x, jax.core.Tracer)
 
 
 def dense_mask_options(
@@ -91,7 +87,7 @@ def dense_mask_options(
   if q_ids.shape[0] != B:
     q_ids, kv_ids = (jnp.broadcast_to(x, (B, T)) for x in (q_ids, kv_ids))
   verdict = None
-  if _is_concrete(exact):
+  if validation.all_concrete(exact):
     _raise_if_inexact(exact)
     causal = bool(causal)
   elif checked:

@@ -215,11 +215,7 @@ def check_mesh_lengths(mesh, axis_name, T, S, *, load_balance=False, strategy="r
   sharding error.  Axis names are checked by the caller."""
   if mesh is None or axis_name is None:
     return
-  axes = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
-  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-  n = 1
-  for ax in axes:
-    n *= sizes.get(ax, 1)
+  n = sharding.axes_size(mesh, axis_name)
   _check_shard_lengths(T, S, n, load_balance, local=False, axis_name=axis_name, strategy=strategy)
 
 
@@ -266,20 +262,12 @@ def _ring_on_mesh(
   if isinstance(axis_name, tuple) and not axis_name:
     raise ValueError("axis_name=() names no mesh axis: pass one axis or a non-empty tuple of axes")
   seq_axes = strategies.check_axes(strategy, axis_name) if strategy != "ring" else layout.ring_axes(axis_name)
-  for ax in seq_axes:
-    if ax not in names:
-      which = "" if ax == axis_name else f" names {ax!r}, which"
-      raise ValueError(f"axis_name={axis_name!r}{which} is not an axis of the mesh (mesh axes: {names})")
-  for role, ax in (("batch_axis", batch_axis), ("head_axis", head_axis)):
-    if ax is not None and ax not in names:
-      raise ValueError(f"{role}={ax!r} is not an axis of the mesh (mesh axes: {names})")
+  sharding.check_mesh_axes(mesh, axis_name=axis_name, batch_axis=batch_axis, head_axis=head_axis)
   used = [a for a in (*seq_axes, batch_axis, head_axis) if a is not None]
   if len(set(used)) != len(used):
     raise ValueError(f"axis_name, batch_axis and head_axis must be different mesh axes, got {used}")
   sizes = dict(zip(names, mesh.axis_sizes, strict=True))
-  n = 1
-  for ax in seq_axes:
-    n *= sizes[ax]
+  n = sharding.axes_size(mesh, seq_axes)
   B, T, N, _ = q.shape
   S, K = k.shape[1], k.shape[2]
   _check_shard_lengths(T, S, n, load_balance, local=False, axis_name=axis_name, strategy=strategy)
@@ -319,7 +307,7 @@ def _ring_on_mesh(
     in_specs=(x_spec, x_spec, x_spec, *seg_specs, None if drop is None else P()),
     out_specs=x_spec,
   )
-  if not any(isinstance(x, jax.core.Tracer) for x in (q, k, v)):
+  if validation.all_concrete(q, k, v):
     # Called eagerly: compile the ring once instead of running its loops op by op (about 25 s for a small ring
     # of 4 on CPU).  Under a trace (the caller's jit or grad) it is traced into the caller's program as is.
     fn = jax.jit(fn)

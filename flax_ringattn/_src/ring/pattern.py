@@ -507,7 +507,7 @@ def _match(prog: Program, g1: int, producers, consumers, outputs):
     name = e.name
     out = e.outs[0] if e.outs else None
     if tracked and name == "dot_general":
-      return _finish(prog, j, e, tracks, sizes, lay_l, lay_r, e1, state, interior, producers, consumers, outputs)
+      return _finish(prog, g1, j, e, tracks, sizes, lay_l, lay_r, e1, state, interior, producers, consumers, outputs)
     if not tracked:  # statistics: passed through broadcasts and casts, inverted for a reciprocal
       st = stats[stat_ins[0]]
       if name in ("broadcast_in_dim", "reshape", "stop_gradient", "convert_element_type", "squeeze", "copy"):
@@ -787,7 +787,7 @@ def _repeat_source(prog, atom, lay, head, producers):
   return src, mid[h + 1], lay
 
 
-def _finish(prog, g2, e2, tracks, sizes, lay_l, lay_r, e1, state, interior, producers, consumers, outputs):
+def _finish(prog, g1, g2, e2, tracks, sizes, lay_l, lay_r, e1, state, interior, producers, consumers, outputs):
   """The second dot_general: probabilities times v.  Assigns roles and builds the Site."""
   if state["S"] is None or state["softmax"] is None:
     raise _Fail("no softmax before the second contraction")
@@ -887,7 +887,7 @@ def _finish(prog, g2, e2, tracks, sizes, lay_l, lay_r, e1, state, interior, prod
     scale = form.scale * cap
   prescale = _q_prescale(prog, q_atom, producers)
   return Site(
-    g1=_index_of(prog, e1),
+    g1=g1,
     g2=g2,
     interior=interior,
     sizes=sizes,
@@ -907,13 +907,6 @@ def _finish(prog, g2, e2, tracks, sizes, lay_l, lay_r, e1, state, interior, prod
     q_prescaled=prescale,
     kv_repeated=repeated,
   )
-
-
-def _index_of(prog, e):
-  for i, x in enumerate(prog.eqns):
-    if x is e:
-      return i
-  raise ValueError("internal: equation not in the program")
 
 
 def _q_prescale(prog, q_atom, producers):
