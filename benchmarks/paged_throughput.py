@@ -12,39 +12,34 @@ op (``flax_ringattn.paged_attention``, the same ``block_sizes``) and the same
 page pool, timed interleaved (the order rotates every repeat), median of
 ``--repeats``:
 
-* ``ragged``      -- one call on the ragged batch: q [1054, 8, 128], 32
-                     sequences, each with its true q_len and kv_len.
-* ``(a) padded``  -- one call where every sequence is padded to the longest
-                     new-token count and the longest history: 32 x 512 q rows,
-                     kv_len = 2048 + 512 for all, page tables of 160 pages (a
-                     sequence's own pages, then filler pages of the pool).  This
-                     is the padded multi-query paged attention the ragged
-                     design replaced; using the same op isolates the layout:
-                     kernel quality, block skipping and gathers are identical,
-                     only the padded rows and kv positions differ.
-                     ``(a')`` (info) pads only q: 512 rows per sequence,
-                     kv_len = its own history + 512.
-* ``(b) split``   -- a prefill call (2 x 512 rows, kv_len 512) plus a decode
-                     call (30 x 1 row, kv_len padded to the longest decode
-                     history + 1 = 2049, page tables filled with filler pages).
+* ``ragged``: one call on the ragged batch: q [1054, 8, 128], 32 sequences,
+  each with its true q_len and kv_len.
+* ``(a) padded``: one call where every sequence is padded to the longest
+  new-token count and the longest history: 32 x 512 q rows, kv_len = 2048 +
+  512 for all, page tables of 160 pages (own pages, then filler pages).  This
+  is the padded multi-query paged attention the ragged design replaced; the
+  same op isolates the layout (kernel, block skipping and gathers identical).
+  ``(a')`` (info) pads only q: 512 rows, kv_len = own history + 512.
+* ``(b) split``: a prefill call (2 x 512 rows, kv_len 512) plus a decode call
+  (30 x 1 row, kv_len padded to the longest history + 1 = 2049).
 
 A decode-only step (the same 30 decodes) compares ``ragged`` with (b)'s padded
 decode call.  Two more checks:
 
-* compile count: a jitted ragged call over ``--compile-steps`` (200) steps with
-  a random batch each step (num_seqs, q_lens, kv_lens and page tables
-  re-drawn, static shapes = the mixed step's); a Python counter inside the
+* compile count: a jitted ragged call over ``--compile-steps`` (200) random
+  batches of the mixed step's static shapes; a Python counter inside the
   jitted function counts traces (target 1).
 * KV memory utilisation: a ``PagedKVCache`` with exactly the pages the workload
-  needs is filled with the histories, then the step's new tokens
-  (``append``); utilisation = used token slots / allocated token slots
-  (``PagedKVCache.utilization``), compared with the expected value (the last,
-  partial page of each sequence is the only waste).
+  needs, filled with the histories and then the step's new tokens;
+  ``utilization()`` against the expected value (only last pages are partial).
 
 Before timing, the ragged outputs are checked against
 ``flax_ringattn.paged_reference_attention`` (all decode rows, and the last 64
-rows of a prefill).  ``--sweep`` adds a table of block sizes (ragged mixed and
-decode steps, and the split baseline at the same sizes).
+rows of a prefill); a wrong result exits 1 before anything is timed.
+``--sweep`` adds a table of block sizes (ragged mixed and decode steps, and the
+split baseline at the same sizes).  Timing, paired ratios, the check and the
+report (Markdown, or ``--json``) are ``flax_ringattn.benchmarking``'s; the
+heads are its ``paged_step`` problem set.
 
 Run it::
 
@@ -54,7 +49,7 @@ Run it::
   python benchmarks/paged_throughput.py --sweep --repeats 3
 
 CPU timings on a shared machine are noisy (the machine line prints the load
-average); compare the ratios, which come from interleaved runs.
+average); compare the ratios, paired medians of interleaved rounds.
 """
 
 from __future__ import annotations
@@ -63,7 +58,6 @@ import argparse
 import dataclasses
 import functools
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -73,20 +67,19 @@ import jax.numpy as jnp
 import numpy as np
 
 try:
-  import flax_ringattn
+  import flax_ringattn  # noqa: F401 -- installed, or this checkout (below)
 except ImportError:  # running from a checkout that is not installed
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  import flax_ringattn
 from flax_ringattn import BlockSizes, PagedKVCache, paged_attention, paged_reference_attention
+from flax_ringattn import benchmarking as bench
+from flax_ringattn.benchmarking import median, paired_ratio, time_interleaved
 
-# Exit status: 0 = outputs correct and every target met (with --quick: outputs correct); 1 = the ragged output
-# differs from paged_reference_attention (nothing is timed); 3 = a target was missed.  (2: argparse usage error.)
-EXIT_WRONG_RESULT = 1
-EXIT_TARGET_MISSED = 3
+# Exit status (`benchmarking.Report.finish`): 0 = outputs correct and every target met (with --quick: outputs
+# correct); 1 = the ragged output differs from paged_reference_attention (nothing is timed); 3 = a target missed.
+EXIT_WRONG_RESULT, EXIT_TARGET_MISSED = bench.EXIT_WRONG_RESULT, bench.EXIT_TARGET_MISSED
 
-NUM_Q_HEADS = 8
-NUM_KV_HEADS = 2
-HEAD_DIM = 128
+HEADS = bench.PROBLEM_SETS["paged_step"][0]
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = HEADS.N, HEADS.K, HEADS.H
 PAGE_SIZE = 16
 LIBRARY_DEFAULT_BLOCKS = (16, 128)  # flax_ringattn's paged default (block_q, block_kv)
 SWEEP_BLOCK_Q = "1,4,8,16,32,64"
@@ -243,45 +236,25 @@ def make_layouts(work: Workload, pool: Pool, dtype, rng: np.random.Generator) ->
   pre, dec = list(range(n_pre)), list(range(n_pre, S))
   n_dec = len(dec)
   q_real = rng.standard_normal((work.new_tokens, NUM_Q_HEADS, HEAD_DIM), np.float32)
-  ragged = make_batch(pool, range(S), q_lens, kv_lens, work.new_tokens, dtype, rng, pages_per_seq=pps, q=q_real)
+
+  def batch(seqs, rows, kv, new_tokens, pages_per_seq, q=None):
+    return make_batch(pool, seqs, rows, kv, new_tokens, dtype, rng, pages_per_seq=pages_per_seq, q=q)
+
+  ragged = batch(range(S), q_lens, kv_lens, work.new_tokens, pps, q=q_real)
   # (a) every sequence padded to the longest q_len and the longest history.
   max_q = int(q_lens.max())
-  max_hist = int((kv_lens - q_lens).max())
-  pad_kv = max_hist + max_q
-  padded = make_batch(
-    pool, range(S), [max_q] * S, [pad_kv] * S, work.new_tokens, dtype, rng, pages_per_seq=int(pages_for(pad_kv))
-  )
+  pad_kv = int((kv_lens - q_lens).max()) + max_q
+  padded = batch(range(S), [max_q] * S, [pad_kv] * S, work.new_tokens, int(pages_for(pad_kv)))
   # (a') informational: q padded to the longest q_len, each sequence keeping its own history.
-  hist = kv_lens - q_lens
-  padded_q = make_batch(
-    pool,
-    range(S),
-    [max_q] * S,
-    hist + max_q,
-    work.new_tokens,
-    dtype,
-    rng,
-    pages_per_seq=int(pages_for(pad_kv)),
-  )
+  padded_q = batch(range(S), [max_q] * S, kv_lens - q_lens + max_q, work.new_tokens, int(pages_for(pad_kv)))
   # (b) prefill group padded to its longest prompt, decode group to its longest history.
   pre_q = max(int(q_lens[pre].max()), 1) if pre else 1
   pre_kv = max(int(kv_lens[pre].max()), pre_q) if pre else 1
-  split_prefill = make_batch(
-    pool,
-    pre,
-    [pre_q] * n_pre,
-    [pre_kv] * n_pre,
-    int(q_lens[pre].sum()),
-    dtype,
-    rng,
-    pages_per_seq=int(pages_for(pre_kv)),
-  )
+  split_prefill = batch(pre, [pre_q] * n_pre, [pre_kv] * n_pre, int(q_lens[pre].sum()), int(pages_for(pre_kv)))
   dec_kv = int(kv_lens[dec].max())
   dec_pps = int(pages_for(dec_kv))
-  split_decode = make_batch(pool, dec, [1] * n_dec, [dec_kv] * n_dec, n_dec, dtype, rng, pages_per_seq=dec_pps)
-  decode_ragged = make_batch(
-    pool, dec, [1] * n_dec, kv_lens[dec], n_dec, dtype, rng, pages_per_seq=dec_pps, q=q_real[-n_dec:]
-  )
+  split_decode = batch(dec, [1] * n_dec, [dec_kv] * n_dec, n_dec, dec_pps)
+  decode_ragged = batch(dec, [1] * n_dec, kv_lens[dec], n_dec, dec_pps, q=q_real[-n_dec:])
   return Layouts(ragged, padded, padded_q, split_prefill, split_decode, decode_ragged, q_real)
 
 
@@ -349,21 +322,7 @@ def executed_scores(b: Batch, block_q: int, block_kv: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------
-# Timing.
-
-
-def time_interleaved(calls: dict, repeats: int) -> dict:
-  """Seconds per call; every repeat runs each call once, the order rotating."""
-  names = list(calls)
-  for name in names:  # compile + warm up
-    jax.block_until_ready(calls[name]())
-  times = {name: [] for name in names}
-  for r in range(repeats):
-    for name in names[r % len(names) :] + names[: r % len(names)]:
-      t0 = time.perf_counter()
-      jax.block_until_ready(calls[name]())
-      times[name].append(time.perf_counter() - t0)
-  return times
+# Timing (the harness's interleaved rounds).
 
 
 def make_attn(block_q: int | None, block_kv: int | None) -> Callable:
@@ -401,16 +360,6 @@ class StepTimes:
   def from_times(cls, t: dict[str, list[float]]) -> StepTimes:
     split = [a + b for a, b in zip(t["split/prefill"], t["split/decode"], strict=True)]
     return cls(t["ragged"], t.get("padded"), t.get("padded-q"), split, t["decode/ragged"], t["split/decode"])
-
-
-def med(xs: Sequence[float]) -> float:
-  return statistics.median(xs)
-
-
-def paired_ratio(slow: Sequence[float], fast: Sequence[float]) -> tuple[float, int]:
-  """(median of per-repeat slow/fast ratios, repeats where `fast` was slower)."""
-  ratios = [s / f for s, f in zip(slow, fast, strict=True)]
-  return med(ratios), sum(r < 1.0 for r in ratios)
 
 
 # ------------------------------------------------------------------------------------------
@@ -456,14 +405,11 @@ def compile_count(attn_blocks: Callable, pool: Pool, work: Workload, steps: int,
   S, T = work.num_seqs, work.new_tokens
   pps = int(pages_for(work.kv_lens.max()))
   q = jnp.asarray(rng.standard_normal((T, NUM_Q_HEADS, HEAD_DIM), np.float32), pool.k.dtype)
-  times = []
-  for _ in range(steps):
-    meta = random_step(rng, S, T, pps, pool.k.shape[0], max(work.prefill_lens, default=1))
-    meta = [jnp.asarray(x, jnp.int32) for x in meta]
-    t0 = time.perf_counter()
-    jax.block_until_ready(jitted(q, pool.k, pool.v, *meta))
-    times.append(time.perf_counter() - t0)
-  return traces, med(times[1:] or times)
+  # Every round a new batch (drawn before timing); the first, untimed, compiles.
+  metas = [random_step(rng, S, T, pps, pool.k.shape[0], max(work.prefill_lens, default=1)) for _ in range(steps)]
+  metas = iter([[jnp.asarray(x, jnp.int32) for x in meta] for meta in metas])
+  times = time_interleaved({"step": lambda: jitted(q, pool.k, pool.v, *next(metas))}, steps - 1)["step"]
+  return traces, median(times or [float("nan")])
 
 
 # ------------------------------------------------------------------------------------------
@@ -474,14 +420,9 @@ def cache_utilisation(work: Workload, dtype, seed: int) -> dict[str, float]:
   """Fill a PagedKVCache with the histories, then the step's new tokens; read utilisation."""
   kv = work.kv_lens
   need = int(pages_for(kv).sum())
+  dims = dict(page_size=PAGE_SIZE, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=dtype)
   cache = PagedKVCache.create(
-    num_pages=need,
-    page_size=PAGE_SIZE,
-    max_num_seqs=work.num_seqs,
-    pages_per_seq=int(pages_for(kv.max())),
-    num_kv_heads=NUM_KV_HEADS,
-    head_dim=HEAD_DIM,
-    dtype=dtype,
+    num_pages=need, max_num_seqs=work.num_seqs, pages_per_seq=int(pages_for(kv.max())), **dims
   )
   rng = np.random.default_rng(seed + 2)
   append = jax.jit(lambda c, k, v, cu, n: c.append(k, v, cu, n))
@@ -495,100 +436,51 @@ def cache_utilisation(work: Workload, dtype, seed: int) -> dict[str, float]:
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
     cache = append(cache, jnp.asarray(x, dtype), jnp.asarray(-x, dtype), cu, jnp.array([work.num_seqs], jnp.int32))
   assert np.array_equal(np.asarray(cache.kv_lens), kv), "kv_lens after append differ from the workload"
-  allocated_pages = int(np.sum(np.asarray(cache.ref_counts) > 0))
+  allocated = int(np.sum(np.asarray(cache.ref_counts) > 0)) * PAGE_SIZE
   used = int(kv.sum())
-  return {
-    "measured": float(jax.jit(lambda c: c.utilization())(cache)),
-    "expected": used / (int(pages_for(kv).sum()) * PAGE_SIZE),
-    "used": used,
-    "allocated": allocated_pages * PAGE_SIZE,
-    "waste": allocated_pages * PAGE_SIZE - used,
-    "free_pages": int(np.sum(np.asarray(cache.ref_counts) == 0)),
-  }
+  measured = float(jax.jit(lambda c: c.utilization())(cache))
+  expected = used / (int(pages_for(kv).sum()) * PAGE_SIZE)
+  return dict(measured=measured, expected=expected, used=used, allocated=allocated, waste=allocated - used)
 
 
 # ------------------------------------------------------------------------------------------
 # Report.
 
 
-def machine_line() -> str:
-  try:
-    usable = len(os.sched_getaffinity(0))
-  except AttributeError:
-    usable = os.cpu_count()
-  load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-  dev = jax.devices()[0]
-  return (
-    f"jax {jax.__version__} ({jax.default_backend()}, {jax.device_count()} device: {dev.device_kind}), "
-    f"flax_ringattn {flax_ringattn.__version__}, {os.cpu_count()} cores ({usable} usable), load average {load}"
-  )
-
-
 def fmt_tps(tokens: int, seconds: float) -> str:
   return f"{tokens / seconds:,.0f} tok/s ({seconds * 1e3:.1f} ms)"
 
 
-def verdict(ok: bool) -> str:
-  return "met" if ok else "**not met**"
-
-
-def print_table(
-  work: Workload, st: StepTimes, traces: int, steps: int, step_s: float, util: dict, repeats: int
-) -> list[str]:
-  """Prints the results table; returns the names of the targets missed."""
-  n_dec = work.num_seqs - work.num_prefills
-  tok = work.new_tokens
-  rows = [("mixed step: ragged (one call)", fmt_tps(tok, med(st.ragged)), "", "")]
+def report_step(
+  report: bench.Report, work: Workload, st: StepTimes, traces: int, steps: int, step_s: float, util: dict
+) -> None:
+  """The measurements and targets, as the report's targets table (info rows have no goal)."""
+  n_dec, tok = work.num_seqs - work.num_prefills, work.new_tokens
+  info = functools.partial(report.target, target="", met=None)
+  info("mixed step: ragged (one call)", fmt_tps(tok, median(st.ragged)))
   if st.padded is not None:
-    rows.append(("mixed step: (a) padded (one call)", fmt_tps(tok, med(st.padded)), "", ""))
-  rows.append(("mixed step: (b) split (prefill + decode calls)", fmt_tps(tok, med(st.split)), "", ""))
+    info("mixed step: (a) padded (one call)", fmt_tps(tok, median(st.padded)))
+  info("mixed step: (b) split (prefill + decode calls)", fmt_tps(tok, median(st.split)))
   if st.padded is not None:
-    r, slower = paired_ratio(st.padded, st.ragged)
-    rows.append(("ragged vs (a) padded", f"{r:.1f}x", f">= {TARGET_VS_PADDED:g}x", verdict(r >= TARGET_VS_PADDED)))
-    r, _ = paired_ratio(st.padded_q, st.ragged)
-    rows.append(
-      (
-        "(info) ragged vs (a') padded q rows, true histories",
-        f"{r:.1f}x ({fmt_tps(tok, med(st.padded_q))})",
-        "",
-        "",
-      )
-    )
-  r, slower = paired_ratio(st.split, st.ragged)
-  rows.append(
-    (
-      "ragged vs (b) split",
-      f"{r:.2f}x (ragged slower in {slower}/{repeats} paired repeats)",
-      ">= 1x (never slower)",
-      verdict(r >= TARGET_VS_SPLIT),
-    )
+    r = paired_ratio(st.padded, st.ragged).ratio
+    report.target("ragged vs (a) padded", f"{r:.1f}x", f">= {TARGET_VS_PADDED:g}x", r >= TARGET_VS_PADDED)
+    r = paired_ratio(st.padded_q, st.ragged).ratio
+    info("(info) ragged vs (a') padded q rows, true histories", f"{r:.1f}x ({fmt_tps(tok, median(st.padded_q))})")
+  pr = paired_ratio(st.split, st.ragged)
+  value = f"{pr.ratio:.2f}x (ragged slower in {pr.losses}/{len(pr.ratios)} paired repeats)"
+  report.target("ragged vs (b) split", value, ">= 1x (never slower)", pr.ratio >= TARGET_VS_SPLIT)
+  info("decode-only step: ragged", fmt_tps(n_dec, median(st.decode_ragged)))
+  info("decode-only step: (b) decode call padded", fmt_tps(n_dec, median(st.decode_padded)))
+  r = paired_ratio(st.decode_padded, st.decode_ragged).ratio
+  report.target("ragged vs padded decode", f"{r:.2f}x", f">= {TARGET_DECODE:g}x", r >= TARGET_DECODE)
+  value = f"{traces} (median step {step_s * 1e3:.1f} ms)"
+  report.target(f"compiles over {steps} changing steps (ragged)", value, "1", traces == 1)
+  value = (
+    f"{util['measured']:.2%} = {util['used']:,} / {util['allocated']:,} slots; "
+    f"waste {util['waste']} slots (expected {util['expected']:.2%})"
   )
-  rows.append(("decode-only step: ragged", fmt_tps(n_dec, med(st.decode_ragged)), "", ""))
-  rows.append(("decode-only step: (b) decode call padded", fmt_tps(n_dec, med(st.decode_padded)), "", ""))
-  r, _ = paired_ratio(st.decode_padded, st.decode_ragged)
-  rows.append(("ragged vs padded decode", f"{r:.2f}x", f">= {TARGET_DECODE:g}x", verdict(r >= TARGET_DECODE)))
-  rows.append(
-    (
-      f"compiles over {steps} changing steps (ragged)",
-      f"{traces} (median step {step_s * 1e3:.1f} ms)",
-      "1",
-      verdict(traces == 1),
-    )
-  )
-  rows.append(
-    (
-      "KV utilisation (PagedKVCache, mixed workload)",
-      f"{util['measured']:.2%} = {util['used']:,} / {util['allocated']:,} slots; "
-      f"waste {util['waste']} slots (expected {util['expected']:.2%})",
-      f"> {TARGET_UTILISATION:.0%}",
-      verdict(util["measured"] > TARGET_UTILISATION),
-    )
-  )
-  print("| measurement | value | target | status |")
-  print("|---|---|---|---|")
-  for row in rows:
-    print("| " + " | ".join(row) + " |")
-  return [row[0] for row in rows if row[3] == verdict(False)]
+  met = util["measured"] > TARGET_UTILISATION
+  report.target("KV utilisation (PagedKVCache, mixed workload)", value, f"> {TARGET_UTILISATION:.0%}", met)
 
 
 def work_line(work: Workload, lay: Layouts, bq: int, bkv: int) -> str:
@@ -613,32 +505,32 @@ def count(n: int) -> str:
   return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k"
 
 
-def run_sweep(pool: Pool, lay: Layouts, work: Workload, repeats: int, grid_q: list[int], grid_kv: list[int]):
+def run_sweep(report, pool: Pool, lay: Layouts, work: Workload, repeats: int, grid_q: list[int], grid_kv: list[int]):
   n_dec = work.num_seqs - work.num_prefills
   useful, useful_dec = useful_scores(work), useful_scores(Workload((), work.decode_hists))
-  print(
-    f"\nBlock-size sweep ({repeats} repeats; ratios are paired medians, (b) at the same sizes; "
-    "work = score elements computed / needed):\n"
-  )
-  print(
-    "| block_q | block_kv | mixed ragged | mixed work | vs (b) split | decode ragged | decode work | vs padded decode |"
-  )
-  print("|---|---|---|---|---|---|---|---|")
   configs = [(bq, bkv) for bq in grid_q for bkv in grid_kv]
   calls = {}  # every configuration's calls in one interleaved run: load changes hit them alike
   for bq, bkv in configs:
     for name, fn in step_calls(make_attn(bq, bkv), pool, lay, with_padded=False).items():
       calls[(bq, bkv, name)] = fn
   times = time_interleaved(calls, repeats)
+  rows = []
   for bq, bkv in configs:
     st = StepTimes.from_times({name: t for (q, kv, name), t in times.items() if (q, kv) == (bq, bkv)})
     w = executed_scores(lay.ragged, bq, bkv) / useful
     wd = executed_scores(lay.decode_ragged, bq, bkv) / useful_dec
-    print(
-      f"| {bq} | {bkv} | {work.new_tokens / med(st.ragged):,.0f} tok/s | {w:.1f}x | "
-      f"{paired_ratio(st.split, st.ragged)[0]:.2f}x | {n_dec / med(st.decode_ragged):,.0f} tok/s | {wd:.1f}x | "
-      f"{paired_ratio(st.decode_padded, st.decode_ragged)[0]:.2f}x |"
-    )
+    rows.append([bq, bkv, f"{work.new_tokens / median(st.ragged):,.0f} tok/s", w,
+                 paired_ratio(st.split, st.ragged).ratio, f"{n_dec / median(st.decode_ragged):,.0f} tok/s", wd,
+                 paired_ratio(st.decode_padded, st.decode_ragged).ratio])  # fmt: skip
+  header = ["block_q", "block_kv", "mixed ragged", "mixed work", "vs (b) split", "decode ragged", "decode work"]
+  header.append("vs padded decode")
+  report.table(
+    f"Block-size sweep ({repeats} repeats; ratios are paired medians, (b) at the same sizes; work = score elements "
+    "computed / needed)",
+    header,
+    rows,
+    formats={"mixed work": ".1f", "vs (b) split": ".2f", "decode work": ".1f", "vs padded decode": ".2f"},
+  )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -662,6 +554,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--sweep", action="store_true", help="also time a grid of block sizes")
   parser.add_argument("--sweep-block-q", default=SWEEP_BLOCK_Q, help="comma-separated block_q values for --sweep")
   parser.add_argument("--sweep-block-kv", default=SWEEP_BLOCK_KV, help="comma-separated block_kv values for --sweep")
+  bench.add_report_args(parser)
   args = parser.parse_args(argv)
   if args.quick:
     args.prefill_len, args.decodes, args.min_history, args.max_history = 64, 6, 16, 256
@@ -669,7 +562,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   return args
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
   start = time.perf_counter()
   args = parse_args(argv)
   dtype = jnp.dtype(args.dtype)
@@ -679,47 +572,40 @@ def main(argv: Sequence[str] | None = None) -> None:
   lay = make_layouts(work, pool, dtype, rng)
   bq, bkv = args.block_q or LIBRARY_DEFAULT_BLOCKS[0], args.block_kv or LIBRARY_DEFAULT_BLOCKS[1]
   attn = make_attn(args.block_q, args.block_kv)
-  print(machine_line())
-  print(
-    f"workload: {work.num_prefills} prefills x {args.prefill_len} + {len(work.decode_hists)} decodes, histories "
+  workload = (
+    f"{work.num_prefills} prefills x {args.prefill_len} + {len(work.decode_hists)} decodes, histories "
     f"{min(work.decode_hists, default=0)}..{max(work.decode_hists, default=0)} ({args.spread}); "
     f"{work.new_tokens} new tokens, {int(work.kv_lens.sum()):,} kv tokens in {pool.k.shape[0]} pages; "
     f"heads {NUM_Q_HEADS}:{NUM_KV_HEADS}, head_dim {HEAD_DIM}, page {PAGE_SIZE}, {dtype.name}; "
-    f"block_q={bq}, block_kv={bkv}; {args.repeats} repeats",
-    flush=True,
+    f"block_q={bq}, block_kv={bkv}; {args.repeats} repeats"
+  )
+  report = bench.Report(
+    "paged_throughput: ragged paged attention vs padded layouts, one serving step",
+    json=args.json,
+    meta={"machine": bench.machine(), "workload": workload, "work": work_line(work, lay, bq, bkv)},
   )
   err = reference_check(work, pool, lay, attn, dtype)
   tol = 2e-2 if dtype == jnp.bfloat16 else 1e-4
-  print(work_line(work, lay, bq, bkv))
-  print(f"check vs paged_reference_attention: max abs err {err:.2e} ({'ok' if err <= tol else 'FAILED'})")
-  if not err <= tol:  # also catches NaN
-    sys.exit(EXIT_WRONG_RESULT)
+  report.require([bench.Check("ragged step vs paged_reference_attention", err, tol)])
   t0 = time.perf_counter()
   times = time_interleaved(step_calls(attn, pool, lay, with_padded=not args.no_padded), args.repeats)
   st = StepTimes.from_times(times)
-  print(
-    f"timed in {time.perf_counter() - t0:.0f} s; median ms per call: "
-    + ", ".join(f"{name} {med(t) * 1e3:.1f}" for name, t in times.items()),
-    flush=True,
-  )
+  medians = ", ".join(f"{name} {median(t) * 1e3:.1f}" for name, t in times.items())
+  report.progress(f"timed in {time.perf_counter() - t0:.0f} s; median ms per call: {medians}")
   t0 = time.perf_counter()
   traces, step_s = compile_count(attn, pool, work, args.compile_steps, args.seed)
   t1 = time.perf_counter()
   util = cache_utilisation(work, dtype, args.seed)
-  print(f"compile count: {t1 - t0:.0f} s; cache fill: {time.perf_counter() - t1:.0f} s", flush=True)
-  print()
+  report.progress(f"compile count: {t1 - t0:.0f} s; cache fill: {time.perf_counter() - t1:.0f} s")
   if args.quick:
-    print("(--quick: smoke size; the targets are meant for the default size)\n")
-  missed = print_table(work, st, traces, args.compile_steps, step_s, util, args.repeats)
-  print()
-  print(f"{machine_line()}; ran {time.perf_counter() - start:.0f} s")
+    report.note("\n(--quick: smoke size; the targets are meant for the default size)")
+  report_step(report, work, st, traces, args.compile_steps, step_s, util)
   if args.sweep:
     ints = lambda text: [int(x) for x in text.split(",") if x]
-    run_sweep(pool, lay, work, args.repeats, ints(args.sweep_block_q), ints(args.sweep_block_kv))
-  if missed and not args.quick:
-    print(f"\ntargets missed: {'; '.join(missed)}")
-    sys.exit(EXIT_TARGET_MISSED)
+    run_sweep(report, pool, lay, work, args.repeats, ints(args.sweep_block_q), ints(args.sweep_block_kv))
+  report.progress(f"{bench.machine()}; ran {time.perf_counter() - start:.0f} s")
+  return report.finish(enforce_targets=not args.quick)
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

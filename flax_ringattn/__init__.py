@@ -12,17 +12,19 @@ The public surface (see README.md for the table):
 * dense masks: `padded_segment_ids`, `structure_from_dense_mask`,
   `dense_mask_from_structure`
 * `flax_ringattn.testing`: helpers for your own tests (imported on demand)
+* `flax_ringattn.benchmarking`: the benchmark harness, hardware table and cost
+  model the scripts in `benchmarks/` share (imported on demand)
 * layout helpers: `zigzag_order`, `zigzag_inverse`, `zigzag_positions`
 * strategies: `suggest_strategy` (cost model; `Hardware`, `StrategyAdvice`,
   `StrategyEstimate`)
 * configuration: `BlockSizes`, `plan_block_sizes` (TPU tiles that fit VMEM),
-  `available_implementations`
+  `available_implementations(op="ring" | "paged")`
 """
 
 from flax_ringattn._src.advisor import Hardware, StrategyAdvice, StrategyEstimate, suggest_strategy
-from flax_ringattn._src.backends import available as available_implementations
-from flax_ringattn._src.backends.pallas_tpu.planner import plan_block_sizes
+from flax_ringattn._src.backends.pallas_tpu.planners import plan_block_sizes
 from flax_ringattn._src.block_sizes import BlockSizes
+from flax_ringattn._src.implementations import available_implementations
 from flax_ringattn._src.layout import zigzag_inverse, zigzag_order, zigzag_positions
 from flax_ringattn._src.masks import dense_mask_from_structure, padded_segment_ids, structure_from_dense_mask
 from flax_ringattn._src.nnx.convert import ConversionReport, convert

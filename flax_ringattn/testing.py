@@ -10,17 +10,26 @@
   detection on), `no_races()` (asserts the race detector ran and found
   nothing), `ensure_cpu_threads()` (call before JAX starts: multi-device
   interpret-mode kernels deadlock on machines with few cores otherwise).
+* Kernel test hooks: `with kernel_debug(slots="hbm")` makes the in-kernel ring
+  keep its slots in HBM, `drop_credits=True` injects a protocol bug for the
+  race detector to find, and `recorder=Recorder()` records the ring's remote
+  DMAs and protocol events at trace time.  They reach the kernels in the
+  call's hashable options, never through module globals.
 """
 
+from flax_ringattn._src.debug import KernelDebug, Recorder, kernel_debug
 from flax_ringattn._src.testing.checks import TOLERANCES, assert_close, assert_matches_reference, tolerance
 from flax_ringattn._src.testing.interpret import ensure_cpu_threads, interpret_params, no_races
 
 __all__ = [
   "TOLERANCES",
+  "KernelDebug",
+  "Recorder",
   "assert_close",
   "assert_matches_reference",
   "ensure_cpu_threads",
   "interpret_params",
+  "kernel_debug",
   "no_races",
   "tolerance",
 ]

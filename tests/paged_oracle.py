@@ -8,7 +8,9 @@ ragged batch token by token in plain numpy:
   scaled here, one branch per scale shape: `()`, `[P, K]`, `[P, page_size, K]`;
 * sequence i owns rows cu_q_lens[i] .. cu_q_lens[i + 1] - 1 of q, and its q
   tokens are the last q_len of its kv_len tokens, so row j has position
-  kv_len - q_len + j and sees keys t <= position (and t > position - window);
+  kv_len - q_len + j and sees keys t <= position (and t >= position - left with
+  local_window_size=(left, right), jax.nn's meaning; an int w is (w, w); the
+  right side never admits a key past the token itself, so only `left` matters);
 * a key whose page id is out of range is invisible, as in the op's default mode.
 
 Gradients are the textbook softmax backward per row, with the soft cap's
@@ -40,14 +42,24 @@ def scale_factors(scale, num_pages: int, page_size: int, num_kv_heads: int) -> n
   raise ValueError(f"oracle: unexpected scale shape {s.shape}")
 
 
-def _visible_keys(table_row, kv_len, pos, num_pages, page_size, sliding_window):
-  """(token t, page id, slot) of the keys row at `pos` may read."""
+def _window_left(local_window_size):
+  """How many tokens before its own a row sees: local_window_size's left side (None: all of them)."""
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, int):  # jax.nn: w means (w, w)
+    return local_window_size
+  left, _right = local_window_size  # causal: keys past the token itself are masked whatever `right` says
+  return left
+
+
+def _visible_keys(table_row, kv_len, pos, num_pages, page_size, left):
+  """(token t, page id, slot) of the keys row at `pos` may read (`left`: the window's left side, or None)."""
   keys = []
   for t in range(kv_len):
     page = int(table_row[t // page_size])
     if t > pos or not 0 <= page < num_pages:
       continue
-    if sliding_window is not None and t <= pos - sliding_window:
+    if left is not None and t < pos - left:
       continue
     keys.append((t, page, t % page_size))
   return keys
@@ -65,7 +77,7 @@ def paged_oracle(
   k_scale=None,
   v_scale=None,
   do=None,
-  sliding_window=None,
+  local_window_size=None,
   logits_soft_cap=None,
   scale=None,
 ):
@@ -82,13 +94,14 @@ def paged_oracle(
   groups = N // K
   scale = H**-0.5 if scale is None else scale
   dof = None if do is None else _widen(do)
+  left = _window_left(local_window_size)
   out = np.zeros((T, N, H))
   dq, dkd, dvd = np.zeros((T, N, H)), np.zeros((P, ps, K, H)), np.zeros((P, ps, K, H))
   for i in range(n):
     q_len, kv_len = int(cu[i + 1] - cu[i]), int(kv_lens[i])
     for j in range(q_len):
       row, pos = int(cu[i]) + j, kv_len - q_len + j
-      keys = _visible_keys(table[i], kv_len, pos, P, ps, sliding_window)
+      keys = _visible_keys(table[i], kv_len, pos, P, ps, left)
       if not keys:
         continue  # a row with no visible key: output 0, gradient 0
       pages = np.array([p for _, p, _ in keys])

@@ -1,8 +1,13 @@
-"""The benchmarks refuse to time wrong results: their reference checks can fail, and a failure exits with 1."""
+"""The benchmark harness and the scripts on it: wrong results exit 1 before anything is timed, paired medians,
+the JSON report, the hardware table against JAX's, the cost model by hand, and the roofline's models."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
+import json
+import math
 import sys
 from pathlib import Path
 
@@ -10,6 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import flax_ringattn as fr
+from flax_ringattn import benchmarking as bench
+from flax_ringattn.benchmarking import cost, hardware
 
 _BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -65,17 +74,17 @@ def test_ring_reference_check_passes_and_fails(ring, monkeypatch):
   monkeypatch.setattr(ring, "CHECK_SEQ_LEN", 256)
   mesh = jax.make_mesh((8,), (ring.AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:8])
   args = ring.parse_args(["--quick", "--impls", "ring+lb", "--causal", "causal"])
-  (line,) = ring.check_against_reference(args, mesh, None)
-  assert line.startswith("ok: ring+lb causal=True"), line
+  (check,) = ring.check_against_reference(args, mesh, None)
+  assert check.ok and check.line().startswith("ok: ring+lb causal=True"), check.line()
   real = ring.make_ring
   monkeypatch.setattr(ring, "make_ring", lambda *a: lambda q, k, v: real(*a)(q, k, v) * 1.01)
-  (line,) = ring.check_against_reference(args, mesh, None)
-  assert line.startswith("FAILED: ring+lb causal=True"), line
+  (check,) = ring.check_against_reference(args, mesh, None)
+  assert not check.ok and check.line().startswith("FAILED: ring+lb causal=True"), check.line()
 
 
 def test_ring_wrong_result_exits_1_before_timing(ring, monkeypatch):
-  monkeypatch.setattr(ring, "matmul_gflops", lambda repeats: 1.0)
-  monkeypatch.setattr(ring, "check_against_reference", lambda *a: ["FAILED: ring causal=True T=1024"])
+  monkeypatch.setattr(ring, "measure_matmul_flops", lambda *a, **k: 1e9)
+  monkeypatch.setattr(ring, "check_against_reference", lambda *a: [bench.Check("ring causal=True T=1024", 0.1, 2e-4)])
   monkeypatch.setattr(ring, "measure_seq_len", _never)
   with pytest.raises(SystemExit) as exit_info:
     ring.main(["--quick", "--impls", "ring"])
@@ -108,7 +117,8 @@ def test_roofline_ring_hbm_hop_hand_counted(roofline):
   FLOPs: 2 x G x L x L x H = 33554432 per matmul; fwd 2 matmuls, bwd 3 (dQ) + 4 (dK/dV).
   """
   p = roofline.Problem(B=1, N=2, K=1, H=128, dtype="bfloat16", n=4, window=0)
-  hw = roofline.hardware("v5e")
+  hw = hardware.tpu("v5e")
+  peak, hbm = hw.peak_flops("bfloat16"), hw.memory_bandwidth
 
   def hop(pas, t, tiled=True):
     return roofline.ring_hbm_hop("v5e", 256, p, pas, hop=t, tile=(128, 128), tiled=tiled)
@@ -118,7 +128,7 @@ def test_roofline_ring_hbm_hop_hand_counted(roofline):
   f = hop("fwd", 1)
   assert (f.tiles, f.hop, f.smem_table) == ((128, 128), 1, 4 * 2 * 1 * 4)  # n x nq rows of one packed word
   assert (f.flops, f.tile_bytes, f.sent, f.ring_bytes) == (2 * mm, 1408 * KIB, 128 * KIB, 256 * KIB)
-  assert f.bytes == 1664 * KIB and f.t_mxu == f.flops / hw.peak and f.t_hbm == f.bytes / hw.hbm_bw
+  assert f.bytes == 1664 * KIB and f.t_mxu == f.flops / peak and f.t_hbm == f.bytes / hbm
   assert f.t_ici == f.sent / hw.ici_link and f.bound == ("mxu" if f.t_mxu >= f.t_hbm else "hbm")
   assert f.hidden == (f.t_ici <= max(f.t_mxu, f.t_hbm))
   assert (hop("fwd", 0).tile_bytes, hop("fwd", 0).sent) == (896 * KIB, 128 * KIB)
@@ -133,15 +143,26 @@ def test_roofline_ring_hbm_hop_hand_counted(roofline):
     hop("fwd", 4)
 
 
-def test_roofline_prints_the_ring_hbm_section(roofline, capsys):
-  """The section the script prints after `print_kernel_ring` (main calls it): header, labelled as a model, and a
-  row per pass, with the ring planner's tiles and slots."""
+def test_roofline_ring_hbm_hop_uses_the_planners_traffic_model(roofline):
+  """The HBM-slot hop's passes are `planners.hbm_bytes` of the block kernels they mirror (the model `plan_ring`
+  minimises): hop 0 of the forward, bare bytes, is exactly the forward block kernel's traffic."""
+  p = roofline.Problem(B=2, N=8, K=2, H=128, dtype="bfloat16", n=4, window=0)
+  hop = roofline.ring_hbm_hop("v5e", 1024, p, "fwd", hop=0, tiled=False)
+  bq, bk = hop.tiles
+  dims = dict(bq=bq, bk=bk, q_len=1024, kv_len=1024, num_heads=8, num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
+  assert hop.tile_bytes == 2 * roofline.planner.hbm_bytes("fwd", **dims)
+
+
+def test_roofline_prints_the_ring_hbm_section(roofline):
+  """The section main prints after the in-kernel ring table: labelled as a model, a row per pass, with the ring
+  planner's tiles and slots."""
   p = roofline.Problem(B=1, N=32, K=8, H=128, dtype="bfloat16", n=8, window=4096)
-  roofline.print_kernel_ring_hbm(["v5e"], p, True, shards=(8192,))
-  out = capsys.readouterr().out
-  assert "In-kernel ring with HBM slots" in out and "model-derived, not measured" in out
-  rows = [line.split() for line in out.splitlines() if line.startswith("  v5e")]
-  assert [r[2] for r in rows] == ["fwd", "bwd"]
+  report = bench.Report("roofline", json=True, stream=io.StringIO())
+  roofline.kernel_ring_hbm_table(report, ["v5e"], p, True, shards=(8192,))
+  (section,) = report.sections
+  assert "In-kernel ring with HBM slots" in section["table"] and "model-derived, not measured" in section["table"]
+  rows = section["rows"]
+  assert [r["pass"] for r in rows] == ["fwd", "bwd"]
   plans = [
     roofline.planner.plan_ring(
       T=8192,
@@ -156,8 +177,8 @@ def test_roofline_prints_the_ring_hbm_section(roofline, capsys):
     )
     for bwd in (False, True)
   ]
-  assert [(r[3], r[4]) for r in rows] == [(f"{pl.bq}x{pl.bk}", pl.slots) for pl in plans]
-  assert all(r[11] in ("mxu", "hbm") for r in rows)
+  assert [(r["tiles"], r["slots"]) for r in rows] == [(f"{pl.bq}x{pl.bk}", pl.slots) for pl in plans]
+  assert all(r["bound"] in ("mxu", "hbm") for r in rows)
 
 
 def test_roofline_hbm_slot_hops_are_mxu_bound(roofline):
@@ -171,3 +192,176 @@ def test_roofline_hbm_slot_hops_are_mxu_bound(roofline):
         r = roofline.ring_hbm_hop(g, L, p, pas)
         assert r.slots == "hbm" and r.bound == "mxu", (g, L, pas, r)
         assert r.hidden is (None if g in ("v4", "v7x") else True), (g, L, pas, r)
+
+
+def test_roofline_json_report_parses(roofline):
+  """The whole script with --json: one JSON document on stdout, every section a table with rows, exit 0."""
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    code = roofline.main(["--quick", "--generations", "v5e", "--masks", "causal-lb", "--json"])
+  doc = json.loads(out.getvalue())
+  assert code == doc["exit_code"] == bench.EXIT_OK
+  tables = {s["table"].split(" (")[0].split(":")[0]: s for s in doc["sections"] if "table" in s}
+  assert {"Hardware", "Per pass, one device's whole ring", "ICI per hop", "In-kernel ring with HBM slots"} <= set(
+    tables
+  )
+  (hw,) = tables["Hardware"]["rows"]
+  assert hw["gen"] == "v5e" and hw["bf16 TF/s"] == 197 and hw["HBM GB/s"] == 820  # numbers stay numbers
+
+
+# --------------------------------------------------------------------------------------------
+# The harness.
+
+
+def test_time_interleaved_rotates_warms_up_and_drops_a_failing_candidate():
+  order, errors = [], {}
+
+  def call(name):
+    order.append(name)
+    if name == "c" and order.count("c") == 2:
+      raise RuntimeError("boom")
+    return name
+
+  calls = {n: (lambda n=n: call(n)) for n in "abc"}
+  times = bench.time_interleaved(calls, 3, warmup=1, on_error=lambda n, e: errors.setdefault(n, str(e)))
+  # Round 0 (warm-up) a b c; round 1 b c(fails, dropped); then a b, b a.
+  assert order == ["a", "b", "c", "b", "c", "a", "a", "b", "b", "a"]
+  assert errors == {"c": "boom"} and [len(times[n]) for n in "abc"] == [3, 3, 0]
+  with pytest.raises(ZeroDivisionError):  # without on_error a failure propagates
+    bench.time_interleaved({"d": lambda: 1 / 0}, 1, warmup=0)
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios():
+  slow, fast = [2.0, 9.0, 4.0, 1.0], [1.0, 3.0, 2.0, 2.0]
+  paired = bench.paired_ratio(slow, fast)
+  assert paired.ratios == (2.0, 3.0, 2.0, 0.5) and paired.ratio == 2.0 and paired.losses == 1
+  assert bench.median(slow) / bench.median(fast) != paired.ratio  # not a ratio of medians
+  with pytest.raises(ValueError, match="same rounds"):
+    bench.paired_ratio([1.0], [1.0, 2.0])
+
+
+def test_compare_metrics_and_non_finite_results():
+  want = {"o": np.array([1.0, -2.0]), "g": np.array([0.5])}
+  got = {"o": np.array([1.0, -2.2]), "g": np.array([0.5])}
+  assert bench.error(got, want) == pytest.approx(0.2)
+  assert bench.error(got, want, metric="rel_max") == pytest.approx(0.1)
+  assert bench.error(got, want, metric="rel_elementwise") == pytest.approx(0.2 / 3)
+  assert bench.compare("x", got, want, tol=0.25).ok and not bench.compare("x", got, want, tol=0.1).ok
+  bad = bench.compare("nan", {"o": np.array([np.nan, 0.0]), "g": np.zeros(1)}, want, tol=1.0)
+  assert not bad.ok and bad.error == math.inf and bad.line().startswith("FAILED: nan:")
+
+
+def test_a_failing_check_exits_1_and_the_json_report_says_so():
+  out = io.StringIO()
+  report = bench.Report("t", json=True, stream=out)
+  with pytest.raises(SystemExit) as exit_info:
+    report.require([bench.Check("good", 0.0, 1e-3), bench.Check("bad", 1.0, 1e-3)])
+  assert exit_info.value.code == bench.EXIT_WRONG_RESULT == 1
+  doc = json.loads(out.getvalue())
+  assert doc["exit_code"] == 1 and [c["ok"] for c in doc["checks"]] == [True, False]
+
+
+def test_json_report_parses_and_target_misses_exit_3():
+  out = io.StringIO()
+  report = bench.Report("t", json=True, meta={"machine": "here"}, stream=out)
+  report.table("rows", ["name", "ms", "ratio"], [["a", 1.5, None], ["b", np.float32(2.0), float("nan")]])
+  report.note("a note")
+  report.target("speed", 0.5, ">= 1x", False)
+  report.target("info", "n/a", "-", None)
+  assert report.finish(enforce_targets=False) == bench.EXIT_OK
+  code = report.finish()
+  assert code == bench.EXIT_TARGET_MISSED == 3
+  doc = json.loads(out.getvalue().split("\n}\n", 1)[1])  # the second document
+  assert doc["meta"] == {"machine": "here"} and doc["exit_code"] == 3
+  table = next(s for s in doc["sections"] if "table" in s)
+  assert table["rows"] == [{"name": "a", "ms": 1.5, "ratio": None}, {"name": "b", "ms": 2.0, "ratio": None}]
+  assert [t["met"] for t in doc["targets"]] == [False, None]
+
+
+def test_markdown_report():
+  out = io.StringIO()
+  report = bench.Report("title", stream=out)
+  report.table("t", ["a", "b"], [[1, 0.12345], ["x", None]], formats={"b": ".2f"})
+  report.target("goal", 1.0, ">= 2", False)
+  assert report.finish() == 3
+  text = out.getvalue()
+  assert "# title" in text and "| a | b    |" in text and "| 1 | 0.12 |" in text and "| x | -    |" in text
+  assert "**missed**" in text and text == report.markdown()
+
+
+# --------------------------------------------------------------------------------------------
+# The hardware table, the cost model and the problem sets.
+
+
+def test_hardware_table_tpus_are_jaxs_numbers():
+  """Every TPU figure that comes from JAX's table equals `pltpu.get_tpu_info_for_chip` times the device's cores."""
+  from jax.experimental.pallas import tpu as pltpu
+
+  assert hardware.TPU_GENERATIONS == ("v4", "v5e", "v5p", "v6e", "v7x")
+  fields = {"bfloat16": "bf16_ops_per_second", "int8": "int8_ops_per_second", "float8": "fp8_ops_per_second"}
+  for gen in hardware.TPU_GENERATIONS:
+    chip = hardware.tpu(gen)
+    info = pltpu.get_tpu_info_for_chip(getattr(pltpu.ChipVersion, chip.jax_chip), chip.cores_per_device)
+    cores = chip.cores_per_device
+    assert chip.memory_bandwidth == info.mem_bw_bytes_per_second * cores, gen
+    assert chip.memory_bytes == pytest.approx(info.hbm_capacity_bytes * cores, rel=1e-9), gen
+    assert (chip.vmem_bytes, chip.mxu_size) == (info.vmem_capacity_bytes, info.mxu_column_size), gen
+    jax_flops = {k: getattr(info, f) * cores for k, f in fields.items() if getattr(info, f)}
+    assert chip.matmul_flops == jax_flops, gen
+  assert hardware.chip("v5e") is hardware.chip("TPU_v5e") is hardware.tpu("v5e")
+  with pytest.raises(ValueError, match=r"unknown TPU generation='v9'"):
+    hardware.tpu("v9")
+
+
+def test_hardware_table_serves_planners_advisor_and_benchmarks():
+  from flax_ringattn._src.backends.pallas_gpu import planner as gpu_planner
+  from flax_ringattn._src.backends.pallas_tpu import planners as tpu_planners
+
+  assert tpu_planners.VMEM_BYTES == {g: hardware.tpu(g).vmem_bytes for g in hardware.TPU_GENERATIONS}
+  assert gpu_planner.SMEM_PER_BLOCK["sm_90"] == hardware.chip("h100").smem_per_block == 227 * 1024
+  assert list(gpu_planner.SMEM_PER_BLOCK) == ["sm_70", "sm_75", "sm_80", "sm_86", "sm_89", "sm_90", "sm_100"]
+  assert hardware.gpu_for_device_kind("NVIDIA L40S").name == "l40s"  # not the L4
+  assert hardware.gpu_for_device_kind("NVIDIA H200").peak_flops("bfloat16") == 989e12
+  assert hardware.gpu_for_device_kind("Some GPU") is None
+  v5e = hardware.tpu("v5e")
+  assert (v5e.ici_bidir, v5e.ici_link, v5e.link_bandwidth) == (400e9, 50e9, 200e9)  # 1,600 Gbps each way
+  assert hardware.tpu("v7x").ici_bidir == 1200e9 and hardware.tpu("v4").ici_bidir is None
+
+
+def test_cost_model_by_hand():
+  # B=1, T=S=8, N=2, H=4: forward 2 matmuls x 2 flops x 64 pairs x 2 heads x 4 = 2048; backward 2.5x.
+  dims = dict(B=1, T=8, S=8, N=2, H=4)
+  assert cost.attention_flops(**dims, direction="fwd") == 2048
+  assert cost.attention_flops(**dims, direction="bwd") == 5120
+  assert cost.attention_flops(**dims) == 7168 == 2 * cost.attention_flops(**dims, is_causal=True)
+  # Masks: the visible band's area.  A causal window of w on T = S = L: L w - w^2 / 2.
+  assert cost.visible_fraction(1000, is_causal=True) == 0.5
+  assert cost.visible_pairs(1000, is_causal=True, local_window_size=(100, 0)) == 1000 * 100 - 100**2 / 2
+  assert cost.visible_pairs(1000, local_window_size=100) == 2 * (1000 * 100 - 100**2 / 2)
+  assert cost.visible_fraction(512, 1024) == 1.0
+  # The ring: K/V per hop forward, plus the f32 accumulators backward; over a ring of n: (n - 1) / n of K/V.
+  kv = dict(B=1, S=128, K=2, H=64, itemsize=2)
+  assert cost.ring_hop_bytes(**kv) == 2 * 128 * 2 * 64 * 2
+  assert cost.ring_hop_bytes(**kv, direction="bwd") == 2 * 128 * 2 * 64 * (2 + 4)
+  assert cost.ring_sent_bytes(8, **kv, direction="fwd") == 7 * cost.ring_hop_bytes(**kv)
+  # Break-even shard: compute at the peak == the send over the link.
+  L = cost.ring_min_shard(peak=1e12, link=1e9, B=1, N=8, K=2, H=64, itemsize=2)
+  hop_s = cost.attention_flops(T=round(L), N=8, H=64, direction="fwd") / 1e12
+  assert hop_s == pytest.approx(cost.ring_hop_bytes(B=1, S=round(L), K=2, H=64, itemsize=2) / 1e9, rel=1e-2)
+  assert cost.itemsize(jnp.bfloat16) == 2 and cost.itemsize("float32") == 4
+
+
+def test_problem_sets_are_valid_and_run_against_the_reference():
+  for name, problems in bench.PROBLEM_SETS.items():
+    assert problems, name
+    for p in problems:
+      assert p.N % p.K == 0 and p.flops() > 0 and p.bytes() > 0, (name, p)
+  assert bench.PROBLEM_SETS["gpu_attention"][0].flops() == pytest.approx(
+    3.5 * 4 * 1 * 32 * 4096 * 4096 * 128 / 2
+  )  # causal fwd+bwd, counted once
+  for p in bench.PROBLEM_SETS["tiny"]:
+    q, k, v, do = p.inputs(0)
+    assert q.shape == (p.B, p.T, p.N, p.H) and k.shape == (p.B, p.kv_len, p.K, p.H)
+    got = bench.fwd_bwd(lambda q, k, v, p=p: fr.ring_attention(q, k, v, **p.mask_kwargs()))(q, k, v, do)
+    want = bench.fwd_bwd(lambda q, k, v, p=p: fr.reference_attention(q, k, v, **p.mask_kwargs()))(q, k, v, do)
+    assert bench.compare(p.describe(), got, want, tol=1e-4, metric="rel_max").ok

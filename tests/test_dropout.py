@@ -1,4 +1,8 @@
-"""Attention dropout: one keep mask per (key, global batch, head, q position, kv position)."""
+"""Attention dropout: one keep mask per (key, global batch, head, q position, kv position).
+
+The matrices draw the registry's dropout axis (`DROPOUT` in tests/cases.py: per head or broadcast over heads) on
+its causal GQA packed-document cases, through `assert_dropout_matches_reference`.
+"""
 
 from __future__ import annotations
 
@@ -6,68 +10,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import DROPOUT, assert_dropout_matches_reference, dropout, make_case
 from conftest import make_mesh
 from flax import nnx
 
 import flax_ringattn as fr
 from flax_ringattn._src.testing.interpret import interpret_params, no_races
-from flax_ringattn.testing import assert_matches_reference
-
-RATE = 0.25
 
 
-def assert_dropout_matches_reference(
-  mesh, axis_name, n, *, B, T, N, K, H, doc_len, seed=0, key=9, broadcast=False, cap=None, load_balance=True, **opts
-):
-  """Causal GQA attention over two packed documents with dropout, through `ring_attention(**opts)` on `mesh`
-  (zigzag over the n sequence shards with `load_balance`): forward and q/k/v gradients against the reference
-  with the same dropout key."""
-  ks = jax.random.split(jax.random.key(seed), 3)
-  q = jax.random.normal(ks[0], (B, T, N, H))
-  k, v = (jax.random.normal(x, (B, T, K, H)) for x in ks[1:])
-  seg = jnp.concatenate([jnp.zeros((B, doc_len), jnp.int32), jnp.ones((B, T - doc_len), jnp.int32)], axis=1)
-  kw = dict(dropout_rate=RATE, dropout_rng=jax.random.key(key), broadcast_dropout=broadcast, logits_soft_cap=cap)
-  ref_kw = {}
-  if load_balance:
-    q, k, v, seg = (fr.zigzag_order(x, n, axis=1) for x in (q, k, v, seg))
-    pos = fr.zigzag_positions(T, n)
-    ref_kw = dict(q_positions=pos, kv_positions=pos)
-
-  def attn(q, k, v):
-    return fr.ring_attention(
-      q,
-      k,
-      v,
-      mesh=mesh,
-      axis_name=axis_name,
-      is_causal=True,
-      segment_ids=seg,
-      load_balance=load_balance,
-      **opts,
-      **kw,
-    )
-
-  assert_matches_reference(jax.jit(attn), q, k, v, is_causal=True, segment_ids=seg, **ref_kw, **kw)
-
-
-@pytest.mark.parametrize("broadcast", [False, True], ids=["per-head", "broadcast"])
-def test_keep_rate_through_the_op_and_the_reference(broadcast):
+@pytest.mark.parametrize("kind", ["per-head", "broadcast"])
+def test_keep_rate_through_the_op_and_the_reference(kind):
   """q = k = 0 makes every probability 1/S and v = 1 sums them: out * (1 - rate) * S counts the kept keys."""
   B, T, N, H = 2, 256, 4, 8
   q = jnp.zeros((B, T, N, H))
   v = jnp.ones((B, T, N, H))
-  key = jax.random.key(3)
-  kw = dict(dropout_rate=RATE, dropout_rng=key, broadcast_dropout=broadcast)
+  rate, broadcast = DROPOUT[kind].rate, DROPOUT[kind].broadcast
+  kw = dict(dropout_rate=rate, dropout_rng=jax.random.key(3), broadcast_dropout=broadcast)
   # One device: that the mask does not depend on the ring is the next test's subject.
   ring = jax.jit(lambda q, v: fr.ring_attention(q, q, v, implementation="xla", **kw))(q, v)
   ref = fr.reference_attention(q, q, v, **kw)
-  kept = np.asarray(ring[..., 0]) * (1 - RATE) * T  # [B, T, N]
+  kept = np.asarray(ring[..., 0]) * (1 - rate) * T  # [B, T, N]
   np.testing.assert_allclose(kept, np.round(kept), atol=1e-3)  # whole numbers of kept keys
-  np.testing.assert_allclose(np.asarray(ref[..., 0]) * (1 - RATE) * T, kept, atol=1e-3)
+  np.testing.assert_allclose(np.asarray(ref[..., 0]) * (1 - rate) * T, kept, atol=1e-3)
   # 2 * 4 * 256 * 256 draws (or 256 * 256 with broadcast): within 5 sigma of the keep probability.
   draws = T * T * (1 if broadcast else B * N)
-  sigma = np.sqrt(RATE * (1 - RATE) / draws)
-  assert abs(kept.sum() / (B * N * T * T) - (1 - RATE)) < 5 * sigma
+  sigma = np.sqrt(rate * (1 - rate) / draws)
+  assert abs(kept.sum() / (B * N * T * T) - (1 - rate)) < 5 * sigma
   same_across_heads = np.array_equal(kept[..., 0], kept[..., 1]) and np.array_equal(kept[0], kept[1])
   assert same_across_heads == broadcast
 
@@ -84,17 +52,15 @@ def test_forward_and_backward_use_the_same_mask_as_the_reference(mesh_shape, nam
   """Ring size, zigzag layout and batch/head sharding do not change the mask; grads regenerate it."""
   mesh = make_mesh(mesh_shape, names)
   n = dict(zip(names, mesh_shape, strict=True))["sp"]
+  case = make_case(
+    "docs", "segments", "gqa", N=4, group=2, B=2, T=128, load_balance=load_balance, dropout=dropout("per-head", 9)
+  )
   assert_dropout_matches_reference(
     mesh,
     "sp",
     n,
-    B=2,
-    T=128,
-    N=4,
-    K=2,
-    H=16,
+    case,
     doc_len=40,
-    load_balance=load_balance,
     implementation="xla",
     block_sizes=fr.BlockSizes(block_q=8, block_kv=8),
     **axes,
@@ -103,33 +69,38 @@ def test_forward_and_backward_use_the_same_mask_as_the_reference(mesh_shape, nam
 
 @pytest.mark.interpret
 @pytest.mark.parametrize(
-  "implementation,ring,broadcast,cap",
+  "implementation,ring,kind,cap",
   [
-    ("pallas_tpu", 2, False, None),
-    ("pallas_tpu", 1, True, 30.0),
-    ("pallas_tpu_ring", 2, False, None),
+    ("pallas_tpu", 2, "per-head", None),
+    ("pallas_tpu", 1, "broadcast", 30.0),
+    ("pallas_tpu_ring", 2, "per-head", None),
   ],
   ids=["block-ring2-per-head", "block-ring1-broadcast-cap", "kernel-ring2-per-head"],
 )
-def test_pallas_tpu_kernels_hash_the_same_mask(implementation, ring, broadcast, cap):
+def test_pallas_tpu_kernels_hash_the_same_mask(implementation, ring, kind, cap):
   """The TPU kernels hash each tile's keep mask from the global indices (interpret mode, race detector on):
   forward and q/k/v gradients equal the reference's with the same key, on zigzag GQA segments.  Several q tiles
   per shard, so a mask tied to the tile would differ."""
+  case = make_case(
+    "docs",
+    "segments",
+    "gqa",
+    N=4,
+    group=2,
+    B=1,
+    T=128 * ring,
+    load_balance=True,
+    soft_cap=cap,
+    dropout=dropout(kind, 5),
+  )
   with no_races():
     assert_dropout_matches_reference(
       make_mesh((ring,), ("sp",)),
       "sp",
       ring,
-      B=1,
-      T=128 * ring,
-      N=4,
-      K=2,
-      H=16,
+      case,
       doc_len=40,
       seed=1,
-      key=5,
-      broadcast=broadcast,
-      cap=cap,
       implementation=implementation,
       interpret=interpret_params(),
       block_sizes=fr.BlockSizes(block_q=16, block_kv=128),
@@ -174,8 +145,8 @@ def test_dropout_errors(kwargs, error, match):
 def test_block_backends_refuse_a_rate_without_the_operand(implementation):
   """Block contract: dropout_rate > 0 without dropout= is an error in every backend, never dropout skipped."""
   from flax_ringattn._src import masks
-  from flax_ringattn._src.backends import get_backend
   from flax_ringattn._src.backends.base import AttentionSpec
+  from flax_ringattn._src.ring.implementations import get_backend
 
   spec = AttentionSpec(mask=masks.MaskSpec(is_causal=True), scale=0.25, dropout_rate=0.1)
   q = k = v = jnp.zeros((1, 128, 1, 16))
@@ -204,18 +175,14 @@ def test_every_strategy_drops_the_same_probabilities(strategy, mesh_shape, names
   gathered K/V: forward and gradients equal the reference's with the same key, zigzag, GQA and segments."""
   sizes = dict(zip(names, mesh_shape, strict=True))
   n = int(np.prod([sizes[a] for a in (axis_name if isinstance(axis_name, tuple) else (axis_name,))]))
+  case = make_case("docs", "segments", "gqa", N=8, B=1, T=64, H=8, load_balance=True, dropout=dropout("per-head", 4))
   assert_dropout_matches_reference(
     make_mesh(mesh_shape, names),
     axis_name,
     n,
-    B=1,
-    T=64,
-    N=8,
-    K=2,
-    H=8,
+    case,
     doc_len=20,
     seed=2,
-    key=4,
     head_axis=head_axis,
     strategy=strategy,
     implementation="xla",

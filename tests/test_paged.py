@@ -1,275 +1,60 @@
 """`paged_attention` against `paged_reference_attention` on random ragged batches.
 
-Every batch is built by `make_batch`: random q_lens / kv_lens per sequence, the
-pages of each live sequence drawn without repetition from a shuffled pool (the
-unused slots of a page-table row hold random page ids), padding rows at the end
-of q, and often fewer live sequences than max_num_seqs.  Shapes are shared by
-most tests so the jitted op and reference compile once per configuration.
+Batches, batch mixes, the jitted entry points and the feature cases come from
+tests/paged_cases.py (built on the registry of tests/cases.py): random q_lens /
+kv_lens per sequence, pages drawn from a shuffled pool, padding rows, often
+fewer live sequences than max_num_seqs.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import kv_heads, pick
 from conftest import make_mesh
+from flax import nnx
 from jax.experimental import checkify
 from jax.sharding import NamedSharding, PartitionSpec
-from paged_oracle import paged_oracle
+from paged_cases import (
+  BF16,
+  CAP,
+  F32,
+  FEATURE_KEYWORDS,
+  PS,
+  SCENARIOS,
+  SMALL,
+  WINDOW_CAP,
+  Batch,
+  K,
+  N,
+  P,
+  S,
+  features,
+  make_batch,
+  numpy_oracle,
+  op_fn,
+  op_vjp,
+  poison,
+  random_seq,
+  ref_fn,
+  ref_vjp,
+  scenario,
+)
 from tolerances import assert_close
 
 import flax_ringattn as fr
-
-# Shared geometry: P pages of PS tokens, K kv heads (GQA 8:2), S slots of PPS pages, T rows.
-P, PS, K, N, H = 40, 4, 2, 8, 16
-S, PPS, T = 6, 6, 32
-CAP = PPS * PS
-SMALL = fr.BlockSizes(block_q=4, block_kv=8)  # several chunks per prefill, 3 kv blocks per sequence
-F32, BF16 = jnp.float32, jnp.bfloat16
-
-_STATIC = ("sliding_window", "logits_soft_cap", "scale", "block_sizes", "implementation")
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def op_fn(
-  q,
-  kp,
-  vp,
-  kv_lens,
-  pi,
-  cu,
-  ns,
-  k_scale=None,
-  v_scale=None,
-  sliding_window=None,
-  logits_soft_cap=None,
-  scale=None,
-  block_sizes=SMALL,
-  implementation=None,
-):
-  return fr.paged_attention(
-    q,
-    kp,
-    vp,
-    kv_lens,
-    pi,
-    cu,
-    ns,
-    k_scale=k_scale,
-    v_scale=v_scale,
-    sliding_window=sliding_window,
-    logits_soft_cap=logits_soft_cap,
-    scale=scale,
-    block_sizes=block_sizes,
-    implementation=implementation,
-  )
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC[:3])
-def ref_fn(
-  q, kp, vp, kv_lens, pi, cu, ns, k_scale=None, v_scale=None, sliding_window=None, logits_soft_cap=None, scale=None
-):
-  return fr.paged_reference_attention(
-    q,
-    kp,
-    vp,
-    kv_lens,
-    pi,
-    cu,
-    ns,
-    k_scale=k_scale,
-    v_scale=v_scale,
-    sliding_window=sliding_window,
-    logits_soft_cap=logits_soft_cap,
-    scale=scale,
-  )
-
-
-def _vjp(f, args, do, kw):
-  out, pullback = jax.vjp(lambda q, kp, vp: f(q, kp, vp, *args[3:], **kw), *args[:3])
-  return out, pullback(do)
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def op_vjp(
-  args,
-  do,
-  k_scale=None,
-  v_scale=None,
-  sliding_window=None,
-  logits_soft_cap=None,
-  scale=None,
-  block_sizes=SMALL,
-  implementation=None,
-):
-  kw = dict(k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
-  kw.update(scale=scale, block_sizes=block_sizes, implementation=implementation)
-  return _vjp(fr.paged_attention, args, do, kw)
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC[:3])
-def ref_vjp(args, do, k_scale=None, v_scale=None, sliding_window=None, logits_soft_cap=None, scale=None):
-  kw = dict(k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
-  return _vjp(fr.paged_reference_attention, args, do, dict(kw, scale=scale))
-
-
-# -- batches ----------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Batch:
-  q: jax.Array
-  k_pages: jax.Array
-  v_pages: jax.Array
-  kv_lens: jax.Array
-  page_indices: jax.Array
-  cu_q_lens: jax.Array
-  num_seqs: jax.Array
-  seqs: list  # (q_len, kv_len) of the live sequences
-  k_scale: jax.Array | None = None
-  v_scale: jax.Array | None = None
-
-  @property
-  def args(self):
-    return (self.q, self.k_pages, self.v_pages, self.kv_lens, self.page_indices, self.cu_q_lens, self.num_seqs)
-
-  @property
-  def scales(self):
-    return dict(k_scale=self.k_scale, v_scale=self.v_scale)
-
-  @property
-  def total(self):
-    return sum(ql for ql, _ in self.seqs)
-
-  def read_mask(self):
-    """[P, page_size] bool: the page slots some live sequence reads."""
-    num_pages, ps = self.k_pages.shape[:2]
-    table = np.asarray(self.page_indices)
-    mask = np.zeros((num_pages, ps), bool)
-    for i, (_, kv) in enumerate(self.seqs):
-      for t in range(kv):
-        p = table[i, t // ps]
-        if 0 <= p < num_pages:
-          mask[p, t % ps] = True
-    return mask
-
-  def replace(self, **kw):
-    return dataclasses.replace(self, **kw)
-
-
-def make_batch(
-  rng,
-  seqs,
-  *,
-  max_num_seqs=S,
-  pages_per_seq=PPS,
-  num_pages=P,
-  page_size=PS,
-  num_tokens=T,
-  num_kv_heads=K,
-  num_heads=N,
-  head_dim=H,
-  dtype=F32,
-  page_dtype=None,
-  scale_shape=None,
-  share_prefix=False,
-  exclude_pages=(),
-):
-  """A ragged batch whose live sequences are `seqs` = [(q_len, kv_len), ...]."""
-  n = len(seqs)
-  assert n <= max_num_seqs and sum(q for q, _ in seqs) <= num_tokens
-  assert all(0 <= q <= kv <= pages_per_seq * page_size for q, kv in seqs)
-  pool = [int(p) for p in rng.permutation(num_pages) if p not in exclude_pages]
-  # Unused entries (past a sequence's pages, rows of dead slots) are random ids.
-  table = rng.integers(0, num_pages, size=(max_num_seqs, pages_per_seq))
-  for i, (_, kv) in enumerate(seqs):
-    used = -(-kv // page_size)
-    table[i, :used] = pool[:used]
-    del pool[:used]
-  if share_prefix and n >= 2:
-    shared = min(-(-seqs[0][1] // page_size), -(-seqs[1][1] // page_size)) - 1
-    table[1, :shared] = table[0, :shared]
-  kv_lens = rng.integers(0, pages_per_seq * page_size + 1, size=max_num_seqs)  # garbage for dead slots
-  kv_lens[:n] = [kv for _, kv in seqs]
-  cu = np.zeros(max_num_seqs + 1, np.int64)
-  cu[1 : n + 1] = np.cumsum([q for q, _ in seqs])
-  cu[n + 1 :] = cu[n]
-  shape = (num_pages, page_size, num_kv_heads, head_dim)
-  page_dtype = dtype if page_dtype is None else page_dtype
-  if jnp.dtype(page_dtype) == jnp.int8:
-    pages = [jnp.asarray(rng.integers(-127, 128, size=shape), jnp.int8) for _ in range(2)]
-  elif jnp.issubdtype(page_dtype, jnp.floating) and jnp.dtype(page_dtype).itemsize == 1:
-    pages = [jnp.asarray(rng.normal(size=shape) * 40, F32).astype(page_dtype) for _ in range(2)]
-  else:
-    pages = [jnp.asarray(rng.normal(size=shape), page_dtype) for _ in range(2)]
-  scales = [None, None]
-  if scale_shape is not None:  # one name for both, or a (k, v) pair of names
-    full = {"scalar": (), "page": (num_pages, num_kv_heads), "token": (num_pages, page_size, num_kv_heads)}
-    names = (scale_shape, scale_shape) if isinstance(scale_shape, str) else scale_shape
-    scales = [jnp.asarray(rng.uniform(0.005, 0.03, size=full[name]), F32) for name in names]
-  return Batch(
-    q=jnp.asarray(rng.normal(size=(num_tokens, num_heads, head_dim)), dtype),  # padding rows too
-    k_pages=pages[0],
-    v_pages=pages[1],
-    kv_lens=jnp.asarray(kv_lens, jnp.int32),
-    page_indices=jnp.asarray(table, jnp.int32),
-    cu_q_lens=jnp.asarray(cu, jnp.int32),
-    num_seqs=jnp.asarray([n], jnp.int32),
-    seqs=list(seqs),
-    k_scale=scales[0],
-    v_scale=scales[1],
-  )
-
-
-def _random_seq(rng, kind, cap=CAP):
-  if kind == "decode":
-    return 1, int(rng.integers(1, cap + 1))
-  if kind == "prefill":
-    q = int(rng.integers(1, 6))
-    return q, q
-  if kind == "chunked":  # q_len < kv_len: a chunk of a prefill after a cached history
-    q = int(rng.integers(2, 6))
-    return q, int(rng.integers(q + 1, cap + 1))
-  raise ValueError(kind)
-
-
-def scenario(name, rng):
-  """(q_len, kv_len) of the live sequences of a named batch mix."""
-  if name == "decode":
-    return [_random_seq(rng, "decode") for _ in range(S)]
-  if name == "prefill":  # long prompts: several q chunks and kv blocks each
-    return [(q, q) for q in rng.integers(3, 11, size=3).tolist()]
-  if name == "chunked":
-    return [_random_seq(rng, "chunked") for _ in range(S)]
-  if name == "mixed":
-    return [_random_seq(rng, kind) for kind in rng.choice(["decode", "prefill", "chunked"], size=S)]
-  if name == "edge":
-    # q_len 0 with a history; an empty sequence; q_len 1 = kv_len 1; exactly full
-    # pages; a partial last page; a sequence filling all its pages.
-    return [(0, 7), (0, 0), (1, 1), (4, 8), (3, 10), (6, CAP)]
-  if name == "few":  # num_seqs < max_num_seqs
-    return [_random_seq(rng, kind) for kind in rng.choice(["decode", "prefill", "chunked"], size=2)]
-  if name == "none":  # num_seqs = 0: all rows are padding
-    return []
-  raise ValueError(name)
-
-
-SCENARIOS = ["decode", "prefill", "chunked", "mixed", "edge", "few", "none"]
-
-
-def numpy_oracle(b: Batch, **kw):
-  """The independent float64 oracle's output (`paged_oracle.py`; gradients: test_paged_oracle.py)."""
-  return paged_oracle(*b.args, k_scale=b.k_scale, v_scale=b.v_scale, **kw)[0]
+from flax_ringattn._src import validation
 
 
 def _check_fwd(b: Batch, dtype=F32, **kw):
   out = op_fn(*b.args, **b.scales, **kw)
-  expected = ref_fn(*b.args, **b.scales, **{k: v for k, v in kw.items() if k in _STATIC[:3]})
+  expected = ref_fn(*b.args, **b.scales, **{k: v for k, v in kw.items() if k in FEATURE_KEYWORDS})
   assert out.shape == b.q.shape and out.dtype == b.q.dtype
   assert_close(out, expected, dtype)
   # Padding rows (past cu_q_lens[num_seqs]) are exactly 0.
@@ -298,7 +83,7 @@ def test_shared_prefix_pages():
 def test_reference_matches_numpy_oracle():
   rng = np.random.default_rng(11)
   b = make_batch(rng, scenario("mixed", rng))
-  for kw in ({}, dict(sliding_window=5, logits_soft_cap=3.0, scale=0.5)):
+  for kw in ({}, features(WINDOW_CAP)):
     np.testing.assert_allclose(np.asarray(ref_fn(*b.args, **kw)), numpy_oracle(b, **kw), atol=1e-5, rtol=1e-5)
 
 
@@ -320,24 +105,86 @@ def test_block_kv_smaller_than_page():
   _check_fwd(make_batch(rng, scenario("chunked", rng)), block_sizes=fr.BlockSizes(block_q=3, block_kv=2))
 
 
-@pytest.mark.parametrize("num_kv_heads", [1, 8], ids=["mqa_8to1", "mha_8to8"])
-def test_kv_head_groups(num_kv_heads):
+@pytest.mark.parametrize("layout", ["mqa", "mha"], ids=["mqa_8to1", "mha_8to8"])
+def test_kv_head_groups(layout):
+  num_kv_heads = kv_heads(layout, N)  # the registry's head layouts at N = 8 q heads (GQA 8:2 runs everywhere)
   rng = np.random.default_rng(num_kv_heads)
   _check_fwd(make_batch(rng, scenario("mixed", rng), num_kv_heads=num_kv_heads))
 
 
-@pytest.mark.parametrize("window", [1, 5])
+# A window of w tokens (the token and the w - 1 before it), i.e. local_window_size=(w - 1, 0); ids are w.
+@pytest.mark.parametrize("window", [(0, 0), (4, 0)], ids=["1", "5"])
 def test_sliding_window(window):
-  rng = np.random.default_rng(window)
+  rng = np.random.default_rng(window[0] + 1)
   for name in ("mixed", "edge"):
-    _check_fwd(make_batch(rng, scenario(name, rng)), sliding_window=window)
+    _check_fwd(make_batch(rng, scenario(name, rng)), local_window_size=window)
 
 
 def test_logits_soft_cap():
   rng = np.random.default_rng(8)
   b = make_batch(rng, scenario("mixed", rng))
-  _check_fwd(b, logits_soft_cap=2.0, scale=1.0)  # large logits: the cap matters
-  _check_fwd(b, logits_soft_cap=5.0, sliding_window=6)
+  _check_fwd(b, **features(pick("soft_cap")[0]))  # cap 2 at scale 1: large logits, the cap matters
+  _check_fwd(b, logits_soft_cap=5.0, local_window_size=(5, 0))
+
+
+# -- the window's deprecated spelling ---------------------------------------------------------------------------
+
+_ALIAS_KEY = ("paged", "sliding_window")  # validation.warn_once's key: the warning is once per process
+_ALIAS_MESSAGE = r"sliding_window=5 is deprecated: pass local_window_size=\(4, 0\)"
+
+
+def _alias_warnings(record):
+  return [w for w in record if issubclass(w.category, DeprecationWarning) and "sliding_window=" in str(w.message)]
+
+
+def test_sliding_window_alias_warns_once_and_equals_local_window_size():
+  """The deprecated `sliding_window=w` is exactly local_window_size=(w - 1, 0): one DeprecationWarning per process
+  (its key is discarded first: another test may have spent it), and bit-identical results from `paged_attention`,
+  `paged_reference_attention` and `PagedMultiHeadAttention`."""
+  w = 5
+  rng = np.random.default_rng(14)
+  b = make_batch(rng, scenario("mixed", rng))
+  ops = {
+    "paged_attention": functools.partial(fr.paged_attention, block_sizes=SMALL, implementation="xla"),
+    "paged_reference_attention": fr.paged_reference_attention,
+  }
+  for name, op in ops.items():
+    validation._warned.discard(_ALIAS_KEY)
+    with pytest.warns(DeprecationWarning, match=_ALIAS_MESSAGE) as record:
+      alias = jax.jit(functools.partial(op, sliding_window=w))(*b.args)
+      jax.eval_shape(functools.partial(op, sliding_window=w), *b.args)  # traced anew: no second warning
+    assert len(_alias_warnings(record)) == 1, (name, [str(r.message) for r in record])
+    window = jax.jit(functools.partial(op, local_window_size=(w - 1, 0)))(*b.args)
+    np.testing.assert_array_equal(np.asarray(alias), np.asarray(window), err_msg=name)
+
+  kw = dict(num_kv_heads=2, implementation="xla", block_sizes=SMALL)
+  validation._warned.discard(_ALIAS_KEY)
+  with pytest.warns(DeprecationWarning, match=_ALIAS_MESSAGE) as record:
+    alias = fr.PagedMultiHeadAttention(8, 16, 64, sliding_window=w, rngs=nnx.Rngs(0), **kw)
+  assert len(_alias_warnings(record)) == 1
+  window = fr.PagedMultiHeadAttention(8, 16, 64, local_window_size=(w - 1, 0), rngs=nnx.Rngs(0), **kw)
+  assert alias.local_window_size == window.local_window_size == (w - 1, 0)
+  step = nnx.jit(lambda layer, x, cu, n: layer(x, cu_q_lens=cu, num_seqs=n))
+  x = jnp.asarray(rng.normal(size=(16, 16)), F32)
+  cu, n = jnp.asarray([0, 9, 12, 12, 12], jnp.int32), jnp.asarray([2], jnp.int32)  # prefills of 9 and 3 tokens
+  ys = []
+  for layer in (alias, window):
+    layer.init_cache(num_pages=24, page_size=4, max_num_seqs=4, pages_per_seq=4)
+    ys.append(np.asarray(step(layer, x, cu, n)))
+  np.testing.assert_array_equal(ys[0], ys[1])
+
+
+def test_local_window_size_and_sliding_window_together_raise():
+  """Both spellings at once are an error (before any deprecation warning), in the op, the reference and the layer."""
+  both = dict(local_window_size=(4, 0), sliding_window=5)
+  match = r"pass local_window_size=\(4, 0\) or the deprecated sliding_window=5, not both"
+  for op in (fr.paged_attention, fr.paged_reference_attention):
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", DeprecationWarning)
+      with pytest.raises(ValueError, match=match):
+        _call(op, **both)
+  with pytest.raises(ValueError, match=match):
+    fr.PagedMultiHeadAttention(8, 16, 64, num_kv_heads=2, rngs=nnx.Rngs(0), **both)
 
 
 SCALE_SHAPES = {"scalar": (), "page": (P, K), "token": (P, PS, K)}
@@ -405,7 +252,7 @@ def _check_grads(b: Batch, dtype=F32, **kw):
   rng = np.random.default_rng(100)
   do = jnp.asarray(rng.normal(size=b.q.shape), dtype)
   out, grads = op_vjp(b.args, do, **b.scales, **kw)
-  ref_out, ref_grads = ref_vjp(b.args, do, **b.scales, **{k: v for k, v in kw.items() if k in _STATIC[:3]})
+  ref_out, ref_grads = ref_vjp(b.args, do, **b.scales, **{k: v for k, v in kw.items() if k in FEATURE_KEYWORDS})
   assert_close(out, ref_out, dtype)
   for g, x in zip(grads, b.args[:3], strict=True):
     assert g.shape == x.shape and g.dtype == x.dtype
@@ -427,7 +274,7 @@ def test_grads_shared_pages_accumulate():
 
 def test_grads_window_soft_cap_gqa():
   rng = np.random.default_rng(23)
-  _check_grads(make_batch(rng, scenario("mixed", rng)), sliding_window=6, logits_soft_cap=3.0, scale=0.5)
+  _check_grads(make_batch(rng, scenario("mixed", rng)), local_window_size=(5, 0), logits_soft_cap=3.0, scale=0.5)
 
 
 def test_grads_mqa():
@@ -449,13 +296,6 @@ def test_grads_scaled_float_pages():
 # -- isolation ------------------------------------------------------------------------
 
 
-def _poison(b: Batch, value):
-  """Fills every page slot no live sequence reads with `value`."""
-  unread = ~b.read_mask()[:, :, None, None]
-  fill = lambda x: jnp.where(unread, jnp.asarray(value, x.dtype), x)
-  return b.replace(k_pages=fill(b.k_pages), v_pages=fill(b.v_pages))
-
-
 @pytest.mark.parametrize("name", ["mixed", "edge"])
 def test_isolation_from_unread_pages(name):
   rng = np.random.default_rng([31, SCENARIOS.index(name)])
@@ -465,7 +305,7 @@ def test_isolation_from_unread_pages(name):
   out, (dq, dk, dv) = op_vjp(b.args, do)
   read = b.read_mask()[:, :, None, None]
   for value in (np.nan, 1e30, -1e30):
-    bad = _poison(b, value)
+    bad = poison(b, value)
     out_bad, (dq_bad, dk_bad, dv_bad) = op_vjp(bad.args, do)
     np.testing.assert_array_equal(np.asarray(out_bad), np.asarray(out))
     np.testing.assert_array_equal(np.asarray(dq_bad), np.asarray(dq))
@@ -502,7 +342,7 @@ def test_out_of_range_page_ids_are_masked(bad_id):
   table[0, 2] = bad_id  # the middle page of a decode
   table[1, 0] = bad_id  # the first page of a chunked prefill
   table[2, 0] = bad_id  # every page of a sequence: its rows see nothing and return 0
-  b = _poison(b.replace(page_indices=jnp.asarray(table, jnp.int32)), np.nan)
+  b = poison(b.replace(page_indices=jnp.asarray(table, jnp.int32)), np.nan)
   do = jnp.asarray(rng.normal(size=b.q.shape), F32)
   out, (dq, dk, dv) = op_vjp(b.args, do)
   np.testing.assert_allclose(np.asarray(out), numpy_oracle(b), atol=1e-5, rtol=1e-5)
@@ -532,7 +372,7 @@ def test_compiles_once_over_changing_batches():
   kinds = ["decode", "prefill", "chunked"]
   for i in range(200):
     n = int(rng.integers(0, S + 1))
-    seqs = [_random_seq(rng, k) for k in rng.choice(kinds, size=n)]
+    seqs = [random_seq(rng, k) for k in rng.choice(kinds, size=n)]
     b = make_batch(rng, seqs)  # new q, kv_lens, page table, cu_q_lens, num_seqs
     k_scale = jnp.asarray(rng.uniform(0.001, 0.1, size=(P, K)), F32)
     args = (b.q, base.k_pages, base.v_pages, *b.args[3:], k_scale, k_scale * 2)
@@ -716,7 +556,21 @@ STATIC_ERRORS = {
   "scale_shape": (dict(k_scale=jnp.ones((6,), F32)), ValueError, r"k_scale must have shape \(\) \(one scale\)"),
   "scale_shape_heads": (dict(v_scale=jnp.ones((6, 3), F32)), ValueError, r"\[P, K\]=\(6, 2\)"),
   "scale_shape_tokens": (dict(k_scale=jnp.ones((6, 2, 2), F32)), ValueError, r"\[P, page_size, K\]=\(6, 4, 2\)"),
-  # paged_common.py: check_sliding_window
+  # validation.py: normalize_window (local_window_size, as in jax.nn and ring_attention)
+  "local_window_float": (
+    dict(local_window_size=2.5),
+    TypeError,
+    r"local_window_size must be an int or a \(left, right\) pair",
+  ),
+  "local_window_triple": (
+    dict(local_window_size=(4, 0, 1)),
+    TypeError,
+    r"local_window_size must be an int or a \(left, right\) pair",
+  ),
+  "local_window_bool": (dict(local_window_size=True), TypeError, r"local_window_size must be an int or a \(left, "),
+  "local_window_negative": (dict(local_window_size=(-1, 0)), ValueError, "local_window_size must be non-negative"),
+  "local_window_negative_int": (dict(local_window_size=-3), ValueError, "local_window_size must be non-negative"),
+  # paged/common.py: the deprecated alias sliding_window (check_sliding_window); both spellings at once: below
   "window_float": (dict(sliding_window=2.5), TypeError, "sliding_window must be an int or None"),
   "window_bool": (dict(sliding_window=True), TypeError, "sliding_window must be an int or None"),
   "window_zero": (dict(sliding_window=0), ValueError, "sliding_window must be >= 1"),
@@ -771,7 +625,7 @@ def test_valid_static_arguments_pass():
   """The baseline of the error cases is itself valid (so each case tests one problem); traced only."""
   valid = [
     {},
-    dict(block_sizes=fr.BlockSizes(block_q=4, block_kv=2), sliding_window=3, implementation="xla"),
+    dict(block_sizes=fr.BlockSizes(block_q=4, block_kv=2), local_window_size=(2, 0), implementation="xla"),
     dict(k_scale=jnp.ones((), F32), v_scale=jnp.ones((6, 4, 2), F32), logits_soft_cap=1.0, scale=1.0, checked=False),
   ]
   for op in (fr.paged_attention, fr.paged_reference_attention):

@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from test_paged import make_batch, ref_fn
+from paged_cases import make_batch, ref_fn
 from tolerances import assert_close
 
 import flax_ringattn as fr
@@ -28,16 +28,35 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_paged_floors_import_downward_only():
-  helpers = [SRC / "paged_common.py", SRC / "paged_metadata.py"]
+  """The paged folder's floor (input checks and dequantisation, the ragged-batch schedule) sits below the op and
+  the backends: the backends import it and nothing else of the folder; it imports neither backends nor layers."""
+  floor = {"flax_ringattn._src.paged.common", "flax_ringattn._src.paged.metadata"}
+  # `from flax_ringattn._src.paged import metadata` names the package too: it runs its __init__, which is empty.
+  assert not _imports(SRC / "paged" / "__init__.py")
+  floor.add("flax_ringattn._src.paged")
+  helpers = [SRC / "paged" / "common.py", SRC / "paged" / "metadata.py"]
   backends = sorted((SRC / "backends").rglob("*.py"))
   for path in helpers + backends:
-    up = {m for m in _imports(path) if m.startswith("flax_ringattn._src.paged.") or m == "flax_ringattn._src.paged"}
-    assert not up, f"{path.relative_to(SRC)} imports the op's floor: {sorted(up)}"
+    up = {
+      m
+      for m in _imports(path)
+      if (m.startswith("flax_ringattn._src.paged.") or m == "flax_ringattn._src.paged") and m not in floor
+    }
+    assert not up, f"{path.relative_to(SRC)} imports the paged op above its floor: {sorted(up)}"
   for path in helpers:
     up = {m for m in _imports(path) if m.startswith(("flax_ringattn._src.backends", "flax_ringattn._src.nnx"))}
     assert not up, f"{path.relative_to(SRC)} imports a floor above it: {sorted(up)}"
-  # The op's folder holds only the op, its cache and its oracle.
-  assert sorted(p.name for p in (SRC / "paged").glob("*.py")) == ["cache.py", "op.py", "reference.py"]
+  # The op's folder: its API, registry, checks, cache, oracle and floor.
+  assert sorted(p.name for p in (SRC / "paged").glob("*.py")) == [
+    "__init__.py",
+    "cache.py",
+    "checks.py",
+    "common.py",
+    "implementations.py",
+    "metadata.py",
+    "op.py",
+    "reference.py",
+  ]
 
 
 def test_python_float_scales_match_array_scales():

@@ -13,12 +13,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from paged_cases import (
+  BF16,
+  F32,
+  SCENARIOS,
+  SMALL,
+  WINDOW_CAP,
+  Batch,
+  features,
+  make_batch,
+  op_fn,
+  op_vjp,
+  ref_fn,
+  scenario,
+)
 from paged_oracle import paged_oracle
-from test_paged import BF16, F32, SCENARIOS, SMALL, Batch, make_batch, op_fn, op_vjp, ref_fn, scenario
 from tolerances import assert_close
 
 import flax_ringattn as fr
-from flax_ringattn._src import paged_common
+from flax_ringattn._src.paged import common as paged_common
 
 
 def oracle(b: Batch, do=None, **kw):
@@ -66,6 +79,13 @@ def test_oracle_on_a_hand_computed_batch():
   w = np.exp([0.0, 4.0, 2.0]) / np.exp([0.0, 4.0, 2.0]).sum()
   np.testing.assert_allclose(out[1, 0, 0], w @ [1.0, 3.0, 5.0])
   np.testing.assert_array_equal(out[2:], 0.0)  # padding rows
+  # local_window_size=(1, 0) (jax.nn's meaning: the token and 1 before it): row 1 sees keys 1, 2 only (logits 4, 2);
+  # row 0 sees keys 0, 1 as before.  An int 1 is (1, 1): the same under the causal mask.
+  for window in ((1, 0), 1):
+    out_w, _ = paged_oracle(*args, k_scale=k_scale, local_window_size=window)
+    w = np.exp([4.0, 2.0]) / np.exp([4.0, 2.0]).sum()
+    np.testing.assert_allclose(out_w[1, 0, 0], w @ [3.0, 5.0])
+    np.testing.assert_allclose(out_w[0, 0, 0], out[0, 0, 0])
 
 
 @pytest.mark.parametrize("shape", ["scalar", "page", "token"])
@@ -102,7 +122,7 @@ def test_scenario_matches_oracle(name):
 def test_window_soft_cap_match_oracle(name):
   rng = np.random.default_rng([62, SCENARIOS.index(name)])
   b = make_batch(rng, scenario(name, rng))
-  check_against_oracle(b, sliding_window=5, logits_soft_cap=3.0, scale=0.5)
+  check_against_oracle(b, **features(WINDOW_CAP))
 
 
 def test_mqa_shared_prefix_bf16_match_oracle():
@@ -133,7 +153,7 @@ def test_quantized_pages_match_oracle(page_dtype, scales):
   rng = np.random.default_rng([64, len(scales[0]), len(scales[1])])
   b = make_batch(rng, scenario("mixed", rng), page_dtype=jnp.dtype(page_dtype), scale_shape=scales)
   # Half the cases with window and soft cap (each extra configuration is another compile).
-  extra = dict(sliding_window=6, logits_soft_cap=4.0) if QUANTIZED.index((page_dtype, scales)) % 2 else {}
+  extra = dict(local_window_size=(5, 0), logits_soft_cap=4.0) if QUANTIZED.index((page_dtype, scales)) % 2 else {}
   check_against_oracle(b, page_grads=False, **extra)
 
 

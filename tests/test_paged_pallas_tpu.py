@@ -1,7 +1,8 @@
-"""The Pallas TPU ragged paged attention kernel (`_src/backends/pallas_tpu/paged.py`) in TPU interpret mode.
+"""The Pallas TPU ragged paged attention kernel (`_src/backends/pallas_tpu/paged/`) in TPU interpret mode.
 
-Batches come from tests/test_paged.py (`make_batch`, `scenario`) in a geometry
-the kernel tiles (page_size 8 for float32, 16 for bfloat16).  Each jitted
+Batches come from tests/paged_cases.py (`make_batch`, `scenario`, the feature
+cases of the registry) in a geometry the kernel tiles (page_size 8 for float32,
+16 for bfloat16).  Each jitted
 function is compiled once per static configuration and then fed many batches
 (interpret-mode compiles dominate the cost).  Every interpret-mode call runs
 with the race detector and asserts that it found nothing.
@@ -18,14 +19,17 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax import export
-from test_paged import SCENARIOS, make_batch, numpy_oracle, scenario
+from paged_cases import SCENARIOS, WINDOW_CAP, features, make_batch, numpy_oracle, poison, scenario
 from tolerances import assert_close
 
 import flax_ringattn as fr
-from flax_ringattn._src import paged_common
-from flax_ringattn._src.backends.pallas_tpu import common, planner
+from flax_ringattn._src import validation
+from flax_ringattn._src.backends.pallas_tpu import common
 from flax_ringattn._src.backends.pallas_tpu import paged as pallas_paged
+from flax_ringattn._src.backends.pallas_tpu import planners as planner
+from flax_ringattn._src.masks import MaskSpec
 from flax_ringattn._src.nnx import paged_mha
+from flax_ringattn._src.options import AttentionSpec
 from flax_ringattn._src.paged import op as paged_ops
 from flax_ringattn._src.testing.interpret import interpret_params, no_races
 
@@ -36,14 +40,20 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 P, PS, PPS, T, S = 32, 8, 4, 32, 6
 GEOM = dict(num_pages=P, page_size=PS, pages_per_seq=PPS, num_tokens=T, max_num_seqs=S, num_heads=8, head_dim=8)
 BLOCKS = fr.BlockSizes(block_q=8, block_kv=16)
-_STATIC = ("sliding_window", "logits_soft_cap", "scale", "blocks")
+_STATIC = ("local_window_size", "logits_soft_cap", "scale", "blocks")
 
 
 def _op(impl, *args, k_scale=None, v_scale=None, blocks=BLOCKS, **kw):
   if impl == "reference":
     return fr.paged_reference_attention(*args, k_scale=k_scale, v_scale=v_scale, **kw)
   return fr.paged_attention(
-    *args, k_scale=k_scale, v_scale=v_scale, block_sizes=blocks, interpret=interpret_params(), **kw
+    *args,
+    k_scale=k_scale,
+    v_scale=v_scale,
+    block_sizes=blocks,
+    implementation="pallas_tpu",
+    interpret=interpret_params(),
+    **kw,
   )
 
 
@@ -60,19 +70,12 @@ def fwd_fn(args, k_scale=None, v_scale=None, *, impl, **kw):
   return _op(impl, *args, k_scale=k_scale, v_scale=v_scale, **kw)
 
 
-def _poison(b, value=np.nan):
-  """Every page slot no live sequence reads (foreign pages, tails past kv_lens) set to `value`."""
-  unread = ~b.read_mask()[:, :, None, None]
-  fill = lambda x: jnp.where(unread, jnp.asarray(value, x.dtype), x)  # noqa: E731
-  return b.replace(k_pages=fill(b.k_pages), v_pages=fill(b.v_pages))
-
-
 def _check_vjp(b, dtype=F32, **kw):
   """Kernel forward and gradients against the reference; NaN in unread slots changes nothing."""
   rng = np.random.default_rng(100)
   do = jnp.asarray(rng.normal(size=b.q.shape), dtype)
   ref_out, ref_grads = vjp_fn(b.args, do, **b.scales, impl="reference", **kw)
-  poisoned = _poison(b)
+  poisoned = poison(b)
   with no_races():
     out, grads = vjp_fn(poisoned.args, do, **b.scales, impl="pallas_tpu", **kw)
     jax.block_until_ready((out, grads))
@@ -114,17 +117,15 @@ def test_out_of_range_page_ids_are_masked():
   table[0, 1], table[1, 0], table[2, 0] = -1, P, P + 7
   b = b.replace(page_indices=jnp.asarray(table, jnp.int32))
   out, _ = _check_vjp(b)
-  np.testing.assert_allclose(np.asarray(out), numpy_oracle(_poison(b)), atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(out), numpy_oracle(poison(b)), atol=1e-5, rtol=1e-5)
 
 
 @interpret
 def test_window_soft_cap_mqa_shared_prefix():
   rng = np.random.default_rng(74)
   b = make_batch(rng, [(3, 21), (2, 26), (7, 7), (1, 12)], share_prefix=True, num_kv_heads=1, **GEOM)
-  _check_vjp(b, sliding_window=5, logits_soft_cap=3.0, scale=0.5)
-  _check_vjp(
-    make_batch(rng, scenario("mixed", rng), num_kv_heads=1, **GEOM), sliding_window=5, logits_soft_cap=3.0, scale=0.5
-  )
+  _check_vjp(b, **features(WINDOW_CAP))
+  _check_vjp(make_batch(rng, scenario("mixed", rng), num_kv_heads=1, **GEOM), **features(WINDOW_CAP))
 
 
 @interpret
@@ -187,7 +188,14 @@ def _uses_pallas(**kw):
 
 
 def test_backend_choice():
-  assert _uses_pallas(interpret=True)  # interpret implies pallas_tpu
+  # interpret= without implementation= still picks pallas_tpu, deprecated: one DeprecationWarning per process (its
+  # key is discarded first: another test may have spent it).
+  validation._warned.discard(("paged_attention", "interpret"))
+  match = r"paged_attention: interpret=\.\.\. without implementation= picks implementation='pallas_tpu'"
+  with pytest.warns(DeprecationWarning, match=match) as record:
+    assert _uses_pallas(interpret=True)
+    assert _uses_pallas(interpret=True)
+  assert len([r for r in record if "without implementation=" in str(r.message)]) == 1
   assert _uses_pallas(implementation="pallas_tpu", interpret=interpret_params())
   assert not _uses_pallas()  # None off TPU: XLA
   assert not _uses_pallas(implementation="xla")
@@ -219,19 +227,21 @@ def test_interpret_with_xla_is_an_error():
   with pytest.raises(ValueError, match="interpret=... applies to implementation='pallas_tpu' only"):
     fr.paged_attention(*_small(), implementation="xla", interpret=True)
   with pytest.raises(TypeError, match="interpret must be a bool, None or"):
-    fr.paged_attention(*_small(), interpret="yes")
+    fr.paged_attention(*_small(), implementation="pallas_tpu", interpret="yes")
 
 
 def test_unsupported_shapes_raise_not_implemented():
   with pytest.raises(NotImplementedError, match="page_size to be a multiple of 8 for float32"):
-    fr.paged_attention(*_small(page_size=4), interpret=True)
+    fr.paged_attention(*_small(page_size=4), implementation="pallas_tpu", interpret=True)
   with pytest.raises(NotImplementedError, match="page_size to be a multiple of 16 for bfloat16"):
-    fr.paged_attention(*_small(page_size=8, dtype=BF16), interpret=True)
+    fr.paged_attention(*_small(page_size=8, dtype=BF16), implementation="pallas_tpu", interpret=True)
   q = jnp.zeros((20, 4, 8), F32)  # 20 rows: no 8-aligned q block <= 16 divides them
   with pytest.raises(NotImplementedError, match="no block_q tile <= 16 divides"):
-    fr.paged_attention(q, *_small()[1:], interpret=True, block_sizes=fr.BlockSizes(block_q=16, block_kv=8))
+    fr.paged_attention(
+      q, *_small()[1:], implementation="pallas_tpu", interpret=True, block_sizes=fr.BlockSizes(block_q=16, block_kv=8)
+    )
   # The planner takes the whole axis instead (a block equal to the array is always legal).
-  assert _traces_pallas(q, *_small()[1:], interpret=True)
+  assert _traces_pallas(q, *_small()[1:], implementation="pallas_tpu", interpret=True)
 
 
 # -- Mosaic lowering ------------------------------------------------------------------------
@@ -240,7 +250,7 @@ def test_unsupported_shapes_raise_not_implemented():
 @pytest.mark.parametrize(
   "dtype, page_dtype, scales, kw",
   [
-    (F32, F32, None, dict(sliding_window=5, logits_soft_cap=3.0)),
+    (F32, F32, None, dict(window=(4, 0), logits_soft_cap=3.0)),
     (BF16, "int8", ("token", "page"), {}),
     (BF16, "float8_e4m3fn", ("scalar", "scalar"), {}),
   ],
@@ -252,21 +262,24 @@ def test_lowers_for_tpu(dtype, page_dtype, scales, kw):
   b = make_batch(
     rng, [(1, 9)], num_kv_heads=2, dtype=dtype, page_dtype=jnp.dtype(page_dtype), scale_shape=scales, **geom
   )
-  spec = paged_common.PagedSpec(scale=0.3, block_q=16, pages_per_block=2, **kw)
+  window = kw.pop("window", None)
+  spec = AttentionSpec(
+    mask=MaskSpec(is_causal=True, window=window), scale=0.3, block_sizes=fr.BlockSizes(block_q=16, block_kv=32), **kw
+  )
   args = (*b.args, b.k_scale, b.v_scale)
   fwd = jax.jit(lambda *a: pallas_paged.paged_fwd(*a, spec=spec, interpret=None))
   text = export.export(fwd, platforms=("tpu",))(*args).mlir_module()
   out = jax.ShapeDtypeStruct(b.q.shape, dtype)
   lse = jax.ShapeDtypeStruct(b.q.shape[:2], F32)
   bwd = jax.jit(lambda *a: pallas_paged.paged_bwd(*a, spec=spec, interpret=None))
-  text += export.export(bwd, platforms=("tpu",))(*args, out, lse, out).mlir_module()
+  text += export.export(bwd, platforms=("tpu",))(*args, lse, out, lse).mlir_module()  # lse, do, delta
   assert text.count("tpu_custom_call") >= 2
 
 
 def test_fused_write_lowers_for_tpu():
   sds = jax.ShapeDtypeStruct
   Tq, N, K, H, P_, ps = 64, 16, 4, 128, 64, 16
-  spec = paged_common.PagedSpec(scale=0.1, block_q=32, pages_per_block=4)
+  spec = AttentionSpec(mask=MaskSpec(is_causal=True), scale=0.1, block_sizes=fr.BlockSizes(block_q=32, block_kv=4 * ps))
   meta = (sds((8,), jnp.int32), sds((8, 8), jnp.int32), sds((9,), jnp.int32), sds((1,), jnp.int32))
   pages = sds((P_, ps, K, H), jnp.int8)
   scale, new_scale = sds((P_, ps, K), F32), sds((Tq, K), F32)
@@ -390,6 +403,7 @@ def _fused(cache, q, k, v, cu, n):
     k_new_scale=k_sc,
     v_new_scale=v_sc,
     block_sizes=BLOCKS,
+    implementation="pallas_tpu",
     interpret=interpret_params(),
   )
   return out, dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale)
@@ -415,9 +429,9 @@ def test_fused_write_equals_separate_append_int8_copy_on_write():
 
 @interpret
 def test_layer_uses_fused_write():
-  """The layer with interpret=True takes the fused path and matches the XLA layer step by step."""
+  """The layer on pallas_tpu (interpret=True) takes the fused path and matches the XLA layer step by step."""
   kw = dict(num_kv_heads=KV, rngs=nnx.Rngs(0))
-  fused = fr.PagedMultiHeadAttention(8, 16, 64, interpret=True, **kw)
+  fused = fr.PagedMultiHeadAttention(8, 16, 64, implementation="pallas_tpu", interpret=True, **kw)
   plain = fr.PagedMultiHeadAttention(8, 16, 64, implementation="xla", num_kv_heads=KV, rngs=nnx.Rngs(0))
   for layer in (fused, plain):
     layer.init_cache(**{k: v for k, v in CACHE.items() if k not in ("num_kv_heads", "head_dim")})

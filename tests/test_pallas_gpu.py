@@ -14,19 +14,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import assert_dropout_matches_reference, dropout, make_case
 from conftest import make_mesh
 from jax import export
 from jax.experimental.pallas import tpu as pltpu
-from test_dropout import assert_dropout_matches_reference
 from tolerances import assert_close
 
 import flax_ringattn as fr
 from flax_ringattn._src import masks
-from flax_ringattn._src.backends import get_backend, pallas_gpu
+from flax_ringattn._src.backends import pallas_gpu
 from flax_ringattn._src.backends.base import AttentionSpec
 from flax_ringattn._src.backends.pallas_gpu import PallasGpuBackend, planner
 from flax_ringattn._src.backends.pallas_gpu.backward import block_bwd
 from flax_ringattn._src.backends.pallas_gpu.forward import block_fwd
+from flax_ringattn._src.ring.implementations import get_backend
 
 
 def interpret(test):
@@ -210,23 +211,20 @@ def test_float16():
 
 
 @interpret
-@pytest.mark.parametrize("broadcast,cap", [(False, None), (True, 2.0)], ids=["per-head", "broadcast-cap"])
-def test_dropout_matches_the_reference(broadcast, cap):
+@pytest.mark.parametrize("kind,cap", [("per-head", None), ("broadcast", 2.0)], ids=["per-head", "broadcast-cap"])
+def test_dropout_matches_the_reference(kind, cap):
   """Forward and q/k/v gradients with attention dropout on a zigzag ring of 2: the kernels regenerate the
   reference's keep mask from global (batch, q head, q position, kv position), over GQA's stacked rows, FULL and
   PARTIAL tiles, and the forward's mask again in the dq and dk/dv kernels."""
+  case = make_case(
+    "docs", "segments", "gqa", N=4, group=2, B=2, T=64, load_balance=True, soft_cap=cap, dropout=dropout(kind, 9)
+  )
   assert_dropout_matches_reference(
     make_mesh((2,), ("sp",)),
     "sp",
     2,
-    B=2,
-    T=64,
-    N=4,
-    K=2,
-    H=16,
+    case,
     doc_len=20,
-    broadcast=broadcast,
-    cap=cap,
     implementation="pallas_gpu",
     interpret=INTERPRET,
     block_sizes=fr.BlockSizes(block_q=16, block_kv=16),

@@ -17,11 +17,11 @@ from jax.sharding import PartitionSpec as P
 from tolerances import assert_close
 
 import flax_ringattn as fr
-from flax_ringattn._src import masks
+from flax_ringattn._src import masks, validation
 from flax_ringattn._src.backends.base import AttentionSpec
 from flax_ringattn._src.backends.pallas_tpu import common
-from flax_ringattn._src.backends.pallas_tpu.backward import block_bwd
-from flax_ringattn._src.backends.pallas_tpu.forward import block_fwd
+from flax_ringattn._src.backends.pallas_tpu.block.backward import block_bwd
+from flax_ringattn._src.backends.pallas_tpu.block.forward import block_fwd
 from flax_ringattn._src.testing.interpret import interpret_params, no_races
 
 interpret = pytest.mark.interpret
@@ -144,7 +144,7 @@ def test_selection_and_errors():
   with pytest.raises(ValueError, match=r"interpret=... applies to implementation='pallas_tpu' only"):
     fr.ring_attention(q, k, v, implementation="xla", interpret=True)
   with pytest.raises(TypeError, match=r"interpret must be a bool, None or a .*InterpretParams, got 'yes'"):
-    fr.ring_attention(q, k, v, interpret="yes")
+    fr.ring_attention(q, k, v, implementation="pallas_tpu", interpret="yes")
   with pytest.raises(NotImplementedError, match=r"pallas_tpu supports float32 and bfloat16 inputs, got dtype=float16"):
     h = q.astype(jnp.float16)
     fr.ring_attention(h, h, h, implementation="pallas_tpu", interpret=True)
@@ -152,9 +152,17 @@ def test_selection_and_errors():
 
 @interpret
 def test_interpret_alone_selects_the_kernels():
+  """interpret= without implementation= still picks pallas_tpu, deprecated: one DeprecationWarning per process (its
+  key is discarded first: another test may have spent it), and the Pallas kernels run."""
   q, k, v, _ = _inputs(1, 64, 64, 2, 2, 16, jnp.float32)
-  with no_races():
-    out = fr.ring_attention(q, k, v, is_causal=True, interpret=interpret_params())
+  validation._warned.discard(("ring_attention", "interpret"))
+  match = r"ring_attention: interpret=\.\.\. without implementation= picks implementation='pallas_tpu'"
+  with pytest.warns(DeprecationWarning, match=match) as record:
+    jaxpr = str(jax.make_jaxpr(lambda q, k, v: fr.ring_attention(q, k, v, interpret=interpret_params()))(q, k, v))
+    with no_races():
+      out = fr.ring_attention(q, k, v, is_causal=True, interpret=interpret_params())
+  assert len([r for r in record if "without implementation=" in str(r.message)]) == 1
+  assert "pallas_call" in jaxpr
   assert_close(out, fr.reference_attention(q, k, v, is_causal=True), jnp.float32)
 
 

@@ -7,12 +7,14 @@ detector must catch, the bytes the kernels send, TPU lowering and the VMEM model
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import Case, dropout, make_case, make_inputs
 from conftest import make_mesh
 from jax import export
 from jax.sharding import PartitionSpec as P
@@ -21,30 +23,26 @@ from tolerances import assert_close
 import flax_ringattn as fr
 from flax_ringattn._src import masks
 from flax_ringattn._src.backends.base import AttentionSpec
-from flax_ringattn._src.backends.pallas_tpu import common, planner
-from flax_ringattn._src.backends.pallas_tpu import ring_protocol as rp
+from flax_ringattn._src.backends.pallas_tpu import common
+from flax_ringattn._src.backends.pallas_tpu import planners as planner
 from flax_ringattn._src.backends.pallas_tpu.ring import kernel_ring_attention_local
-from flax_ringattn._src.backends.pallas_tpu.ring_backward import bwd_plan
-from flax_ringattn._src.backends.pallas_tpu.ring_backward_hbm import bwd_plan_hbm
-from flax_ringattn._src.backends.pallas_tpu.ring_forward import fwd_plan, ring_fwd
-from flax_ringattn._src.backends.pallas_tpu.ring_forward_hbm import fwd_plan_hbm
+from flax_ringattn._src.backends.pallas_tpu.ring import protocol as rp
+from flax_ringattn._src.backends.pallas_tpu.ring.hbm_backward import bwd_plan_hbm
+from flax_ringattn._src.backends.pallas_tpu.ring.hbm_forward import fwd_plan_hbm
+from flax_ringattn._src.backends.pallas_tpu.ring.vmem_backward import bwd_plan
+from flax_ringattn._src.backends.pallas_tpu.ring.vmem_forward import fwd_plan, ring_fwd
 from flax_ringattn._src.testing.interpret import interpret_params, no_races
+from flax_ringattn.testing import KernelDebug, Recorder, kernel_debug
 
 interpret = pytest.mark.interpret
 BLOCKS = fr.BlockSizes(block_q=16, block_kv=128)
 
 
 def _inputs(B, T, N, K, H, dtype=jnp.float32, seed=0, segments=False):
-  ks = jax.random.split(jax.random.PRNGKey(seed), 5)
-  q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32).astype(dtype)
-  k = jax.random.normal(ks[1], (B, T, K, H), jnp.float32).astype(dtype)
-  v = jax.random.normal(ks[2], (B, T, K, H), jnp.float32).astype(dtype)
-  do = jax.random.normal(ks[3], (B, T, N, H), jnp.float32).astype(dtype)
-  seg = None
-  if segments:
-    cuts = jnp.sort(jax.random.randint(ks[4], (B, 3), 1, T), axis=1)
-    seg = (jnp.arange(T)[None, :, None] >= cuts[:, None, :]).sum(-1).astype(jnp.int32)
-  return q, k, v, do, seg
+  """The registry's inputs (`cases.make_inputs`) for self attention at this shape, with packed-document segment
+  ids or none."""
+  shape = Case("inputs", B=B, T=T, S=T, N=N, K=K, H=H, segments="self" if segments else None)
+  return make_inputs(shape, dtype, seed)
 
 
 def _run(implementation, mesh, axis, q, k, v, do, seg, opts, *, load_balance=False, params=None, blocks=BLOCKS):
@@ -85,35 +83,50 @@ def _check(out, grads, q, k, v, do, seg, opts, dtype=jnp.float32):
   assert_close(grads, ref_vjp(do), dtype, "grad")
 
 
-# (ring size, DMA mode, features): every ring size in both modes across the suite, features spread over them.
+def _ring_case(n, mask, *, shard=16, B=1, N=2, **fields):
+  """A registry case (tests/cases.py) for a ring of n: GQA 2:1 with N q heads, shards of `shard` tokens, head_dim
+  16, the mask kind with `fields` (window sizes, zigzag, soft cap, dropout) on top."""
+  return make_case(f"ring{n}-{mask}", mask, "gqa", N=N, group=2, B=B, T=shard * n, **fields)
+
+
+def _case_id(n, mode, case):
+  """ring{n}-{mode}-{the ring_attention options the case sets}, e.g. ring8-eager-is_causal-local_window_size."""
+  options = (
+    ("is_causal", case.is_causal),
+    ("local_window_size", case.window),
+    ("logits_soft_cap", case.soft_cap),
+    ("dropout_rate", case.dropout),
+  )
+  return "-".join([f"ring{n}", mode, *(name for name, value in options if value)])
+
+
+# (ring size, DMA mode, case): every ring size in both modes across the suite, features spread over them.
 RING_CASES = [
-  (1, "eager", dict(is_causal=True), False, False),
-  (2, "on_wait", dict(is_causal=True), True, True),  # zigzag + segment ids
-  (2, "eager", dict(local_window_size=(20, 5), logits_soft_cap=3.0), False, False),
+  (1, "eager", _ring_case(1, "causal")),
+  (2, "on_wait", _ring_case(2, "segments", load_balance=True)),  # zigzag + segment ids
+  (2, "eager", _ring_case(2, "window", window=(20, 5), soft_cap=3.0)),
   # Contiguous causal with segment ids: half the K/V sends are skipped (shards past the wrap), receivers of a
   # skipped send keep a stale slot that their EMPTY hop never reads.
-  (4, "on_wait", dict(is_causal=True), False, True),
-  (8, "on_wait", dict(is_causal=True, local_window_size=(40, 0)), True, True),
+  (4, "on_wait", _ring_case(4, "segments")),
+  (8, "on_wait", _ring_case(8, "segments", window=(40, 0), load_balance=True)),
   # Contiguous causal window of 20 over shards of 16: hops 3..7 are EMPTY on every member, the ring ends after 3.
-  (8, "eager", dict(is_causal=True, local_window_size=(20, 0)), False, False),
+  (8, "eager", _ring_case(8, "causal_window", window=(20, 0))),
 ]
 
 
 @interpret
-@pytest.mark.parametrize(
-  "n,mode,opts,lb,segments", RING_CASES, ids=[f"ring{c[0]}-{c[1]}-{'-'.join(c[2])}" for c in RING_CASES]
-)
-def test_ring_sizes_and_dma_modes(n, mode, opts, lb, segments, capfd):
+@pytest.mark.parametrize("n,mode,case", RING_CASES, ids=[_case_id(*c) for c in RING_CASES])
+def test_ring_sizes_and_dma_modes(n, mode, case, capfd):
   """GQA 2:1, shards of 16 tokens, forward and all gradients against the reference, no races, and every
   semaphore back at zero when the kernels end (interpret mode prints the ones that are not)."""
-  _check_ring_case(n, mode, opts, lb, segments, capfd)
+  _check_ring_case(n, mode, case, capfd)
 
 
-def _check_ring_case(n, mode, opts, lb, segments, capfd, *, shard=16, bq=16, heads=(1, 2, 1)):
-  """One in-kernel ring run on a ring of n against the reference (forward and all gradients), with the race
-  detector on and every semaphore back at zero; `heads` = (B, N, K), head_dim 16."""
-  B, N, K = heads
-  q, k, v, do, seg = _inputs(B, shard * n, N, K, 16, segments=segments)
+def _check_ring_case(n, mode, case, capfd, *, bq=16):
+  """One in-kernel ring run of a case on a ring of n against the reference (forward and all gradients), with
+  the race detector on and every semaphore back at zero."""
+  q, k, v, do, seg = make_inputs(case, jnp.float32)
+  opts = case.options()
   mesh = make_mesh((n,), ("sp",))
   with no_races():
     out, grads = _run(
@@ -126,7 +139,7 @@ def _check_ring_case(n, mode, opts, lb, segments, capfd, *, shard=16, bq=16, hea
       do,
       seg,
       opts,
-      load_balance=lb,
+      load_balance=case.load_balance,
       params=interpret_params(dma_execution_mode=mode),
       blocks=fr.BlockSizes(block_q=bq, block_kv=128),
     )
@@ -134,44 +147,47 @@ def _check_ring_case(n, mode, opts, lb, segments, capfd, *, shard=16, bq=16, hea
   _check(out, grads, q, k, v, do, seg, opts)
 
 
-# The HBM-slot kernels (`ring_forward_hbm.py`, `ring_backward_hbm.py`), forced on short shards; ring 2 and the
+# The HBM-slot kernels (`ring/hbm_forward.py`, `ring/hbm_backward.py`), forced on short shards; ring 2 and the
 # shared features run in test_ring_attention.py (pallas_tpu_ring_hbm, on 256-token shards: 4 q tiles x 2 kv
-# tiles streamed per hop).  (ring size, DMA mode, features, zigzag, segment ids, shard length, block_q, (B, N, K)):
-# ring 1 walks 4 x 2 tiles too; rings 4 and 8 have one kv tile per hop and test hops, skipped sends and skipped
-# rows; B = K = 2 runs four grid steps through the same HBM slots.
-KEY = jax.random.key(3)
+# tiles streamed per hop).  (ring size, DMA mode, case, block_q): ring 1 walks 4 x 2 tiles too; rings 4 and 8
+# have one kv tile per hop and test hops, skipped sends and skipped rows; B = K = 2 runs four grid steps through
+# the same HBM slots.
 HBM_CASES = [
-  (1, "on_wait", dict(is_causal=True, logits_soft_cap=5.0), False, True, 256, 64, (1, 2, 1)),
+  (1, "on_wait", _ring_case(1, "segments", shard=256, soft_cap=5.0), 64),
   # skipped sends: stale HBM slots never read
-  (4, "eager", dict(is_causal=True), False, True, 32, 16, (2, 4, 2)),
-  # a two-sided window that spans 3 shards (non-causal), with dropout
-  (4, "on_wait", dict(local_window_size=(20, 3), dropout_rate=0.2, dropout_rng=KEY), False, False, 32, 16, (1, 2, 1)),
-  (8, "on_wait", dict(is_causal=True, local_window_size=(40, 0)), True, True, 16, 16, (1, 2, 1)),
+  (4, "eager", _ring_case(4, "segments", shard=32, B=2, N=4), 16),
+  # a two-sided window that spans 3 shards (non-causal), with dropout (one mask for all heads)
+  (4, "on_wait", _ring_case(4, "window", shard=32, window=(20, 3), dropout=dropout("broadcast", 3, rate=0.2)), 16),
+  (8, "on_wait", _ring_case(8, "segments", window=(40, 0), load_balance=True), 16),
 ]
 
 
 @pytest.fixture
-def hbm_slots(monkeypatch):
+def force_slots():
+  """force_slots(kind): for the rest of the test, the in-kernel ring keeps its slots in "vmem" or "hbm" whatever
+  the planner says (`kernel_debug`)."""
+  with contextlib.ExitStack() as stack:
+    yield lambda kind: stack.enter_context(kernel_debug(slots=kind))
+
+
+@pytest.fixture
+def hbm_slots(force_slots):
   """The in-kernel ring keeps its slots in HBM whatever the planner says."""
-  monkeypatch.setattr(rp, "FORCE_SLOTS", "hbm")
+  force_slots("hbm")
 
 
 @interpret
-@pytest.mark.parametrize(
-  "n,mode,opts,lb,segments,shard,bq,heads",
-  HBM_CASES,
-  ids=[f"ring{c[0]}-{c[1]}-{'-'.join(k for k in c[2] if k != 'dropout_rng')}" for c in HBM_CASES],
-)
-def test_hbm_slots(n, mode, opts, lb, segments, shard, bq, heads, hbm_slots, capfd):
+@pytest.mark.parametrize("n,mode,case,bq", HBM_CASES, ids=[_case_id(*c[:3]) for c in HBM_CASES])
+def test_hbm_slots(n, mode, case, bq, hbm_slots, capfd):
   """As test_ring_sizes_and_dma_modes, with the slots, the softmax state and the accumulators in HBM."""
-  _check_ring_case(n, mode, opts, lb, segments, capfd, shard=shard, bq=bq, heads=heads)
+  _check_ring_case(n, mode, case, capfd, bq=bq)
 
 
 @interpret
 @pytest.mark.parametrize("slots", ["vmem", "hbm"])
-def test_ragged_tiles_bf16(slots, monkeypatch):
+def test_ragged_tiles_bf16(slots, force_slots):
   """A shard of 48 q rows with 32-row tiles requested: the kernel walks 3 tiles of 16 (bf16, GQA 4:1)."""
-  monkeypatch.setattr(rp, "FORCE_SLOTS", slots)
+  force_slots(slots)
   q, k, v, do, seg = _inputs(1, 48, 4, 1, 16, dtype=jnp.bfloat16)
   mesh = make_mesh((1,), ("sp",))
   opts = dict(is_causal=True)
@@ -293,14 +309,15 @@ def test_tile_table_too_large_for_smem():
 @interpret
 @pytest.mark.races_not_read("expects no_races() to fail on the broken protocol")
 @pytest.mark.parametrize("slots", ["vmem", "hbm"])
-def test_missing_credit_is_caught_by_the_race_detector(slots, monkeypatch):
+def test_missing_credit_is_caught_by_the_race_detector(slots):
   """The harness catches what it exists for: without the credit semaphore, r - 1 overwrites a slot that r is
   still reading (ring of 4, eager DMAs), in VMEM or in HBM."""
-  monkeypatch.setattr(rp, "FORCE_SLOTS", slots)
   n = 4
   q, k, v, _, _ = _inputs(1, 16 * n, 2, 2, 16)
   mesh = make_mesh((n,), ("sp",), explicit=False)
-  spec = AttentionSpec(mask=masks.MaskSpec(), scale=0.25, block_sizes=BLOCKS)
+  spec = AttentionSpec(
+    mask=masks.MaskSpec(), scale=0.25, block_sizes=BLOCKS, debug=KernelDebug(slots=slots, drop_credits=True)
+  )
   s = P(None, "sp")
 
   def broken(q, k, v):
@@ -314,7 +331,6 @@ def test_missing_credit_is_caught_by_the_race_detector(slots, monkeypatch):
       axis_name="sp",
       load_balance=False,
       interpret=interpret_params(dma_execution_mode="eager"),
-      protocol_bug="no_credit",
     )[0]
 
   f = jax.jit(jax.shard_map(broken, mesh=mesh, in_specs=(s, s, s), out_specs=s))
@@ -323,8 +339,8 @@ def test_missing_credit_is_caught_by_the_race_detector(slots, monkeypatch):
 
 
 def _trace_kernels(q, k, v, do, n, **opts):
-  """(DMA_LOG, EVENTS): what the kernels append to those `ring_protocol` hooks while forward and backward are
-  traced (not run) on a ring of n."""
+  """(dmas, events): what the kernels append to a `Recorder` while forward and backward are traced (not run) on a
+  ring of n."""
   mesh = make_mesh((n,), ("sp",))
 
   def f(q, k, v):
@@ -332,12 +348,10 @@ def _trace_kernels(q, k, v, do, n, **opts):
       q, k, v, mesh=mesh, implementation="pallas_tpu_ring", interpret=interpret_params(), block_sizes=BLOCKS, **opts
     )
 
-  rp.DMA_LOG, rp.EVENTS = [], []
-  try:
+  rec = Recorder()
+  with kernel_debug(recorder=rec):
     jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do)).trace(q, k, v, do)
-    return rp.DMA_LOG, rp.EVENTS
-  finally:
-    rp.DMA_LOG = rp.EVENTS = None
+  return rec.dmas, rec.events
 
 
 def _launched_slots(events):
@@ -356,7 +370,7 @@ def _launched_slots(events):
   ids=["full", "causal-zigzag", "causal", "causal-window"],
 )
 @pytest.mark.parametrize("slots", ["vmem", "hbm"])
-def test_bytes_sent_follow_the_schedule(opts, load_balance, kv_sends, slots, monkeypatch):
+def test_bytes_sent_follow_the_schedule(opts, load_balance, kv_sends, slots, force_slots):
   """Counted from the DMAs the kernels start (once per grid step of B x K), over all 4 ring members: K/V
   (kv heads only) `kv_sends` shard sends, forward and backward alike; the backward adds the f32 dK/dV
   accumulators n times per member.  Every member sends on each of the n - 1 hops (12 sends) unless nobody
@@ -364,7 +378,7 @@ def test_bytes_sent_follow_the_schedule(opts, load_balance, kv_sends, slots, mon
   (shards past the wrap are invisible to everyone): 3 + 2 + 1 = 6.  A causal window of 20 over 16-token shards
   sees 3 shards, so the ring ends after hop 2, and member r sends at hop t when r + 1 sees r - t: 3 + 2 = 5.
   The same with the slots in HBM: the tiles a kernel streams through VMEM are local copies, never sends."""
-  monkeypatch.setattr(rp, "FORCE_SLOTS", slots)
+  force_slots(slots)
   n, B, T, N, K, H = 4, 2, 64, 8, 2, 16
   q, k, v, do, _ = _inputs(B, T, N, K, H)
   log, events = _trace_kernels(q, k, v, do, n, load_balance=load_balance, **opts)
@@ -393,14 +407,14 @@ def _protocol_events(n, opts, slots):
   "n,opts", [(4, {}), (2, {}), (4, dict(is_causal=True, local_window_size=(20, 0)))], ids=["ring4", "ring2", "window"]
 )
 @pytest.mark.parametrize("slots", ["vmem", "hbm"])
-def test_protocol_rules_hold_in_program_order(n, opts, slots, monkeypatch):
+def test_protocol_rules_hold_in_program_order(n, opts, slots, force_slots):
   """The protocol rules, read from the kernels' own program order (the hops are unrolled at trace time):
   * the credit for hop t is released inside hop t, before its first DMA or compute, never at the end of hop
     t - 1 (a compiler may hoist a late signal above the loads of the slot it frees);
   * every descriptor started is the very object waited on, exactly once, within its hop;
   * as many credits are released as are waited for, so the credit semaphore ends at zero.
   Both slot kinds (VMEM and HBM) run the same hop loops, and both are checked."""
-  monkeypatch.setattr(rp, "FORCE_SLOTS", slots)
+  force_slots(slots)
   kernels = _protocol_events(n, opts, slots)
   assert set(kernels) == {"ring_fwd", "ring_bwd"}
   for name, events in kernels.items():
@@ -435,10 +449,10 @@ def test_protocol_rules_hold_in_program_order(n, opts, slots, monkeypatch):
   ids=["plain", "seg-cap", "seg-cap-dropout"],
 )
 @pytest.mark.parametrize("slots", ["vmem", "hbm"])
-def test_kernels_lower_to_mosaic_for_tpu(segments, cap, dropout, slots, monkeypatch):
+def test_kernels_lower_to_mosaic_for_tpu(segments, cap, dropout, slots):
   """jax.export runs the Pallas -> Mosaic lowering of both ring kernels for TPU (ring of 4, bf16, GQA), with
-  the slots in VMEM and in HBM."""
-  monkeypatch.setattr(rp, "FORCE_SLOTS", slots)
+  the slots in VMEM and in HBM.  The kernels are called directly, so the debug hooks go in their spec."""
+  rec = Recorder()
   spec = AttentionSpec(
     mask=masks.MaskSpec(is_causal=True, has_segments=segments),
     scale=0.1,
@@ -446,6 +460,7 @@ def test_kernels_lower_to_mosaic_for_tpu(segments, cap, dropout, slots, monkeypa
     block_sizes=fr.BlockSizes(block_q=128, block_kv=256),
     dropout_rate=0.1 if dropout else 0.0,
     dropout_broadcast=False,
+    debug=KernelDebug(slots=slots, recorder=rec),
   )
   n, B, T, N, K, H = 4, 1, 512 * 4, 8, 2, 128
   mesh = jax.sharding.AbstractMesh((n,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -469,9 +484,8 @@ def test_kernels_lower_to_mosaic_for_tpu(segments, cap, dropout, slots, monkeypa
     in_specs=(s, s, s, ss if segments else None, P() if dropout else None),
     out_specs=(s, s, s),
   )
-  monkeypatch.setattr(rp, "EVENTS", [])
   text = export.export(jax.jit(body), platforms=("tpu",))(x, kv, kv, seg, drop).mlir_module()
-  assert _launched_slots(rp.EVENTS) == {"ring_fwd": slots, "ring_bwd": slots}
+  assert _launched_slots(rec.events) == {"ring_fwd": slots, "ring_bwd": slots}
   assert text.count("tpu_custom_call") == 2  # forward and backward
 
 
@@ -624,34 +638,35 @@ def test_layer_with_tuple_seq_axis():
   np.testing.assert_equal(np.isfinite(np.asarray(got)).all(), True)
 
 
-def test_default_prefers_the_kernel_ring_where_it_fits(monkeypatch):
-  """implementation=None on a TPU: the in-kernel ring (VMEM or HBM slots) when its tiles fit VMEM, else
-  pallas_tpu."""
-  from flax_ringattn._src import backends
-  from flax_ringattn._src.backends.pallas_tpu.ring import PallasTpuRingBackend
+def test_default_prefers_the_kernel_ring_where_it_fits():
+  """implementation=None on a TPU: the in-kernel ring (VMEM or HBM slots) when its tiles fit VMEM, else the ring
+  loop over pallas_tpu's block kernels; named, "pallas_tpu_ring" is always the fused ring and "pallas_tpu" never;
+  in interpret mode implementation=None never picks it."""
+  from flax_ringattn._src.backends.pallas_tpu import PallasTpuBackend
+  from flax_ringattn._src.backends.registry import Choice
   from flax_ringattn._src.ring import op
 
-  ring = PallasTpuRingBackend()
   spec = AttentionSpec(mask=masks.MaskSpec(is_causal=True), scale=0.1)
-  picked = []
-  monkeypatch.setattr(backends, "get_backend", lambda name, **kw: picked.append(name) or name)
+  auto = Choice(PallasTpuBackend(), None)
   small = (
     jax.ShapeDtypeStruct((1, 4 * 256, 8, 128), jnp.bfloat16),
     jax.ShapeDtypeStruct((1, 4 * 256, 2, 128), jnp.bfloat16),
   )
-  assert op._fit_to_shard(ring, None, spec, *small, 4) is ring
-  assert op._fit_to_shard(ring, "pallas_tpu_ring", spec, *small, 4) is ring  # named: never replaced
+  assert op.use_fused_ring(auto, spec, *small, 4)
+  assert op.use_fused_ring(Choice(PallasTpuBackend(), "pallas_tpu_ring", (("fused", True),)), spec, *small, 4)
+  assert not op.use_fused_ring(Choice(PallasTpuBackend(), "pallas_tpu"), spec, *small, 4)  # named block kernels
+  assert not op.use_fused_ring(Choice(PallasTpuBackend(interpret=interpret_params()), None), spec, *small, 4)
+  assert not op.use_fused_ring(auto, spec, *small, 4, strategy="all_gather")
   long = (  # 32K tokens per device (planned for v4 off TPU: 16 MiB of VMEM)
     jax.ShapeDtypeStruct((1, 4 << 15, 8, 128), jnp.bfloat16),
     jax.ShapeDtypeStruct((1, 4 << 15, 2, 128), jnp.bfloat16),
   )
-  assert op._fit_to_shard(ring, None, spec, *long, 4) is ring  # HBM slots: the shard length is not capped by VMEM
+  assert op.use_fused_ring(auto, spec, *long, 4)  # HBM slots: the shard length is not capped by VMEM
   wide = (
     jax.ShapeDtypeStruct((1, 4 * 256, 512, 512), jnp.bfloat16),
     jax.ShapeDtypeStruct((1, 4 * 256, 1, 512), jnp.bfloat16),
   )
-  assert op._fit_to_shard(ring, None, spec, *wide, 4) == "pallas_tpu"
-  assert picked == ["pallas_tpu"]
+  assert not op.use_fused_ring(auto, spec, *wide, 4)
 
 
 @pytest.mark.parametrize("sizes", [(2, 2), (2, 4), (4, 2), (2, 3), (2, 2, 2)])

@@ -10,7 +10,9 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 import flax_ringattn as fr
-from flax_ringattn._src.backends.pallas_tpu import backward, common, forward, planner
+from flax_ringattn._src.backends.pallas_tpu import common
+from flax_ringattn._src.backends.pallas_tpu import planners as planner
+from flax_ringattn._src.backends.pallas_tpu.block import backward, forward
 
 PLANS = {"fwd": forward.fwd_plan, "dq": backward.dq_plan, "dkv": backward.dkv_plan}
 

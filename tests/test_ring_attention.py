@@ -1,10 +1,10 @@
 """The backend-agnostic numerical suite of ring_attention.
 
-Every backend in BACKENDS runs every case in CASES: forward and all three
-gradients against `reference_attention` (f32 1e-5, bf16 2e-2, from
-tolerances.py).  A backend that cannot run a case must raise
-NotImplementedError, and that is asserted instead (capability flags).  What
-runs, per backend:
+Every backend in BACKENDS runs every case in CASES (the feature registry,
+tests/cases.py), or the subset it names: forward and all three gradients
+against `reference_attention` (f32 1e-5, bf16 2e-2, from tolerances.py).  A
+backend that cannot run a case must raise NotImplementedError, and that is
+asserted instead (capability flags).  What runs, per backend:
 
 * xla: every case at ring sizes 4 and 8 in f32, ring 1 (tile skipping in one
   shard) and ring 2 (both neighbours are one device) on the cases each
@@ -34,19 +34,32 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import (
+  CASES,
+  DTYPES,
+  GQA_CAUSAL_LB,
+  GQA_CAUSAL_WINDOW,
+  GQA_SEGMENTS,
+  GQA_SEGMENTS_LB,
+  Case,
+  case_names,
+  dtype_id,
+  make_inputs,
+  pick,
+  reference_with_grads,
+)
 from conftest import make_mesh
 from jax.sharding import PartitionSpec as P
 from tolerances import assert_close
 
 import flax_ringattn as fr
-from flax_ringattn._src.backends.pallas_tpu import ring_protocol as rp
 from flax_ringattn._src.testing.interpret import interpret_params, no_races
+from flax_ringattn.testing import kernel_debug
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +77,7 @@ class Backend:
   # replaces the cases' own lengths, or None to run the cases as written.
   tiled_shards: tuple | None = None
   cases: frozenset | None = None  # run only these case names (None: all); the rest is covered elsewhere
-  # pallas_tpu_ring only: force the communication slots into "vmem" or "hbm" (`ring_protocol.FORCE_SLOTS`);
+  # pallas_tpu_ring only: force the communication slots into "vmem" or "hbm" (`flax_ringattn.testing.kernel_debug`);
   # None lets the planner choose (VMEM at these sizes).
   slots: str | None = None
   label: str | None = None  # the test id, where two entries share a backend name
@@ -80,14 +93,8 @@ class Backend:
   @contextlib.contextmanager
   def checks(self):
     with no_races() if self.race_checked else contextlib.nullcontext():
-      if self.slots is None:
+      with kernel_debug(slots=self.slots):
         yield
-        return
-      saved, rp.FORCE_SLOTS = rp.FORCE_SLOTS, self.slots
-      try:
-        yield
-      finally:
-        rp.FORCE_SLOTS = saved
 
   def shape_case(self, case, n):
     """The case at this backend's geometry for ring size n, and the block sizes to run it with."""
@@ -105,11 +112,11 @@ class Backend:
 
 # Cases whose tiles see other shards' positions in ways a ring of 1 cannot show: zigzag chunks, GQA, segments
 # travelling, cross attention, windows across hops and rows left empty by other shards.
-ACROSS_SHARDS = frozenset({"causal_lb", "gqa", "segments_lb", "cross_causal_lb", "causal_window_lb", "empty_rows"})
+ACROSS_SHARDS = case_names("causal_lb", "gqa", "segments_lb", "cross_causal_lb", "causal_window_lb", "empty_rows")
 # bf16 at the largest ring: GQA, zigzag and segments (the cases with the most hops merged and skipped).
-BF16_RING = frozenset({"gqa", "causal_lb", "segments_lb"})
+BF16_RING = case_names("gqa", "causal_lb", "segments_lb")
 # bf16 in one shard: the cases that change what a tile computes (soft cap, cross shapes, GQA, segments).
-BF16_TILE = frozenset({"plain", "gqa", "soft_cap", "cross", "segments"})
+BF16_TILE = case_names("plain", "gqa", "soft_cap", "cross", "segments")
 
 BACKENDS = [
   Backend(
@@ -117,7 +124,7 @@ BACKENDS = [
     # Every case at rings 4 and 8; ring 1 (one shard: tile skipping only) and ring 2 (both neighbours are one
     # device) on the cases each exercises.
     f32_rings=(
-      (1, frozenset({"plain", "causal", "segments", "window", "soft_cap", "empty_rows"})),
+      (1, case_names("plain", "causal", "segments", "window", "soft_cap", "empty_rows")),
       (2, ACROSS_SHARDS - {"empty_rows"}),
       (4, None),
       (8, None),
@@ -156,11 +163,11 @@ BACKENDS.append(
     extra=(("interpret", interpret_params()),),
     blocks=fr.BlockSizes(block_q=16, block_kv=128),
     f32_rings=((2, None),),
-    bf16_rings=((2, frozenset({"gqa", "causal_lb"})),),
+    bf16_rings=((2, case_names("gqa", "causal_lb")),),
     marks=(pytest.mark.interpret,),
     race_checked=True,
     # Interpret mode is slow: the other mask features run in test_pallas_tpu_ring.py on other ring sizes.
-    cases=frozenset({"causal_lb", "gqa", "cross_causal_lb", "empty_rows"}),
+    cases=case_names("causal_lb", "gqa", "cross_causal_lb", "empty_rows"),
   )
 )
 # The in-kernel ring with HBM slots (shards too long for VMEM; forced here on short ones): 4 x 2 tiles per
@@ -172,86 +179,13 @@ BACKENDS.append(
     slots="hbm",
     extra=(("interpret", interpret_params()),),
     f32_rings=((2, None),),
-    bf16_rings=((2, frozenset({"gqa"})),),
+    bf16_rings=((2, case_names("gqa")),),
     marks=(pytest.mark.interpret,),
     race_checked=True,
     tiled_shards=(256, 64, fr.BlockSizes(block_q=64, block_kv=128), fr.BlockSizes(block_q=32, block_kv=128)),
-    cases=frozenset({"causal_lb", "gqa", "cross_causal_lb", "empty_rows"}),
+    cases=case_names("causal_lb", "gqa", "cross_causal_lb", "empty_rows"),
   )
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-  name: str
-  B: int = 2
-  N: int = 4
-  K: int = 4
-  T: int = 64
-  S: int = 64
-  is_causal: bool = False
-  load_balance: bool = False
-  window: object = None
-  soft_cap: float | None = None
-  segments: str | None = None  # None | "self" (packed docs) | "cross" (q ids absent from kv -> empty rows)
-  scale: float | None = None
-
-
-CASES = [
-  Case("plain"),
-  Case("causal", is_causal=True),
-  Case("causal_lb", is_causal=True, load_balance=True),
-  Case("gqa", N=8, K=2, is_causal=True),
-  Case("mqa", N=8, K=1, is_causal=True, load_balance=True),
-  Case("segments", is_causal=True, segments="self"),
-  Case("segments_lb", is_causal=True, load_balance=True, segments="self"),
-  Case("window", window=(6, 3)),
-  Case("causal_window_lb", is_causal=True, window=(9, 0), load_balance=True),
-  Case("soft_cap", is_causal=True, soft_cap=2.0, scale=1.0),
-  Case("cross", S=32, N=8, K=2),
-  Case("cross_causal_lb", S=32, is_causal=True, load_balance=True),
-  Case("empty_rows", S=32, segments="cross", window=(4, 4)),
-]
-
-
-def make_inputs(case: Case, dtype, seed=0):
-  keys = jax.random.split(jax.random.PRNGKey(seed), 6)
-  B, H = case.B, 16
-  q = jax.random.normal(keys[0], (B, case.T, case.N, H), jnp.float32).astype(dtype)
-  k = jax.random.normal(keys[1], (B, case.S, case.K, H), jnp.float32).astype(dtype)
-  v = jax.random.normal(keys[2], (B, case.S, case.K, H), jnp.float32).astype(dtype)
-  do = jax.random.normal(keys[3], (B, case.T, case.N, H), jnp.float32).astype(dtype)
-  seg = None
-  if case.segments == "self":
-    # Packed documents of random lengths: sorted ids, so whole tiles and hops skip.
-    cuts = jnp.sort(jax.random.randint(keys[4], (B, 3), 1, case.T), axis=1)
-    seg = (jnp.arange(case.T)[None, :, None] >= cuts[:, None, :]).sum(-1).astype(jnp.int32)
-  elif case.segments == "cross":
-    # q ids 0..3, kv ids 0..2: queries of document 3 see no key at all.
-    q_ids = jax.random.randint(keys[4], (B, case.T), 0, 4)
-    kv_ids = jax.random.randint(keys[5], (B, case.S), 0, 3)
-    seg = (q_ids, kv_ids)
-  return q, k, v, do, seg
-
-
-def _options(case: Case):
-  return dict(
-    is_causal=case.is_causal,
-    local_window_size=case.window,
-    logits_soft_cap=case.soft_cap,
-    scale=case.scale,
-  )
-
-
-@functools.partial(jax.jit, static_argnames="options")  # compiled once per shape and options in a worker
-def _reference_run(q, k, v, do, seg, options):
-  f = lambda q, k, v: fr.reference_attention(q, k, v, segment_ids=seg, **dict(options))  # noqa: E731
-  out, vjp = jax.vjp(f, q, k, v)
-  return out, vjp(do)
-
-
-def reference_with_grads(case: Case, q, k, v, do, seg):
-  return _reference_run(q, k, v, do, seg, tuple(sorted(_options(case).items())))
 
 
 def ring_with_grads(case: Case, backend: Backend, n: int, q, k, v, do, seg, *, explicit=True, blocks=None):
@@ -275,7 +209,7 @@ def ring_with_grads(case: Case, backend: Backend, n: int, q, k, v, do, seg, *, e
       implementation=backend.name,
       block_sizes=backend.blocks if blocks is None else blocks,
       **dict(backend.extra),
-      **_options(case),
+      **case.options(),
     )
 
   out, vjp = jax.vjp(jax.jit(f), q, k, v)
@@ -291,10 +225,10 @@ def _matrix():
     for case in CASES:
       if b.cases is not None and case.name not in b.cases:
         continue
-      for dtype, rings in ((jnp.float32, b.f32_rings), (jnp.bfloat16, b.bf16_rings)):
-        for n, names in rings:
-          if names is None or case.name in names:
-            tag = f"{b.id}-{case.name}-ring{n}-{jnp.dtype(dtype).name.replace('float', 'f')}"
+      for dtype, rings in ((DTYPES["f32"], b.f32_rings), (DTYPES["bf16"], b.bf16_rings)):
+        for n, selected in rings:
+          if selected is None or case.name in selected:
+            tag = f"{b.id}-{case.name}-ring{n}-{dtype_id(dtype)}"
             yield pytest.param(b, case, n, dtype, id=tag, marks=b.marks)
 
 
@@ -325,7 +259,7 @@ def test_matches_reference(backend, case, n, dtype):
 def test_empty_rows_are_exact_zeros(backend):
   sizes = (2,) if backend.race_checked else (2, 4)  # TPU interpret mode: ring 4 runs in the matrix
   n = max(n for n in sizes if _supported(backend, "empty_rows", n))
-  case, blocks = backend.shape_case(next(c for c in CASES if c.name == "empty_rows"), n)
+  case, blocks = backend.shape_case(pick("empty_rows")[0], n)
   q, k, v, do, seg = make_inputs(case, jnp.float32)
   with backend.checks():
     out, (dq, _, _) = ring_with_grads(case, backend, n, q, k, v, do, seg, blocks=blocks)
@@ -341,7 +275,7 @@ def test_empty_rows_are_exact_zeros(backend):
 @pytest.mark.parametrize("backend", [pytest.param(b, id=b.id, marks=b.marks) for b in BACKENDS if b.slots is None])
 def test_deterministic(backend):
   n = 2 if backend.race_checked else backend.ring_sizes[-1]  # TPU interpret mode: a ring of 2 is enough
-  case, blocks = backend.shape_case(Case("det", N=8, K=2, is_causal=True, load_balance=True, segments="self"), n)
+  case, blocks = backend.shape_case(GQA_SEGMENTS_LB, n)
   q, k, v, do, seg = make_inputs(case, jnp.float32, seed=3)
   with backend.checks():
     a = ring_with_grads(case, backend, n, q, k, v, do, seg, blocks=blocks)
@@ -353,7 +287,7 @@ def test_deterministic(backend):
 @pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "auto"])
 def test_inside_user_shard_map(explicit):
   """axis_name mode: the caller's shard_map (check_vma on) binds the axis."""
-  case = Case("sm", N=8, K=2, is_causal=True, segments="self")
+  case = GQA_SEGMENTS
   q, k, v, do, seg = make_inputs(case, jnp.float32)
   mesh = make_mesh((4,), ("sp",), explicit=explicit)
   spec, seg_spec = P(None, "sp", None, None), P(None, "sp")
@@ -374,9 +308,9 @@ def test_inside_user_shard_map(explicit):
 
 
 def test_single_device_without_mesh():
-  case = Case("one", N=8, K=2, is_causal=True, window=(7, 0))
+  case = GQA_CAUSAL_WINDOW
   q, k, v, do, seg = make_inputs(case, jnp.float32)
-  f = lambda q, k, v: fr.ring_attention(q, k, v, block_sizes=BACKENDS[0].blocks, **_options(case))
+  f = lambda q, k, v: fr.ring_attention(q, k, v, block_sizes=BACKENDS[0].blocks, **case.options())
   out, vjp = jax.vjp(f, q, k, v)
   ref_out, ref_grads = reference_with_grads(case, q, k, v, do, seg)
   assert_close(out, ref_out, jnp.float32)
@@ -385,7 +319,7 @@ def test_single_device_without_mesh():
 
 def test_batch_and_head_axes_on_3d_mesh():
   """Sequence on 'sp', batch on 'dp', heads on 'tp', all at once."""
-  case = Case("3d", N=8, K=2, is_causal=True, load_balance=True)
+  case = GQA_CAUSAL_LB
   q, k, v, do, seg = make_inputs(case, jnp.float32)
   mesh = make_mesh((2, 2, 2), ("dp", "sp", "tp"))
   zz = lambda x: fr.zigzag_order(x, 2, axis=1)

@@ -13,11 +13,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import (
+  GQA_CAUSAL_LB,
+  GQA_CAUSAL_WINDOW,
+  GQA_SEGMENTS,
+  GQA_SEGMENTS_LB,
+  case_names,
+  make_case,
+  make_inputs,
+  pick,
+  reference_with_grads,
+)
 from conftest import make_mesh
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_ring_attention import CASES, Case, _options, make_inputs, reference_with_grads
 from tolerances import assert_close
 
 import flax_ringattn as fr
@@ -62,7 +72,7 @@ def strategy_with_grads(case, strategy, layout, q, k, v, do, seg, *, implementat
       implementation=implementation,
       block_sizes=blocks,
       **extra,
-      **_options(case),
+      **case.options(),
     )
 
   out, vjp = jax.vjp(jax.jit(f), zz(q), zz(k), zz(v))
@@ -70,19 +80,15 @@ def strategy_with_grads(case, strategy, layout, q, k, v, do, seg, *, implementat
   return unzz(out), tuple(unzz(g) for g in grads)
 
 
-# Every mask feature, layout and head grouping at least once per strategy (the plain and single-feature cases of
-# test_ring_attention.py are covered by these combinations).
-MATRIX_CASES = [
-  c
-  for c in CASES
-  if c.name in ("causal_lb", "mqa", "segments_lb", "causal_window_lb", "soft_cap", "cross", "empty_rows")
-]
+# Every mask feature, layout and head grouping of the registry (tests/cases.py) at least once per strategy (the
+# plain and single-feature cases are covered by these combinations).
+MATRIX_CASES = pick("causal_lb", "mqa", "segments_lb", "causal_window_lb", "soft_cap", "cross", "empty_rows")
 
 
 # ulysses_ring is the Ulysses all-to-all around the ring loop, both covered on every case: its own matrix keeps
 # the cases where the two meet in a new way (zigzag positions of a Ulysses group, kv-head repeat, segment ids
 # gathered over the Ulysses axis, empty rows).
-ULYSSES_RING_CASES = ("causal_lb", "mqa", "segments_lb", "empty_rows")
+ULYSSES_RING_CASES = case_names("causal_lb", "mqa", "segments_lb", "empty_rows")
 
 
 def _matrix():
@@ -106,7 +112,7 @@ def test_matches_reference(strategy, case, layout):
 
 @pytest.mark.parametrize("strategy", ["ulysses_ring"])
 def test_bf16(strategy):
-  case = Case("gqa_lb", N=8, K=2, is_causal=True, load_balance=True, segments="self")
+  case = GQA_SEGMENTS_LB
   q, k, v, do, seg = make_inputs(case, jnp.bfloat16)
   out, grads = strategy_with_grads(case, strategy, WIDE[strategy], q, k, v, do, seg)
   ref_out, ref_grads = reference_with_grads(case, q, k, v, do, seg)
@@ -119,7 +125,7 @@ def test_bf16(strategy):
 @pytest.mark.parametrize("strategy", list(LAYOUTS))
 def test_pallas_tpu_interpret(strategy):
   """Any block implementation: the Pallas TPU kernels (interpret mode, race detector on) under each strategy."""
-  case = Case("gqa_lb", N=4, K=2, T=32, S=32, is_causal=True, load_balance=True)
+  case = make_case("gqa_lb", "causal", "gqa", N=4, group=2, T=32, S=32, load_balance=True)
   q, k, v, do, seg = make_inputs(case, jnp.float32)
   with no_races():
     out, grads = strategy_with_grads(
@@ -143,7 +149,7 @@ def test_pallas_tpu_interpret(strategy):
 @pytest.mark.parametrize("strategy", list(LAYOUTS))
 def test_inside_user_shard_map(strategy):
   """axis_name mode: the caller's shard_map binds the axes; the sequence is sharded over both (major first)."""
-  case = Case("sm", N=8, K=2, is_causal=True, segments="self")
+  case = GQA_SEGMENTS
   q, k, v, do, seg = make_inputs(case, jnp.float32)
   shape, names, axis_name = LAYOUTS[strategy]
   mesh = make_mesh(shape, names)
@@ -164,7 +170,7 @@ def test_inside_user_shard_map(strategy):
 @pytest.mark.parametrize("strategy", ["ulysses", "all_gather"])
 def test_with_batch_and_head_axes(strategy):
   """Heads on 'tp' and the Ulysses split on 'sp' compose: each device gets N / (tp * sp) q heads."""
-  case = Case("3d", N=8, K=2, is_causal=True, load_balance=True)
+  case = GQA_CAUSAL_LB
   q, k, v, do, seg = make_inputs(case, jnp.float32)
   mesh = make_mesh((2, 2, 2), ("dp", "sp", "tp"))
   zz, unzz = (lambda x: fr.zigzag_order(x, 2, axis=1)), (lambda x: fr.zigzag_inverse(x, 2, axis=1))
@@ -245,12 +251,12 @@ def test_nnx_layer_and_attention_fn_with_strategies():
 
 def test_one_device_without_axis():
   """With no axis every strategy is attention on one device."""
-  case = Case("one", N=8, K=2, is_causal=True, window=(7, 0))
+  case = GQA_CAUSAL_WINDOW
   q, k, v, do, seg = make_inputs(case, jnp.float32)
   ref_out, _ = reference_with_grads(case, q, k, v, do, seg)
   for strategy in ("ulysses_ring",):
     f = jax.jit(
-      lambda q, k, v, s=strategy: fr.ring_attention(q, k, v, strategy=s, block_sizes=XLA_BLOCKS, **_options(case))
+      lambda q, k, v, s=strategy: fr.ring_attention(q, k, v, strategy=s, block_sizes=XLA_BLOCKS, **case.options())
     )
     assert_close(f(q, k, v), ref_out, jnp.float32)
 
@@ -459,3 +465,26 @@ def test_suggest_strategy_errors():
     fr.suggest_strategy(mesh, 4096, 8, 3, 64, jnp.float32)
   with pytest.raises(ValueError, match=r"seq_len must be a positive int, got seq_len=0"):
     fr.suggest_strategy(mesh, 0, 8, 2, 64, jnp.float32)
+
+
+def test_suggest_strategy_defaults_to_non_causal_like_ring_attention():
+  import inspect
+
+  assert inspect.signature(fr.suggest_strategy).parameters["is_causal"].default is False
+  assert inspect.signature(fr.ring_attention).parameters["is_causal"].default is False
+  args = (make_mesh((8,), ("sp",)), 32768, 8, 2, 128, jnp.bfloat16)
+  default = fr.suggest_strategy(*args, hardware="tpu_v5p")
+  assert default.candidates == fr.suggest_strategy(*args, hardware="tpu_v5p", is_causal=False).candidates
+  causal = {c.strategy: c.time_s for c in fr.suggest_strategy(*args, hardware="tpu_v5p", is_causal=True).candidates}
+  assert all(c.time_s > causal[c.strategy] for c in default.candidates)  # causal does half the compute
+
+
+def test_suggest_strategy_reads_the_hardware_table():
+  """The advisor's chips are the hardware table's (one table for the planners, the advisor and the benchmarks)."""
+  from flax_ringattn._src.advisor import HARDWARE
+  from flax_ringattn.benchmarking import hardware
+
+  assert tuple(HARDWARE) == ("tpu_v5e", "tpu_v5p", "a100", "h100", "cpu")
+  h100 = fr.suggest_strategy(make_mesh((8,), ("sp",)), 4096, 8, 2, 64, jnp.float32, hardware="h100").hardware
+  assert h100 == fr.Hardware.from_chip(hardware.chip("h100"))
+  assert (h100.flops, h100.inner_bandwidth, h100.outer_bandwidth) == (989e12, 450e9, 50e9)

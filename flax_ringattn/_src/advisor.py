@@ -1,18 +1,20 @@
 """`suggest_strategy`: a small cost model that ranks the sequence-parallel strategies.
 
 The model (per device, one attention call, forward + backward, zigzag
-load balance assumed so causal work is even):
+load balance assumed so causal work is even), built from the package's cost
+model (`_src/perf/cost.py`) and hardware table (`_src/perf/hardware.py`):
 
-* compute: F = 14 * B * N * T * S * H flops (forward 4, backward 10), halved
-  when causal; every strategy does F / n of it on each of its n devices, at
-  `hardware.flops` flop/s.
+* compute: F = `cost.attention_flops` (14 * B * N * T * S * H flops, forward 4,
+  backward 10), halved when causal; every strategy does F / n of it on each of
+  its n devices, at `hardware.flops` flop/s.
 * ring over n devices (bandwidth b of that axis, latency a per step): n hops per
   pass, each overlapping its compute (F / n^2) with one K/V shard transfer
-  (2 * B * S/n * K * H * bytes; the backward also moves the f32 dK/dV
-  accumulators), then merging its partial result into f32 accumulators
-  (o / lse forward, dK / dV backward: memory-bound, at
-  `hardware.memory_bandwidth`): time = sum over passes of (n - 1) *
-  (max(compute_hop, bytes_hop / b + a) + merge_hop) + compute_hop.
+  (`cost.ring_hop_bytes`: 2 * B * S/n * K * H * bytes; the backward also moves
+  the f32 dK/dV accumulators), then merging its partial result into f32
+  accumulators (`cost.ring_merge_bytes`: o / lse forward, dK / dV backward:
+  memory-bound, at `hardware.memory_bandwidth`): time = sum over passes of
+  (n - 1) * (max(compute_hop, bytes_hop / b + a) + merge_hop) + compute_hop
+  (`cost.ring_pass_time`).
 * ulysses over n: all-to-alls are not overlapped: forward q, k, v in and o out,
   backward do in and dq, dk, dv out, each (n - 1) / n of the local shard
   (kv heads repeated to K' = lcm(K, n)); time = compute + bytes / b + 4 (n - 1) a.
@@ -40,6 +42,8 @@ import math
 
 import numpy as np
 
+from flax_ringattn._src.perf import cost
+from flax_ringattn._src.perf import hardware as hardware_table
 from flax_ringattn._src.ring.strategies import ulysses_kv_repeat
 
 
@@ -56,67 +60,28 @@ class Hardware:
   memory_bandwidth: float  # bytes/s of device memory (the ring's per-hop merge of o / dK / dV is bound by it)
   source: str = ""
 
+  @classmethod
+  def from_chip(cls, chip: hardware_table.Chip) -> Hardware:
+    """The advisor's view of a chip of the hardware table (its working peak, its links, its memory)."""
+    return cls(
+      name=chip.name,
+      flops=chip.peak_flops(),
+      inner_bandwidth=chip.link_bandwidth,
+      outer_bandwidth=chip.network_bandwidth,
+      latency=chip.latency,
+      memory=chip.memory_bytes,
+      memory_bandwidth=chip.memory_bandwidth,
+      source=chip.source,
+    )
 
-HARDWARE = {
-  # Cloud TPU docs (cloud.google.com/tpu/docs/v5e, /v5p): bf16 peak, HBM, ICI per chip.  Hosts of one
-  # slice talk over ICI too, so processes of a slice use ICI; multi-slice (DCN) is not modelled.
-  "tpu_v5e": Hardware(
-    name="tpu_v5e",
-    flops=197e12,
-    inner_bandwidth=1600e9 / 8,
-    outer_bandwidth=1600e9 / 8,
-    latency=1e-5,
-    memory_bandwidth=819e9,
-    memory=16 * 2**30,
-    source="cloud.google.com/tpu/docs/v5e: 197 TFLOP/s bf16, 16 GiB HBM at 819 GB/s, ICI 1,600 Gbps per chip",
-  ),
-  "tpu_v5p": Hardware(
-    name="tpu_v5p",
-    flops=459e12,
-    inner_bandwidth=4800e9 / 8,
-    outer_bandwidth=4800e9 / 8,
-    latency=1e-5,
-    memory_bandwidth=2765e9,
-    memory=95e9,
-    source="cloud.google.com/tpu/docs/v5p: 459 TFLOP/s bf16, 95 GB HBM at 2,765 GB/s, ICI 4,800 Gbps per chip",
-  ),
-  # NVIDIA datasheets (H100 SXM, A100 SXM; DGX H100 / DGX A100: one 400 / 200 Gb/s InfiniBand NIC per GPU).
-  "h100": Hardware(
-    name="h100",
-    flops=989e12,
-    inner_bandwidth=900e9 / 2,
-    outer_bandwidth=400e9 / 8,
-    latency=1e-5,
-    memory_bandwidth=3.35e12,
-    memory=80e9,
-    source="nvidia.com H100 SXM datasheet: 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (450 GB/s each way); "
-    "DGX H100: 400 Gb/s NDR InfiniBand per GPU",
-  ),
-  "a100": Hardware(
-    name="a100",
-    flops=312e12,
-    inner_bandwidth=600e9 / 2,
-    outer_bandwidth=200e9 / 8,
-    latency=1e-5,
-    memory_bandwidth=2.0e12,
-    memory=80e9,
-    source="nvidia.com A100 SXM datasheet: 312 TFLOP/s bf16, 80 GB HBM2e at 2.0 TB/s, NVLink 600 GB/s (300 GB/s each way); "
-    "DGX A100: 200 Gb/s HDR InfiniBand per GPU",
-  ),
-  # The 8 simulated CPU devices of this project's 2-core CI machine, measured by benchmarks/strategies.py
-  # (f32 matmul rate of one device while the others idle, and the rate of an all-gather between the
-  # simulated devices, which is a memory copy; gloo over loopback between processes is slower).
-  "cpu": Hardware(
-    name="cpu",
-    flops=20e9,
-    inner_bandwidth=2e9,
-    outer_bandwidth=0.5e9,
-    latency=2e-4,
-    memory_bandwidth=5e9,
-    memory=8 * 2**30,
-    source="measured on this project's CPU devices (benchmarks/strategies.py --calibrate)",
-  ),
-}
+
+def _advisable(chip: hardware_table.Chip) -> bool:
+  needs = (chip.peak_flops(), chip.link_bandwidth, chip.network_bandwidth, chip.latency, chip.memory_bytes)
+  return all(x is not None for x in (*needs, chip.memory_bandwidth))
+
+
+# The chips of the hardware table with every figure the model needs (tpu_v5e, tpu_v5p, a100, h100, cpu).
+HARDWARE = {c.name: Hardware.from_chip(c) for c in hardware_table.CHIPS.values() if _advisable(c)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,10 +108,6 @@ class StrategyAdvice:
   hardware: Hardware
 
 
-def _itemsize(dtype) -> int:
-  return int(np.dtype(dtype).itemsize) if str(dtype) != "bfloat16" else 2
-
-
 def _crosses_processes(mesh, axis) -> bool:
   names = list(mesh.axis_names)
   devs = np.asarray(mesh.devices)
@@ -156,26 +117,28 @@ def _crosses_processes(mesh, axis) -> bool:
 
 
 def _ring_time(n, compute, fwd_hop_bytes, bwd_hop_bytes, bw, lat, merge_s):
-  """n hops per pass; each overlaps its compute with one transfer and then merges its partial result."""
+  """Both passes of a ring of n; `compute` (seconds of the whole call) splits 4 : 10 between them."""
   t = 0.0
-  for share, hop in ((4 / 14, fwd_hop_bytes), (10 / 14, bwd_hop_bytes)):
-    c = compute * share / n
-    t += (n - 1) * max(c, hop / bw + lat) + c + (n - 1) * merge_s
+  for direction, hop in (("fwd", fwd_hop_bytes), ("bwd", bwd_hop_bytes)):
+    c = compute * cost.MATMULS[direction] / cost.MATMULS["fwd+bwd"] / n
+    t += cost.ring_pass_time(n, c, hop, bandwidth=bw, latency=lat, merge_s=merge_s)
   return t
 
 
 def estimate(strategy, sizes, bws, *, B, T, N, K, H, itemsize, causal, hw, latency):
   """Time and memory per device for `strategy` over axes of `sizes` (outer first) with bandwidths `bws`."""
   n = int(np.prod(sizes))
-  flops = 14 * B * N * T * T * H * (0.5 if causal else 1.0)
+  flops = cost.attention_flops(B=B, T=T, S=T, N=N, H=H, is_causal=causal, direction="fwd+bwd")
   compute = flops / n / hw.flops
   local = B * T / n * (2 * N + 2 * K) * H * itemsize * 2  # q, k, v, o + do, dq/dk/dv of the caller
   kv_shard = 2 * B * T / n * K * H
-  # Per hop the ring reads and writes the f32 o / lse accumulators of its q shard (forward) and the f32 dK / dV
-  # accumulators of the visiting shard (backward): memory-bound work the single-call strategies do not have.
-  merge = (3 * B * T / n * N * H * 4 + 2 * kv_shard * 4) / hw.memory_bandwidth
+
+  def hops(S, K):
+    return [cost.ring_hop_bytes(B=B, S=S, K=K, H=H, itemsize=itemsize, direction=d) for d in ("fwd", "bwd")]
+
   if strategy == "ring":
-    t = _ring_time(n, compute, kv_shard * itemsize, kv_shard * (itemsize + 4), bws[0], latency, merge)
+    merge = cost.ring_merge_bytes(B=B, T=T / n, S=T / n, N=N, K=K, H=H) / hw.memory_bandwidth
+    t = _ring_time(n, compute, *hops(T / n, K), bws[0], latency, merge)
     return t, local + 2 * kv_shard * itemsize + kv_shard * 4 * 2, ""
   if strategy == "all_gather":
     gathered = 2 * B * T * K * H
@@ -191,8 +154,8 @@ def estimate(strategy, sizes, bws, *, B, T, N, K, H, itemsize, causal, hw, laten
     return compute + a2a / bws[-1] + 4 * (u - 1) * latency, local + heads_copy, ""
   R = sizes[0]
   kv_r = 2 * B * T / R * Kp / u * H
-  merge_r = (3 * B * T / R * N / u * H * 4 + 2 * kv_r * 4) / hw.memory_bandwidth
-  t = _ring_time(R, compute, kv_r * itemsize, kv_r * (itemsize + 4), bws[0], latency, merge_r)
+  merge_r = cost.ring_merge_bytes(B=B, T=T / R, S=T / R, N=N / u, K=Kp / u, H=H) / hw.memory_bandwidth
+  t = _ring_time(R, compute, *hops(T / R, Kp / u), bws[0], latency, merge_r)
   return t + a2a / bws[-1] + 4 * (u - 1) * latency, local + heads_copy + kv_r * (3 * itemsize + 8), ""
 
 
@@ -207,7 +170,7 @@ def suggest_strategy(
   axis_name=None,
   hardware=None,
   batch_size: int = 1,
-  is_causal: bool = True,
+  is_causal: bool = False,
 ) -> StrategyAdvice:
   """Ranks "ring", "ulysses", "all_gather" and "ulysses_ring" on `mesh` with the documented cost model.
 
@@ -218,8 +181,13 @@ def suggest_strategy(
     axis_name: the sequence axis, or a (ring_axis, ulysses_axis) pair; None
       considers every axis of the mesh alone and every pair (the axis that
       crosses processes as the ring axis).
-    hardware: a name from `HARDWARE` ("tpu_v5e", "tpu_v5p", "h100", "a100",
-      "cpu") or a `Hardware`; None: "cpu" on CPU, else the TPU/GPU default.
+    hardware: a name from `HARDWARE` ("tpu_v5e", "tpu_v5p", "a100", "h100",
+      "cpu": the chips of the package's hardware table with every figure the
+      model needs) or a `Hardware`; None: "cpu" on CPU, else the TPU/GPU
+      default ("tpu_v5p", "h100").
+    batch_size: B.
+    is_causal: whether the call is causal (halves the compute), False by
+      default like `ring_attention`'s.
 
   Returns:
     `StrategyAdvice` with the fastest feasible candidate (its memory must fit the
@@ -264,7 +232,7 @@ def suggest_strategy(
     N=num_heads,
     K=num_kv_heads,
     H=head_dim,
-    itemsize=_itemsize(dtype),
+    itemsize=cost.itemsize(dtype),
     causal=is_causal,
     hw=hardware,
     latency=hardware.latency,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -133,3 +134,14 @@ def check_positions(name: str, positions, length: int, letter: str):
       f"{name} must be an integer array of shape [{letter}]=({length},), got shape={tuple(positions.shape)}, dtype={positions.dtype}"
     )
   return jnp.asarray(positions, jnp.int32)
+
+
+_warned: set = set()
+
+
+def warn_once(key, message: str, category=DeprecationWarning, stacklevel: int = 3):
+  """`warnings.warn` once per process and key: a deprecated spelling keeps working and says so once."""
+  if key in _warned:
+    return
+  _warned.add(key)
+  warnings.warn(message, category, stacklevel=stacklevel)

@@ -39,24 +39,11 @@ when `spec.dropout_rate > 0`.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Protocol
 
-from flax_ringattn._src.block_sizes import BlockSizes
-from flax_ringattn._src.masks import MaskSpec
+from flax_ringattn._src.options import AttentionSpec
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AttentionSpec:
-  """Everything static about one attention call; hashable (a jit static arg)."""
-
-  mask: MaskSpec
-  scale: float
-  logits_soft_cap: float | None = None
-  block_sizes: BlockSizes | None = None  # None: the backend's own default
-  precision: object = None  # jax.lax.Precision for the XLA matmuls, or None
-  dropout_rate: float = 0.0  # attention dropout on the normalised probabilities (see `_src/dropout.py`)
-  dropout_broadcast: bool = True  # one dropout mask for every batch row and head (flax's broadcast_dropout)
+__all__ = ["AttentionSpec", "BlockBackend"]
 
 
 class BlockBackend(Protocol):

@@ -31,6 +31,7 @@ from flax_ringattn._src.nnx import handwritten
 from flax_ringattn._src.nnx.common import _PROJECTIONS, head_param_spec, place_params
 from flax_ringattn._src.nnx.paged_mha import PagedMultiHeadAttention
 from flax_ringattn._src.nnx.ring_mha import RingMultiHeadAttention
+from flax_ringattn._src.ring.options import RingOptions
 
 # Constructor options of nnx.MultiHeadAttention read back from a built layer.
 _OPTIONS = (
@@ -287,9 +288,9 @@ _HANDWRITTEN_OPTIONS = (
 
 
 def _watch_handwritten(model, mesh, seq_axis, layer_options, report):
-  options = handwritten.RingOptions(
+  options = RingOptions(
     mesh=mesh,
-    seq_axis=sharding.sequence_axis(mesh, seq_axis, arg="seq_axis"),
+    axis_name=sharding.sequence_axis(mesh, seq_axis, arg="seq_axis"),
     **{k: layer_options[k] for k in _HANDWRITTEN_OPTIONS if k in layer_options},
   )
   classes: dict = {}

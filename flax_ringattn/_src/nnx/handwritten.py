@@ -33,6 +33,7 @@ from flax import nnx
 
 from flax_ringattn._src.ring import pattern
 from flax_ringattn._src.ring.dense import bias_as_mask, context_mesh, masked_ring_attention
+from flax_ringattn._src.ring.options import RingOptions
 
 
 @dataclasses.dataclass
@@ -62,26 +63,11 @@ class SiteReport:
     return f"{self.path} ({self.module}): " + ", ".join(parts)
 
 
-@dataclasses.dataclass(frozen=True)
-class RingOptions:
-  """What a watched module runs its sites with (the `convert` keywords)."""
-
-  mesh: object = None
-  seq_axis: object = None
-  strategy: str = "ring"
-  implementation: str | None = None
-  block_sizes: object = None
-  batch_axis: object = None
-  head_axis: object = None
-  interpret: object = None
-  check_mask: bool = True
-  # A window the model builds from data (e.g. from positions): w, (left, right), or fn(module) -> either or
-  # None, for models whose layers differ (Gemma's local and global layers).
-  local_window_size: object = None
-
-  def declared_window(self, module):
-    w = self.local_window_size
-    return w(module) if callable(w) else w
+def declared_window(options: RingOptions, module):
+  """The window `convert` was told a watched module uses: `options.local_window_size` is w, (left, right), None,
+  or fn(module) -> one of those, for models whose layers differ (Gemma's local and global layers)."""
+  w = options.local_window_size
+  return w(module) if callable(w) else w
 
 
 _LOCAL = threading.local()
@@ -214,7 +200,7 @@ def _record(module, sites, rejected):
   report = type(module)._fr_report
   path = getattr(module, "_fr_path", type(module).__name__)
   name = type(module)._fr_original.__name__
-  declared = type(module)._fr_options.declared_window(module) if sites else None
+  declared = declared_window(type(module)._fr_options, module) if sites else None
   for n, site in enumerate(sites):
     where = path if len(sites) == 1 else f"{path}[{n}]"
     details = site.describe()
@@ -230,7 +216,7 @@ def _run(module, plan: _Plan, state, leaves):
   opts: RingOptions = type(module)._fr_options
   inputs = [*jax.tree.leaves(state), *(leaves[i] for i in plan.dyn_index)]
   replace = {}
-  declared = opts.declared_window(module)
+  declared = declared_window(opts, module)
   for site in plan.sites:
     replace[site.g2] = _SiteFn(site, opts, declared)
   skip = set().union(*(s.interior for s in plan.sites))
@@ -262,26 +248,16 @@ class _SiteFn:
         exact = ok if exact is None else exact & ok
       mask = vis if mask is None else mask & vis
     window = self.declared if self.declared is not None else site.window
-    out = masked_ring_attention(
-      q,
-      k,
-      v,
-      mask=None if mask is None else mask[:, None],
-      also_exact=exact,
+    precision = site.precision[0] if isinstance(site.precision, tuple) else site.precision
+    options = opts.replace(
+      mesh=context_mesh(opts.mesh, opts.axis_name),
       scale=site.scale,
       logits_soft_cap=site.cap,
       local_window_size=window,
-      mesh=context_mesh(opts.mesh, opts.seq_axis),
-      axis_name=opts.seq_axis,
-      strategy=opts.strategy,
-      implementation=opts.implementation,
-      block_sizes=opts.block_sizes,
-      batch_axis=opts.batch_axis,
-      head_axis=opts.head_axis,
-      interpret=opts.interpret,
-      check_mask=opts.check_mask,
-      precision=site.precision[0] if isinstance(site.precision, tuple) else site.precision,
+      precision=precision,
     )
+    mask = None if mask is None else mask[:, None]
+    out = masked_ring_attention(q, k, v, options, mask=mask, also_exact=exact)
     return pattern.site_output(site, out)
 
 

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from flax_ringattn._src import sharding, validation
 from flax_ringattn._src.nnx.common import check_keywords, head_sharding_metadata
+from flax_ringattn._src.paged import common as paged_common
 from flax_ringattn._src.paged.cache import PagedKVCache
 from flax_ringattn._src.paged.op import paged_attention, paged_attention_with_cache_write, uses_fused_cache_write
 
@@ -23,9 +24,10 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
   Same constructor and parameter tree as `nnx.MultiHeadAttention` (weights of an
   existing layer or of a `RingMultiHeadAttention` load with `nnx.update`), plus
   keyword-only `mesh` / `head_axis` (kv heads sharded over a tensor axis: the op
-  then runs under `shard_map` over it), `sliding_window`, `logits_soft_cap`,
-  `implementation`, `block_sizes` and `interpret` (as for `paged_attention`), and
-  `checked`.  `decode` may be left out or True (the layer always samples from
+  then runs under `shard_map` over it), `local_window_size` (jax.nn's meaning, as
+  for `RingMultiHeadAttention`; the deprecated `sliding_window=w` is converted to
+  `(w - 1, 0)`), `logits_soft_cap`, `implementation`, `block_sizes` and
+  `interpret` (as for `paged_attention`), and `checked`.  `decode` may be left out or True (the layer always samples from
   its paged cache); decode=False raises.
 
   A step whose new tokens do not fit a sequence's cache slot (past
@@ -66,7 +68,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     *,
     mesh=None,
     head_axis=None,
-    sliding_window: int | None = None,
+    local_window_size=None,
     logits_soft_cap: float | None = None,
     implementation: str | None = None,
     block_sizes=None,
@@ -77,9 +79,11 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     out_kernel_metadata: Mapping = MappingProxyType({}),
     bias_metadata: Mapping = MappingProxyType({}),
     out_bias_metadata: Mapping = MappingProxyType({}),
+    sliding_window: int | None = None,
     **kwargs,
   ):
     check_keywords(type(self), kwargs)
+    local_window_size = paged_common.paged_window(local_window_size, sliding_window)
     if kwargs.pop("decode", None) is False:
       raise ValueError(
         "PagedMultiHeadAttention always samples from its paged cache (init_cache(...)); decode=False asks for a "
@@ -115,7 +119,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     )
     self.mesh = mesh
     self.head_axis = head_axis
-    self.sliding_window = sliding_window
+    self.local_window_size = local_window_size  # (left, right) or None
     self.logits_soft_cap = logits_soft_cap
     self.implementation = implementation
     self.block_sizes = block_sizes
@@ -233,7 +237,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
     options = dict(
-      sliding_window=self.sliding_window,
+      local_window_size=self.local_window_size,
       logits_soft_cap=self.logits_soft_cap,
       implementation=self.implementation,
       block_sizes=self.block_sizes,

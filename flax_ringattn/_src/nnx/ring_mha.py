@@ -20,6 +20,7 @@ from flax_ringattn._src.nnx.common import check_keywords, head_sharding_metadata
 from flax_ringattn._src.ring import strategies
 from flax_ringattn._src.ring.dense import masked_ring_attention
 from flax_ringattn._src.ring.op import check_mesh_lengths
+from flax_ringattn._src.ring.options import RingOptions
 
 _NO_DECODE = (
   "decode=True (autoregressive KV cache) is not supported by RingMultiHeadAttention; "
@@ -37,6 +38,19 @@ def _unsupported_call_options(*, sow_weights, bias=None, decode=False):
     )
   if decode:
     raise NotImplementedError(_NO_DECODE)
+
+
+def _ring_options(mesh, seq_axis, head_axis, batch_axis, **options) -> RingOptions:
+  """The layer's or factory's `RingOptions`: batch and head axes apply only with a mesh (inside the caller's own
+  shard_map the inputs are already the local shards)."""
+  on_mesh = mesh is not None
+  return RingOptions(
+    mesh=mesh,
+    axis_name=seq_axis,
+    batch_axis=batch_axis if on_mesh else None,
+    head_axis=head_axis if on_mesh else None,
+    **options,
+  )
 
 
 def _check_layout_options(cls_name, mesh, seq_axis, head_axis, batch_axis, strategy):
@@ -134,15 +148,22 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     self.seq_axis = seq_axis
     self.head_axis = head_axis
     self.batch_axis = batch_axis
-    self.load_balance = load_balance
-    self.strategy = strategy
-    self.implementation = implementation
-    self.block_sizes = block_sizes
-    self.interpret = interpret
-    self.local_window_size = local_window_size
-    self.logits_soft_cap = logits_soft_cap
-    self.scale = scale
-    self.check_mask = check_mask
+    # Everything the layer hands the op, built once (precision and dropout join per call).
+    self.ring_options = _ring_options(
+      mesh,
+      seq_axis,
+      head_axis,
+      batch_axis,
+      load_balance=load_balance,
+      strategy=strategy,
+      implementation=implementation,
+      block_sizes=block_sizes,
+      interpret=interpret,
+      local_window_size=local_window_size,
+      logits_soft_cap=logits_soft_cap,
+      scale=scale,
+      check_mask=check_mask,
+    )
 
   def _dropout_rng(self, deterministic, rngs):
     """The dropout key of this call, or None (the rules of nnx.MultiHeadAttention)."""
@@ -196,8 +217,8 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       self.seq_axis,
       inputs_q.shape[-2],
       inputs_k.shape[-2],
-      load_balance=self.load_balance,
-      strategy=self.strategy,
+      load_balance=self.ring_options.load_balance,
+      strategy=self.ring_options.strategy,
     )
     dropout_rng = self._dropout_rng(deterministic, rngs)
 
@@ -212,31 +233,13 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
 
-    x = masked_ring_attention(
-      query,
-      key,
-      value,
-      mask=mask,
+    options = self.ring_options.replace(
       is_causal=is_causal,
-      segment_ids=segment_ids,
-      local_window_size=self.local_window_size,
-      logits_soft_cap=self.logits_soft_cap,
-      scale=self.scale,
-      mesh=mesh,
-      axis_name=self.seq_axis,
-      load_balance=self.load_balance,
-      strategy=self.strategy,
-      implementation=self.implementation,
-      block_sizes=self.block_sizes,
-      batch_axis=self.batch_axis if mesh is not None else None,
-      head_axis=self.head_axis if mesh is not None else None,
       precision=self.precision,
-      interpret=self.interpret,
-      check_mask=self.check_mask,
       dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
-      dropout_rng=dropout_rng,
       broadcast_dropout=self.broadcast_dropout,
     )
+    x = masked_ring_attention(query, key, value, options, mask=mask, segment_ids=segment_ids, dropout_rng=dropout_rng)
     if out_sharding is None and mesh is not None and sharding.has_explicit_axes(mesh, seq):
       # Explicit axes: the out projection contracts the (possibly sharded)
       # heads, so say where the result lives.
@@ -275,6 +278,22 @@ def make_ring_attention_fn(
   """
   seq_axis = sharding.sequence_axis(mesh, seq_axis, arg="seq_axis")
   _check_layout_options("make_ring_attention_fn", mesh, seq_axis, head_axis, batch_axis, strategy)
+  factory = _ring_options(
+    mesh,
+    seq_axis,
+    head_axis,
+    batch_axis,
+    is_causal=is_causal,
+    load_balance=load_balance,
+    strategy=strategy,
+    implementation=implementation,
+    block_sizes=block_sizes,
+    interpret=interpret,
+    local_window_size=local_window_size,
+    logits_soft_cap=logits_soft_cap,
+    scale=scale,
+    check_mask=check_mask,
+  )
 
   def ring_attention_fn(
     query,
@@ -302,31 +321,13 @@ def make_ring_attention_fn(
     if use_dropout and dropout_rng is None:
       raise ValueError(f"{dropout_rate=} with deterministic=False needs a dropout_rng")
 
-    return masked_ring_attention(
-      query,
-      key,
-      value,
-      mask=mask,
-      is_causal=bool(is_causal or is_causal_default),
-      segment_ids=segment_ids,
-      local_window_size=local_window_size,
-      logits_soft_cap=logits_soft_cap,
-      scale=scale,
-      mesh=mesh,
-      axis_name=seq_axis,
-      load_balance=load_balance,
-      strategy=strategy,
-      implementation=implementation,
-      block_sizes=block_sizes,
-      batch_axis=batch_axis if mesh is not None else None,
-      head_axis=head_axis if mesh is not None else None,
+    options = factory.replace(
+      is_causal=bool(is_causal or factory.is_causal),
       precision=precision,
-      interpret=interpret,
-      check_mask=check_mask,
       dropout_rate=dropout_rate if use_dropout else 0.0,
-      dropout_rng=dropout_rng if use_dropout else None,
       broadcast_dropout=broadcast_dropout,
     )
+    rng = dropout_rng if use_dropout else None
+    return masked_ring_attention(query, key, value, options, mask=mask, segment_ids=segment_ids, dropout_rng=rng)
 
-  is_causal_default = is_causal
   return ring_attention_fn

@@ -26,8 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from flax_ringattn._src import paged_common as common
-from flax_ringattn._src import paged_metadata as metadata
+from flax_ringattn._src.paged import common, metadata
 from flax_ringattn._src.validation import all_concrete, check_bool
 
 

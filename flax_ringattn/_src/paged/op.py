@@ -1,27 +1,23 @@
 """`paged_attention`: ragged mixed prefill + decode attention over a paged KV cache.
 
-Public front end (validation, backend choice, opt-in dynamic checks) and the
-private differentiable core `_paged_attention` (custom_vjp).
+Public front end: validation, one options object (`AttentionSpec`), the implementation from the paged registry
+(`implementations.py`), opt-in dynamic checks (`checks.py`); differentiated by the one `flash` custom_vjp.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import checkify
 from jax.sharding import AxisType, PartitionSpec
 
-from flax_ringattn._src import backends, validation
-from flax_ringattn._src import paged_common as common
-from flax_ringattn._src.backends.pallas_tpu import paged as pallas_paged
-from flax_ringattn._src.backends.pallas_tpu import planner
-from flax_ringattn._src.backends.xla import paged as xla_paged
+from flax_ringattn._src import flash, masks, validation
 from flax_ringattn._src.block_sizes import BlockSizes
-
-_IMPLEMENTATIONS = ("pallas_tpu", "xla")
-DEFAULT_PAGED_BLOCKS = BlockSizes(block_q=16, block_kv=128)
+from flax_ringattn._src.options import AttentionSpec
+from flax_ringattn._src.paged import common
+from flax_ringattn._src.paged.checks import check_metadata
+from flax_ringattn._src.paged.implementations import PAGED
 
 
 def paged_attention(
@@ -33,7 +29,7 @@ def paged_attention(
   cu_q_lens,
   num_seqs,
   *,
-  sliding_window: int | None = None,
+  local_window_size=None,
   logits_soft_cap: float | None = None,
   scale: float | None = None,
   k_scale=None,
@@ -42,6 +38,7 @@ def paged_attention(
   block_sizes: BlockSizes | None = None,
   checked: bool = False,
   interpret=None,
+  sliding_window: int | None = None,
 ):
   """Attention of a ragged batch of new tokens over their sequences' paged KV cache.
 
@@ -55,7 +52,10 @@ def paged_attention(
     page_indices: [S, pages_per_seq] page ids of each sequence, in order.
     cu_q_lens: [S + 1] sequence i owns rows cu_q_lens[i] .. cu_q_lens[i+1]-1.
     num_seqs: [1] sequences in use (dynamic: no recompilation).
-    sliding_window: each token sees at most this many tokens, itself included.
+    local_window_size: int w or (left, right), as in `jax.nn.dot_product_attention`:
+      a token at position i sees the cached tokens in [i - left, i] (paged
+      attention is causal, so `right` changes nothing).  Gemma's
+      "sliding window of W tokens" is local_window_size=(W - 1, 0).
     logits_soft_cap: c > 0: logits become c * tanh(logits / c).
     scale: logit scale, default H ** -0.5.
     k_scale, v_scale: Python floats, or float arrays of shape () or [P, K] (per
@@ -64,8 +64,9 @@ def paged_attention(
       of the enclosing jit (a new value retraces); pass an array to change the
       value without recompiling.
     implementation: "pallas_tpu" (the ragged paged Pallas TPU kernel,
-      `_src/backends/pallas_tpu/paged.py`), "xla" (portable), or None: the
-      TPU kernel on a TPU when it supports the call, else XLA.
+      `_src/backends/pallas_tpu/paged/`), "xla" (portable), or None: the
+      TPU kernel on a TPU when it supports the call, else XLA
+      (`available_implementations(op="paged")`).
     block_sizes: `BlockSizes(block_q=rows per chunk, block_kv=kv tokens per
       step, a multiple of page_size)`.  None: (16, 128) on XLA; on pallas_tpu
       `plan_paged_block_sizes`, which fits both kernels in the chip's VMEM.
@@ -79,14 +80,17 @@ def paged_attention(
       under `jit`, bad metadata can still never make a sequence read outside
       its own pages: such slots are masked.
     interpret: run the pallas_tpu kernel in Pallas TPU interpret mode (on CPU):
-      True or a `jax.experimental.pallas.tpu.InterpretParams`.  Implies
-      implementation="pallas_tpu" when implementation is None.
+      True or a `jax.experimental.pallas.tpu.InterpretParams`, with
+      implementation="pallas_tpu" (without an implementation it still picks
+      pallas_tpu, with a DeprecationWarning).
+    sliding_window: deprecated (warns once): each token sees at most this many
+      tokens, itself included; the same as local_window_size=(sliding_window - 1, 0).
 
   Returns:
     [T, N, H] in q.dtype.  Differentiable in q, k_pages and v_pages (gradients
     are scatter-added into the pages each sequence reads).
   """
-  spec, k_scale, v_scale = _spec_for(
+  call = _prepare(
     q,
     k_pages,
     v_pages,
@@ -96,27 +100,25 @@ def paged_attention(
     num_seqs,
     k_scale,
     v_scale,
+    local_window_size=local_window_size,
     sliding_window=sliding_window,
     logits_soft_cap=logits_soft_cap,
     scale=scale,
     implementation=implementation,
     block_sizes=block_sizes,
-    checked=checked,
     interpret=interpret,
   )
-  T, P, ps = q.shape[0], k_pages.shape[0], k_pages.shape[1]
-  kv_lens, page_indices, cu_q_lens, num_seqs = (
-    jnp.asarray(x, jnp.int32) for x in (kv_lens, page_indices, cu_q_lens, num_seqs)
-  )
-  check_metadata(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps, checked=checked)
-  args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
+  validation.check_bool("checked", checked)
+  check_metadata(*call.metadata, q.shape[0], k_pages.shape[0], k_pages.shape[1], checked=checked)
+  args = (q, k_pages, v_pages, *call.metadata, call.k_scale, call.v_scale)
+  kernel = PagedKernel(spec=call.spec, backend=call.backend)
   mesh = _explicit_mesh(args)
   if mesh is None:
-    return _paged_attention(*args, spec)
+    return flash.flash(kernel, *args)
   # Arrays typed on an Explicit mesh (e.g. replicated parameters' outputs): the
   # op works per device, so run it as a replicated shard_map over that mesh.
   return jax.shard_map(
-    lambda *a: _paged_attention(*a, spec),
+    lambda *a: flash.flash(kernel, *a),
     mesh=mesh,
     in_specs=PartitionSpec(),
     out_specs=PartitionSpec(),
@@ -124,7 +126,16 @@ def paged_attention(
   )(*args)
 
 
-def _spec_for(
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  spec: AttentionSpec
+  backend: object
+  k_scale: object
+  v_scale: object
+  metadata: tuple  # (kv_lens, page_indices, cu_q_lens, num_seqs) as int32 arrays
+
+
+def _prepare(
   q,
   k_pages,
   v_pages,
@@ -135,39 +146,37 @@ def _spec_for(
   k_scale,
   v_scale,
   *,
+  local_window_size,
   sliding_window,
   logits_soft_cap,
   scale,
   implementation,
   block_sizes,
-  checked,
   interpret,
-):
-  """Static validation and backend choice: (PagedSpec, k_scale, v_scale as arrays)."""
+) -> _Call:
+  """Static validation, the implementation and the options object of one paged call."""
   k_scale, v_scale = common.normalize_scales(k_scale, v_scale)
   T, N, H, P, ps, K, S, pps = common.check_paged_inputs(
     q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale
   )
-  if implementation is not None and implementation not in _IMPLEMENTATIONS:
-    raise ValueError(f"unknown {implementation=} for paged_attention; available: {_IMPLEMENTATIONS}")
+  window = common.paged_window(local_window_size, sliding_window)
+  cap = validation.check_soft_cap(logits_soft_cap)
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise TypeError(f"block_sizes must be a flax_ringattn.BlockSizes, got {type(block_sizes).__name__}")
   if block_sizes is not None and block_sizes.block_kv % ps and ps % block_sizes.block_kv:
     raise ValueError(f"block_sizes.block_kv={block_sizes.block_kv} must be a multiple of page_size={ps}")
-  implementation, interpret, blocks = _choose_backend(
-    implementation, interpret, block_sizes, q, k_pages, k_scale, v_scale, pps, logits_soft_cap
-  )
-  spec = common.PagedSpec(
+  shape = dict(q=q, k_pages=k_pages, k_scale=k_scale, v_scale=v_scale, pages_per_seq=pps, logits_soft_cap=cap)
+  backend = PAGED.select(implementation, interpret=interpret, block_sizes=block_sizes, **shape).backend
+  blocks = backend.blocks(block_sizes=block_sizes, **shape)
+  pages_per_block = max(1, min(blocks.block_kv // ps, pps))
+  spec = AttentionSpec(
+    mask=masks.MaskSpec(is_causal=True, window=window),
     scale=validation.check_scale(scale, H),
-    logits_soft_cap=validation.check_soft_cap(logits_soft_cap),
-    sliding_window=common.check_sliding_window(sliding_window),
-    block_q=min(blocks.block_q, T),
-    pages_per_block=max(1, min(blocks.block_kv // ps, pps)),
-    checked=validation.check_bool("checked", checked),
-    implementation=implementation,
-    interpret=interpret,
+    logits_soft_cap=cap,
+    block_sizes=BlockSizes(block_q=min(blocks.block_q, T), block_kv=pages_per_block * ps),
   )
-  return spec, k_scale, v_scale
+  metadata = tuple(jnp.asarray(x, jnp.int32) for x in (kv_lens, page_indices, cu_q_lens, num_seqs))
+  return _Call(spec, backend, k_scale, v_scale, metadata)
 
 
 def uses_fused_cache_write(
@@ -181,6 +190,7 @@ def uses_fused_cache_write(
   *,
   k_scale=None,
   v_scale=None,
+  local_window_size=None,
   sliding_window=None,
   logits_soft_cap=None,
   scale=None,
@@ -189,7 +199,7 @@ def uses_fused_cache_write(
   interpret=None,
 ):
   """Whether `paged_attention_with_cache_write` runs for these arguments (pallas_tpu, per-token scales)."""
-  spec, k_scale, v_scale = _spec_for(
+  call = _prepare(
     q,
     k_pages,
     v_pages,
@@ -199,20 +209,21 @@ def uses_fused_cache_write(
     num_seqs,
     k_scale,
     v_scale,
+    local_window_size=local_window_size,
     sliding_window=sliding_window,
     logits_soft_cap=logits_soft_cap,
     scale=scale,
     implementation=implementation,
     block_sizes=block_sizes,
-    checked=False,
     interpret=interpret,
   )
-  return _fused_write_runs(spec, k_scale, v_scale)
+  return _fused_write_runs(call)
 
 
-def _fused_write_runs(spec, k_scale, v_scale) -> bool:
-  """The fused write needs the pallas_tpu kernel and per-token ([P, page_size, K]) scales, or none."""
-  return spec.implementation == "pallas_tpu" and all(x is None or x.ndim == 3 for x in (k_scale, v_scale))
+def _fused_write_runs(call: _Call) -> bool:
+  """The fused write needs an implementation that has one and per-token ([P, page_size, K]) scales, or none."""
+  per_token = all(x is None or x.ndim == 3 for x in (call.k_scale, call.v_scale))
+  return getattr(call.backend, "fused_cache_write", False) and per_token
 
 
 def paged_attention_with_cache_write(
@@ -230,6 +241,7 @@ def paged_attention_with_cache_write(
   v_scale=None,
   k_new_scale=None,
   v_new_scale=None,
+  local_window_size=None,
   sliding_window=None,
   logits_soft_cap=None,
   scale=None,
@@ -246,7 +258,7 @@ def paged_attention_with_cache_write(
   with the new tokens written in the same launch (buffers aliased: donate them to update in place).  Serving
   only: not differentiable.  `checked` as for `paged_attention`.
   """
-  spec, k_scale, v_scale = _spec_for(
+  call = _prepare(
     q,
     k_pages,
     v_pages,
@@ -256,71 +268,64 @@ def paged_attention_with_cache_write(
     num_seqs,
     k_scale,
     v_scale,
+    local_window_size=local_window_size,
     sliding_window=sliding_window,
     logits_soft_cap=logits_soft_cap,
     scale=scale,
     implementation=implementation,
     block_sizes=block_sizes,
-    checked=False,
     interpret=interpret,
   )
-  if not _fused_write_runs(spec, k_scale, v_scale):
+  if not _fused_write_runs(call):
     return None
-  kv_lens, page_indices, cu_q_lens, num_seqs = (
-    jnp.asarray(x, jnp.int32) for x in (kv_lens, page_indices, cu_q_lens, num_seqs)
-  )
-  check_metadata(
-    kv_lens, page_indices, cu_q_lens, num_seqs, q.shape[0], k_pages.shape[0], k_pages.shape[1], checked=checked
-  )
-  return pallas_paged.paged_fwd_write(
-    q,
-    k_new,
-    v_new,
-    k_pages,
-    v_pages,
-    kv_lens,
-    page_indices,
-    cu_q_lens,
-    num_seqs,
-    k_scale,
-    v_scale,
-    k_new_scale,
-    v_new_scale,
-    spec=spec,
-    interpret=spec.interpret,
-  )
+  check_metadata(*call.metadata, q.shape[0], k_pages.shape[0], k_pages.shape[1], checked=checked)
+  new = (k_new, v_new, k_pages, v_pages, *call.metadata, call.k_scale, call.v_scale, k_new_scale, v_new_scale)
+  return call.backend.fwd_write(q, *new, spec=call.spec)
 
 
-def _choose_backend(implementation, interpret, block_sizes, q, k_pages, k_scale, v_scale, pps, soft_cap):
-  """(implementation, interpret, blocks) with the ring's rules: `interpret` implies pallas_tpu; pallas_tpu off
-  TPU without `interpret` raises NotImplementedError; None picks pallas_tpu on a TPU when it supports the call.
+@dataclasses.dataclass(frozen=True)
+class PagedKernel:
+  """Paged attention as a `flash.FlashKernel`: operands (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
+  num_seqs, k_scale, v_scale); o [T, N, H], lse [T, N]."""
 
-  Blocks: `block_sizes`, else the planner's choice for the TPU kernel, else DEFAULT_PAGED_BLOCKS.
-  """
-  # The block backends' registry applies those rules (and their errors) once for both ops.
-  backend = backends.get_backend(
-    implementation, dtype=q.dtype, spec=None, shapes=None, interpret=interpret, preference=_IMPLEMENTATIONS
-  )
-  if backend.name != "pallas_tpu":
-    return backend.name, None, DEFAULT_PAGED_BLOCKS if block_sizes is None else block_sizes
-  T, N, H = q.shape
-  _, ps, K, _ = k_pages.shape
-  try:
-    blocks = block_sizes
-    if blocks is None:
-      rows = tuple(0 if x is None else (1 if x.ndim < 3 else ps) for x in (k_scale, v_scale))
-      try:
-        blocks = planner.plan_paged_block_sizes(
-          T, ps, pps, N, K, H, q.dtype, k_pages.dtype, scale_rows=rows, soft_cap=soft_cap is not None
-        )
-      except ValueError as e:
-        raise NotImplementedError(str(e)) from None
-    pallas_paged.check_supported(q, k_pages, block_q=blocks.block_q, pages_per_block=max(1, blocks.block_kv // ps))
-  except NotImplementedError:
-    if implementation is None and interpret is None:  # chosen automatically: the portable backend instead
-      return "xla", None, DEFAULT_PAGED_BLOCKS if block_sizes is None else block_sizes
-    raise
-  return "pallas_tpu", backend.interpret, blocks
+  spec: AttentionSpec
+  backend: object
+
+  @staticmethod
+  def rows_to_lse(rows):
+    return rows  # [T, N] both
+
+  def forward(self, *operands):
+    return self.backend.fwd(*operands, spec=self.spec)
+
+  def backward(self, operands, lse, do, delta):
+    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale = operands
+    dq, dk, dv = self.backend.bwd(*operands, lse, do, delta, spec=self.spec)
+    return (
+      dq.astype(q.dtype),
+      _page_cotangent(dk, k_pages),
+      _page_cotangent(dv, v_pages),
+      None,
+      None,
+      None,
+      None,
+      _zero_cotangent(k_scale),
+      _zero_cotangent(v_scale),
+    )
+
+
+def _zero_cotangent(x):
+  if x is None:
+    return None
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    return jnp.zeros_like(x)
+  return jnp.zeros(x.shape, jax.dtypes.float0)
+
+
+def _page_cotangent(g, pages):
+  if jnp.issubdtype(pages.dtype, jnp.floating):
+    return g.astype(pages.dtype)
+  return jnp.zeros(pages.shape, jax.dtypes.float0)  # int8 pages: not differentiable
 
 
 def _explicit_mesh(args):
@@ -339,148 +344,3 @@ def _explicit_mesh(args):
       )
     mesh = m
   return mesh
-
-
-def _metadata_problems(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps):
-  """The value checks of the ragged batch's metadata: [(bad, message, values)], each `bad` a bool scalar and
-  `values` the scalars its message names (the first offending slot or position).  Only live entries count:
-  the first num_seqs + 1 of cu_q_lens, the first num_seqs slots, the pages a slot's kv_lens uses."""
-  S, pps = page_indices.shape
-  i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
-  first = lambda m: jnp.argmax(m.reshape(-1)).astype(jnp.int32)  # noqa: E731
-  n = num_seqs[0]
-  live = jnp.arange(S) < n
-  problems = [
-    (
-      (n < 0) | (n > S),
-      "num_seqs={n} must be in [0, max_num_seqs={S}] (page_indices.shape[0])",
-      dict(n=n, S=i32(S)),
-    ),
-    (cu_q_lens[0] != 0, "cu_q_lens[0]={c0} must be 0 (the first sequence starts at row 0)", dict(c0=cu_q_lens[0])),
-  ]
-  down = live & (cu_q_lens[1:] < cu_q_lens[:-1])
-  i = first(down)
-  problems.append(
-    (
-      jnp.any(down),
-      "cu_q_lens must be non-decreasing over its first num_seqs + 1 entries: cu_q_lens[{i}]={a} > cu_q_lens[{j}]={b}",
-      dict(i=i, a=cu_q_lens[i], j=i + 1, b=cu_q_lens[i + 1]),
-    )
-  )
-  total = cu_q_lens[jnp.clip(n, 0, S)]
-  problems.append(
-    (
-      total > T,
-      "the batch has {total} new tokens (cu_q_lens[num_seqs={n}]), more than max_num_batched_tokens={T} (q.shape[0])",
-      dict(total=total, n=n, T=i32(T)),
-    )
-  )
-  negative = live & (kv_lens < 0)
-  s = first(negative)
-  problems.append((jnp.any(negative), "kv_lens[{s}]={kv} must be >= 0", dict(s=s, kv=kv_lens[s])))
-  q_lens = jnp.where(live, cu_q_lens[1:] - cu_q_lens[:-1], 0)
-  over = live & (q_lens > kv_lens)
-  s = first(over)
-  problems.append(
-    (
-      jnp.any(over),
-      "slot {s} has {q} new tokens (cu_q_lens[{s1}] - cu_q_lens[{s}]) but kv_lens[{s}]={kv}: kv_lens must count "
-      "the new tokens too",
-      dict(s=s, q=q_lens[s], s1=s + 1, kv=kv_lens[s]),
-    )
-  )
-  long = live & (kv_lens > pps * ps)
-  s = first(long)
-  problems.append(
-    (
-      jnp.any(long),
-      "kv_lens[{s}]={kv} exceeds the slot's pages: pages_per_seq * page_size = {pps} * {ps} = {cap}",
-      dict(s=s, kv=kv_lens[s], pps=i32(pps), ps=i32(ps), cap=i32(pps * ps)),
-    )
-  )
-  used = (jnp.arange(pps)[None] * ps < kv_lens[:, None]) & live[:, None]
-  bad = used & ((page_indices < 0) | (page_indices >= P))
-  k = first(bad)
-  s, j = k // pps, k % pps
-  problems.append(
-    (
-      jnp.any(bad),
-      "page_indices[{s}, {j}]={p} is out of range [0, {P}) (k_pages.shape[0]); slot {s} uses its first {u} "
-      "pages (kv_lens[{s}]={kv}, page_size={ps})",
-      dict(s=s, j=j, p=page_indices[s, j], P=i32(P), u=(kv_lens[s] + ps - 1) // ps, kv=kv_lens[s], ps=i32(ps)),
-    )
-  )
-  return problems
-
-
-def check_metadata(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps, *, checked: bool):
-  """Validates the metadata's values: eagerly (ValueError) when every array is concrete, which costs jitted
-  calls nothing; under a trace, as `checkify` checks when `checked`."""
-  arrays = (kv_lens, page_indices, cu_q_lens, num_seqs)
-  concrete = validation.all_concrete(*arrays)
-  if not concrete and not checked:
-    return
-  for bad, message, values in _metadata_problems(*arrays, T, P, ps):
-    if concrete:
-      if bool(bad):
-        raise ValueError("paged_attention: " + message.format(**{k: int(v) for k, v in values.items()}))
-    else:
-      checkify.check(~bad, "paged_attention: " + message, **values)
-
-
-def _backend_fwd(*args, spec):
-  if spec.implementation == "pallas_tpu":
-    return pallas_paged.paged_fwd(*args, spec=spec, interpret=spec.interpret)
-  return xla_paged.paged_fwd(*args, spec=spec)
-
-
-def _backend_bwd(*args, spec):
-  if spec.implementation == "pallas_tpu":
-    return pallas_paged.paged_bwd(*args, spec=spec, interpret=spec.interpret)
-  return xla_paged.paged_bwd(*args, spec=spec)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
-def _paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, spec):
-  out, _ = _backend_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, spec=spec)
-  return out
-
-
-def _paged_attention_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, spec):
-  out, lse = _backend_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, spec=spec)
-  return out, (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, out, lse)
-
-
-def _zero_cotangent(x):
-  if x is None:
-    return None
-  if jnp.issubdtype(x.dtype, jnp.floating):
-    return jnp.zeros_like(x)
-  return jnp.zeros(x.shape, jax.dtypes.float0)
-
-
-def _paged_attention_bwd(spec, res, do):
-  q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, out, lse = res
-  dq, dk, dv = _backend_bwd(
-    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, out, lse, do, spec=spec
-  )
-
-  def page_cotangent(g, pages):
-    if jnp.issubdtype(pages.dtype, jnp.floating):
-      return g.astype(pages.dtype)
-    return jnp.zeros(pages.shape, jax.dtypes.float0)  # int8 pages: not differentiable
-
-  return (
-    dq.astype(q.dtype),
-    page_cotangent(dk, k_pages),
-    page_cotangent(dv, v_pages),
-    None,
-    None,
-    None,
-    None,
-    _zero_cotangent(k_scale),
-    _zero_cotangent(v_scale),
-  )
-
-
-_paged_attention.defvjp(_paged_attention_fwd, _paged_attention_bwd)

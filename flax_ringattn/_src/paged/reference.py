@@ -9,9 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flax_ringattn._src import paged_common as common
-from flax_ringattn._src import paged_metadata as metadata
 from flax_ringattn._src import validation
+from flax_ringattn._src.paged import common, metadata
 
 
 def paged_reference_attention(
@@ -23,11 +22,12 @@ def paged_reference_attention(
   cu_q_lens,
   num_seqs,
   *,
-  sliding_window=None,
+  local_window_size=None,
   logits_soft_cap=None,
   scale=None,
   k_scale=None,
   v_scale=None,
+  sliding_window=None,
 ):
   """Same arguments and result as `paged_attention`; rows past the batch are 0."""
   k_scale, v_scale = common.normalize_scales(k_scale, v_scale)
@@ -36,7 +36,7 @@ def paged_reference_attention(
   )
   scale = validation.check_scale(scale, H)
   cap = validation.check_soft_cap(logits_soft_cap)
-  window = common.check_sliding_window(sliding_window)
+  window = common.paged_window(local_window_size, sliding_window)
   G, L = N // K, pps * ps
 
   seq, start, valid = metadata.token_owner(cu_q_lens, num_seqs, T)
@@ -60,7 +60,7 @@ def paged_reference_attention(
     s = cap * jnp.tanh(s / cap)
   mask = kv_ok[seq] & (kv_pos[None] <= pos[:, None]) & valid[:, None]
   if window is not None:
-    mask = mask & (kv_pos[None] > pos[:, None] - window)
+    mask = mask & (kv_pos[None] >= pos[:, None] - window[0])
   s = jnp.where(mask[:, None, None], s, -jnp.inf)
   m = jax.lax.stop_gradient(s.max(-1, keepdims=True))
   m = jnp.where(jnp.isneginf(m), 0.0, m)

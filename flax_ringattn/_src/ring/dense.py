@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from flax_ringattn._src import masks, sharding, validation
 from flax_ringattn._src.ring.op import ring_attention
+from flax_ringattn._src.ring.options import RingOptions
 
 # An additive bias entry at or below this hides its key (exp underflows to exactly 0 in every float type).
 BIAS_MASKED = -1e6
@@ -208,19 +209,13 @@ def dot_product_attention(
   if bias is not None:
     mask, also_exact = bias_as_mask(as_four_dims(bias, "bias"))
   mesh = context_mesh(mesh, axis_name)
-  return masked_ring_attention(
-    q,
-    k,
-    v,
-    mask=None if mask is None else as_four_dims(mask, "mask"),
-    also_exact=also_exact,
-    is_causal=is_causal,
-    segment_ids=segment_ids,
-    scale=scale,
-    logits_soft_cap=logits_soft_cap,
-    local_window_size=local_window_size,
-    mesh=mesh,
+  options = RingOptions(
     axis_name=axis_name,
+    mesh=mesh,
+    is_causal=is_causal,
+    local_window_size=local_window_size,
+    logits_soft_cap=logits_soft_cap,
+    scale=scale,
     load_balance=load_balance,
     strategy=strategy,
     implementation=implementation,
@@ -231,41 +226,18 @@ def dot_product_attention(
     interpret=interpret,
     check_mask=check_mask,
   )
+  mask = None if mask is None else as_four_dims(mask, "mask")
+  return masked_ring_attention(q, k, v, options, mask=mask, also_exact=also_exact, segment_ids=segment_ids)
 
 
-def masked_ring_attention(
-  q,
-  k,
-  v,
-  *,
-  mask,
-  also_exact=None,
-  is_causal=False,
-  segment_ids=None,
-  scale=None,
-  logits_soft_cap=None,
-  local_window_size=None,
-  mesh=None,
-  axis_name=None,
-  load_balance=False,
-  strategy="ring",
-  implementation=None,
-  block_sizes=None,
-  batch_axis=None,
-  head_axis=None,
-  precision=None,
-  interpret=None,
-  check_mask=True,
-  dropout_rate=0.0,
-  dropout_rng=None,
-  broadcast_dropout=True,
-):
-  """`ring_attention` with a dense 4-D boolean mask (or None) recovered into its structure (see
+def masked_ring_attention(q, k, v, options: RingOptions, *, mask, also_exact=None, segment_ids=None, dropout_rng=None):
+  """`ring_attention` with `options`, and a dense 4-D boolean mask (or None) recovered into its structure (see
   `dense_mask_options`; the recovery must also satisfy `also_exact`), the output poisoned with NaN when a
   traced mask is outside the family.  The one path of the layers, `make_ring_attention_fn`, `convert`'s
   hand-written sites and `dot_product_attention`."""
-  axis_name = sharding.sequence_axis(mesh, axis_name, arg="axis_name")
-  causal, exact = is_causal, None
+  axis_name = sharding.sequence_axis(options.mesh, options.axis_name, arg="axis_name")
+  options = options.replace(axis_name=axis_name)
+  causal, exact = options.is_causal, None
   if mask is not None:
     B, T, N = q.shape[0], q.shape[1], q.shape[2]
     causal, segment_ids, exact = dense_mask_options(
@@ -274,36 +246,15 @@ def masked_ring_attention(
       N=N,
       T=T,
       S=k.shape[1],
-      is_causal=is_causal,
+      is_causal=options.is_causal,
       segment_ids=segment_ids,
-      checked=check_mask,
-      local_window_size=local_window_size,
+      checked=options.check_mask,
+      local_window_size=options.local_window_size,
       also_exact=also_exact,
     )
 
   def attend(is_causal):
-    return ring_attention(
-      q,
-      k,
-      v,
-      axis_name=axis_name,
-      mesh=mesh,
-      is_causal=is_causal,
-      segment_ids=segment_ids,
-      local_window_size=local_window_size,
-      logits_soft_cap=logits_soft_cap,
-      scale=scale,
-      load_balance=load_balance,
-      strategy=strategy,
-      implementation=implementation,
-      block_sizes=block_sizes,
-      batch_axis=batch_axis,
-      head_axis=head_axis,
-      precision=precision,
-      interpret=interpret,
-      dropout_rate=dropout_rate,
-      dropout_rng=dropout_rng,
-      broadcast_dropout=broadcast_dropout,
-    )
+    kwargs = options.replace(is_causal=is_causal).ring_kwargs()
+    return ring_attention(q, k, v, segment_ids=segment_ids, dropout_rng=dropout_rng, **kwargs)
 
   return poison_unless(exact, call_with_mask_structure(attend, causal))

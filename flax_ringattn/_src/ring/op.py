@@ -10,11 +10,12 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-from flax_ringattn._src import backends, layout, masks, sharding, validation
+from flax_ringattn._src import debug as debug_lib
 from flax_ringattn._src import dropout as dropout_lib
-from flax_ringattn._src.backends.base import AttentionSpec
+from flax_ringattn._src import flash, layout, masks, sharding, validation
 from flax_ringattn._src.block_sizes import BlockSizes
-from flax_ringattn._src.ring import strategies
+from flax_ringattn._src.options import AttentionSpec, ProblemShape
+from flax_ringattn._src.ring import implementations, strategies
 from flax_ringattn._src.ring.ring_loop import RingConfig, ring_attention_local
 
 
@@ -69,8 +70,11 @@ def ring_attention(
     scale: logit scale, default H ** -0.5.
     load_balance: the sequence is in zigzag order (see `zigzag_order`); every
       device then does the same causal work.
-    implementation: block backend name (see `available_implementations()`), or
-      None for the best available.
+    implementation: "pallas_tpu", "pallas_gpu", "xla", the alias
+      "pallas_tpu_ring" (pallas_tpu running the ring strategy as its fused
+      in-kernel ring), or None: the first of `available_implementations()`
+      that supports the call (on a TPU, the fused ring where its planner fits
+      the shards).
     block_sizes: `BlockSizes` tiles for the block kernels; None lets the
       backend choose (XLA: 512 q x 128 kv, tuned on CPU).
     batch_axis, head_axis: mesh axes the batch and heads are sharded over (only
@@ -78,10 +82,10 @@ def ring_attention(
     precision: matmul precision of the block matmuls (`jax.lax.Precision`).
     interpret: run the `pallas_tpu` or `pallas_tpu_ring` kernels in Pallas TPU
       interpret mode (on CPU): True, or a
-      `jax.experimental.pallas.tpu.InterpretParams`.  Implies
-      implementation="pallas_tpu" when implementation is None.  With
+      `jax.experimental.pallas.tpu.InterpretParams`; with
       implementation="pallas_gpu", True runs the GPU kernels in Pallas's
-      generic interpreter (on CPU).
+      generic interpreter (on CPU).  Pass the implementation with it: without
+      one it still picks "pallas_tpu" and warns once (deprecated).
     strategy: how the sequence shards meet (see "choosing a strategy" in the
       README): "ring" (K/V rotate, memory O(T / n)), "ulysses" (all-to-all
       to head shards, needs N % n == 0), "all_gather" (K/V gathered, q stays
@@ -122,9 +126,10 @@ def ring_attention(
     precision=precision,
     dropout_rate=rate,
     dropout_broadcast=broadcast_dropout,
+    debug=debug_lib.current(),
   )
   # Resolve the backend now so that a bad name fails here, not deep in tracing.
-  backend = backends.get_backend(
+  choice = implementations.select(
     implementation, dtype=q.dtype, spec=spec, shapes=(q.shape, k.shape), interpret=interpret
   )
 
@@ -142,9 +147,8 @@ def ring_attention(
       head_axis,
       load_balance,
       spec,
-      backend,
+      choice,
       strategy,
-      implementation,
     )
 
   if batch_axis is not None or head_axis is not None:
@@ -167,42 +171,39 @@ def ring_attention(
     n = 1
   _check_shard_lengths(T, S, n, load_balance, local=True, axis_name=axis_name, strategy=strategy)
   # q, k are the local shards here: split by 1, on a ring of n
-  backend = _fit_to_shard(backend, implementation, spec, q, k, 1, strategy, ring_size=n)
+  fused = use_fused_ring(choice, spec, q, k, 1, strategy, ring_size=n)
   # Inside the caller's shard_map only the ring axis is known: batch and heads count as global here (shard
   # them yourself and dropout masks repeat).
-  return _local_fn(axis_name, load_balance, spec, backend, strategy)(q, k, v, q_seg, kv_seg, drop)
+  return _local_fn(axis_name, load_balance, spec, choice.backend, strategy, fused)(q, k, v, q_seg, kv_seg, drop)
 
 
-def _fit_to_shard(backend, implementation, spec, q, k, n, strategy="ring", *, ring_size=None):
-  """implementation=None picks the in-kernel ring (on a TPU, never in interpret mode) only for the ring strategy
-  and where its planner finds slots and tiles for shards of q [B, T / n, ...] and k [B, S / n, ...]
-  (`planner.ring_fits`: VMEM slots, or HBM slots with only tiles in VMEM); else the block-kernel ring."""
-  if backend.name != "pallas_tpu_ring":
-    return backend
-  if strategy != "ring":
-    if implementation is not None:
+def use_fused_ring(choice, spec, q, k, n, strategy="ring", *, ring_size=None) -> bool:
+  """Whether the ring strategy runs as the backend's fused in-kernel ring: always when the call asked for it
+  (`implementation="pallas_tpu_ring"`), and with implementation=None where the backend has one, compiles for its
+  chip (never in interpret mode) and its planner finds slots and tiles for shards of q [B, T / n, ...] and
+  k [B, S / n, ...] (VMEM slots, or HBM slots with only tiles in VMEM)."""
+  if choice.option("fused"):
+    if strategy != "ring":
       raise NotImplementedError(
-        f"implementation='pallas_tpu_ring' is the ring strategy inside one kernel; strategy={strategy!r} needs "
+        f"implementation={choice.requested!r} is the ring strategy inside one kernel; strategy={strategy!r} needs "
         "block kernels: use implementation='pallas_tpu' (or None)"
       )
-    return backends.get_backend("pallas_tpu", dtype=q.dtype, spec=spec, shapes=(q.shape, k.shape))
-  if implementation is not None:
-    return backend
-  B, T, N, H = q.shape
-  S, K = k.shape[1], k.shape[2]
-  ring = n if ring_size is None else ring_size
-  if backend.fits(T=T // n, S=S // n, N=N, K=K, H=H, dtype=q.dtype, spec=spec, n=ring):
-    return backend
-  return backends.get_backend("pallas_tpu", dtype=q.dtype, spec=spec, shapes=(q.shape, k.shape))
+    return True
+  backend = choice.backend
+  if choice.requested is not None or strategy != "ring" or not hasattr(backend, "fused_ring"):
+    return False
+  if backend.interpret is not None:
+    return False
+  shape = ProblemShape.of(q.shape, k.shape, q.dtype, spec, split=n)
+  return backend.fused_ring_fits(shape, n=n if ring_size is None else ring_size)
 
 
-def _local_fn(axis_name, load_balance, spec, backend, strategy):
-  """The per-device attention: the backend's own in-kernel ring if it has one, else the strategy on the block
-  contract (the portable ring loop for strategy="ring")."""
-  if hasattr(backend, "ring_local") and strategy == "ring":
-    return lambda q, k, v, qs, ks, drop: backend.ring_local(
-      q, k, v, qs, ks, drop, axis_name=axis_name, load_balance=load_balance, spec=spec
-    )
+def _local_fn(axis_name, load_balance, spec, backend, strategy, fused):
+  """The per-device attention: the backend's fused in-kernel ring, or the strategy on the block contract (the
+  portable ring loop for strategy="ring"); every one of them differentiated by the one `flash` custom_vjp."""
+  if fused:
+    kernel = backend.fused_ring(axis_name=axis_name, load_balance=load_balance, spec=spec)
+    return lambda q, k, v, qs, ks, drop: flash.flash(kernel, q, k, v, qs, ks, drop)
   cfg = RingConfig(axis_name=axis_name, load_balance=load_balance, spec=spec, backend=backend)
   if strategy == "ring":
     return lambda q, k, v, qs, ks, drop: ring_attention_local(q, k, v, qs, ks, cfg, drop)
@@ -249,9 +250,8 @@ def _ring_on_mesh(
   head_axis,
   load_balance,
   spec,
-  backend,
+  choice,
   strategy,
-  implementation,
 ):
   if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -283,8 +283,8 @@ def _ring_on_mesh(
 
   x_spec = P(batch_axis, axis_name, head_axis, None)
   seg_spec = P(batch_axis, axis_name)
-  backend = _fit_to_shard(backend, implementation, spec, q, k, n, strategy)
-  local_fn = _local_fn(axis_name, load_balance, spec, backend, strategy)
+  fused = use_fused_ring(choice, spec, q, k, n, strategy)
+  local_fn = _local_fn(axis_name, load_balance, spec, choice.backend, strategy, fused)
   q, k, v = (sharding.constrain(x, mesh, x_spec) for x in (q, k, v))
   if q_seg is not None:
     q_seg, kv_seg = (sharding.constrain(x, mesh, seg_spec) for x in (q_seg, kv_seg))

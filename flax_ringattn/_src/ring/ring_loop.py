@@ -1,4 +1,4 @@
-"""The ring: hops, K/V rotation, online-softmax merge and its custom_vjp.
+"""The ring: hops, K/V rotation and the online-softmax merge (differentiated by the one `flash` custom_vjp).
 
 Runs per device inside `jax.shard_map` (or on one device with axis_name=None).
 It is written once for every block backend: a hop hands one (q shard, kv shard)
@@ -31,12 +31,11 @@ operand (seed and global batch / head offsets) stays on its device.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
-from flax_ringattn._src import layout, masks, vma
+from flax_ringattn._src import flash, layout, masks, vma
 from flax_ringattn._src.backends.base import AttentionSpec, BlockBackend
 from flax_ringattn._src.layout import gathered_positions
 
@@ -45,7 +44,7 @@ F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RingConfig:
-  """Static configuration of one ring call (hashable: a custom_vjp nondiff arg)."""
+  """Static configuration of one ring call (hashable: part of the `flash` custom_vjp's nondiff kernel)."""
 
   axis_name: object  # bound mesh axis of the ring, or None for a ring of one
   load_balance: bool
@@ -158,29 +157,13 @@ def _ring_forward(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig):
   return hop(n - 1, kv, acc)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _ring_attention(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig):
-  o, _ = _ring_forward(q, k, v, q_seg, kv_seg, drop, cfg)
-  return o.astype(q.dtype)
-
-
-def _ring_attention_fwd(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig):
-  o, lse = _ring_forward(q, k, v, q_seg, kv_seg, drop, cfg)
-  out = o.astype(q.dtype)
-  # Residuals are O(local shard): never the rotated copies of K/V.  With
-  # dropout, `out` is the dropped output, so delta = rowsum(dO * out) below is
-  # the one the dropped backward needs.
-  return out, (q, k, v, q_seg, kv_seg, drop, out, lse)
-
-
-def _ring_attention_bwd(cfg: RingConfig, res, do):
-  q, k, v, q_seg, kv_seg, drop, out, lse = res
+def _ring_backward(operands, lse, do, delta, cfg: RingConfig):
+  q, k, v, q_seg, kv_seg, drop = operands
   n, r, shard_of = _ring_geometry(cfg.axis_name)
   spec = cfg.spec
   backend = cfg.backend
   S = k.shape[1]
   q_pos = _member_positions(cfg, shard_of(r), n, q.shape[1])
-  delta = jnp.swapaxes(jnp.sum(do.astype(F32) * out.astype(F32), axis=-1), 1, 2)  # [B, N, T]
 
   def part(t, kv):
     """(dq, dk, dv) of hop t's block, or zeros when the whole block is masked."""
@@ -228,9 +211,6 @@ def _ring_attention_bwd(cfg: RingConfig, res, do):
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
-_ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
-
-
 def ring_attention_local(q, k, v, q_seg, kv_seg, cfg: RingConfig, drop=None):
   """Per-device entry point (inside shard_map, or a ring of one); `drop`: the int32[4] dropout operand or None."""
-  return _ring_attention(q, k, v, q_seg, kv_seg, drop, cfg)
+  return flash.flash(flash.RingKernel(_ring_forward, _ring_backward, cfg), q, k, v, q_seg, kv_seg, drop)

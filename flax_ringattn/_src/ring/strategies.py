@@ -39,13 +39,13 @@ head.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 from flax_ringattn._src import dropout as dropout_lib
+from flax_ringattn._src import flash
 from flax_ringattn._src.layout import gathered_positions, shard_positions
 from flax_ringattn._src.ring.ring_loop import RingConfig, block_kwargs, ring_attention_local
 
@@ -154,7 +154,7 @@ def _ulysses(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig, ring_axis, ulysses_a
 
 
 # --------------------------------------------------------------------------------------------
-# All-gather of K/V with its own custom_vjp (residuals: the local shards, never the gathered K/V)
+# All-gather of K/V through the `flash` custom_vjp (residuals: the local shards, never the gathered K/V)
 # --------------------------------------------------------------------------------------------
 
 
@@ -171,33 +171,17 @@ def _ag_forward(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig):
   return cfg.backend.fwd(q, k_all, v_all, q_pos, kv_pos, q_seg, kv_seg_all, spec=cfg.spec, **block_kwargs(drop))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _all_gather_attention(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig):
-  o, _ = _ag_forward(q, k, v, q_seg, kv_seg, drop, cfg)
-  return o.astype(q.dtype)
-
-
-def _all_gather_attention_fwd(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig):
-  o, lse = _ag_forward(q, k, v, q_seg, kv_seg, drop, cfg)
-  out = o.astype(q.dtype)
-  return out, (q, k, v, q_seg, kv_seg, drop, out, lse)
-
-
-def _all_gather_attention_bwd(cfg: RingConfig, res, do):
-  q, k, v, q_seg, kv_seg, drop, out, lse = res
+def _ag_backward(operands, lse, do, delta, cfg: RingConfig):
+  q, k, v, q_seg, kv_seg, drop = operands
   # Gathering again costs one all-gather and keeps the residuals at the local shards.
   n, r, k_all, v_all, kv_seg_all, kv_pos = _gathered_kv(k, v, kv_seg, cfg)
   q_pos = shard_positions(r, n, q.shape[1], cfg.load_balance)
-  delta = jnp.swapaxes(jnp.sum(do.astype(F32) * out.astype(F32), axis=-1), 1, 2)  # [B, N, T]
   dq, dk_all, dv_all = cfg.backend.bwd(
     q, k_all, v_all, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg_all, spec=cfg.spec, **block_kwargs(drop)
   )
   # Every device holds a partial dK/dV for every shard: sum them and hand each owner its shard.
   dk, dv = (jax.lax.psum_scatter(x, cfg.axis_name, scatter_dimension=1, tiled=True) for x in (dk_all, dv_all))
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
-
-
-_all_gather_attention.defvjp(_all_gather_attention_fwd, _all_gather_attention_bwd)
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,5 +202,5 @@ def attention_local(q, k, v, q_seg, kv_seg, drop=None, *, strategy: str, cfg: Ri
     ring_axis, ulysses_axis = cfg.axis_name
     return _ulysses(q, k, v, q_seg, kv_seg, drop, cfg, ring_axis, ulysses_axis)
   if strategy == "all_gather":
-    return _all_gather_attention(q, k, v, q_seg, kv_seg, drop, cfg)
+    return flash.flash(flash.RingKernel(_ag_forward, _ag_backward, cfg), q, k, v, q_seg, kv_seg, drop)
   raise AssertionError(strategy)

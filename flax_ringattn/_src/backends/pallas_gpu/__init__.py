@@ -64,6 +64,10 @@ class PallasGpuBackend:
       )
     # Global shapes: the shard lengths are checked against the tiles when the block is traced.
 
+  def with_interpret(self, interpret):
+    """This backend in Pallas's generic interpreter (interpret=True) or compiled (False)."""
+    return dataclasses.replace(self, interpret=normalize_interpret(interpret))
+
   def fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, dropout=None):
     return block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec=spec, interpret=self.interpret, dropout=dropout)
 

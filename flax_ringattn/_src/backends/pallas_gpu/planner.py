@@ -28,23 +28,15 @@ import jax
 import jax.numpy as jnp
 
 from flax_ringattn._src.block_sizes import BlockSizes
+from flax_ringattn._src.perf import hardware
 
 KiB = 1024
 MIN_DOT = 16  # tl.dot: every matmul dimension >= 16
 SAFETY_MARGIN = 0.9
 
-# Opt-in shared memory per thread block (CUDA programming guide, "Compute capabilities", table 21),
-# and dense (non-sparse) bf16 tensor-core peak in TFLOP/s (vendor datasheets, SXM parts where both exist).
-SMEM_PER_BLOCK = {
-  "sm_70": 96 * KiB,  # V100
-  "sm_75": 64 * KiB,  # T4
-  "sm_80": 163 * KiB,  # A100
-  "sm_86": 99 * KiB,  # A10, A40, RTX 30xx
-  "sm_89": 99 * KiB,  # L4, L40S, RTX 40xx
-  "sm_90": 227 * KiB,  # H100, H200
-  "sm_100": 227 * KiB,  # B200
-}
-BF16_PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "L4": 121.0, "L40S": 362.0, "B200": 2250.0}
+# arch -> opt-in shared memory per thread block, from the package's hardware table (`_src/perf/hardware.py`,
+# which cites the CUDA programming guide, "Compute capabilities", table 21).
+SMEM_PER_BLOCK = hardware.smem_per_block_by_arch()
 DEFAULT_ARCH = "sm_80"  # off GPU (interpret mode, tests): the A100's limits
 
 

@@ -1,4 +1,9 @@
-"""Pallas Mosaic TPU backend of the block contract (runs on CPU in TPU interpret mode)."""
+"""Pallas Mosaic TPU backend (runs on CPU in TPU interpret mode).
+
+Three kernel families, one folder each, over the tile rules and call plans of `tiling.py` and the VMEM
+planners of `planners/`: the block kernels of the block contract (`block/`), the whole ring in one kernel per
+direction (`ring/`, offered to the ring strategy by `fused_ring`) and ragged paged attention (`paged/`).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from flax_ringattn._src.backends.pallas_tpu import common
-from flax_ringattn._src.backends.pallas_tpu.backward import block_bwd
-from flax_ringattn._src.backends.pallas_tpu.forward import block_fwd
+from flax_ringattn._src.backends.pallas_tpu import common, planners
+from flax_ringattn._src.backends.pallas_tpu.block.backward import block_bwd
+from flax_ringattn._src.backends.pallas_tpu.block.forward import block_fwd
+from flax_ringattn._src.backends.pallas_tpu.ring import KernelRing
+from flax_ringattn._src.options import ProblemShape
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -35,6 +42,8 @@ class PallasTpuBackend:
   """Flash-attention block kernels for TPU; `interpret` runs them on CPU (see `normalize_interpret`)."""
 
   interpret: object = None
+  # The name errors report: "pallas_tpu", or the alias a call asked for ("pallas_tpu_ring").
+  label: str = dataclasses.field(default="pallas_tpu", compare=False)
   name = "pallas_tpu"
 
   @property
@@ -47,12 +56,24 @@ class PallasTpuBackend:
   def check_supported(self, *, dtype, spec, shapes) -> None:
     if self.interpret is None and not on_tpu():
       raise NotImplementedError(
-        f"pallas_tpu needs a TPU (default backend is {jax.default_backend()!r}); pass interpret=True to run the "
+        f"{self.label} needs a TPU (default backend is {jax.default_backend()!r}); pass interpret=True to run the "
         "kernels in Pallas TPU interpret mode on CPU, or implementation='xla'"
       )
     if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-      raise NotImplementedError(f"pallas_tpu supports float32 and bfloat16 inputs, got dtype={jnp.dtype(dtype)}")
+      raise NotImplementedError(f"{self.label} supports float32 and bfloat16 inputs, got dtype={jnp.dtype(dtype)}")
     del shapes  # global shapes: the shard lengths are checked against the tiles when the block is traced
+
+  def with_interpret(self, interpret):
+    """This backend in Pallas TPU interpret mode (True or a `pltpu.InterpretParams`)."""
+    return dataclasses.replace(self, interpret=normalize_interpret(interpret))
+
+  def fused_ring(self, *, axis_name, load_balance, spec):
+    """The in-kernel ring (`ring/`): the whole per-device ring strategy as one `flash.FlashKernel`."""
+    return KernelRing(axis_name=axis_name, load_balance=load_balance, spec=spec, interpret=self.interpret)
+
+  def fused_ring_fits(self, shape: ProblemShape, *, n=1) -> bool:
+    """Whether the in-kernel ring runs shards of `shape`: with VMEM slots, or HBM slots and tiles (`plan_ring`)."""
+    return planners.ring_fits_for(shape, n=n)
 
   def fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, dropout=None):
     return block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec=spec, dropout=dropout, interpret=self.interpret)

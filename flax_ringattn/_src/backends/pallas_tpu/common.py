@@ -1,10 +1,7 @@
-"""TPU tile rules, call plans and tile math shared by the Pallas TPU kernels and the planner.
+"""What the Pallas TPU kernels share: tiles of one block, mask and dropout operands, the launch.
 
-Every buffer a kernel allocates is described here once, by `CallPlan`: the
-grid, the BlockSpecs of its operands and results, and its scratch shapes.  The
-kernels build their `pl.pallas_call` from a plan, and the VMEM footprint model
-of `planner.py` is tested against the footprint of the same plans, so the model
-cannot drift from the code.
+Every kernel builds its `pl.pallas_call` here (`call`) from a `tiling.CallPlan`,
+the description its planner's footprint model is tested against.
 
 Layout inside the kernels: heads-major, q `[B, N, T, H]`, k/v `[B, K, S, H]`,
 so a tile's two minor dimensions are (tokens, head_dim).  Per-row statistics
@@ -17,9 +14,6 @@ one matmul.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -27,71 +21,18 @@ from jax.experimental.pallas import tpu as pltpu
 
 from flax_ringattn._src import dropout as dropout_lib
 from flax_ringattn._src import masks, vma
-
-LANES = 128  # minor (lane) dimension of a TPU vreg
-# SMEM is 1 MiB per core from v4 on (JAX's tpu_info); the two scalar-prefetched
-# tile tables of one kernel may use half of it.
-SMEM_TABLE_BYTES = 512 * 1024
-F32 = jnp.float32
-
-
-def sublanes(dtype) -> int:
-  """Second-minor alignment of a tile of `dtype`: 8 rows of 32 bits, packed for narrower types."""
-  return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
-
-
-@dataclasses.dataclass(frozen=True)
-class CallPlan:
-  """Everything about one pallas_call's buffers; `pl.pallas_call` is built from it."""
-
-  grid: tuple[int, ...]
-  in_specs: tuple  # BlockSpecs of the array operands (after the scalar prefetch)
-  in_dtypes: tuple
-  out_specs: tuple
-  out_shapes: tuple  # jax.ShapeDtypeStruct
-  scratch: tuple  # (shape, dtype) of VMEM scratch buffers
-
-
-def padded_bytes(shape, dtype) -> int:
-  """VMEM bytes of one buffer: the two minor dims are padded to (sublanes, 128) tiles."""
-  shape = tuple(1 if d is None else d for d in shape)
-  if len(shape) == 1:
-    shape = (1, *shape)
-  *lead, rows, cols = shape
-  rows = -(-rows // sublanes(dtype)) * sublanes(dtype)
-  cols = -(-cols // LANES) * LANES
-  return math.prod(lead) * rows * cols * jnp.dtype(dtype).itemsize
-
-
-def plan_vmem_bytes(plan: CallPlan) -> int:
-  """VMEM a plan allocates: inputs and outputs double-buffered by the pipeline, plus scratch."""
-  total = 0
-  # Operands left in HBM (memory_space=pl.ANY: no block shape) take no VMEM; the kernel copies them itself.
-  for spec, dtype in zip(plan.in_specs, plan.in_dtypes, strict=True):
-    if spec.block_shape is not None:
-      total += 2 * padded_bytes(spec.block_shape, dtype)
-  for spec, out in zip(plan.out_specs, plan.out_shapes, strict=True):
-    if spec.block_shape is not None:
-      total += 2 * padded_bytes(spec.block_shape, out.dtype)
-  for shape, dtype in plan.scratch:
-    total += padded_bytes(shape, dtype)
-  return total
-
-
-def tpu_tile(length: int, requested: int, align: int, *, what: str) -> int:
-  """The tile for a `length`-token axis: the whole axis if it fits, else the largest aligned divisor."""
-  if length <= requested:
-    return length  # a block equal to the full dimension is always legal
-  t = (requested // align) * align
-  while t >= align:
-    if length % t == 0:
-      return t
-    t -= align
-  raise ValueError(
-    f"pallas_tpu: no {what} tile <= {requested} divides the shard length {length} in multiples of {align} "
-    f"(TPU tiles must be multiples of {align} or the whole axis); choose a shard length that is a multiple "
-    f"of {align} or BlockSizes with {what} >= {length}"
-  )
+from flax_ringattn._src.backends.pallas_tpu import planners as planner
+from flax_ringattn._src.backends.pallas_tpu.tiling import (  # noqa: F401  (the kernels read these as c.*)
+  F32,
+  LANES,
+  SMEM_TABLE_BYTES,
+  CallPlan,
+  padded_bytes,
+  plan_vmem_bytes,
+  sublanes,
+  tpu_tile,
+)
+from flax_ringattn._src.options import ProblemShape
 
 
 def block_tiles(spec, q, k, *, backward: bool) -> tuple[int, int]:
@@ -99,21 +40,10 @@ def block_tiles(spec, q, k, *, backward: bool) -> tuple[int, int]:
 
   Without `spec.block_sizes` the planner picks the largest tiles that fit VMEM.
   """
-  from flax_ringattn._src.backends.pallas_tpu import planner  # (planner imports this module)
 
   _, T, N, H = q.shape
   _, S, K, _ = k.shape
-  blocks = spec.block_sizes or planner.plan_block_sizes(
-    T,
-    S,
-    N,
-    K,
-    H,
-    q.dtype,
-    has_segments=spec.mask.has_segments,
-    soft_cap=spec.logits_soft_cap is not None,
-    dropout=bool(spec.dropout_rate),
-  )
+  blocks = spec.block_sizes or planner.plan_block_sizes_for(ProblemShape.of(q.shape, k.shape, q.dtype, spec))
   req_q, req_kv = blocks.bwd if backward else (blocks.block_q, blocks.block_kv)
   suffix = "_bwd" if backward else ""
   bq = tpu_tile(T, req_q, sublanes(q.dtype), what=f"block_q{suffix}")
@@ -283,7 +213,6 @@ def mask_specs(has_segments: bool, bq: int, bk: int, q_block, kv_block):
 def compiler_params(semantics, interpret):
   if interpret is not None:
     return pltpu.CompilerParams(dimension_semantics=semantics)
-  from flax_ringattn._src.backends.pallas_tpu import planner
 
   limit = planner.vmem_limit_bytes(planner.current_generation())
   return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit)

@@ -20,8 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flax_ringattn._src import paged_common as common
-from flax_ringattn._src import paged_metadata as metadata
+from flax_ringattn._src.paged import common, metadata
 
 F32 = jnp.float32
 
@@ -36,7 +35,7 @@ def _chunk_rows(ch, c, lens, kv_lens, block_q):
 
 def _kv_block_range(first_pos, last_pos, spec, block_tokens, max_blocks):
   hi = jnp.clip(last_pos // block_tokens + 1, 0, max_blocks)
-  lo = 0 if spec.sliding_window is None else jnp.maximum(first_pos - spec.sliding_window + 1, 0) // block_tokens
+  lo = 0 if spec.window_left is None else jnp.maximum(first_pos - spec.window_left, 0) // block_tokens
   return jnp.minimum(lo, hi), hi
 
 
@@ -46,7 +45,7 @@ def _load_block(k_pages, v_pages, k_scale, v_scale, row_ids, kb, spec, page_size
   Returns (k, v) [L, K, H] float32 zeroed where invalid, valid [L], kv_pos [L],
   page ids [pb] and their in-range mask [pb].
   """
-  pb = spec.pages_per_block
+  pb = spec.block_sizes.block_kv // page_size
   ids = jax.lax.dynamic_slice_in_dim(row_ids, kb * pb, pb)
   ok = (ids >= 0) & (ids < num_pages)
   safe = jnp.clip(ids, 0, num_pages - 1)
@@ -69,8 +68,8 @@ def _scores(q_c, k_blk, spec, pos, row_ok, kv_pos, kv_ok):
     t = jnp.tanh(s / spec.logits_soft_cap)
     s = spec.logits_soft_cap * t
   mask = kv_ok[None] & (kv_pos[None] <= pos[:, None]) & row_ok[:, None]
-  if spec.sliding_window is not None:
-    mask = mask & (kv_pos[None] > pos[:, None] - spec.sliding_window)
+  if spec.window_left is not None:
+    mask = mask & (kv_pos[None] >= pos[:, None] - spec.window_left)
   return jnp.where(mask, s, -jnp.inf), t
 
 
@@ -83,9 +82,9 @@ def _passes(spec, lens):
   static shapes: the batch mix still never recompiles.
   """
   S = lens.shape[0]
-  if spec.block_q == 1:
+  if spec.block_sizes.block_q == 1:
     return [(1, None, None)]
-  return [(spec.block_q, lens > 1, None), (1, lens == 1, S)]
+  return [(spec.block_sizes.block_q, lens > 1, None), (1, lens == 1, S)]
 
 
 def _padded_page_table(page_indices, pb):
@@ -101,10 +100,10 @@ def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
   """Returns (out [T, N, H] in q.dtype, lse [T, N] float32; -inf for rows not in the batch)."""
   T, N, H = q.shape
   P, ps, K, _ = k_pages.shape
-  G, pad = N // K, spec.block_q
-  table = _padded_page_table(page_indices, spec.pages_per_block)
-  block_tokens = spec.pages_per_block * ps
-  max_blocks = table.shape[1] // spec.pages_per_block
+  G, pad, pb = N // K, spec.block_sizes.block_q, spec.block_sizes.block_kv // ps
+  table = _padded_page_table(page_indices, pb)
+  block_tokens = pb * ps
+  max_blocks = table.shape[1] // pb
   lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
   # block_q rows of padding so a chunk's window never runs off the end of q.
   q_pad = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(T + pad, K, G, H)
@@ -148,8 +147,11 @@ def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
   return out[:T].astype(q.dtype), lse[:T]
 
 
-def paged_bwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, out, lse, do, *, spec):
-  """(dq [T, N, H], dk_pages, dv_pages [P, page_size, K, H]) in float32.
+def paged_bwd(
+  q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, lse, do, delta, *, spec
+):
+  """(dq [T, N, H], dk_pages, dv_pages [P, page_size, K, H]) in float32, given the final lse [T, N] and
+  delta = rowsum(dO * O) [T, N] (the flash contract of `_src/flash.py`).
 
   Gradients reach only the page slots a sequence reads (scatter-added, so
   shared prefix pages collect the gradient of every sequence that reads them);
@@ -157,7 +159,7 @@ def paged_bwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
   """
   T, N, H = q.shape
   P, ps, K, _ = k_pages.shape
-  G, pad_rows, pb = N // K, spec.block_q, spec.pages_per_block
+  G, pad_rows, pb = N // K, spec.block_sizes.block_q, spec.block_sizes.block_kv // ps
   table = _padded_page_table(page_indices, pb)
   block_tokens = pb * ps
   max_blocks = table.shape[1] // pb
@@ -166,7 +168,7 @@ def paged_bwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
   q_pad = pad(q).reshape(T + pad_rows, K, G, H)
   do_pad = pad(do).reshape(T + pad_rows, K, G, H)
   lse_pad = pad(lse).reshape(T + pad_rows, K, G)
-  delta_pad = pad(jnp.sum(do.astype(F32) * out.astype(F32), -1)).reshape(T + pad_rows, K, G)
+  delta_pad = pad(delta).reshape(T + pad_rows, K, G)
 
   def page_grad_scale(scale, ids):
     # d(stored) = d(dequantized) * scale

@@ -1,4 +1,4 @@
-"""Tile streaming for the in-kernel ring with HBM communication slots (`ring_forward_hbm.py`, `ring_backward_hbm.py`).
+"""Tile streaming for the in-kernel ring with HBM communication slots (`ring/hbm_forward.py`, `ring/hbm_backward.py`).
 
 When a shard does not fit VMEM (`planner.plan_ring`), the ring's K/V slots,
 the dK / dV accumulator slots and the online-softmax state live in HBM, and
@@ -24,9 +24,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from flax_ringattn._src import masks
-from flax_ringattn._src.backends.pallas_tpu import ring_protocol as rp
+from flax_ringattn._src.backends.pallas_tpu.ring import protocol as rp
 
-NUM_IO_SEMS = 6  # the most synchronous copies (`ring_protocol.sync_copies`) one outer tile starts together (the
+NUM_IO_SEMS = 6  # the most synchronous copies (`ring.protocol.sync_copies`) one outer tile starts together (the
 # dQ pass: q, dO, lse, delta, q segment ids, dq)
 
 

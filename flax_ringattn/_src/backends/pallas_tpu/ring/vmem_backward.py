@@ -1,4 +1,4 @@
-"""Backward kernel of the in-kernel ring (protocol: `ring_protocol.py`).
+"""Backward kernel of the in-kernel ring (protocol: `ring/protocol.py`).
 
 Per grid step (b, kv head h): q, dO, the final lse and delta of the group stay
 home with the dq accumulator (the dq output block itself); K/V travel as in
@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from flax_ringattn._src.backends.pallas_tpu import common as c
-from flax_ringattn._src.backends.pallas_tpu import ring_protocol as rp
-from flax_ringattn._src.backends.pallas_tpu.backward import _NN, _TN, _probs_and_dscores
+from flax_ringattn._src.backends.pallas_tpu.block.backward import _NN, _TN, _probs_and_dscores
+from flax_ringattn._src.backends.pallas_tpu.ring import protocol as rp
 
 
 def bwd_plan(d: rp.RingDims) -> c.CallPlan:
@@ -150,7 +150,7 @@ def ring_bwd(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec, axis_name, load_ba
     args += [q_seg.astype(jnp.int32)[:, :, None], kv_seg.astype(jnp.int32)[:, None, :]]
   args += c.dropout_operands(spec, dropout)
   if d.slots == "hbm":
-    from flax_ringattn._src.backends.pallas_tpu.ring_backward_hbm import ring_bwd_hbm
+    from flax_ringattn._src.backends.pallas_tpu.ring.hbm_backward import ring_bwd_hbm
 
     dq, dk, dv = ring_bwd_hbm(d, spec, meta, kinds, args, interpret=interpret)
   else:

@@ -1,4 +1,4 @@
-"""Forward kernel of the in-kernel ring (protocol: `ring_protocol.py`).
+"""Forward kernel of the in-kernel ring (protocol: `protocol.py`).
 
 Per grid step (b, kv head h): q of the group [G, T, H] and the online-softmax
 state m / l / acc of the whole q shard stay in VMEM across all n hops; each hop
@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from flax_ringattn._src.backends.pallas_tpu import common as c
-from flax_ringattn._src.backends.pallas_tpu import ring_protocol as rp
-from flax_ringattn._src.backends.pallas_tpu.forward import finish, online_softmax_step
+from flax_ringattn._src.backends.pallas_tpu.block.forward import finish, online_softmax_step
+from flax_ringattn._src.backends.pallas_tpu.ring import protocol as rp
 
 
 def fwd_plan(d: rp.RingDims) -> c.CallPlan:
@@ -45,7 +45,7 @@ def fwd_plan(d: rp.RingDims) -> c.CallPlan:
   )
 
 
-def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDims, protocol_bug=None):
+def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDims):
   if d.has_segments:
     qseg_ref, kvseg_hbm, *refs = refs
   else:
@@ -71,10 +71,10 @@ def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
   acc_sc[...] = jnp.zeros(acc_sc.shape, c.F32)
 
   for t in range(d.live):
-    rp.note("ring_fwd", "hop", t)
+    rp.note(d, "ring_fwd", "hop", t)
     slot = t % 2
     pairs = [(s.at[slot], s.at[1 - slot]) for s in slots]
-    sends = rp.start_kv_sends(comms, d, t, pairs, send_sems, recv_sems, credits=protocol_bug != "no_credit")
+    sends = rp.start_kv_sends(comms, d, t, pairs, send_sems, recv_sems)
 
     def q_tile(i, _, t=t, slot=slot):
       rows = pl.ds(i * bq, bq)
@@ -102,7 +102,7 @@ def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
 
       jax.lax.fori_loop(0, d.S // bk, kv_tile, None)
 
-    rp.note("ring_fwd", "compute", t)
+    rp.note(d, "ring_fwd", "compute", t)
     jax.lax.fori_loop(0, d.T // bq, q_tile, None)
     for s in sends:
       s.wait()
@@ -111,7 +111,7 @@ def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
   del G
 
 
-def ring_fwd(q, k, v, q_seg, kv_seg, *, spec, axis_name, load_balance, interpret, dropout=None, protocol_bug=None):
+def ring_fwd(q, k, v, q_seg, kv_seg, *, spec, axis_name, load_balance, interpret, dropout=None):
   """(o [B, T, N, H] f32, lse [B, N, T] f32) of the whole ring, on this device's q shard."""
   d = rp.ring_dims(spec, q, k, axis_name, load_balance, has_segments=q_seg is not None, backward=False)
   meta, kinds = rp.ring_tables(spec, d, q_seg, kv_seg)
@@ -120,11 +120,11 @@ def ring_fwd(q, k, v, q_seg, kv_seg, *, spec, axis_name, load_balance, interpret
     args += [q_seg.astype(jnp.int32)[:, :, None], kv_seg.astype(jnp.int32)[:, None, :]]
   args += c.dropout_operands(spec, dropout)
   if d.slots == "hbm":
-    from flax_ringattn._src.backends.pallas_tpu.ring_forward_hbm import ring_fwd_hbm
+    from flax_ringattn._src.backends.pallas_tpu.ring.hbm_forward import ring_fwd_hbm
 
-    o, lse = ring_fwd_hbm(d, spec, meta, kinds, args, interpret=interpret, protocol_bug=protocol_bug)
+    o, lse = ring_fwd_hbm(d, spec, meta, kinds, args, interpret=interpret)
   else:
-    kernel = functools.partial(_kernel, spec=spec, d=d, protocol_bug=protocol_bug)
+    kernel = functools.partial(_kernel, spec=spec, d=d)
     sems = rp.sem_scratch(d, 3 if d.has_segments else 2)
     o, lse = rp.ring_call(kernel, fwd_plan(d), sems, d, interpret=interpret, name="ring_fwd")(meta, kinds, *args)
   return c.heads_major(o), lse[..., 0]

@@ -1,6 +1,6 @@
-"""Backward kernel of the in-kernel ring with HBM slots (protocol: `ring_protocol.py`; streaming: `ring_stream.py`).
+"""Backward kernel of the in-kernel ring with HBM slots (protocol: `ring/protocol.py`; streaming: `ring/stream.py`).
 
-The hop loop and its sends are `ring_backward.py`'s (`ring_protocol.backward_hops`):
+The hop loop and its sends are `ring/vmem_backward.py`'s (`ring.protocol.backward_hops`):
 K/V travel as in the forward, the f32 dK / dV accumulators one hop behind
 them.  Slots, accumulators and dq live in HBM; each hop t runs two passes that
 recompute the probabilities from the saved lse, as a flash backward does:
@@ -30,9 +30,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from flax_ringattn._src.backends.pallas_tpu import common as c
-from flax_ringattn._src.backends.pallas_tpu import ring_protocol as rp
-from flax_ringattn._src.backends.pallas_tpu import ring_stream as st
-from flax_ringattn._src.backends.pallas_tpu.backward import _NN, _TN, _probs_and_dscores
+from flax_ringattn._src.backends.pallas_tpu.block.backward import _NN, _TN, _probs_and_dscores
+from flax_ringattn._src.backends.pallas_tpu.ring import protocol as rp
+from flax_ringattn._src.backends.pallas_tpu.ring import stream as st
 
 
 def bwd_plan_hbm(d: rp.RingDims) -> c.CallPlan:
@@ -241,7 +241,7 @@ def sems(d: rp.RingDims):
 
 
 def ring_bwd_hbm(d: rp.RingDims, spec, meta, kinds, args, *, interpret):
-  """(dq [B, N, T, H], dk, dv [B, K, S, H]) f32 heads-major; `args` as `ring_backward.ring_bwd` builds them."""
+  """(dq [B, N, T, H], dk, dv [B, K, S, H]) f32 heads-major; `args` as `vmem_backward.ring_bwd` builds them."""
   kernel = functools.partial(_kernel, spec=spec, d=d)
   dq, dk, dv, *_ = rp.ring_call(kernel, bwd_plan_hbm(d), sems(d), d, interpret=interpret, name="ring_bwd")(
     meta, kinds, *args

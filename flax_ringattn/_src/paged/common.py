@@ -1,29 +1,16 @@
-"""Static configuration, validation and dequantisation for paged attention."""
+"""Validation (inputs, the window) and dequantisation for paged attention, below the op and its backends."""
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 
 import jax.numpy as jnp
 
+from flax_ringattn._src import validation
+
 # Quantized page dtypes and the largest value each stores (for absmax scaling).
 QUANTIZED_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 QUANTIZED_DTYPES = tuple(QUANTIZED_MAX)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PagedSpec:
-  """Everything static about one paged call (hashable)."""
-
-  scale: float
-  logits_soft_cap: float | None = None
-  sliding_window: int | None = None
-  block_q: int = 16  # rows of one sequence per chunk
-  pages_per_block: int = 8  # pages gathered per kv step
-  checked: bool = False
-  implementation: str = "xla"  # the backend that runs the call ("xla" or "pallas_tpu")
-  interpret: object = None  # pallas_tpu only: None (compile for TPU) or a pltpu.InterpretParams
 
 
 def check_sliding_window(sliding_window):
@@ -34,6 +21,25 @@ def check_sliding_window(sliding_window):
   if sliding_window < 1:
     raise ValueError(f"sliding_window must be >= 1 (tokens visible, including the token itself), got {sliding_window=}")
   return int(sliding_window)
+
+
+def paged_window(local_window_size, sliding_window):
+  """The window as `masks.MaskSpec.window`, (left, right), from jax.nn's `local_window_size` or the deprecated
+  `sliding_window` (a count that includes the token itself: sliding_window=w is exactly (w - 1, 0))."""
+  if sliding_window is None:
+    return validation.normalize_window(local_window_size)
+  if local_window_size is not None:
+    raise ValueError(
+      f"pass local_window_size={local_window_size!r} or the deprecated sliding_window={sliding_window!r}, not both"
+    )
+  w = check_sliding_window(sliding_window)
+  validation.warn_once(
+    ("paged", "sliding_window"),
+    f"sliding_window={w} is deprecated: pass local_window_size=({w - 1}, 0), jax.nn's meaning (a token sees the "
+    f"{w - 1} tokens before it and itself), which every op and layer of flax_ringattn uses",
+    stacklevel=5,  # the caller of the op (warn_once <- paged_window <- _prepare <- the op)
+  )
+  return (w - 1, 0)
 
 
 def normalize_scales(k_scale, v_scale):

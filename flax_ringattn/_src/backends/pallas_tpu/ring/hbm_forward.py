@@ -1,7 +1,7 @@
-"""Forward kernel of the in-kernel ring with HBM slots (protocol: `ring_protocol.py`; streaming: `ring_stream.py`).
+"""Forward kernel of the in-kernel ring with HBM slots (protocol: `protocol.py`; streaming: `stream.py`).
 
 For shards too long for VMEM (`planner.plan_ring`).  The protocol, the hop
-schedule and the tile step are those of `ring_forward.py`; what moves is the
+schedule and the tile step are those of `vmem_forward.py`; what moves is the
 storage.  Per grid step (b, kv head h), per hop t:
 
     for each q tile i (skipped, copies and all, if EMPTY for the whole hop,
@@ -30,9 +30,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from flax_ringattn._src.backends.pallas_tpu import common as c
-from flax_ringattn._src.backends.pallas_tpu import ring_protocol as rp
-from flax_ringattn._src.backends.pallas_tpu import ring_stream as st
-from flax_ringattn._src.backends.pallas_tpu.forward import finish, online_softmax_step
+from flax_ringattn._src.backends.pallas_tpu.block.forward import finish, online_softmax_step
+from flax_ringattn._src.backends.pallas_tpu.ring import protocol as rp
+from flax_ringattn._src.backends.pallas_tpu.ring import stream as st
 
 
 def fwd_plan_hbm(d: rp.RingDims) -> c.CallPlan:
@@ -63,7 +63,7 @@ def fwd_plan_hbm(d: rp.RingDims) -> c.CallPlan:
   )
 
 
-def _kernel(meta_ref, kinds_ref, q_hbm, k_hbm, v_hbm, *refs, spec, d: rp.RingDims, protocol_bug=None):
+def _kernel(meta_ref, kinds_ref, q_hbm, k_hbm, v_hbm, *refs, spec, d: rp.RingDims):
   if d.has_segments:
     qseg_hbm, kvseg_hbm, *refs = refs
   drop_ref, refs = c.split_dropout_ref(spec, refs)
@@ -90,10 +90,10 @@ def _kernel(meta_ref, kinds_ref, q_hbm, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
     bufs.append(kvseg_buf)
 
   for t in range(d.live):
-    rp.note("ring_fwd", "hop", t)
+    rp.note(d, "ring_fwd", "hop", t)
     src = own if t == 0 else [s.at[t % 2] for s in slots]
     pairs = [(a, s.at[(t + 1) % 2]) for a, s in zip(src, slots, strict=True)]
-    sends = rp.start_kv_sends(comms, d, t, pairs, send_sems, recv_sems, credits=protocol_bug != "no_credit")
+    sends = rp.start_kv_sends(comms, d, t, pairs, send_sems, recv_sems)
     first = t == 0
 
     def q_tile(i, _, t=t, src=src, first=first):
@@ -146,7 +146,7 @@ def _kernel(meta_ref, kinds_ref, q_hbm, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
         finish(m_sc, l_sc, acc_sc, acc_sc, lse_sc)
         rp.sync_copies([(v, h_) for h_, v in state], io_sems)
 
-    rp.note("ring_fwd", "compute", t)
+    rp.note(d, "ring_fwd", "compute", t)
     jax.lax.fori_loop(0, nq, q_tile, None)
     for s in sends:
       s.wait()
@@ -172,10 +172,9 @@ def sems(d: rp.RingDims):
   ]
 
 
-def ring_fwd_hbm(d: rp.RingDims, spec, meta, kinds, args, *, interpret, protocol_bug=None):
-  """(o [B, N, T, H] f32, lse [B, N, T, 1] f32) heads-major; `args` as `ring_forward.ring_fwd` builds them.
-  `protocol_bug="no_credit"` (tests only) drops the credit exchange."""
-  kernel = functools.partial(_kernel, spec=spec, d=d, protocol_bug=protocol_bug)
+def ring_fwd_hbm(d: rp.RingDims, spec, meta, kinds, args, *, interpret):
+  """(o [B, N, T, H] f32, lse [B, N, T, 1] f32) heads-major; `args` as `vmem_forward.ring_fwd` builds them."""
+  kernel = functools.partial(_kernel, spec=spec, d=d)
   o, lse, *_ = rp.ring_call(kernel, fwd_plan_hbm(d), sems(d), d, interpret=interpret, name="ring_fwd")(
     meta, kinds, *args
   )

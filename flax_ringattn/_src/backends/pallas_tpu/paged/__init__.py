@@ -1,0 +1,57 @@
+"""Pallas TPU ragged paged attention: one launch for a mixed prefill + decode batch, forward and backward.
+
+Grid: one step per block of `bq` consecutive rows of q (q stays [T, N, H] as
+projected; its BlockSpec is (bq, N, H), so nothing is transposed outside the
+kernel).  A block may hold rows of several sequences; the step derives
+everything else from the scalar-prefetched metadata (SMEM), with no
+precomputed schedule:
+
+  1. the first sequence whose rows reach the block (a scalar scan of cu_q_lens);
+  2. for each sequence s overlapping the block: its rows in the block, their
+     positions (the new tokens are the last q_len of kv_lens[s]), and the kv
+     blocks they can see (causal upper end, sliding-window lower end);
+  3. for each kv block of `ppb` pages: async copies of the pages (all kv
+     heads of a page are contiguous, so one copy per page and per K/V) into a
+     two-slot VMEM buffer; the next block (of the same sequence, or the first
+     block of the next sequence) is in flight while block b is used;
+  4. for each kv head: the G = N / K q heads of its group, folded to one
+     (bq * G, H) operand (row r is token r // G, head r % G), meet the block
+     in one matmul, so decode under 8:1 GQA fills 8 rows of the MXU per token.
+
+Isolation: a page slot is copied only if the page id is in [0, P) and the
+slot is below kv_lens[s]; anything else is never read.  Copied slots past
+kv_lens and slots not copied (stale VMEM) are zeroed before the matmuls and
+masked, so NaN in foreign pages or tails cannot reach an output.
+
+Backward (one kernel, sequential grid): the same walk recomputes p from the
+forward's lse and accumulates dq for the block in VMEM, while dK/dV of each
+kv block are added into f32 page buffers in HBM (aliased to the outputs) by
+read-add-write copies, one page at a time, so pages shared by several
+sequences (prefix sharing) collect the gradient of every reader.
+
+JAX 0.10.2's TPU interpreter cannot index through reshaped refs, so refs are
+only indexed (`ref.at[...]`, `ref[...]`) and loaded values are reshaped.
+"""
+
+from flax_ringattn._src.backends.pallas_tpu.paged.backward import paged_bwd
+from flax_ringattn._src.backends.pallas_tpu.paged.forward import paged_fwd, paged_fwd_write
+from flax_ringattn._src.backends.pallas_tpu.paged.plans import (
+  SUPPORTED_Q_DTYPES,
+  PagedDims,
+  bwd_plan,
+  check_supported,
+  dims_of,
+  fwd_plan,
+)
+
+__all__ = [
+  "SUPPORTED_Q_DTYPES",
+  "PagedDims",
+  "bwd_plan",
+  "check_supported",
+  "dims_of",
+  "fwd_plan",
+  "paged_bwd",
+  "paged_fwd",
+  "paged_fwd_write",
+]

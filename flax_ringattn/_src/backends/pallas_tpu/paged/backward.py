@@ -1,0 +1,104 @@
+"""Backward paged kernel: dq per q block in VMEM, dK/dV added into f32 page buffers in HBM."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from flax_ringattn._src.backends.pallas_tpu import common as c
+from flax_ringattn._src.backends.pallas_tpu.paged import plans as pp
+from flax_ringattn._src.backends.pallas_tpu.paged import walk as w
+
+
+def _bwd_kernel(
+  cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *rest, d: pp.PagedDims, spec
+):
+  scales_hbm, rest = w.split_refs(d, rest)
+  _dk_in, _dv_in, dq_ref, dk_hbm, dv_hbm, *rest = rest
+  del _dk_in, _dv_in  # the same buffers as dk_hbm / dv_hbm (aliased)
+  k_buf, v_buf, scale_bufs, rest = w.split_scratch(d, rest)
+  dq_sc, dk_blk, dv_blk, page_sc, sem = rest
+  r = w.Refs(cu_ref, kv_lens_ref, table_ref, n_ref, k_hbm, v_hbm, scales_hbm, k_buf, v_buf, scale_bufs, sem)
+  G, q_lo, rows = d.G, pl.program_id(0) * d.bq, d.bq * d.G
+  dq_sc[...] = jnp.zeros(dq_sc.shape, c.F32)
+
+  def visit(s, b, slot, copies, g):
+    del s
+    valid = w.kv_valid(d, copies, b, g.kv_len)
+    vis = w.mask(d, spec, q_lo, g.start, g.end, g.first_pos, b, w.kv_valid_row(d, copies, b, g.kv_len))
+    for k in range(d.K):
+      kk, k_sc = w.load_head(d, k_buf, scale_bufs[0], slot, k, valid)
+      vv, v_sc = w.load_head(d, v_buf, scale_bufs[1], slot, k, valid)
+      heads = slice(k * G, (k + 1) * G)
+      q = w.fold(q_ref[:, heads, :], G)
+      do = w.fold(do_ref[:, heads, :], G)
+      lse = lse_ref[:, heads].reshape(rows, 1)
+      lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
+      delta = delta_ref[:, heads].reshape(rows, 1)
+      s_ = w.dot(q, kk, ((1,), (1,)), d.q_dtype) * spec.scale
+      t = None
+      if spec.logits_soft_cap is not None:
+        t = jnp.tanh(s_ / spec.logits_soft_cap)
+        s_ = spec.logits_soft_cap * t
+      p = jnp.where(vis, jnp.exp(jnp.where(vis, s_, 0.0) - lse), 0.0)  # [rows, L]
+      dv = w.dot(p, do, ((0,), (0,)), d.q_dtype)  # [L, H]
+      dp = w.dot(do, vv, ((1,), (1,)), d.q_dtype)
+      ds = p * (dp - delta)
+      if t is not None:
+        ds = ds * (1.0 - t * t)
+      ds = ds * spec.scale
+      dq = w.dot(ds, kk, ((1,), (0,)), d.q_dtype)  # [rows, H]
+      dq_sc[:, heads, :] = dq_sc[:, heads, :] + dq.reshape(d.bq, G, d.H)
+      dk = w.dot(ds, q, ((0,), (0,)), d.q_dtype).reshape(d.ppb, d.ps, d.H)
+      dv = dv.reshape(d.ppb, d.ps, d.H)
+      # Gradients with respect to the stored values: d(stored) = d(dequantised) * scale.
+      if k_sc is not None:
+        dk = dk * k_sc
+      if v_sc is not None:
+        dv = dv * v_sc
+      dk_blk[:, :, k, :] = jnp.where(valid, dk, 0.0)
+      dv_blk[:, :, k, :] = jnp.where(valid, dv, 0.0)
+
+    # Read-add-write of every page read, one at a time (a page may repeat in a table row).
+    def add_page(j, pid):
+      for acc_hbm, blk in ((dk_hbm, dk_blk), (dv_hbm, dv_blk)):
+        rd = pltpu.make_async_copy(acc_hbm.at[pid], page_sc, sem.at[2])
+        rd.start()
+        rd.wait()
+        page_sc[...] = page_sc[...] + blk[j]
+        wr = pltpu.make_async_copy(page_sc, acc_hbm.at[pid], sem.at[2])
+        wr.start()
+        wr.wait()
+
+    for j, (ok, pid, _) in enumerate(copies):
+      pl.when(ok)(functools.partial(add_page, j, pid))
+
+  w.walk(d, spec, r, q_lo, visit)
+  dq_ref[...] = dq_sc[...]
+
+
+def paged_bwd(
+  q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, lse, do, delta, *, spec, interpret
+):
+  """(dq [T, N, H], dk_pages, dv_pages [P, page_size, K, H]) in float32, as the XLA backend's `paged_bwd`."""
+  d = pp.spec_dims(q, k_pages, page_indices, k_scale, v_scale, spec)
+  prefetch, scales = pp.operands(d, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
+  zeros = jnp.zeros((d.P, d.ps, d.K, d.H), c.F32)
+  operands = (*prefetch, q, do.astype(q.dtype), lse, delta, k_pages, v_pages, *scales, zeros, zeros)
+  n = len(operands)
+  kernel = functools.partial(_bwd_kernel, d=d, spec=spec)
+  # dK/dV pages are read-modified-written across grid steps: the steps run in order on one core.
+  run = pp.launch(
+    kernel,
+    pp.bwd_plan(d),
+    num_semaphores=3,
+    semantics=("arbitrary",),
+    aliases={n - 2: 1, n - 1: 2},
+    interpret=interpret,
+    name="paged_bwd",
+  )
+  dq, dk, dv = run(*operands)
+  return dq, dk, dv

@@ -1,0 +1,188 @@
+"""Forward paged kernel, and its variant that first writes the new tokens' K/V into their pages."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from flax_ringattn._src.backends.pallas_tpu import common as c
+from flax_ringattn._src.backends.pallas_tpu.paged import plans as pp
+from flax_ringattn._src.backends.pallas_tpu.paged import walk as w
+
+
+def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *rest, d: pp.PagedDims, spec):
+  scales_hbm, rest = w.split_refs(d, rest)
+  new_refs = ()
+  if d.write:
+    new_k, new_v, *rest = rest
+    new_scales, rest = w.split_refs(d, rest)
+    new_refs = (new_k, new_v, new_scales)
+  o_ref, lse_ref, *rest = rest
+  if d.write:
+    # The page buffers are aliased to these outputs: read and write them there.
+    k_hbm, v_hbm, *rest = rest
+    scales_hbm, rest = w.split_refs(d, rest)
+  k_buf, v_buf, scale_bufs, rest = w.split_scratch(d, rest)
+  m_sc, l_sc, acc_sc, sem = rest
+  r = w.Refs(cu_ref, kv_lens_ref, table_ref, n_ref, k_hbm, v_hbm, scales_hbm, k_buf, v_buf, scale_bufs, sem)
+  G, q_lo = d.G, pl.program_id(0) * d.bq
+  m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, c.F32)
+  l_sc[...] = jnp.zeros(l_sc.shape, c.F32)
+  acc_sc[...] = jnp.zeros(acc_sc.shape, c.F32)
+
+  def visit(s, b, slot, copies, g):
+    del s
+    valid = w.kv_valid(d, copies, b, g.kv_len)
+    vis = w.mask(d, spec, q_lo, g.start, g.end, g.first_pos, b, w.kv_valid_row(d, copies, b, g.kv_len))
+    for k in range(d.K):
+      kk, _ = w.load_head(d, k_buf, scale_bufs[0], slot, k, valid)
+      vv, _ = w.load_head(d, v_buf, scale_bufs[1], slot, k, valid)
+      q = w.fold(q_ref[:, k * G : (k + 1) * G, :], G)  # [bq * G, H]
+      s_ = w.dot(q, kk, ((1,), (1,)), d.q_dtype) * spec.scale
+      if spec.logits_soft_cap is not None:
+        s_ = spec.logits_soft_cap * jnp.tanh(s_ / spec.logits_soft_cap)
+      s_ = jnp.where(vis, s_, -jnp.inf)
+      m_prev, l_prev = m_sc[k][:, :1], l_sc[k][:, :1]
+      m_new = jnp.maximum(m_prev, s_.max(axis=-1, keepdims=True))
+      m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows that see nothing yet: exp(-inf) = 0, not NaN
+      alpha = jnp.exp(m_prev - m_safe)
+      p = jnp.exp(s_ - m_safe)
+      l_sc[k] = jnp.broadcast_to(alpha * l_prev + p.sum(axis=-1, keepdims=True), (d.bq * G, c.LANES))
+      m_sc[k] = jnp.broadcast_to(m_new, (d.bq * G, c.LANES))
+      pv = w.dot(p, vv, ((1,), (0,)), d.q_dtype)  # [bq * G, H]
+      acc = acc_sc[:, k * G : (k + 1) * G, :]
+      acc_sc[:, k * G : (k + 1) * G, :] = alpha.reshape(d.bq, G, 1) * acc + pv.reshape(d.bq, G, d.H)
+
+  if d.write:
+    _write_block(d, spec, r, new_refs, q_lo)
+  w.walk(d, spec, r, q_lo, visit)
+  for k in range(d.K):
+    l = l_sc[k][:, :1].reshape(d.bq, G, 1)
+    m = m_sc[k][:, :1].reshape(d.bq, G, 1)
+    empty = l == 0.0  # no visible key (padding rows, empty sequences): o = 0, lse = -inf
+    l_safe = jnp.where(empty, 1.0, l)
+    o_ref[:, k * G : (k + 1) * G, :] = (acc_sc[:, k * G : (k + 1) * G, :] / l_safe).astype(o_ref.dtype)
+    lse_ref[:, k * G : (k + 1) * G] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe)).reshape(d.bq, G)
+
+
+def _write_block(d: pp.PagedDims, spec, r: w.Refs, new_refs, q_lo):
+  """Fused cache write: the block's rows go into their page slots before the walk reads any page.
+
+  The grid runs in order, so the rows of a sequence in earlier q blocks are already stored when a later block
+  reads them; copy-on-write has already given the sequence its own copy of a shared page it writes into.
+  """
+  q_hi = q_lo + d.bq
+  n = jnp.clip(r.num_seqs[0], 0, d.S)
+
+  def seq_step(s):
+    g = w.seq_in_block(d, spec, r, s, q_lo)
+    _write_rows(d, r, new_refs, q_lo, s, g.start, g.lo_row, g.hi_row, g.first_pos)
+    return s + 1
+
+  live = lambda s: (s < n) & (r.cu[jnp.minimum(s, d.S)] < q_hi)  # noqa: E731
+  jax.lax.while_loop(live, seq_step, w.first_seq(d, r, q_lo, n))
+
+
+def _write_rows(d: pp.PagedDims, r: w.Refs, new_refs, q_lo, s, seq_start, lo_row, hi_row, first_pos):
+  new_k, new_v, new_scales = new_refs
+  pairs = [(new_k, r.k_hbm), (new_v, r.v_hbm)]
+  pairs += [(a, b) for a, b in zip(new_scales, r.scales_hbm, strict=True) if a is not None]
+
+  def row(t, carry):
+    pos = first_pos + (t - seq_start)
+    entry = jax.lax.div(jnp.maximum(pos, 0), d.ps)
+    pid = r.table[s * d.ppt + jnp.minimum(entry, d.ppt - 1)]
+    ok = (pos >= 0) & (entry < d.ppt) & (pid >= 0) & (pid < d.P)
+    slot = jax.lax.rem(jnp.maximum(pos, 0), d.ps)
+    safe = jnp.clip(pid, 0, d.P - 1)
+
+    @pl.when(ok)
+    def _():
+      for src, dst in pairs:
+        copy = pltpu.make_async_copy(src.at[t - q_lo], dst.at[safe, slot], r.sem.at[2])
+        copy.start()
+        copy.wait()
+
+    return carry
+
+  jax.lax.fori_loop(lo_row, hi_row, row, 0)
+
+
+def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, *, spec, interpret):
+  """Returns (out [T, N, H] in q.dtype, lse [T, N] float32; -inf for rows not in the batch)."""
+  d = pp.spec_dims(q, k_pages, page_indices, k_scale, v_scale, spec)
+  prefetch, scales = pp.operands(d, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
+  kernel = functools.partial(_fwd_kernel, d=d, spec=spec)
+  run = pp.launch(
+    kernel, pp.fwd_plan(d), num_semaphores=2, semantics=("parallel",), aliases={}, interpret=interpret, name="paged_fwd"
+  )
+  out, lse = run(*prefetch, q, k_pages, v_pages, *scales)
+  return out, lse
+
+
+def paged_fwd_write(
+  q,
+  k_new,
+  v_new,
+  k_pages,
+  v_pages,
+  kv_lens,
+  page_indices,
+  cu_q_lens,
+  num_seqs,
+  k_scale,
+  v_scale,
+  k_new_scale,
+  v_new_scale,
+  *,
+  spec,
+  interpret,
+):
+  """Forward with the fused cache write; not differentiable (serving).
+
+  k_new, v_new: [T, K, H] the new tokens' K/V as stored (page dtype; quantized by the caller), with their
+  per-token scales [T, K] when the cache keeps scales ([P, page_size, K]).  kv_lens and page_indices are the
+  cache's after the append (pages reserved, copy-on-write done).  Returns (out [T, N, H], k_pages, v_pages,
+  k_scale, v_scale); the page buffers are aliased to the results (donate them to update in place).
+  """
+  for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+    if sc is not None and sc.ndim != 3:
+      raise NotImplementedError(
+        f"the fused cache write stores per-token scales [P, page_size, K], got {name}.ndim={sc.ndim}"
+      )
+  d = pp.spec_dims(q, k_pages, page_indices, k_scale, v_scale, spec, write=True)
+  prefetch, _ = pp.operands(d, kv_lens, page_indices, cu_q_lens, num_seqs, None, None)
+  scales = tuple(x for x in (k_scale, v_scale) if x is not None)
+  new_scales = tuple(x.astype(c.F32) for x in (k_new_scale, v_new_scale) if x is not None)
+  operands = (
+    *prefetch,
+    q,
+    k_pages,
+    v_pages,
+    *scales,
+    k_new.astype(k_pages.dtype),
+    v_new.astype(v_pages.dtype),
+    *new_scales,
+  )
+  # Inputs 5, 6 (pages) and 7.. (scales) after the 4 prefetched arrays and q become outputs 2, 3, 4...
+  aliases = {5 + i: 2 + i for i in range(2 + len(scales))}
+  kernel = functools.partial(_fwd_kernel, d=d, spec=spec)
+  run = pp.launch(
+    kernel,
+    pp.fwd_plan(d),
+    num_semaphores=3,
+    semantics=("arbitrary",),
+    aliases=aliases,
+    interpret=interpret,
+    name="paged_fwd_write",
+  )
+  out, _, k_pages, v_pages, *new = run(*operands)
+  k_scale, v_scale = (new.pop(0) if x is not None else None for x in (k_scale, v_scale))
+  return out, k_pages, v_pages, k_scale, v_scale
+
+
+# -- backward -----------------------------------------------------------------------------

@@ -1,0 +1,219 @@
+"""Static sizes (`PagedDims`), what the kernels support, their call plans, operands and launch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from flax_ringattn._src import vma
+from flax_ringattn._src.backends.pallas_tpu import common as c
+from flax_ringattn._src.paged import metadata
+
+SUPPORTED_Q_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedDims:
+  """Static sizes of one paged launch."""
+
+  T: int  # rows of q
+  N: int
+  K: int
+  H: int
+  P: int  # pages
+  ps: int  # page size
+  S: int  # max_num_seqs
+  ppt: int  # page-table entries per sequence, padded to a multiple of ppb
+  bq: int  # rows per grid step
+  ppb: int  # pages per kv block
+  q_dtype: object
+  page_dtype: object
+  scale_rows: tuple  # (rows of k_scale, rows of v_scale) per page: 0 (no scale), 1 (per page) or ps (per token)
+  write: bool = False  # fused cache write: the new tokens' K/V (and per-token scales) go into their pages first
+
+  @property
+  def G(self) -> int:
+    return self.N // self.K
+
+  @property
+  def block_tokens(self) -> int:
+    return self.ppb * self.ps
+
+  @property
+  def max_blocks(self) -> int:
+    return self.ppt // self.ppb
+
+
+def check_supported(q, k_pages, *, block_q, pages_per_block) -> tuple[int, int]:
+  """(bq, ppb) for this call, or NotImplementedError for valid input the kernel does not handle."""
+  T = q.shape[0]
+  ps = k_pages.shape[1]
+  if jnp.dtype(q.dtype) not in SUPPORTED_Q_DTYPES:
+    raise NotImplementedError(f"pallas_tpu paged attention supports float32 and bfloat16 q, got q.dtype={q.dtype}")
+  sub = c.sublanes(q.dtype)
+  if ps % sub:
+    raise NotImplementedError(
+      f"pallas_tpu paged attention needs page_size to be a multiple of {sub} for {jnp.dtype(q.dtype).name} q "
+      f"(a page is a whole number of sublane tiles), got page_size={ps}; use implementation='xla'"
+    )
+  try:
+    bq = c.tpu_tile(T, max(block_q, 1), sub, what="block_q")
+  except ValueError as e:
+    raise NotImplementedError(f"pallas_tpu paged attention: {e}") from None
+  if bq != T and bq % sub:
+    raise NotImplementedError(f"pallas_tpu paged attention: block_q={bq} must be a multiple of {sub}")
+  return bq, max(1, pages_per_block)
+
+
+def dims_of(q, k_pages, page_indices, k_scale, v_scale, *, bq, ppb, write=False) -> PagedDims:
+  T, N, H = q.shape
+  P, ps, K, _ = k_pages.shape
+  S, pps = page_indices.shape
+  rows = tuple(0 if x is None else (1 if x.ndim < 3 else ps) for x in (k_scale, v_scale))
+  return PagedDims(
+    T=T,
+    N=N,
+    K=K,
+    H=H,
+    P=P,
+    ps=ps,
+    S=S,
+    ppt=-(-pps // ppb) * ppb,
+    bq=bq,
+    ppb=ppb,
+    q_dtype=jnp.dtype(q.dtype),
+    page_dtype=jnp.dtype(k_pages.dtype),
+    scale_rows=rows,
+    write=write,
+  )
+
+
+# -- call plans (the planner's VMEM model is checked against these) --------------------
+
+
+def _row_block(d: PagedDims, minor):
+  return pl.BlockSpec((d.bq, *minor), lambda i, *_: (i,) + (0,) * len(minor))
+
+
+def _any():
+  return pl.BlockSpec(memory_space=pl.ANY)
+
+
+def _kv_scratch(d: PagedDims):
+  bufs = [((2, d.ppb, d.ps, d.K, d.H), d.page_dtype)] * 2
+  bufs += [((2, d.ppb, r, d.K), c.F32) for r in d.scale_rows if r]
+  return bufs
+
+
+def fwd_plan(d: PagedDims) -> c.CallPlan:
+  num_scales = sum(1 for r in d.scale_rows if r)
+  rows = d.bq * d.G
+  in_specs = [_row_block(d, (d.N, d.H)), _any(), _any(), *(_any() for _ in range(num_scales))]
+  in_dtypes = [d.q_dtype, d.page_dtype, d.page_dtype, *((c.F32,) * num_scales)]
+  out_specs = [_row_block(d, (d.N, d.H)), _row_block(d, (d.N,))]
+  out_shapes = [jax.ShapeDtypeStruct((d.T, d.N, d.H), d.q_dtype), jax.ShapeDtypeStruct((d.T, d.N), c.F32)]
+  if d.write:  # new K/V rows (and their per-token scales) in; the updated pages out (aliased, in HBM)
+    in_specs += [_row_block(d, (d.K, d.H))] * 2 + [_row_block(d, (d.K,))] * num_scales
+    in_dtypes += [d.page_dtype] * 2 + [c.F32] * num_scales
+    out_specs += [_any()] * (2 + num_scales)
+    pages = jax.ShapeDtypeStruct((d.P, d.ps, d.K, d.H), d.page_dtype)
+    out_shapes += [pages, pages] + [jax.ShapeDtypeStruct((d.P, d.ps, d.K), c.F32)] * num_scales
+  return c.CallPlan(
+    grid=(d.T // d.bq,),
+    in_specs=tuple(in_specs),
+    in_dtypes=tuple(in_dtypes),
+    out_specs=tuple(out_specs),
+    out_shapes=tuple(out_shapes),
+    scratch=(
+      *_kv_scratch(d),
+      ((d.K, rows, c.LANES), c.F32),  # m
+      ((d.K, rows, c.LANES), c.F32),  # l
+      ((d.bq, d.N, d.H), c.F32),  # acc, laid out as the output block
+    ),
+  )
+
+
+def bwd_plan(d: PagedDims) -> c.CallPlan:
+  num_scales = sum(1 for r in d.scale_rows if r)
+  page_grads = jax.ShapeDtypeStruct((d.P, d.ps, d.K, d.H), c.F32)
+  return c.CallPlan(
+    grid=(d.T // d.bq,),
+    in_specs=(
+      _row_block(d, (d.N, d.H)),  # q
+      _row_block(d, (d.N, d.H)),  # do
+      _row_block(d, (d.N,)),  # lse
+      _row_block(d, (d.N,)),  # delta
+      _any(),
+      _any(),
+      *(_any() for _ in range(num_scales)),
+      _any(),  # dk pages (aliased to the dk output)
+      _any(),  # dv pages
+    ),
+    in_dtypes=(d.q_dtype, d.q_dtype, c.F32, c.F32, d.page_dtype, d.page_dtype, *((c.F32,) * (num_scales + 2))),
+    out_specs=(_row_block(d, (d.N, d.H)), _any(), _any()),
+    out_shapes=(jax.ShapeDtypeStruct((d.T, d.N, d.H), c.F32), page_grads, page_grads),
+    scratch=(
+      *_kv_scratch(d),
+      ((d.bq, d.N, d.H), c.F32),  # dq accumulator
+      ((d.ppb, d.ps, d.K, d.H), c.F32),  # dK of one kv block
+      ((d.ppb, d.ps, d.K, d.H), c.F32),  # dV of one kv block
+      ((d.ps, d.K, d.H), c.F32),  # one page of the dK / dV accumulators (read-add-write)
+    ),
+  )
+
+
+def launch(kernel, plan: c.CallPlan, *, num_semaphores, semantics, aliases, interpret, name):
+  scratch = [pltpu.VMEM(shape, dtype) for shape, dtype in plan.scratch]
+  scratch.append(pltpu.SemaphoreType.DMA((num_semaphores,)))
+
+  def run(*args):
+    args = vma.unify(*args)
+    mat = vma.manual_axis_type(args[4])
+    out_shapes = [jax.ShapeDtypeStruct(o.shape, o.dtype, manual_axis_type=mat) for o in plan.out_shapes]
+    return pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4,
+        grid=plan.grid,
+        in_specs=list(plan.in_specs),
+        out_specs=list(plan.out_specs),
+        scratch_shapes=scratch,
+      ),
+      out_shape=out_shapes,
+      input_output_aliases=aliases,
+      compiler_params=c.compiler_params(semantics, interpret),
+      interpret=interpret,
+      name=name,
+    )(*args)
+
+  return run
+
+
+def operands(d: PagedDims, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale):
+  cu = metadata.effective_cu(cu_q_lens, num_seqs)  # past num_seqs / decreasing entries flattened, as in XLA
+  table = page_indices
+  if d.ppt > table.shape[1]:
+    table = jnp.pad(table, ((0, 0), (0, d.ppt - table.shape[1])), constant_values=-1)
+  prefetch = (cu, kv_lens, table.reshape(-1), num_seqs)
+  scales = []
+  for x in (k_scale, v_scale):
+    if x is None:
+      continue
+    x = x.astype(c.F32)
+    if x.ndim == 0:
+      x = jnp.broadcast_to(x, (d.P, 1, d.K))
+    elif x.ndim == 2:
+      x = x[:, None, :]
+    scales.append(x)
+  return prefetch, tuple(scales)
+
+
+def spec_dims(q, k_pages, page_indices, k_scale, v_scale, spec, write=False):
+  block_q, block_kv = spec.block_sizes.block_q, spec.block_sizes.block_kv
+  bq, ppb = check_supported(q, k_pages, block_q=block_q, pages_per_block=block_kv // k_pages.shape[1])
+  scale_dims = [None if x is None else jnp.asarray(x) for x in (k_scale, v_scale)]
+  return dims_of(q, k_pages, page_indices, *scale_dims, bq=bq, ppb=ppb, write=write)

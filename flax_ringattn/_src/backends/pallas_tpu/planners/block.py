@@ -1,0 +1,233 @@
+"""VMEM-aware tile planner for the Pallas TPU block kernels.
+
+The footprint model lives here and only here: `footprint()` counts every
+buffer the forward, dq and dk/dv kernels allocate (pipelined input and output
+tiles twice, for double buffering; VMEM scratch once) plus the f32
+score-sized temporaries the kernel body keeps live.  `tests/test_planner.py`
+checks the buffer part against `common.plan_vmem_bytes` of the kernels' own
+`CallPlan`s, so a kernel change that adds a buffer fails a test until the model
+learns it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from flax_ringattn._src import validation
+from flax_ringattn._src.backends.pallas_tpu import tiling as c
+from flax_ringattn._src.backends.pallas_tpu.planners.chip import MiB, budget_bytes, current_generation
+from flax_ringattn._src.block_sizes import BlockSizes
+from flax_ringattn._src.options import ProblemShape
+
+# Larger tiles stop paying: a 1024-row q tile already feeds the MXU for many
+# cycles per DMA, while causal and window skipping get coarser with tile size.
+MAX_TILE = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class Footprint:
+  """VMEM bytes of one kernel: `buffers` (BlockSpec tiles and scratch) + `temporaries`."""
+
+  buffers: int
+  temporaries: int
+
+  @property
+  def total(self) -> int:
+    return self.buffers + self.temporaries
+
+
+def _tile(rows: int, cols: int, dtype, lead: int = 1) -> int:
+  """Bytes of a [lead, rows, cols] VMEM buffer padded to (sublane, lane) tiles."""
+  return c.padded_bytes((lead, rows, cols), dtype)
+
+
+def footprint(
+  kernel: str, *, bq, bk, num_heads, num_kv_heads, head_dim, dtype, has_segments=False, soft_cap=False, dropout=False
+):
+  """Footprint of kernel 'fwd', 'dq' or 'dkv' at tiles (bq, bk)."""
+  G, H, f32, i32 = num_heads // num_kv_heads, head_dim, jnp.float32, jnp.int32
+  q_tile = _tile(bq, H, dtype, G)  # q or do: the G heads of a group
+  kv_tile = _tile(bk, H, dtype)
+  row_stat = _tile(bq, 1, f32, G)  # lse / delta, [G, bq, 1]
+  mask = _tile(bq, 1, i32) + _tile(1, bk, i32)  # positions
+  if has_segments:
+    mask *= 2
+  score = G * bq * bk * 4  # one f32 [G * bq, bk] tile
+  if kernel == "fwd":
+    inputs = q_tile + 2 * kv_tile + mask
+    outputs = _tile(bq, H, f32, G) + row_stat
+    scratch = 2 * _tile(bq, c.LANES, f32, G) + _tile(bq, H, f32, G)  # m, l, acc
+    temporaries = 3 * score  # s, its masked copy, p (and p cast to the input dtype)
+  elif kernel == "dq":
+    inputs = 2 * q_tile + 2 * row_stat + 2 * kv_tile + mask
+    outputs = _tile(bq, H, f32, G)
+    scratch = _tile(G * bq, H, f32)
+    temporaries = 5 * score  # s (masked), p, dp, ds, ds * scale cast for the matmul
+  elif kernel == "dkv":
+    inputs = 2 * kv_tile + 2 * q_tile + 2 * row_stat + mask
+    outputs = 2 * _tile(bk, H, f32)
+    scratch = 2 * _tile(bk, H, f32)
+    temporaries = 5 * score  # as dq, plus p cast for dV sharing the same live range
+  else:
+    raise ValueError(f"kernel must be 'fwd', 'dq' or 'dkv', got {kernel!r}")
+  if soft_cap:
+    temporaries += 2 * score  # raw / cap and tanh(raw / cap), kept for the gradient
+  if dropout:
+    temporaries += 2 * score  # the int32 hash of the keep mask and the f32 keep / (1 - rate) scale
+  return Footprint(buffers=2 * (inputs + outputs) + scratch, temporaries=temporaries)
+
+
+def candidates(length: int, align: int) -> list[int]:
+  """Legal tiles for an axis of `length` tokens, ascending: aligned divisors, and the whole axis."""
+  out = {length} if length <= MAX_TILE else set()
+  out |= {t for t in range(align, min(length, MAX_TILE) + 1, align) if length % t == 0}
+  return sorted(out)
+
+
+def q_candidates(q_len: int, dtype, *, grouped: bool) -> list[int]:
+  """Legal q tiles; grouped heads (N > K) need sublane-aligned ones (see common.block_tiles)."""
+  sub = c.sublanes(dtype)
+  return [t for t in candidates(q_len, sub) if not grouped or t % sub == 0]
+
+
+def hbm_bytes(kernel: str, *, bq, bk, q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype) -> int:
+  """HBM bytes one block's kernel moves when every tile is live.
+
+  The forward and dq kernels stream all of K/V once per q tile, the dk/dv kernel
+  streams q, dO, lse and delta once per kv tile; the other operands move once.
+  This is what the planner minimises: within the VMEM budget, taller q tiles
+  (forward, dq) and wider kv tiles (dk/dv) cut the re-streaming.
+  """
+  b = jnp.dtype(dtype).itemsize
+  q_side = q_len * num_heads * head_dim * b  # q (or do)
+  kv_side = kv_len * num_kv_heads * head_dim * b  # k (or v)
+  stats = q_len * num_heads * 4  # lse or delta
+  out_q = q_len * num_heads * head_dim * 4  # f32 o or dq
+  if kernel == "fwd":
+    return q_side + (q_len // bq) * 2 * kv_side + out_q + stats  # + lse
+  if kernel == "dq":
+    return 2 * q_side + 2 * stats + (q_len // bq) * 2 * kv_side + out_q
+  if kernel == "dkv":
+    return 2 * kv_side + (kv_len // bk) * (2 * q_side + 2 * stats) + 2 * kv_len * num_kv_heads * head_dim * 4
+  raise ValueError(f"kernel must be 'fwd', 'dq' or 'dkv', got {kernel!r}")
+
+
+def _traffic(kernels, bq, bk, **shape) -> int:
+  """`hbm_bytes` summed over `kernels` ('fwd', 'dq', 'dkv') at tiles (bq, bk)."""
+  return sum(hbm_bytes(k, bq=bq, bk=bk, **shape) for k in kernels)
+
+
+def _best(kernels, q_len, kv_len, dtype, budget, **dims):
+  """The fitting (bq, bk) with the least HBM traffic, then the largest area.
+
+  HBM bytes never grow with either tile, so a tile one step larger than the
+  choice in either dimension does not fit (else it would have been chosen).
+  """
+  best, best_key = None, None
+  grouped = dims["num_heads"] > dims["num_kv_heads"]
+  heads = {k: dims[k] for k in ("num_heads", "num_kv_heads", "head_dim")}
+  for bq in q_candidates(q_len, dtype, grouped=grouped):
+    for bk in candidates(kv_len, c.LANES):
+      need = max(footprint(k, bq=bq, bk=bk, dtype=dtype, **dims).total for k in kernels)
+      if need > budget:
+        continue
+      traffic = _traffic(kernels, bq, bk, q_len=q_len, kv_len=kv_len, dtype=dtype, **heads)
+      key = (traffic, -bq * bk, -bq)
+      if best_key is None or key < best_key:
+        best, best_key = (bq, bk), key
+  return best
+
+
+def plan_block_sizes(
+  q_len: int,
+  kv_len: int,
+  num_heads: int,
+  num_kv_heads: int,
+  head_dim: int,
+  dtype,
+  *,
+  generation: str | None = None,
+  has_segments: bool = False,
+  logits_soft_cap: float | None = None,
+  dropout: bool = False,
+  soft_cap: bool | None = None,
+) -> BlockSizes:
+  """The largest tiles whose VMEM footprint fits `generation`'s budget.
+
+  Args:
+    q_len, kv_len: the lengths one block sees: the per-device shard lengths
+      of the ring (T / ring size and S / ring size).
+    num_heads, num_kv_heads, head_dim: N, K and H of the local shard.
+    dtype: the input dtype (float32 or bfloat16).
+    generation: 'v4', 'v5e', 'v5p', 'v6e' or 'v7x'; None: the attached TPU's,
+      or the smallest-VMEM generation off TPU.
+    has_segments, logits_soft_cap, dropout: the call's segment ids (whether
+      it has them), soft cap (as `ring_attention` takes it) and whether it
+      uses attention dropout (each adds buffers or temporaries).
+    soft_cap: deprecated (warns once): a bool standing for whether there is a
+      `logits_soft_cap`.
+
+  Returns:
+    `BlockSizes` with forward and backward tiles: of the legal tiles (at most
+    MAX_TILE) whose footprint fits, those with the least HBM traffic
+    (`hbm_bytes`), then the largest.
+  """
+  if soft_cap is not None:
+    validation.warn_once(
+      ("plan_block_sizes", "soft_cap"),
+      "plan_block_sizes(soft_cap=...) is deprecated: pass the call's logits_soft_cap (a float or None), as "
+      "ring_attention takes it",
+    )
+  has_cap = bool(soft_cap) if soft_cap is not None else logits_soft_cap is not None
+  shape = ProblemShape(
+    q_len=q_len,
+    kv_len=kv_len,
+    num_heads=num_heads,
+    num_kv_heads=num_kv_heads,
+    head_dim=head_dim,
+    dtype=dtype,
+    has_segments=has_segments,
+    soft_cap=has_cap,
+    dropout=dropout,
+  )
+  return plan_block_sizes_for(shape, generation=generation)
+
+
+def plan_block_sizes_for(shape: ProblemShape, *, generation: str | None = None) -> BlockSizes:
+  """`plan_block_sizes` of one `ProblemShape` (what the kernels call)."""
+  q_len, kv_len, dtype = shape.q_len, shape.kv_len, shape.dtype
+  num_heads, num_kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+  generation = current_generation() if generation is None else generation
+  budget = budget_bytes(generation)
+  for name, value in (
+    ("q_len", q_len),
+    ("kv_len", kv_len),
+    ("num_heads", num_heads),
+    ("num_kv_heads", num_kv_heads),
+    ("head_dim", head_dim),
+  ):
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"plan_block_sizes: {name} must be a positive int, got {name}={value!r}")
+  if num_heads % num_kv_heads:
+    raise ValueError(f"plan_block_sizes: num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+  dims = shape.heads | shape.features
+  fwd = _best(("fwd",), q_len, kv_len, dtype, budget, **dims)
+  bwd = _best(("dq", "dkv"), q_len, kv_len, dtype, budget, **dims)
+  if fwd is None or bwd is None:
+    qs = q_candidates(q_len, dtype, grouped=num_heads > num_kv_heads)
+    ks = candidates(kv_len, c.LANES)
+    if not qs or not ks:
+      whole = " (with grouped heads it must be aligned too)" if num_heads > num_kv_heads else ""
+      raise ValueError(
+        f"plan_block_sizes: no legal TPU tile for q_len={q_len} (multiples of {c.sublanes(dtype)} up to {MAX_TILE}, "
+        f"or the whole axis up to {MAX_TILE}{whole}) or kv_len={kv_len} (multiples of {c.LANES}, same rule)"
+      )
+    smallest = footprint("dq", bq=qs[0], bk=ks[0], dtype=dtype, **dims).total
+    raise ValueError(
+      f"plan_block_sizes: no legal tiles for q_len={q_len}, kv_len={kv_len} fit the {generation} VMEM budget "
+      f"of {budget / MiB:.1f} MiB (smallest tiles need {smallest / MiB:.1f} MiB with {num_heads // num_kv_heads} "
+      f"q heads per kv head and head_dim={head_dim})"
+    )
+  return BlockSizes(block_q=fwd[0], block_kv=fwd[1], block_q_bwd=bwd[0], block_kv_bwd=bwd[1])

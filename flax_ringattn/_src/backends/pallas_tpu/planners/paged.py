@@ -1,0 +1,110 @@
+"""VMEM-aware block planner of the ragged paged kernel (`paged/`): its footprint model and `plan_paged_block_sizes`."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from flax_ringattn._src.backends.pallas_tpu import tiling as c
+from flax_ringattn._src.backends.pallas_tpu.planners.block import Footprint, candidates
+from flax_ringattn._src.backends.pallas_tpu.planners.chip import MiB, budget_bytes, current_generation
+from flax_ringattn._src.block_sizes import BlockSizes
+
+# Pages per kv block stop paying past this many tokens: the copies of one block
+# already amortise their issue cost, and a larger block wastes more of a
+# sequence's last, partial block.
+PAGED_MAX_BLOCK_TOKENS = 512
+PAGED_MAX_BLOCK_Q = 256
+
+
+def paged_footprint(
+  kernel: str,
+  *,
+  bq,
+  pages_per_block,
+  page_size,
+  num_heads,
+  num_kv_heads,
+  head_dim,
+  dtype,
+  page_dtype,
+  scale_rows=(0, 0),
+  soft_cap=False,
+) -> Footprint:
+  """VMEM of the paged kernel 'paged_fwd' or 'paged_bwd' at `bq` rows and `pages_per_block` pages per kv block.
+
+  `scale_rows`: per-page rows of (k_scale, v_scale): 0 without a scale, 1 per page (and for a scalar scale),
+  page_size per token.  Pages stay in HBM; the kernel copies them into a two-slot buffer itself.
+  """
+  N, K, H, ps, ppb = num_heads, num_kv_heads, head_dim, page_size, pages_per_block
+  G, L, f32 = N // K, pages_per_block * page_size, jnp.float32
+  q_block = c.padded_bytes((bq, N, H), dtype)
+  kv_slots = 2 * c.padded_bytes((2, ppb, ps, K, H), page_dtype)
+  kv_slots += sum(c.padded_bytes((2, ppb, r, K), f32) for r in scale_rows if r)
+  score = G * bq * L * 4  # one f32 [bq * G, L] tile
+  head_kv = 2 * L * H * 4  # one kv head's K and V block, dequantised to f32
+  if kernel == "paged_fwd":
+    pipelined = q_block + c.padded_bytes((bq, N, H), dtype) + c.padded_bytes((bq, N), f32)  # q; o, lse
+    scratch = kv_slots + 2 * c.padded_bytes((K, bq * G, c.LANES), f32) + c.padded_bytes((bq, N, H), f32)
+    temporaries = 3 * score + head_kv
+  elif kernel == "paged_bwd":
+    pipelined = (
+      2 * q_block + 2 * c.padded_bytes((bq, N), f32) + c.padded_bytes((bq, N, H), f32)
+    )  # q, do, lse, delta; dq
+    scratch = kv_slots + c.padded_bytes((bq, N, H), f32) + 2 * c.padded_bytes((ppb, ps, K, H), f32)
+    scratch += c.padded_bytes((ps, K, H), f32)
+    temporaries = 5 * score + head_kv
+  else:
+    raise ValueError(f"kernel must be 'paged_fwd' or 'paged_bwd', got {kernel!r}")
+  if soft_cap:
+    temporaries += score
+  return Footprint(buffers=2 * pipelined + scratch, temporaries=temporaries)
+
+
+def plan_paged_block_sizes(
+  max_num_batched_tokens: int,
+  page_size: int,
+  pages_per_seq: int,
+  num_heads: int,
+  num_kv_heads: int,
+  head_dim: int,
+  dtype,
+  page_dtype=None,
+  *,
+  scale_rows=(0, 0),
+  soft_cap=False,
+  generation: str | None = None,
+) -> BlockSizes:
+  """`BlockSizes(block_q=rows per grid step, block_kv=tokens per kv block)` for the paged kernel.
+
+  The largest kv block up to PAGED_MAX_BLOCK_TOKENS tokens (whole pages, at most a sequence's pages), then the
+  tallest q block up to PAGED_MAX_BLOCK_Q rows (a prefill spanning several q blocks reads its pages once per
+  block), such that both the forward and the backward kernels fit `generation`'s VMEM budget.
+  """
+  generation = current_generation() if generation is None else generation
+  budget = budget_bytes(generation)
+  page_dtype = dtype if page_dtype is None else page_dtype
+  sub = c.sublanes(dtype)
+  qs = [t for t in candidates(max_num_batched_tokens, sub) if t <= PAGED_MAX_BLOCK_Q and t % sub == 0]
+  if not qs:
+    qs = [max_num_batched_tokens] if max_num_batched_tokens <= PAGED_MAX_BLOCK_Q else []
+  pbs = [p for p in range(1, pages_per_seq + 1) if p * page_size <= max(PAGED_MAX_BLOCK_TOKENS, page_size)]
+  dims = dict(
+    page_size=page_size,
+    num_heads=num_heads,
+    num_kv_heads=num_kv_heads,
+    head_dim=head_dim,
+    dtype=dtype,
+    page_dtype=page_dtype,
+    scale_rows=scale_rows,
+    soft_cap=soft_cap,
+  )
+  for ppb in sorted(pbs, reverse=True):
+    for bq in sorted(qs, reverse=True):
+      need = max(paged_footprint(k, bq=bq, pages_per_block=ppb, **dims).total for k in ("paged_fwd", "paged_bwd"))
+      if need <= budget:
+        return BlockSizes(block_q=bq, block_kv=ppb * page_size)
+  raise ValueError(
+    f"plan_paged_block_sizes: no q block of {max_num_batched_tokens=} (multiples of {sub} up to "
+    f"{PAGED_MAX_BLOCK_Q}) with whole pages of {page_size=} fits the {generation} VMEM budget of "
+    f"{budget / MiB:.1f} MiB ({num_heads=}, {num_kv_heads=}, {head_dim=})"
+  )

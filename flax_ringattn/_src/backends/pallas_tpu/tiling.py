@@ -1,0 +1,81 @@
+"""TPU tile rules and call plans: the lowest layer of the Pallas TPU backend.
+
+Every buffer a kernel allocates is described once, by `CallPlan`: the grid, the
+BlockSpecs of its operands and results, and its scratch shapes.  The kernels
+build their `pl.pallas_call` from a plan (`common.call`), and the VMEM
+footprint models of `planners/` are tested against the footprint of the same
+plans, so a model cannot drift from the code.  Both the kernels and the
+planners import this module; it imports neither.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+LANES = 128  # minor (lane) dimension of a TPU vreg
+# SMEM is 1 MiB per core from v4 on (JAX's tpu_info); the two scalar-prefetched
+# tile tables of one kernel may use half of it.
+SMEM_TABLE_BYTES = 512 * 1024
+F32 = jnp.float32
+
+
+def sublanes(dtype) -> int:
+  """Second-minor alignment of a tile of `dtype`: 8 rows of 32 bits, packed for narrower types."""
+  return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallPlan:
+  """Everything about one pallas_call's buffers; `pl.pallas_call` is built from it."""
+
+  grid: tuple[int, ...]
+  in_specs: tuple  # BlockSpecs of the array operands (after the scalar prefetch)
+  in_dtypes: tuple
+  out_specs: tuple
+  out_shapes: tuple  # jax.ShapeDtypeStruct
+  scratch: tuple  # (shape, dtype) of VMEM scratch buffers
+
+
+def padded_bytes(shape, dtype) -> int:
+  """VMEM bytes of one buffer: the two minor dims are padded to (sublanes, 128) tiles."""
+  shape = tuple(1 if d is None else d for d in shape)
+  if len(shape) == 1:
+    shape = (1, *shape)
+  *lead, rows, cols = shape
+  rows = -(-rows // sublanes(dtype)) * sublanes(dtype)
+  cols = -(-cols // LANES) * LANES
+  return math.prod(lead) * rows * cols * jnp.dtype(dtype).itemsize
+
+
+def plan_vmem_bytes(plan: CallPlan) -> int:
+  """VMEM a plan allocates: inputs and outputs double-buffered by the pipeline, plus scratch."""
+  total = 0
+  # Operands left in HBM (memory_space=pl.ANY: no block shape) take no VMEM; the kernel copies them itself.
+  for spec, dtype in zip(plan.in_specs, plan.in_dtypes, strict=True):
+    if spec.block_shape is not None:
+      total += 2 * padded_bytes(spec.block_shape, dtype)
+  for spec, out in zip(plan.out_specs, plan.out_shapes, strict=True):
+    if spec.block_shape is not None:
+      total += 2 * padded_bytes(spec.block_shape, out.dtype)
+  for shape, dtype in plan.scratch:
+    total += padded_bytes(shape, dtype)
+  return total
+
+
+def tpu_tile(length: int, requested: int, align: int, *, what: str) -> int:
+  """The tile for a `length`-token axis: the whole axis if it fits, else the largest aligned divisor."""
+  if length <= requested:
+    return length  # a block equal to the full dimension is always legal
+  t = (requested // align) * align
+  while t >= align:
+    if length % t == 0:
+      return t
+    t -= align
+  raise ValueError(
+    f"pallas_tpu: no {what} tile <= {requested} divides the shard length {length} in multiples of {align} "
+    f"(TPU tiles must be multiples of {align} or the whole axis); choose a shard length that is a multiple "
+    f"of {align} or BlockSizes with {what} >= {length}"
+  )

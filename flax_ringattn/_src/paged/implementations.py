@@ -1,0 +1,99 @@
+"""The paged op's registry: the ragged paged Pallas TPU kernel, then the portable XLA backend.
+
+The selection rules are the ring's (`backends/registry.py`).  An implementation also says which blocks it runs
+a call with (`blocks`): the XLA backend `DEFAULT_PAGED_BLOCKS` unless the call names some; the TPU kernel the
+VMEM planner's choice (`plan_paged_block_sizes`), so a call whose blocks cannot fit VMEM is "not supported here"
+and `implementation=None` falls through to XLA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from flax_ringattn._src.backends import pallas_tpu
+from flax_ringattn._src.backends.pallas_tpu import paged as pallas_paged
+from flax_ringattn._src.backends.pallas_tpu import planners
+from flax_ringattn._src.backends.registry import Registry
+from flax_ringattn._src.backends.xla import paged as xla_paged
+from flax_ringattn._src.block_sizes import BlockSizes
+
+DEFAULT_PAGED_BLOCKS = BlockSizes(block_q=16, block_kv=128)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedXla:
+  """Portable paged attention (`backends/xla/paged.py`)."""
+
+  name = "xla"
+
+  def check_supported(self, **call) -> None:
+    del call  # every valid input is supported
+
+  def blocks(self, *, block_sizes, **call) -> BlockSizes:
+    del call
+    return DEFAULT_PAGED_BLOCKS if block_sizes is None else block_sizes
+
+  def fwd(self, *args, spec):
+    return xla_paged.paged_fwd(*args, spec=spec)
+
+  def bwd(self, *args, spec):
+    return xla_paged.paged_bwd(*args, spec=spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedPallasTpu:
+  """The ragged paged Pallas TPU kernel (`backends/pallas_tpu/paged/`); `interpret` runs it on CPU."""
+
+  interpret: object = None
+  name = "pallas_tpu"
+  fused_cache_write = True  # `paged_fwd_write`: the new tokens' K/V written in the same launch
+
+  def with_interpret(self, interpret):
+    return dataclasses.replace(self, interpret=pallas_tpu.normalize_interpret(interpret))
+
+  def check_supported(self, *, q, k_pages, block_sizes, **call) -> None:
+    if self.interpret is None and not pallas_tpu.on_tpu():
+      raise NotImplementedError(
+        f"pallas_tpu needs a TPU (default backend is {jax.default_backend()!r}); pass interpret=True to run the "
+        "kernels in Pallas TPU interpret mode on CPU, or implementation='xla'"
+      )
+    if jnp.dtype(q.dtype) not in pallas_tpu.SUPPORTED_DTYPES:
+      raise NotImplementedError(f"pallas_tpu supports float32 and bfloat16 inputs, got dtype={jnp.dtype(q.dtype)}")
+    blocks = self.blocks(q=q, k_pages=k_pages, block_sizes=block_sizes, **call)
+    pallas_paged.check_supported(
+      q, k_pages, block_q=blocks.block_q, pages_per_block=max(1, blocks.block_kv // k_pages.shape[1])
+    )
+
+  def blocks(self, *, q, k_pages, block_sizes, k_scale, v_scale, pages_per_seq, logits_soft_cap) -> BlockSizes:
+    if block_sizes is not None:
+      return block_sizes
+    T, N, H = q.shape
+    _, ps, K, _ = k_pages.shape
+    rows = tuple(0 if x is None else (1 if x.ndim < 3 else ps) for x in (k_scale, v_scale))
+    try:
+      return planners.plan_paged_block_sizes(
+        T, ps, pages_per_seq, N, K, H, q.dtype, k_pages.dtype, scale_rows=rows, soft_cap=logits_soft_cap is not None
+      )
+    except ValueError as e:
+      raise NotImplementedError(str(e)) from None
+
+  def fwd(self, *args, spec):
+    return pallas_paged.paged_fwd(*args, spec=spec, interpret=self.interpret)
+
+  def fwd_write(self, *args, spec):
+    return pallas_paged.paged_fwd_write(*args, spec=spec, interpret=self.interpret)
+
+  def bwd(self, *args, spec):
+    return pallas_paged.paged_bwd(*args, spec=spec, interpret=self.interpret)
+
+
+PAGED = Registry(
+  "paged_attention",
+  (PagedPallasTpu(), PagedXla()),
+  preference=("pallas_tpu", "xla"),
+  interpret_default="pallas_tpu",
+  interpret_error="interpret=... applies to implementation='pallas_tpu' only, got implementation={implementation!r}",
+)

@@ -1,0 +1,73 @@
+"""What the scripts in `benchmarks/` share, for your own benchmarks too (imported on demand).
+
+* timing: `time_interleaved(calls, repeats, *, warmup, on_error)` runs the
+  candidates in interleaved rounds (A B, B A, ...), each call
+  `block_until_ready`'d; `paired_ratio(slow, fast)` gives the median of the
+  per-round ratios (`Paired.ratio`) and the rounds the faster one lost;
+  `measure_matmul_flops` the rate of one device; `machine()` a line on the
+  host, JAX and its devices.
+* checks before timing: `compare(name, got, want, *, tol, metric)` makes a
+  `Check`; `Report.require(checks)` exits with `EXIT_WRONG_RESULT` (1) before
+  anything is timed when one fails.
+* reports: `Report(title, *, json)`: tables, notes and targets as Markdown, or
+  one JSON document (`add_report_args(parser)` adds `--json`);
+  `Report.finish()` returns the exit status (0 ok, 1 wrong result, 3 a target
+  missed).
+* problem shapes: `Problem` (B, T, S, N, K, H, dtype, mask; `flops()`,
+  `bytes()`, `inputs()`), `fwd_bwd(attention)`, and `PROBLEM_SETS`, the named
+  shapes of each benchmark, which tests can run too.
+* models: `hardware` (the chip table: `chip("tpu_v5e")`, `CHIPS`), `cost`
+  (FLOPs, bytes, a ring hop's compute against its transfer), and
+  `collective_volume` / `compiled_stats` (bytes sent and memory of a compiled
+  program).
+"""
+
+from flax_ringattn._src.perf import cost, hardware
+from flax_ringattn._src.perf.harness import (
+  EXIT_OK,
+  EXIT_TARGET_MISSED,
+  EXIT_USAGE,
+  EXIT_WRONG_RESULT,
+  Check,
+  Paired,
+  Report,
+  add_report_args,
+  compare,
+  error,
+  machine,
+  markdown_table,
+  measure_matmul_flops,
+  median,
+  paired_ratio,
+  time_interleaved,
+)
+from flax_ringattn._src.perf.hlo import CommVolume, CompiledStats, collective_volume, compiled_stats
+from flax_ringattn._src.perf.problems import PROBLEM_SETS, Problem, fwd_bwd
+
+__all__ = [
+  "EXIT_OK",
+  "EXIT_TARGET_MISSED",
+  "EXIT_USAGE",
+  "EXIT_WRONG_RESULT",
+  "PROBLEM_SETS",
+  "Check",
+  "CommVolume",
+  "CompiledStats",
+  "Paired",
+  "Problem",
+  "Report",
+  "add_report_args",
+  "collective_volume",
+  "compare",
+  "compiled_stats",
+  "cost",
+  "error",
+  "fwd_bwd",
+  "hardware",
+  "machine",
+  "markdown_table",
+  "measure_matmul_flops",
+  "median",
+  "paired_ratio",
+  "time_interleaved",
+]

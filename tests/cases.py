@@ -1,0 +1,282 @@
+"""Shared test cases: one registry of attention feature axes, and the builders every matrix uses.
+
+A `Case` is one point of the feature space.  Its axes, each defined once here:
+
+* mask (`MASKS`): none, causal, a (left, right) window (jax.nn's `local_window_size`), causal + window,
+  packed-document segments, cross attention (S != T), and fully-masked rows (q segment ids absent from kv);
+* head layout (`HEADS`, `kv_heads`): MHA (K = N), GQA (N / K q heads per kv head), MQA (K = 1);
+* dropout (`DROPOUT`): off, per head, or broadcast over heads (`Dropout`: rate and key seed);
+* soft cap (`Case.soft_cap`, with `Case.scale`);
+* dtype (`DTYPES`): each matrix chooses its dtypes per case, so a dtype is a matrix axis, not a `Case` field;
+* sinks (`Case.sinks`): the hook for a future per-head option, off in every case (see `Case.sinks`).
+
+The matrices pick the subsets they need: the ring backends suite runs `CASES` (test_ring_attention.py), the
+strategies a subset of it (test_strategies.py), the dropout tests `DROPOUT` through
+`assert_dropout_matches_reference` (test_dropout.py, test_pallas_gpu.py), the in-kernel ring its ring-size cases
+built with `make_case` (test_pallas_tpu_ring.py), and the paged suite the causal masks, soft cap and head layouts
+(paged_cases.py).  Test modules import from here (and paged_cases.py), never from each other.
+
+This is a helper module, not a test module: pytest collects nothing from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+import flax_ringattn as fr
+
+# -- the axes ------------------------------------------------------------------------------------------------
+
+# Mask kinds: the `Case` fields each one sets.  Window sizes are the ring suite's (64-token sequences); a matrix
+# with other lengths overrides `window` and keeps the kind.
+MASKS = {
+  "none": {},
+  "causal": dict(is_causal=True),
+  "window": dict(window=(6, 3)),  # two-sided, not causal
+  "causal_window": dict(is_causal=True, window=(9, 0)),
+  "segments": dict(is_causal=True, segments="self"),  # packed documents
+  "cross": dict(S=32),  # cross attention: kv shorter than q
+  "cross_causal": dict(S=32, is_causal=True),
+  # q segment ids 0..3 against kv ids 0..2: queries of document 3 see no key (output and dq exactly 0).
+  "empty_rows": dict(S=32, segments="cross", window=(4, 4)),
+}
+
+HEADS = ("mha", "gqa", "mqa")
+
+
+def kv_heads(layout: str, N: int, group: int = 4) -> int:
+  """K for N q heads in a head layout: MHA K = N, GQA `group` q heads per kv head, MQA K = 1."""
+  if layout == "mha":
+    return N
+  if layout == "gqa":
+    assert N % group == 0 and group > 1, (N, group)
+    return N // group
+  if layout == "mqa":
+    return 1
+  raise ValueError(f"unknown head layout {layout!r}; choose one of {HEADS}")
+
+
+RATE = 0.25  # the dropout tests' rate
+
+
+@dataclasses.dataclass(frozen=True)
+class Dropout:
+  """Attention dropout of a case: rate, one keep mask per head or one `broadcast` over heads, and the key's seed
+  (`jax.random.key(seed)`, the same for the op and the reference)."""
+
+  rate: float = RATE
+  broadcast: bool = False
+  seed: int = 0
+
+
+DROPOUT = {"off": None, "per-head": Dropout(), "broadcast": Dropout(broadcast=True)}
+
+
+def dropout(kind: str, seed: int = 0, *, rate: float = RATE) -> Dropout | None:
+  """The `DROPOUT` axis value `kind` ("off", "per-head", "broadcast") with its key's seed (and a rate)."""
+  d = DROPOUT[kind]
+  return None if d is None else dataclasses.replace(d, seed=seed, rate=rate)
+
+
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+def dtype_id(dtype) -> str:
+  """The dtype's part of a test id: "f32" or "bf16"."""
+  return jnp.dtype(dtype).name.replace("float", "f")
+
+
+# -- a case --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One point of the feature space at a shape: q [B, T, N, H], k/v [B, S, K, H]."""
+
+  name: str
+  B: int = 2
+  N: int = 4
+  K: int = 4
+  T: int = 64
+  S: int = 64
+  H: int = 16
+  is_causal: bool = False
+  load_balance: bool = False  # zigzag layout over the ring
+  window: tuple[int, int] | None = None  # (left, right), jax.nn's local_window_size
+  soft_cap: float | None = None
+  segments: str | None = None  # None | "self" (packed docs) | "cross" (q ids absent from kv -> empty rows)
+  scale: float | None = None
+  dropout: Dropout | None = None
+  # Sinks-ready hook, off in every case.  A future per-head option (attention sinks: one learned logit per q head
+  # that joins every row's softmax) gets its axis here: `make_inputs` draws the [N] array, `Case.options` passes
+  # it to the op and to `fr.reference_attention`, paged_cases.features passes it to the paged op and reference,
+  # and a case in `CASES` (plus one per matrix that should run it) sets sinks=True.  Until the library takes the
+  # option, every builder refuses sinks=True with NotImplementedError rather than silently ignoring it.
+  sinks: bool = False
+
+  @property
+  def heads(self) -> str:
+    """The head layout: "mha", "gqa" or "mqa"."""
+    return "mha" if self.N == self.K else "mqa" if self.K == 1 else "gqa"
+
+  @property
+  def mask(self) -> str:
+    """The mask kind (a key of `MASKS`) of the case's mask fields, whatever its window sizes and lengths."""
+    if self.segments == "cross":
+      return "empty_rows"
+    if self.segments == "self":
+      return "segments"
+    if self.S != self.T:
+      return "cross_causal" if self.is_causal else "cross"
+    if self.window is not None:
+      return "causal_window" if self.is_causal else "window"
+    return "causal" if self.is_causal else "none"
+
+  def check_sinks(self):
+    if self.sinks:
+      raise NotImplementedError(
+        f"case {self.name!r} sets sinks=True: the sinks hook (tests/cases.py, Case.sinks) is not wired to the "
+        "library yet"
+      )
+
+  def options(self) -> dict:
+    """The mask, scale and dropout keywords of `ring_attention` and `fr.reference_attention` for this case."""
+    self.check_sinks()
+    opts = dict(
+      is_causal=self.is_causal, local_window_size=self.window, logits_soft_cap=self.soft_cap, scale=self.scale
+    )
+    if self.dropout is not None:
+      opts.update(
+        dropout_rate=self.dropout.rate,
+        dropout_rng=jax.random.key(self.dropout.seed),
+        broadcast_dropout=self.dropout.broadcast,
+      )
+    return opts
+
+
+def make_case(name: str, mask: str = "none", heads: str = "mha", *, N: int = 4, group: int = 4, **fields) -> Case:
+  """A `Case` from the axes: the mask kind's fields, N q heads in the head layout (GQA: `group` q heads per kv
+  head), then `fields` (shape, window sizes, load_balance, soft cap, scale, dropout) on top.  A T without an S
+  sets both, unless the mask kind is a cross-attention one."""
+  base = {**MASKS[mask], "N": N, "K": kv_heads(heads, N, group)}
+  if "T" in fields and "S" not in fields and "S" not in base:
+    base["S"] = fields["T"]
+  return Case(name, **{**base, **fields})
+
+
+# -- named cases ---------------------------------------------------------------------------------------------
+
+# The ring backends suite (test_ring_attention.py): every backend runs these (or the subset it names); the
+# strategies' matrix is a subset (test_strategies.py).  Names are test ids: keep them.
+CASES = [
+  make_case("plain"),
+  make_case("causal", "causal"),
+  make_case("causal_lb", "causal", load_balance=True),
+  make_case("gqa", "causal", "gqa", N=8),
+  make_case("mqa", "causal", "mqa", N=8, load_balance=True),
+  make_case("segments", "segments"),
+  make_case("segments_lb", "segments", load_balance=True),
+  make_case("window", "window"),
+  make_case("causal_window_lb", "causal_window", load_balance=True),
+  make_case("soft_cap", "causal", soft_cap=2.0, scale=1.0),
+  make_case("cross", "cross", "gqa", N=8),
+  make_case("cross_causal_lb", "cross_causal", load_balance=True),
+  make_case("empty_rows", "empty_rows"),
+]
+CASE_NAMES = tuple(c.name for c in CASES)
+
+
+def case_names(*selected: str) -> frozenset[str]:
+  """A set of `CASES` names for a matrix to select by; a name not in the registry is an error (a typo must not
+  silently drop a case from a matrix)."""
+  unknown = set(selected) - set(CASE_NAMES)
+  if unknown:
+    raise KeyError(f"no case named {sorted(unknown)} in tests/cases.py (CASES: {CASE_NAMES})")
+  return frozenset(selected)
+
+
+def pick(*selected: str) -> list[Case]:
+  """The `CASES` of these names, in registry order."""
+  chosen = case_names(*selected)
+  return [c for c in CASES if c.name in chosen]
+
+
+# Single cases several modules run (the ring op and every strategy): GQA 4:1 with one mask feature each.
+GQA_SEGMENTS = make_case("sm", "segments", "gqa", N=8)  # inside a user's shard_map
+GQA_SEGMENTS_LB = make_case("det", "segments", "gqa", N=8, load_balance=True)  # determinism, bf16 strategies
+GQA_CAUSAL_LB = make_case("3d", "causal", "gqa", N=8, load_balance=True)  # batch, sequence and head axes at once
+GQA_CAUSAL_WINDOW = make_case("one", "causal_window", "gqa", N=8, window=(7, 0))  # one device, no mesh
+
+
+# -- builders ------------------------------------------------------------------------------------------------
+
+
+def make_inputs(case: Case, dtype, seed=0):
+  """(q, k, v, do, segment_ids) for a case, normal in float32 then cast to dtype; segment_ids None, [B, T]
+  (packed documents of random lengths) or a (q_ids [B, T], kv_ids [B, S]) pair (rows left empty)."""
+  case.check_sinks()
+  keys = jax.random.split(jax.random.PRNGKey(seed), 6)
+  B, H = case.B, case.H
+  q = jax.random.normal(keys[0], (B, case.T, case.N, H), jnp.float32).astype(dtype)
+  k = jax.random.normal(keys[1], (B, case.S, case.K, H), jnp.float32).astype(dtype)
+  v = jax.random.normal(keys[2], (B, case.S, case.K, H), jnp.float32).astype(dtype)
+  do = jax.random.normal(keys[3], (B, case.T, case.N, H), jnp.float32).astype(dtype)
+  seg = None
+  if case.segments == "self":
+    # Packed documents of random lengths: sorted ids, so whole tiles and hops skip.
+    cuts = jnp.sort(jax.random.randint(keys[4], (B, 3), 1, case.T), axis=1)
+    seg = (jnp.arange(case.T)[None, :, None] >= cuts[:, None, :]).sum(-1).astype(jnp.int32)
+  elif case.segments == "cross":
+    # q ids 0..3, kv ids 0..2: queries of document 3 see no key at all.
+    q_ids = jax.random.randint(keys[4], (B, case.T), 0, 4)
+    kv_ids = jax.random.randint(keys[5], (B, case.S), 0, 3)
+    seg = (q_ids, kv_ids)
+  return q, k, v, do, seg
+
+
+@functools.partial(jax.jit, static_argnames="options")  # compiled once per shape and options in a worker
+def _reference_run(q, k, v, do, seg, dropout_rng, options):
+  f = lambda q, k, v: fr.reference_attention(q, k, v, segment_ids=seg, dropout_rng=dropout_rng, **dict(options))  # noqa: E731
+  out, vjp = jax.vjp(f, q, k, v)
+  return out, vjp(do)
+
+
+def reference_with_grads(case: Case, q, k, v, do, seg):
+  """`fr.reference_attention` of the case on natural-order inputs: (out, (dq, dk, dv))."""
+  opts = case.options()
+  rng = opts.pop("dropout_rng", None)
+  return _reference_run(q, k, v, do, seg, rng, tuple(sorted(opts.items())))
+
+
+def assert_dropout_matches_reference(mesh, axis_name, n, case: Case, *, doc_len: int, seed: int = 0, **opts):
+  """The case (causal, with dropout, self attention) over two packed documents of doc_len and T - doc_len tokens,
+  through `ring_attention(**opts)` on `mesh` (zigzag over the n sequence shards with `case.load_balance`):
+  forward and q/k/v gradients against the reference with the same dropout key.
+
+  Inputs are this builder's own (`jax.random.key(seed)`, q/k/v only; the cotangent is assert_matches_reference's),
+  not `make_inputs`'s."""
+  from flax_ringattn.testing import assert_matches_reference
+
+  assert case.dropout is not None and case.is_causal and case.S == case.T and case.segments == "self", case
+  B, T, N, K, H = case.B, case.T, case.N, case.K, case.H
+  ks = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(ks[0], (B, T, N, H))
+  k, v = (jax.random.normal(x, (B, T, K, H)) for x in ks[1:])
+  seg = jnp.concatenate([jnp.zeros((B, doc_len), jnp.int32), jnp.ones((B, T - doc_len), jnp.int32)], axis=1)
+  kw = case.options()
+  ref_kw = {}
+  if case.load_balance:
+    q, k, v, seg = (fr.zigzag_order(x, n, axis=1) for x in (q, k, v, seg))
+    pos = fr.zigzag_positions(T, n)
+    ref_kw = dict(q_positions=pos, kv_positions=pos)
+
+  def attn(q, k, v):
+    return fr.ring_attention(
+      q, k, v, mesh=mesh, axis_name=axis_name, segment_ids=seg, load_balance=case.load_balance, **opts, **kw
+    )
+
+  assert_matches_reference(jax.jit(attn), q, k, v, segment_ids=seg, **ref_kw, **kw)
