@@ -141,8 +141,7 @@ def calibrate() -> fr.Hardware:
 def predict(strategy, p: bench.Problem, hw):
   shape, _, _ = LAYOUT[strategy]
   bws = tuple(hw.inner_bandwidth for _ in shape)
-  dims = dict(B=p.B, T=p.T, N=p.N, K=p.K, H=p.H, itemsize=p.itemsize, causal=True, hw=hw, latency=hw.latency)
-  t, m, _ = estimate(strategy, shape, bws, **dims)
+  t, m, _ = estimate(strategy, shape, bws, p.shape, B=p.B, causal=True, hw=hw, latency=hw.latency)
   return t, m
 
 

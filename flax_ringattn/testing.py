@@ -14,7 +14,8 @@
   keep its slots in HBM, `drop_credits=True` injects a protocol bug for the
   race detector to find, and `recorder=Recorder()` records the ring's remote
   DMAs and protocol events at trace time.  They reach the kernels in the
-  call's hashable options, never through module globals.
+  call's hashable options, never through module globals, for calls traced
+  inside the block (a jitted function traced before it keeps its trace).
 """
 
 from flax_ringattn._src.debug import KernelDebug, Recorder, kernel_debug

@@ -262,6 +262,7 @@ def test_lowers_for_tpu(dtype, page_dtype, scales, kw):
   b = make_batch(
     rng, [(1, 9)], num_kv_heads=2, dtype=dtype, page_dtype=jnp.dtype(page_dtype), scale_shape=scales, **geom
   )
+  kw = dict(kw)  # (the parametrize dict is shared)
   window = kw.pop("window", None)
   spec = AttentionSpec(
     mask=MaskSpec(is_causal=True, window=window), scale=0.3, block_sizes=fr.BlockSizes(block_q=16, block_kv=32), **kw

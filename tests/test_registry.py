@@ -11,10 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from tolerances import assert_close
 
 import flax_ringattn as fr
-from flax_ringattn._src import flash
+from flax_ringattn._src import flash, validation
 from flax_ringattn._src.backends.registry import Registry
 from flax_ringattn._src.ring.options import RingOptions
 
@@ -140,3 +141,55 @@ def test_flash_wrapper_matches_autodiff():
   assert_close(out, ref, jnp.float32)
   for got, want in zip(vjp(do), ref_vjp(do), strict=True):
     assert_close(got, want, jnp.float32, "grad")
+
+
+def test_deprecation_warnings_point_at_the_callers_line():
+  """Python shows a DeprecationWarning by default only when it is attributed to the user's code, not the library's
+  (or Flax's, when a layer is built through nnx's metaclass)."""
+  validation._warned.discard(("paged", "sliding_window"))
+  validation._warned.discard(("ring_attention", "interpret"))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    fr.PagedMultiHeadAttention(2, 8, rngs=nnx.Rngs(0), sliding_window=3)
+    q = jnp.zeros((1, 8, 2, 8))
+    fr.ring_attention(q, q, q, interpret=True)
+  assert [w.category for w in caught] == [DeprecationWarning, DeprecationWarning]
+  assert {w.filename for w in caught} == {__file__}
+
+
+def test_a_bad_interpret_value_raises_before_the_deprecation_warning():
+  validation._warned.discard(("ring_attention", "interpret"))
+  q = jnp.zeros((1, 8, 2, 8))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    with pytest.raises(TypeError, match="interpret must be a bool, None or"):
+      fr.ring_attention(q, q, q, interpret="yes")
+  with pytest.warns(DeprecationWarning):  # the once-key was not spent on the bad value
+    fr.ring_attention(q, q, q, interpret=True)
+
+
+def test_paged_interpret_false_is_not_interpreting():
+  """interpret=False means compile for the chip, as for the ring: with implementation=None the TPU kernel is then
+  skipped off TPU (XLA runs), and named it raises NotImplementedError."""
+  rng = np.random.default_rng(3)
+  q = jnp.asarray(rng.standard_normal((4, 2, 8)), jnp.float32)
+  kp = jnp.asarray(rng.standard_normal((4, 4, 2, 8)), jnp.float32)
+  meta = (jnp.array([3, 1]), jnp.array([[0, 1], [2, 3]]), jnp.array([0, 3, 4]), jnp.array([2]))
+  ref = fr.paged_reference_attention(q, kp, kp, *meta)
+  assert_close(fr.paged_attention(q, kp, kp, *meta, interpret=False), ref, jnp.float32)
+  if jax.default_backend() != "tpu":
+    with pytest.raises(NotImplementedError, match="pallas_tpu needs a TPU"):
+      fr.paged_attention(q, kp, kp, *meta, implementation="pallas_tpu", interpret=False)
+
+
+def test_paged_interpret_alone_still_selects_the_tpu_kernel():
+  """Deprecated but kept: interpret= without an implementation is pallas_tpu, which then raises for a call it
+  cannot run rather than falling through to XLA."""
+  validation._warned.discard(("paged_attention", "interpret"))
+  q = jnp.zeros((4, 2, 8), jnp.float32)
+  kp = jnp.zeros((4, 4, 2, 8), jnp.float32)  # page_size 4: below the f32 kernel's 8-row tile
+  meta = (jnp.array([3, 1]), jnp.array([[0, 1], [2, 3]]), jnp.array([0, 3, 4]), jnp.array([2]))
+  with pytest.warns(DeprecationWarning, match="paged_attention: interpret=... without implementation="):
+    with pytest.raises(NotImplementedError):
+      fr.paged_attention(q, kp, kp, *meta, interpret=True)
+  fr.paged_attention(q, kp, kp, *meta)  # implementation=None without interpret: XLA runs it

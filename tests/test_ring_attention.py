@@ -93,7 +93,8 @@ class Backend:
   @contextlib.contextmanager
   def checks(self):
     with no_races() if self.race_checked else contextlib.nullcontext():
-      with kernel_debug(slots=self.slots):
+      # Only the entries that force slots carry a KernelDebug: the rest run with the production debug=None.
+      with kernel_debug(slots=self.slots) if self.slots is not None else contextlib.nullcontext():
         yield
 
   def shape_case(self, case, n):

@@ -42,6 +42,7 @@ import math
 
 import numpy as np
 
+from flax_ringattn._src.options import ProblemShape
 from flax_ringattn._src.perf import cost
 from flax_ringattn._src.perf import hardware as hardware_table
 from flax_ringattn._src.ring.strategies import ulysses_kv_repeat
@@ -125,8 +126,10 @@ def _ring_time(n, compute, fwd_hop_bytes, bwd_hop_bytes, bw, lat, merge_s):
   return t
 
 
-def estimate(strategy, sizes, bws, *, B, T, N, K, H, itemsize, causal, hw, latency):
-  """Time and memory per device for `strategy` over axes of `sizes` (outer first) with bandwidths `bws`."""
+def estimate(strategy, sizes, bws, shape: ProblemShape, *, B, causal, hw, latency):
+  """Time and memory per device for `strategy` over axes of `sizes` (outer first) with bandwidths `bws`, for B
+  sequences of the call's (global) `shape`."""
+  T, N, K, H, itemsize = shape.q_len, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.itemsize
   n = int(np.prod(sizes))
   flops = cost.attention_flops(B=B, T=T, S=T, N=N, H=H, is_causal=causal, direction="fwd+bwd")
   compute = flops / n / hw.flops
@@ -226,24 +229,17 @@ def suggest_strategy(
   def bw(ax):
     return hardware.outer_bandwidth if _crosses_processes(mesh, ax) else hardware.inner_bandwidth
 
-  dims = dict(
-    B=batch_size,
-    T=seq_len,
-    N=num_heads,
-    K=num_kv_heads,
-    H=head_dim,
-    itemsize=cost.itemsize(dtype),
-    causal=is_causal,
-    hw=hardware,
-    latency=hardware.latency,
+  shape = ProblemShape(
+    q_len=seq_len, kv_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
   )
+  dims = dict(B=batch_size, causal=is_causal, hw=hardware, latency=hardware.latency)
   out = []
   plans = [(s, a, (a,)) for a in singles for s in ("ring", "ulysses", "all_gather")]
   plans += [("ulysses_ring", p, p) for p in pairs]
   for strategy, axis, axes in plans:
     ax_sizes = tuple(sizes[a] for a in axes)
     n = int(np.prod(ax_sizes))
-    t, m, note = estimate(strategy, ax_sizes, tuple(bw(a) for a in axes), **dims)
+    t, m, note = estimate(strategy, ax_sizes, tuple(bw(a) for a in axes), shape, **dims)
     if seq_len % (2 * n):
       t, m, note = math.inf, math.inf, f"seq_len={seq_len} is not a multiple of 2 * {n} (zigzag shards)"
     feasible = math.isfinite(t) and m <= hardware.memory

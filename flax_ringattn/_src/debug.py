@@ -1,10 +1,13 @@
 """Test hooks of the kernels, as one hashable configuration instead of module globals or kernel arguments.
 
-A `KernelDebug` travels in the static options (`AttentionSpec.debug`, so it is
-part of every jit cache key) down to the kernels, which read it at trace time.
-Tests set it for the calls inside a `with kernel_debug(...)` block
-(`flax_ringattn.testing.kernel_debug`); the public entry points read it once,
-when they build their options.  Production calls carry `debug=None`.
+A `KernelDebug` travels in the static options (`AttentionSpec.debug`, part of
+the kernels' static configuration and of the `flash` kernel's hash) down to the
+kernels, which read it at trace time.  Tests set it for the calls traced inside
+a `with kernel_debug(...)` block (`flax_ringattn.testing.kernel_debug`): the
+public entry points read it once, when they build their options, so a function
+the caller's `jax.jit` traced before the block keeps its cached trace (trace it
+inside the block, or call the kernels with a spec that carries the debug
+configuration).  Production calls carry `debug=None`.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from flax_ringattn._src.block_sizes import BlockSizes
 from flax_ringattn._src.debug import KernelDebug
 from flax_ringattn._src.masks import MaskSpec
@@ -43,8 +45,9 @@ class AttentionSpec:
 class ProblemShape:
   """The per-device shape of one attention problem, as the planners, the advisor and the cost model see it.
 
-  q_len / kv_len are the lengths one kernel sees (a ring's shard lengths); the three flags name the features that
-  add buffers or temporaries to a kernel.  Built once per call (`of`) and handed down whole.
+  For the planners q_len / kv_len are the lengths one kernel sees (a ring's shard lengths) and the three flags
+  name the features that add buffers or temporaries to a kernel; the advisor hands the cost model the whole
+  call's shape.  Built once per call (`of`) and handed down whole.
   """
 
   q_len: int
@@ -73,6 +76,15 @@ class ProblemShape:
       soft_cap=spec.logits_soft_cap is not None,
       dropout=bool(spec.dropout_rate),
     )
+
+  @property
+  def itemsize(self) -> int:
+    return jnp.dtype(self.dtype).itemsize
+
+  @property
+  def dims(self) -> dict:
+    """The cost model's letters (`perf/cost.py`): T, S, N, K, H."""
+    return dict(T=self.q_len, S=self.kv_len, N=self.num_heads, K=self.num_kv_heads, H=self.head_dim)
 
   @property
   def heads(self) -> dict:

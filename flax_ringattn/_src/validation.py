@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import pathlib
+import sys
 import warnings
 
 import jax
@@ -139,9 +142,35 @@ def check_positions(name: str, positions, length: int, letter: str):
 _warned: set = set()
 
 
-def warn_once(key, message: str, category=DeprecationWarning, stacklevel: int = 3):
-  """`warnings.warn` once per process and key: a deprecated spelling keeps working and says so once."""
+def _internal_prefixes() -> tuple[str, ...]:
+  import sysconfig
+
+  import flax
+  import jax
+
+  roots = [
+    pathlib.Path(__file__).resolve().parents[1],
+    pathlib.Path(jax.__file__).parent,
+    pathlib.Path(flax.__file__).parent,
+  ]
+  return (*(str(r) + os.sep for r in roots), sysconfig.get_paths()["stdlib"] + os.sep, "<frozen ")
+
+
+def _user_stacklevel() -> int:
+  """The `stacklevel` that attributes a warning raised in `warn_once` to the user's code: the first frame outside
+  this package, JAX, Flax and the standard library (so Python's default filters show a DeprecationWarning from a
+  user's script, whichever entry point, layer or `jit` it came through)."""
+  prefixes = _internal_prefixes()
+  frame, level = sys._getframe(2), 2  # the caller of warn_once is stacklevel 2
+  while frame is not None and frame.f_code.co_filename.startswith(prefixes):
+    frame, level = frame.f_back, level + 1
+  return level if frame is not None else 2
+
+
+def warn_once(key, message: str, category=DeprecationWarning):
+  """`warnings.warn` once per process and key, attributed to the user's code: a deprecated spelling keeps working
+  and says so once."""
   if key in _warned:
     return
   _warned.add(key)
-  warnings.warn(message, category, stacklevel=stacklevel)
+  warnings.warn(message, category, stacklevel=_user_stacklevel())

@@ -59,11 +59,11 @@ class Registry:
   def select(self, implementation, *, interpret=None, **call) -> Choice:
     """The `Choice` for `implementation` (a name, an alias or None) under the rules of the module docstring."""
     if implementation is None and interpret is not None and interpret is not False and self.interpret_default:
+      self._impls[self.interpret_default].with_interpret(interpret)  # a bad value raises before the warning
       warn_once(
         (self.op, "interpret"),
         f"{self.op}: interpret=... without implementation= picks implementation={self.interpret_default!r}; "
         f"pass implementation={self.interpret_default!r} (or the Pallas implementation you mean) explicitly",
-        stacklevel=5,  # the caller of the op (warn_once <- select <- the op's select <- the op)
       )
       implementation = self.interpret_default
     if implementation is None:

@@ -166,6 +166,11 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     """[max_num_seqs] bool: slots whose write did not fit; they store nothing more until `free` (see the class)."""
     return self._cache().overflowed
 
+  @property
+  def sliding_window(self) -> int | None:
+    """Deprecated: the window as a count that includes the token itself (`local_window_size[0] + 1`)."""
+    return None if self.local_window_size is None else self.local_window_size[0] + 1
+
   def _cache(self) -> PagedKVCache:
     if self.kv_cache is None:
       raise ValueError("the paged cache is not initialised: call init_cache(...) first")

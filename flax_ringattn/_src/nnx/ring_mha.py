@@ -40,17 +40,16 @@ def _unsupported_call_options(*, sow_weights, bias=None, decode=False):
     raise NotImplementedError(_NO_DECODE)
 
 
-def _ring_options(mesh, seq_axis, head_axis, batch_axis, **options) -> RingOptions:
-  """The layer's or factory's `RingOptions`: batch and head axes apply only with a mesh (inside the caller's own
-  shard_map the inputs are already the local shards)."""
-  on_mesh = mesh is not None
-  return RingOptions(
-    mesh=mesh,
-    axis_name=seq_axis,
-    batch_axis=batch_axis if on_mesh else None,
-    head_axis=head_axis if on_mesh else None,
-    **options,
-  )
+def _on_mesh(options: RingOptions) -> RingOptions:
+  """Batch and head axes apply only with a mesh: inside the caller's own shard_map the inputs are already the
+  local shards."""
+  if options.mesh is not None:
+    return options
+  return options.replace(batch_axis=None, head_axis=None)
+
+
+def _option(field: str, doc: str):
+  return property(lambda self: getattr(self.ring_options, field), doc=doc)
 
 
 def _check_layout_options(cls_name, mesh, seq_axis, head_axis, batch_axis, strategy):
@@ -82,7 +81,8 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     strategy: "ring" (default), "ulysses", "all_gather" or "ulysses_ring"
       (then seq_axis=(ring_axis, ulysses_axis)); see `ring_attention`.
     implementation, block_sizes, interpret: passed to `ring_attention`
-      (`interpret=True` runs the pallas_tpu kernels in TPU interpret mode on CPU).
+      (`implementation="pallas_tpu", interpret=True` runs the TPU kernels in
+      TPU interpret mode on CPU).
     local_window_size, logits_soft_cap, scale: mask / logit options of
       `ring_attention` applied on every call (scale: default H ** -0.5; 1.0
       for a model that pre-scales q).
@@ -144,16 +144,13 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     super().__init__(
       num_heads, in_features, qkv_features, out_features, num_kv_heads, in_kv_features, **metadata, **kwargs
     )
-    self.mesh = mesh
-    self.seq_axis = seq_axis
-    self.head_axis = head_axis
-    self.batch_axis = batch_axis
-    # Everything the layer hands the op, built once (precision and dropout join per call).
-    self.ring_options = _ring_options(
-      mesh,
-      seq_axis,
-      head_axis,
-      batch_axis,
+    # Everything the layer hands the op, built once and the one place the layer keeps it (the attributes
+    # `mesh`, `seq_axis`, ... read it); precision and dropout join per call.
+    self.ring_options = RingOptions(
+      mesh=mesh,
+      axis_name=seq_axis,
+      head_axis=head_axis,
+      batch_axis=batch_axis,
       load_balance=load_balance,
       strategy=strategy,
       implementation=implementation,
@@ -164,6 +161,21 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       scale=scale,
       check_mask=check_mask,
     )
+
+  # The constructor's options, read-only: `ring_options` is where the layer keeps them.
+  mesh = _option("mesh", "the mesh the layer runs on, or None")
+  seq_axis = _option("axis_name", "the sequence axis (or axes)")
+  head_axis = _option("head_axis", "the mesh axis of the heads, or None")
+  batch_axis = _option("batch_axis", "the mesh axis of the batch, or None")
+  load_balance = _option("load_balance", "inputs in zigzag order")
+  strategy = _option("strategy", "the sequence-parallel strategy")
+  implementation = _option("implementation", "the implementation name, or None")
+  block_sizes = _option("block_sizes", "the kernels' tiles, or None")
+  interpret = _option("interpret", "Pallas interpret mode, or None")
+  local_window_size = _option("local_window_size", "the window, as given")
+  logits_soft_cap = _option("logits_soft_cap", "the soft cap, or None")
+  scale = _option("scale", "the logit scale, or None for H ** -0.5")
+  check_mask = _option("check_mask", "verify dense masks under jit")
 
   def _dropout_rng(self, deterministic, rngs):
     """The dropout key of this call, or None (the rules of nnx.MultiHeadAttention)."""
@@ -217,8 +229,8 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       self.seq_axis,
       inputs_q.shape[-2],
       inputs_k.shape[-2],
-      load_balance=self.ring_options.load_balance,
-      strategy=self.ring_options.strategy,
+      load_balance=self.load_balance,
+      strategy=self.strategy,
     )
     dropout_rng = self._dropout_rng(deterministic, rngs)
 
@@ -233,7 +245,7 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
 
-    options = self.ring_options.replace(
+    options = _on_mesh(self.ring_options).replace(
       is_causal=is_causal,
       precision=self.precision,
       dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
@@ -278,21 +290,23 @@ def make_ring_attention_fn(
   """
   seq_axis = sharding.sequence_axis(mesh, seq_axis, arg="seq_axis")
   _check_layout_options("make_ring_attention_fn", mesh, seq_axis, head_axis, batch_axis, strategy)
-  factory = _ring_options(
-    mesh,
-    seq_axis,
-    head_axis,
-    batch_axis,
-    is_causal=is_causal,
-    load_balance=load_balance,
-    strategy=strategy,
-    implementation=implementation,
-    block_sizes=block_sizes,
-    interpret=interpret,
-    local_window_size=local_window_size,
-    logits_soft_cap=logits_soft_cap,
-    scale=scale,
-    check_mask=check_mask,
+  factory = _on_mesh(
+    RingOptions(
+      mesh=mesh,
+      axis_name=seq_axis,
+      head_axis=head_axis,
+      batch_axis=batch_axis,
+      is_causal=is_causal,
+      load_balance=load_balance,
+      strategy=strategy,
+      implementation=implementation,
+      block_sizes=block_sizes,
+      interpret=interpret,
+      local_window_size=local_window_size,
+      logits_soft_cap=logits_soft_cap,
+      scale=scale,
+      check_mask=check_mask,
+    )
   )
 
   def ring_attention_fn(

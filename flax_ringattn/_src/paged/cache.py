@@ -3,7 +3,7 @@
 A functional pytree (usable under jit and as `nnx.Cache` state): every method
 returns a new cache.  Slots are sequence indices 0 .. max_num_seqs - 1; the
 ragged batch of a step lists the new tokens of slot i at rows
-cu_q_lens[i] .. cu_q_lens[i + 1] - 1 (see `_src/paged_metadata.py`).
+cu_q_lens[i] .. cu_q_lens[i + 1] - 1 (see `_src/paged/metadata.py`).
 
 Invariants:
 * slot s owns page_indices[s, :ceil(kv_lens[s] / page_size)]; the rest of its

@@ -37,7 +37,6 @@ def paged_window(local_window_size, sliding_window):
     ("paged", "sliding_window"),
     f"sliding_window={w} is deprecated: pass local_window_size=({w - 1}, 0), jax.nn's meaning (a token sees the "
     f"{w - 1} tokens before it and itself), which every op and layer of flax_ringattn uses",
-    stacklevel=5,  # the caller of the op (warn_once <- paged_window <- _prepare <- the op)
   )
   return (w - 1, 0)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from flax_ringattn._src.options import ProblemShape
 from flax_ringattn._src.perf import cost
 
 
@@ -49,6 +50,13 @@ class Problem:
   @property
   def itemsize(self) -> int:
     return cost.itemsize(self.dtype)
+
+  @property
+  def shape(self) -> ProblemShape:
+    """The call's `ProblemShape` (per sequence of the batch), as the advisor and the planners take it."""
+    return ProblemShape(
+      q_len=self.T, kv_len=self.kv_len, num_heads=self.N, num_kv_heads=self.K, head_dim=self.H, dtype=self.dtype
+    )
 
   def replace(self, **changes) -> Problem:
     return dataclasses.replace(self, **changes)

@@ -72,9 +72,9 @@ def ring_attention(
       device then does the same causal work.
     implementation: "pallas_tpu", "pallas_gpu", "xla", the alias
       "pallas_tpu_ring" (pallas_tpu running the ring strategy as its fused
-      in-kernel ring), or None: the first of `available_implementations()`
-      that supports the call (on a TPU, the fused ring where its planner fits
-      the shards).
+      in-kernel ring), or None: the first of "pallas_tpu", "pallas_gpu" and
+      "xla" that supports the call (on a TPU, with strategy="ring", the fused
+      ring where its planner fits the shards).
     block_sizes: `BlockSizes` tiles for the block kernels; None lets the
       backend choose (XLA: 512 q x 128 kv, tuned on CPU).
     batch_axis, head_axis: mesh axes the batch and heads are sharded over (only

@@ -1,7 +1,7 @@
 """XLA paged attention over a ragged batch: forward and backward.
 
 Loop nest (both passes): a `fori_loop` over the chunks of the schedule
-(`paged_metadata.py`: at most `block_q` rows of one sequence), and inside it a
+(`paged/metadata.py`: at most `block_q` rows of one sequence), and inside it a
 `while_loop` over the blocks of `pages_per_block` pages that the chunk can see
 (its causal and sliding-window range only).  Each step gathers one block of
 pages of every kv head (page-major layout: one contiguous copy per page), so
