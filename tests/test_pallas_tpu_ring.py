@@ -21,11 +21,10 @@ from jax.sharding import PartitionSpec as P
 from tolerances import assert_close
 
 import flax_ringattn as fr
-from flax_ringattn._src import masks
+from flax_ringattn._src import flash, masks
 from flax_ringattn._src.backends.base import AttentionSpec
-from flax_ringattn._src.backends.pallas_tpu import common
+from flax_ringattn._src.backends.pallas_tpu import PallasTpuBackend, common
 from flax_ringattn._src.backends.pallas_tpu import planners as planner
-from flax_ringattn._src.backends.pallas_tpu.ring import kernel_ring_attention_local
 from flax_ringattn._src.backends.pallas_tpu.ring import protocol as rp
 from flax_ringattn._src.backends.pallas_tpu.ring.hbm_backward import bwd_plan_hbm
 from flax_ringattn._src.backends.pallas_tpu.ring.hbm_forward import fwd_plan_hbm
@@ -473,9 +472,9 @@ def test_kernels_lower_to_mosaic_for_tpu(segments, cap, dropout, slots):
   drop = sds((4,), jnp.int32) if dropout else None
 
   def loss(q, k, v, seg, drop):
-    o = kernel_ring_attention_local(
-      q, k, v, seg, seg, drop, axis_name="sp", load_balance=True, spec=spec, interpret=None
-    )
+    # The op's own path for the fused ring: the backend's FlashKernel through the one flash custom_vjp.
+    kernel = PallasTpuBackend().fused_ring(axis_name="sp", load_balance=True, spec=spec)
+    o = flash.flash(kernel, q, k, v, seg, seg, drop)
     return o.astype(jnp.float32).sum()
 
   body = jax.shard_map(

@@ -82,11 +82,6 @@ class ProblemShape:
     return jnp.dtype(self.dtype).itemsize
 
   @property
-  def dims(self) -> dict:
-    """The cost model's letters (`perf/cost.py`): T, S, N, K, H."""
-    return dict(T=self.q_len, S=self.kv_len, N=self.num_heads, K=self.num_kv_heads, H=self.head_dim)
-
-  @property
   def heads(self) -> dict:
     return dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
 

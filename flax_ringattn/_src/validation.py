@@ -7,11 +7,14 @@ K kv heads, H head dim.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 import numbers
 import os
 import pathlib
 import sys
+import sysconfig
 import warnings
 
 import jax
@@ -142,17 +145,14 @@ def check_positions(name: str, positions, length: int, letter: str):
 _warned: set = set()
 
 
+@functools.cache
 def _internal_prefixes() -> tuple[str, ...]:
-  import sysconfig
-
-  import flax
-  import jax
-
-  roots = [
-    pathlib.Path(__file__).resolve().parents[1],
-    pathlib.Path(jax.__file__).parent,
-    pathlib.Path(flax.__file__).parent,
-  ]
+  """Where this package, JAX, Flax and the standard library live (found without importing anything)."""
+  roots = [pathlib.Path(__file__).resolve().parents[1]]
+  for name in ("jax", "flax"):
+    spec = importlib.util.find_spec(name)
+    if spec is not None and spec.origin:
+      roots.append(pathlib.Path(spec.origin).parent)
   return (*(str(r) + os.sep for r in roots), sysconfig.get_paths()["stdlib"] + os.sep, "<frozen ")
 
 

@@ -58,13 +58,9 @@ class Registry:
 
   def select(self, implementation, *, interpret=None, **call) -> Choice:
     """The `Choice` for `implementation` (a name, an alias or None) under the rules of the module docstring."""
-    if implementation is None and interpret is not None and interpret is not False and self.interpret_default:
-      self._impls[self.interpret_default].with_interpret(interpret)  # a bad value raises before the warning
-      warn_once(
-        (self.op, "interpret"),
-        f"{self.op}: interpret=... without implementation= picks implementation={self.interpret_default!r}; "
-        f"pass implementation={self.interpret_default!r} (or the Pallas implementation you mean) explicitly",
-      )
+    interpreting = interpret is not None and interpret is not False
+    implied = implementation is None and interpreting and bool(self.interpret_default)
+    if implied:
       implementation = self.interpret_default
     if implementation is None:
       errors = []
@@ -86,9 +82,15 @@ class Registry:
     backend = self._impls[name]
     if name != implementation and hasattr(backend, "label"):
       backend = dataclasses.replace(backend, label=implementation)
-    if interpret is not None and interpret is not False:
+    if interpreting:
       if not hasattr(backend, "with_interpret"):
         raise ValueError(self.interpret_error.format(implementation=implementation))
-      backend = backend.with_interpret(interpret)
+      backend = backend.with_interpret(interpret)  # a bad value raises before the warning below
+    if implied:
+      warn_once(
+        (self.op, "interpret"),
+        f"{self.op}: interpret=... without implementation= picks implementation={implementation!r}; "
+        f"pass implementation={implementation!r} (or the Pallas implementation you mean) explicitly",
+      )
     backend.check_supported(**call)
     return Choice(backend, implementation, tuple(sorted(options.items())))

@@ -9,6 +9,7 @@ and `implementation=None` falls through to XLA.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -74,9 +75,7 @@ class PagedPallasTpu:
     _, ps, K, _ = k_pages.shape
     rows = tuple(0 if x is None else (1 if x.ndim < 3 else ps) for x in (k_scale, v_scale))
     try:
-      return planners.plan_paged_block_sizes(
-        T, ps, pages_per_seq, N, K, H, q.dtype, k_pages.dtype, scale_rows=rows, soft_cap=logits_soft_cap is not None
-      )
+      return _planned(T, ps, pages_per_seq, N, K, H, q.dtype, k_pages.dtype, rows, logits_soft_cap is not None)
     except ValueError as e:
       raise NotImplementedError(str(e)) from None
 
@@ -88,6 +87,15 @@ class PagedPallasTpu:
 
   def bwd(self, *args, spec):
     return pallas_paged.paged_bwd(*args, spec=spec, interpret=self.interpret)
+
+
+@functools.lru_cache(maxsize=256)
+def _planned(T, ps, pages_per_seq, N, K, H, q_dtype, page_dtype, scale_rows, soft_cap) -> BlockSizes:
+  """`plan_paged_block_sizes`, once per shape: a call consults it to check support and again for its blocks, and
+  a serving step asks twice (does the fused write run, then the write itself)."""
+  return planners.plan_paged_block_sizes(
+    T, ps, pages_per_seq, N, K, H, q_dtype, page_dtype, scale_rows=scale_rows, soft_cap=soft_cap
+  )
 
 
 PAGED = Registry(

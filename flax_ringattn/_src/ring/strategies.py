@@ -49,7 +49,6 @@ from flax_ringattn._src import flash
 from flax_ringattn._src.layout import gathered_positions, shard_positions
 from flax_ringattn._src.ring.ring_loop import RingConfig, block_kwargs, ring_attention_local
 
-F32 = jnp.float32
 STRATEGIES = ("ring", "ulysses", "all_gather", "ulysses_ring")
 _NO_HEAD_LIMIT = "strategy='ring' or 'all_gather' (no head-count limit)"
 

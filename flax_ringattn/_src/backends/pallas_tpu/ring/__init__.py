@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
-
 from flax_ringattn._src import flash
 from flax_ringattn._src.backends.base import AttentionSpec
 from flax_ringattn._src.backends.pallas_tpu.ring.vmem_backward import ring_bwd
 from flax_ringattn._src.backends.pallas_tpu.ring.vmem_forward import ring_fwd
-
-F32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,12 +36,3 @@ class KernelRing:
     q, k, v, q_seg, kv_seg, drop = operands
     dq, dk, dv = ring_bwd(q, k, v, do, lse, delta, q_seg, kv_seg, dropout=drop, **self._where())
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
-
-
-def kernel_ring_attention_local(q, k, v, q_seg, kv_seg, drop=None, *, axis_name, load_balance, spec, interpret):
-  """Per-device entry point (inside shard_map, or a ring of one): [B, T, N, H] in q.dtype.
-
-  `drop`: the int32[4] dropout operand of this shard (`_src/dropout.py`), or None without dropout.
-  """
-  kernel = KernelRing(axis_name=axis_name, load_balance=load_balance, spec=spec, interpret=interpret)
-  return flash.flash(kernel, q, k, v, q_seg, kv_seg, drop)
