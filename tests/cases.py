@@ -8,7 +8,9 @@ A `Case` is one point of the feature space.  Its axes, each defined once here:
 * dropout (`DROPOUT`): off, per head, or broadcast over heads (`Dropout`: rate and key seed);
 * soft cap (`Case.soft_cap`, with `Case.scale`);
 * dtype (`DTYPES`): each matrix chooses its dtypes per case, so a dtype is a matrix axis, not a `Case` field;
-* sinks (`Case.sinks`): the hook for a future per-head option, off in every case (see `Case.sinks`).
+* attention sinks (`Case.sinks`): one learned logit per q head joins every row's softmax (gpt-oss), drawn by
+  `make_sinks`; the op runs differentiated in them too (`with_sinks`), and the reference's dsinks is checked;
+* v head dim (`Case.Hv`): v's head dim when it differs from q/k's `H` (MLA: qk 24, v 16 at test sizes).
 
 The matrices pick the subsets they need: the ring backends suite runs `CASES` (test_ring_attention.py), the
 strategies a subset of it (test_strategies.py), the dropout tests `DROPOUT` through
@@ -111,12 +113,13 @@ class Case:
   segments: str | None = None  # None | "self" (packed docs) | "cross" (q ids absent from kv -> empty rows)
   scale: float | None = None
   dropout: Dropout | None = None
-  # Sinks-ready hook, off in every case.  A future per-head option (attention sinks: one learned logit per q head
-  # that joins every row's softmax) gets its axis here: `make_inputs` draws the [N] array, `Case.options` passes
-  # it to the op and to `fr.reference_attention`, paged_cases.features passes it to the paged op and reference,
-  # and a case in `CASES` (plus one per matrix that should run it) sets sinks=True.  Until the library takes the
-  # option, every builder refuses sinks=True with NotImplementedError rather than silently ignoring it.
-  sinks: bool = False
+  sinks: bool = False  # attention sinks: `make_sinks` draws the [N] logits, differentiated with q, k and v
+  Hv: int | None = None  # v's head dim when it differs from H (MLA); None: H
+
+  @property
+  def v_dim(self) -> int:
+    """v's (and the output's) head dim."""
+    return self.H if self.Hv is None else self.Hv
 
   @property
   def heads(self) -> str:
@@ -136,16 +139,9 @@ class Case:
       return "causal_window" if self.is_causal else "window"
     return "causal" if self.is_causal else "none"
 
-  def check_sinks(self):
-    if self.sinks:
-      raise NotImplementedError(
-        f"case {self.name!r} sets sinks=True: the sinks hook (tests/cases.py, Case.sinks) is not wired to the "
-        "library yet"
-      )
-
   def options(self) -> dict:
-    """The mask, scale and dropout keywords of `ring_attention` and `fr.reference_attention` for this case."""
-    self.check_sinks()
+    """The mask, scale and dropout keywords of `ring_attention` and `fr.reference_attention` for this case (the
+    sinks are an operand: `make_sinks`)."""
     opts = dict(
       is_causal=self.is_causal, local_window_size=self.window, logits_soft_cap=self.soft_cap, scale=self.scale
     )
@@ -186,7 +182,19 @@ CASES = [
   make_case("cross", "cross", "gqa", N=8),
   make_case("cross_causal_lb", "cross_causal", load_balance=True),
   make_case("empty_rows", "empty_rows"),
+  # Attention sinks (gpt-oss: windowed layers alternate with full ones, GQA) and MLA head shapes (DeepSeek: qk
+  # 192, v 128; 24 and 16 here).
+  make_case("sinks_causal", "causal", sinks=True),
+  make_case("sinks_window_cap", "causal_window", sinks=True, soft_cap=2.0, scale=1.0),
+  make_case("sinks_segments_lb", "segments", sinks=True, load_balance=True),
+  make_case("sinks_gqa", "causal", "gqa", N=8, sinks=True, load_balance=True),
+  make_case("sinks_empty_rows", "empty_rows", sinks=True),
+  make_case("mla_gqa", "causal", "gqa", N=8, H=24, Hv=16, load_balance=True),
+  make_case("mla_mha", "window", H=24, Hv=16),
+  make_case("mla_sinks", "causal_window", "gqa", N=8, H=24, Hv=16, sinks=True),
 ]
+SINKS = tuple(c.name for c in CASES if c.sinks)
+MLA = tuple(c.name for c in CASES if c.Hv is not None)
 CASE_NAMES = tuple(c.name for c in CASES)
 
 
@@ -217,14 +225,14 @@ GQA_CAUSAL_WINDOW = make_case("one", "causal_window", "gqa", N=8, window=(7, 0))
 
 def make_inputs(case: Case, dtype, seed=0):
   """(q, k, v, do, segment_ids) for a case, normal in float32 then cast to dtype; segment_ids None, [B, T]
-  (packed documents of random lengths) or a (q_ids [B, T], kv_ids [B, S]) pair (rows left empty)."""
-  case.check_sinks()
+  (packed documents of random lengths) or a (q_ids [B, T], kv_ids [B, S]) pair (rows left empty).  v and do
+  have the case's v head dim; the sinks come from `make_sinks`."""
   keys = jax.random.split(jax.random.PRNGKey(seed), 6)
   B, H = case.B, case.H
   q = jax.random.normal(keys[0], (B, case.T, case.N, H), jnp.float32).astype(dtype)
   k = jax.random.normal(keys[1], (B, case.S, case.K, H), jnp.float32).astype(dtype)
-  v = jax.random.normal(keys[2], (B, case.S, case.K, H), jnp.float32).astype(dtype)
-  do = jax.random.normal(keys[3], (B, case.T, case.N, H), jnp.float32).astype(dtype)
+  v = jax.random.normal(keys[2], (B, case.S, case.K, case.v_dim), jnp.float32).astype(dtype)
+  do = jax.random.normal(keys[3], (B, case.T, case.N, case.v_dim), jnp.float32).astype(dtype)
   seg = None
   if case.segments == "self":
     # Packed documents of random lengths: sorted ids, so whole tiles and hops skip.
@@ -238,18 +246,59 @@ def make_inputs(case: Case, dtype, seed=0):
   return q, k, v, do, seg
 
 
+def make_sinks(case: Case, seed: int = 0):
+  """The case's [N] float32 sink logits, or None without sinks.  Centred near a row's log-sum-exp at these
+  sizes (about 3 to 5), so a sink takes a real share of each row: a sink applied twice, or not at all, moves
+  every output well past the tolerances."""
+  if not case.sinks:
+    return None
+  return 3.0 + jax.random.normal(jax.random.PRNGKey(1000 + seed), (case.N,), jnp.float32)
+
+
+def with_sinks(f, sinks):
+  """`f(q, k, v, sinks=...)` as a function of (q, k, v) or, with sinks, of (q, k, v, sinks): what a matrix
+  hands `jax.vjp` so that dsinks is checked with the other gradients."""
+  if sinks is None:
+    return f, ()
+  return (lambda q, k, v, s: f(q, k, v, sinks=s)), (sinks,)
+
+
 @functools.partial(jax.jit, static_argnames="options")  # compiled once per shape and options in a worker
-def _reference_run(q, k, v, do, seg, dropout_rng, options):
-  f = lambda q, k, v: fr.reference_attention(q, k, v, segment_ids=seg, dropout_rng=dropout_rng, **dict(options))  # noqa: E731
-  out, vjp = jax.vjp(f, q, k, v)
+def _reference_run(q, k, v, do, seg, dropout_rng, sinks, options):
+  f = lambda q, k, v, sinks=None: fr.reference_attention(  # noqa: E731
+    q, k, v, segment_ids=seg, dropout_rng=dropout_rng, sinks=sinks, **dict(options)
+  )
+  f, extra = with_sinks(f, sinks)
+  out, vjp = jax.vjp(f, q, k, v, *extra)
   return out, vjp(do)
 
 
-def reference_with_grads(case: Case, q, k, v, do, seg):
-  """`fr.reference_attention` of the case on natural-order inputs: (out, (dq, dk, dv))."""
+def reference_with_grads(case: Case, q, k, v, do, seg, sinks=None):
+  """`fr.reference_attention` of the case on natural-order inputs: (out, (dq, dk, dv)), with dsinks appended
+  when `sinks` is given."""
   opts = case.options()
   rng = opts.pop("dropout_rng", None)
-  return _reference_run(q, k, v, do, seg, rng, tuple(sorted(opts.items())))
+  return _reference_run(q, k, v, do, seg, rng, sinks, tuple(sorted(opts.items())))
+
+
+def oracle_with_grads(case: Case, q, k, v, do, seg, sinks=None):
+  """The float64 numpy oracle (tests/dense_oracle.py, no library code) of the case on natural-order inputs:
+  (out, (dq, dk, dv[, dsinks])) as float64 numpy arrays.  No dropout."""
+  from dense_oracle import dense_oracle
+
+  assert case.dropout is None, case
+  return dense_oracle(
+    q,
+    k,
+    v,
+    do=do,
+    is_causal=case.is_causal,
+    local_window_size=case.window,
+    segment_ids=seg,
+    logits_soft_cap=case.soft_cap,
+    scale=case.scale,
+    sinks=sinks,
+  )
 
 
 def assert_dropout_matches_reference(mesh, axis_name, n, case: Case, *, doc_len: int, seed: int = 0, **opts):

@@ -285,9 +285,7 @@ def poison(b: Batch, value=np.nan):
 
 def features(case: Case) -> dict:
   """The paged keywords (`FEATURE_KEYWORDS`) of a registry case: its causal window, soft cap and scale.  A case the
-  paged op cannot express (not causal, segments, cross lengths, zigzag, dropout) is an error, as is the sinks hook
-  (tests/cases.py: Case.sinks) until the library takes it."""
-  case.check_sinks()
+  paged op cannot express (not causal, segments, cross lengths, zigzag, dropout) is an error."""
   if not case.is_causal or case.segments or case.S != case.T or case.load_balance or case.dropout is not None:
     raise ValueError(f"paged attention is causal self attention without segments, zigzag or dropout: {case}")
   return dict(local_window_size=case.window, logits_soft_cap=case.soft_cap, scale=case.scale)

@@ -85,9 +85,25 @@ def test_mismatched_dtypes(op):
 
 def test_kv_shape_mismatch(op):
   q, k, _ = _qkv()
-  v = jnp.ones((B, T, K, H + 1))
-  with pytest.raises(ValueError, match=r"k and v must have the same shape \[B, S, K, H\].*v\.shape=\(2, 8, 2, 5\)"):
+  v = jnp.ones((B, T + 1, K, H))
+  with pytest.raises(ValueError, match=r"k and v must have the same \[B, S, K\].*v\.shape=\(2, 9, 2, 4\)"):
     op(q, k, v)
+
+
+def test_sinks_errors(op):
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match=r"sinks must have shape \[N\]=\(4,\), one logit per q head .*got \(2,\)"):
+    op(q, k, v, sinks=jnp.zeros((K,)))
+  with pytest.raises(TypeError, match=r"sinks must be a floating-point array, got sinks\.dtype=int32"):
+    op(q, k, v, sinks=jnp.zeros((N,), jnp.int32))
+  with pytest.raises(TypeError, match=r"sinks must be a float array of shape \[N\]=\(4,\)"):
+    op(q, k, v, sinks=[0.0] * N)
+
+
+def test_v_head_dim_may_differ(op):
+  q, k, _ = _qkv()
+  out = op(q, k, jnp.ones((B, T, K, H + 3)))
+  assert out.shape == (B, T, N, H + 3)
 
 
 def test_batch_mismatch(op):

@@ -513,7 +513,7 @@ STATIC_ERRORS = {
   "kv_shape_mismatch": (
     dict(v_pages=jnp.zeros((7, 4, 2, 8))),
     ValueError,
-    "k_pages and v_pages must have the same shape",
+    r"k_pages and v_pages must have the same \[P, page_size, K\]",
   ),
   "kv_dtype_mismatch": (dict(v_pages=jnp.zeros((6, 4, 2, 8), BF16)), TypeError, "must share a dtype"),
   "head_dim": (

@@ -491,3 +491,62 @@ def test_property_matches_numpy(case):
   # Rows with no visible key are exactly 0.
   empty = ~vis.any(-1)  # [B, T]
   assert np.all(np.asarray(out)[empty] == 0.0)
+
+
+# -- attention sinks and MLA head shapes: a worked example, then every registry case against the float64 oracle --
+
+
+def test_sinks_and_mla_worked_example():
+  """One query, two keys, scale 1: logits 0 and ln 2, a sink of logit 0, v of head dim 2 against q/k's 1.
+
+  Denominator e^0 + e^ln2 + e^0 = 4, so p = (1/4, 1/2) and p_sink = 1/4; out = 4/4 + 8/2 = 5 in the first dim,
+  0/4 + 2/2 = 1 in the second.  With dO = (1, 0): D = 5 and dsink = -p_sink * D = -1.25; dv = p * dO.
+  d q: ds = p * (dP - D) with dP = v . dO = (4, 8) -> ds = (1/4 * -1, 1/2 * 3) = (-0.25, 1.5), dq = ds . k = 1.5 ln 2.
+  """
+  from dense_oracle import dense_oracle
+
+  q, k = _bthd([1.0]), _bthd([0.0, LN2])
+  v = _bthd([[4.0, 0.0], [8.0, 2.0]])
+  do = _bthd([[1.0, 0.0]])
+  sinks = jnp.zeros((1,), F32)
+  expected = dict(out=[5.0, 1.0], dsink=-1.25, dq=1.5 * LN2, dv=[[0.25, 0.0], [0.5, 0.0]])
+  out, (dq, dk, dv, ds) = dense_oracle(q, k, v, do=do, scale=1.0, sinks=sinks)
+  np.testing.assert_allclose(out[0, 0, 0], expected["out"], rtol=1e-7)  # ln 2 is rounded to float32 on the way in
+  np.testing.assert_allclose(ds, [expected["dsink"]], rtol=1e-7)  # ln 2 is rounded to float32 on the way in
+  np.testing.assert_allclose(dq[0, 0, 0, 0], expected["dq"], rtol=1e-7)  # ln 2 is rounded to float32 on the way in
+  np.testing.assert_allclose(dv[0, :, 0], expected["dv"], rtol=1e-7)  # ln 2 is rounded to float32 on the way in
+  f = lambda q, k, v, s: reference_attention(q, k, v, scale=1.0, sinks=s)  # noqa: E731
+  got, vjp = jax.vjp(f, q, k, v, sinks)
+  g = vjp(do)
+  np.testing.assert_allclose(np.asarray(got)[0, 0, 0], expected["out"], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(g[3]), [expected["dsink"]], rtol=1e-6)
+  for a, b in zip(g[:3], (dq, dk, dv), strict=True):
+    np.testing.assert_allclose(np.asarray(a), b, rtol=1e-6, atol=1e-7)
+
+
+def test_sink_of_minus_infinity_is_no_sink():
+  rng = np.random.default_rng(4)
+  q, k, v = _rand(rng, (1, 8, 2, 4)), _rand(rng, (1, 8, 2, 4)), _rand(rng, (1, 8, 2, 4))
+  got = reference_attention(q, k, v, is_causal=True, sinks=jnp.full((2,), -jnp.inf))
+  assert_close(got, reference_attention(q, k, v, is_causal=True), F32)
+
+
+@pytest.mark.parametrize("name", [*__import__("cases").SINKS, *__import__("cases").MLA])
+def test_sinks_and_mla_cases_match_float64_oracle(name):
+  """`reference_attention` (the suites' reference) against the independent float64 oracle on every sinks and MLA
+  case of the registry: forward and every gradient, dsinks included, in f32 to 1e-5."""
+  from cases import make_inputs, make_sinks, oracle_with_grads, pick, reference_with_grads
+
+  (case,) = pick(name)
+  q, k, v, do, seg = make_inputs(case, F32)
+  sinks = make_sinks(case)
+  out, grads = reference_with_grads(case, q, k, v, do, seg, sinks)
+  o_out, o_grads = oracle_with_grads(case, q, k, v, do, seg, sinks)
+  assert out.shape == (case.B, case.T, case.N, case.v_dim)
+  assert_close(out, o_out, F32, "fwd")
+  assert len(grads) == len(o_grads)
+  for g, og in zip(grads, o_grads, strict=True):
+    assert_close(g, og, F32, "grad")
+  if name == "sinks_empty_rows":  # every empty row's mass is in its sink: output exactly 0, no NaN
+    empty = np.asarray(seg[0] == 3)
+    assert empty.any() and np.all(np.asarray(out)[empty] == 0.0) and np.isfinite(np.asarray(grads[3])).all()

@@ -111,6 +111,7 @@ class _Softmax:
   """A one-block dense attention as a FlashKernel: checks the wrapper's contract on its own."""
 
   rows_to_lse = staticmethod(flash.heads_before_rows)
+  lse_to_rows = staticmethod(flash.heads_before_rows)
 
   def forward(self, q, k, v):
     s = jnp.einsum("btnh,bsnh->bnts", q, k)
@@ -136,10 +137,33 @@ def test_flash_wrapper_matches_autodiff():
     p = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", q, k), axis=-1)
     return jnp.einsum("bnts,bsnh->btnh", p, v)
 
-  out, vjp = jax.vjp(lambda *a: flash.flash(_Softmax(), *a), q, k, v)
+  out, vjp = jax.vjp(lambda *a: flash.flash(_Softmax(), None, *a), q, k, v)
   ref, ref_vjp = jax.vjp(dense, q, k, v)
   assert_close(out, ref, jnp.float32)
   for got, want in zip(vjp(do), ref_vjp(do), strict=True):
+    assert_close(got, want, jnp.float32, "grad")
+
+
+def test_flash_wrapper_sinks_match_autodiff_of_a_sink_column():
+  """The sinks, applied by the wrapper around a kernel that knows nothing of them, against autodiff of the usual
+  hand-written form: a per-head logit column concatenated to the scores, softmax, the column dropped."""
+  rng = np.random.default_rng(1)
+  q, k, v, do = (jnp.asarray(rng.standard_normal((2, 8, 2, 4)), jnp.float32) for _ in range(4))
+  sinks = jnp.asarray(rng.standard_normal(2) + 2.0, jnp.float32)
+
+  def dense(q, k, v, sinks):
+    s = jnp.einsum("btnh,bsnh->bnts", q, k)
+    column = jnp.broadcast_to(sinks[None, :, None, None], (*s.shape[:3], 1))
+    p = jax.nn.softmax(jnp.concatenate([s, column], axis=-1), axis=-1)[..., :-1]
+    return jnp.einsum("bnts,bsnh->btnh", p, v)
+
+  out, vjp = jax.vjp(lambda s, *a: flash.flash(_Softmax(), s, *a), sinks, q, k, v)
+  ref, ref_vjp = jax.vjp(dense, q, k, v, sinks)
+  assert_close(out, ref, jnp.float32)
+  dsinks, *grads = vjp(do)
+  *ref_grads, ref_dsinks = ref_vjp(do)
+  assert_close(dsinks, ref_dsinks, jnp.float32, "grad")
+  for got, want in zip(grads, ref_grads, strict=True):
     assert_close(got, want, jnp.float32, "grad")
 
 

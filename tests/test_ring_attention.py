@@ -40,7 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cases import (
+  CASE_NAMES,
   CASES,
+  MLA,
+  SINKS,
   DTYPES,
   GQA_CAUSAL_LB,
   GQA_CAUSAL_WINDOW,
@@ -50,8 +53,10 @@ from cases import (
   case_names,
   dtype_id,
   make_inputs,
+  make_sinks,
   pick,
   reference_with_grads,
+  with_sinks,
 )
 from conftest import make_mesh
 from jax.sharding import PartitionSpec as P
@@ -118,6 +123,12 @@ ACROSS_SHARDS = case_names("causal_lb", "gqa", "segments_lb", "cross_causal_lb",
 BF16_RING = case_names("gqa", "causal_lb", "segments_lb")
 # bf16 in one shard: the cases that change what a tile computes (soft cap, cross shapes, GQA, segments).
 BF16_TILE = case_names("plain", "gqa", "soft_cap", "cross", "segments")
+# Attention sinks live in the one `flash` wrapper (no kernel sees them) and MLA changes every kernel's v / output
+# tiles.  xla runs every sinks and MLA case at rings 4 and 8; the interpret-mode kernels run the ones that reach
+# their own code: GQA sinks, sinks on empty rows, MLA with GQA across zigzag shards, and MLA with sinks, a window
+# and GQA at once (the gpt-oss / DeepSeek mixes).
+FEATURES = case_names(*CASE_NAMES) - set(SINKS) - set(MLA)  # the mask, head-layout and cap cases
+SINKS_MLA_KERNEL = case_names("sinks_gqa", "sinks_empty_rows", "mla_gqa", "mla_sinks")
 
 BACKENDS = [
   Backend(
@@ -136,8 +147,8 @@ BACKENDS = [
   Backend(
     "pallas_tpu",
     extra=(("interpret", interpret_params()),),  # race detector on
-    f32_rings=((1, None), (4, ACROSS_SHARDS)),
-    bf16_rings=((1, BF16_TILE), (4, BF16_RING)),
+    f32_rings=((1, FEATURES | SINKS_MLA_KERNEL), (4, ACROSS_SHARDS | {"mla_gqa", "sinks_gqa"})),
+    bf16_rings=((1, BF16_TILE | {"mla_sinks"}), (4, BF16_RING)),
     marks=(pytest.mark.interpret,),
     race_checked=True,
     tiled_shards=(256, 64, fr.BlockSizes(block_q=128, block_kv=128), fr.BlockSizes(block_q=32, block_kv=128)),
@@ -151,8 +162,8 @@ BACKENDS = [
     blocks=fr.BlockSizes(block_q=16, block_kv=16),
     # f32 at ring 1 (4 x 4 tiles per shard: in-block tile skipping) and ring 4 (hop skipping, zigzag chunks
     # inside a tile), bf16 at ring 2 (both at once); interpret-mode compiles cost ~10 s a test.
-    f32_rings=((1, None), (4, None)),
-    bf16_rings=((2, BF16_TILE | {"causal_lb", "window"}), (4, BF16_RING)),
+    f32_rings=((1, FEATURES | SINKS_MLA_KERNEL), (4, FEATURES | {"mla_gqa", "sinks_gqa"})),
+    bf16_rings=((2, BF16_TILE | {"causal_lb", "window", "mla_sinks"}), (4, BF16_RING)),
     marks=(pytest.mark.interpret, pytest.mark.races_not_read("Triton interpret mode: no race detector, no DMAs")),
   ),
 ]
@@ -164,11 +175,11 @@ BACKENDS.append(
     extra=(("interpret", interpret_params()),),
     blocks=fr.BlockSizes(block_q=16, block_kv=128),
     f32_rings=((2, None),),
-    bf16_rings=((2, case_names("gqa", "causal_lb")),),
+    bf16_rings=((2, case_names("gqa", "causal_lb", "mla_sinks")),),
     marks=(pytest.mark.interpret,),
     race_checked=True,
     # Interpret mode is slow: the other mask features run in test_pallas_tpu_ring.py on other ring sizes.
-    cases=case_names("causal_lb", "gqa", "cross_causal_lb", "empty_rows"),
+    cases=case_names("causal_lb", "gqa", "cross_causal_lb", "empty_rows", "sinks_gqa", "mla_gqa", "mla_sinks"),
   )
 )
 # The in-kernel ring with HBM slots (shards too long for VMEM; forced here on short ones): 4 x 2 tiles per
@@ -184,13 +195,14 @@ BACKENDS.append(
     marks=(pytest.mark.interpret,),
     race_checked=True,
     tiled_shards=(256, 64, fr.BlockSizes(block_q=64, block_kv=128), fr.BlockSizes(block_q=32, block_kv=128)),
-    cases=case_names("causal_lb", "gqa", "cross_causal_lb", "empty_rows"),
+    cases=case_names("causal_lb", "gqa", "cross_causal_lb", "empty_rows", "mla_gqa", "mla_sinks"),
   )
 )
 
 
-def ring_with_grads(case: Case, backend: Backend, n: int, q, k, v, do, seg, *, explicit=True, blocks=None):
-  """Runs the ring on global arrays (natural order in, natural order out)."""
+def ring_with_grads(case: Case, backend: Backend, n: int, q, k, v, do, seg, *, explicit=True, blocks=None, sinks=None):
+  """Runs the ring on global arrays (natural order in, natural order out); with `sinks`, dsinks is the fourth
+  gradient."""
   mesh = make_mesh((n,), ("sp",), explicit=explicit)
   if case.load_balance:
     zz = lambda x: fr.zigzag_order(x, n, axis=1)
@@ -198,7 +210,7 @@ def ring_with_grads(case: Case, backend: Backend, n: int, q, k, v, do, seg, *, e
     if seg is not None:
       seg = tuple(zz(s) for s in seg) if isinstance(seg, tuple) else zz(seg)
 
-  def f(q, k, v):
+  def f(q, k, v, sinks=None):
     return fr.ring_attention(
       q,
       k,
@@ -209,15 +221,17 @@ def ring_with_grads(case: Case, backend: Backend, n: int, q, k, v, do, seg, *, e
       load_balance=case.load_balance,
       implementation=backend.name,
       block_sizes=backend.blocks if blocks is None else blocks,
+      sinks=sinks,
       **dict(backend.extra),
       **case.options(),
     )
 
-  out, vjp = jax.vjp(jax.jit(f), q, k, v)
+  f, extra = with_sinks(f, sinks)
+  out, vjp = jax.vjp(jax.jit(f), q, k, v, *extra)
   grads = vjp(do)
   if case.load_balance:
     unzz = lambda x: fr.zigzag_inverse(x, n, axis=1)
-    out, grads = unzz(out), tuple(unzz(g) for g in grads)
+    out, grads = unzz(out), (*(unzz(g) for g in grads[:3]), *grads[3:])
   return out, grads
 
 
@@ -242,17 +256,20 @@ def _supported(backend: Backend, case_name: str, n: int) -> bool:
 def test_matches_reference(backend, case, n, dtype):
   case, blocks = backend.shape_case(case, n)
   q, k, v, do, seg = make_inputs(case, dtype)
+  sinks = make_sinks(case)
   if not _supported(backend, case.name, n):
     with pytest.raises(NotImplementedError):
-      ring_with_grads(case, backend, n, q, k, v, do, seg, blocks=blocks)
+      ring_with_grads(case, backend, n, q, k, v, do, seg, blocks=blocks, sinks=sinks)
     return
   with backend.checks():
-    out, grads = ring_with_grads(case, backend, n, q, k, v, do, seg, blocks=blocks)
-  ref_out, ref_grads = reference_with_grads(case, q, k, v, do, seg)
-  assert out.dtype == dtype and out.shape == q.shape
+    out, grads = ring_with_grads(case, backend, n, q, k, v, do, seg, blocks=blocks, sinks=sinks)
+  ref_out, ref_grads = reference_with_grads(case, q, k, v, do, seg, sinks)
+  assert out.dtype == dtype and out.shape == do.shape
   assert_close(out, ref_out, dtype, "fwd")
-  for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
-    assert g.dtype == dtype, name
+  names = ("q", "k", "v", "sinks")
+  assert len(grads) == len(ref_grads) == (4 if case.sinks else 3)
+  for name, x, g, rg in zip(names, (q, k, v, sinks), grads, ref_grads, strict=False):
+    assert g.dtype == x.dtype and g.shape == x.shape, name
     assert_close(g, rg, dtype, "grad")
 
 

@@ -9,17 +9,24 @@ all-gather strategy, the in-kernel TPU ring and paged attention each supply a
 The Ulysses strategies are the ring loop after an all-to-all, so they run
 through it too.
 
-    out = flash(kernel, *operands)
+    out = flash(kernel, sinks, *operands)
 
-    forward : o, lse = kernel.forward(*operands); out = o.astype(operands[0].dtype)
-              residuals (operands, out, lse): O(local shard), never a rotated copy
+    forward : o, lse = kernel.forward(*operands)
+              with sinks: lse' = logaddexp(lse, s_h), o' = o * exp(lse - lse')
+              out = o'.astype(operands[0].dtype)
+              residuals (operands, sinks, out, lse'): O(local shard), never a rotated copy
     backward: delta = kernel.rows_to_lse(rowsum(dO * out))  (in lse's layout)
-              cotangents = kernel.backward(operands, lse, do, delta)
+              cotangents = kernel.backward(operands, lse', do, delta)
+              dsinks[h] = -sum over rows of head h of exp(s_h - lse') * rowsum(dO * out)
 
-A feature that only rescales the softmax of finished rows (an attention sink:
-lse' = logaddexp(lse, s), o' = o * exp(lse - lse')) can live here, between the
-kernel's forward and the cast, with the backward run on lse' and delta(o'):
-no kernel has to change.
+Attention sinks (gpt-oss): one learned logit s_h per q head joins every row's
+softmax denominator and carries no value.  They only rescale finished rows, so
+they live here, once per call, after the whole ring's softmax state is final
+(never once per hop): the kernel's backward, run on the sink-inclusive lse',
+computes exactly the probabilities exp(l_ij - lse') of the sinks' softmax, and
+delta of the rescaled output is the one its backward needs.  No kernel changes
+for them.  A row with no visible key keeps o = 0 and puts all its mass in the
+sink (lse' = s_h); a sink of -inf is no sink.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
+from flax_ringattn._src import vma
+
 F32 = jnp.float32
 
 
@@ -42,33 +51,60 @@ class FlashKernel(Protocol):
     """(o, lse): o shaped like the output (any float dtype), lse float32 in the kernel's row layout."""
 
   def rows_to_lse(self, rows):
-    """A per-row statistic in the output's row layout (o.shape[:-1]) -> lse's layout."""
+    """A per-row statistic in the output's row layout (o.shape[:-1], q heads last) -> lse's layout."""
+
+  def lse_to_rows(self, lse):
+    """The inverse of `rows_to_lse`."""
 
   def backward(self, operands, lse, do, delta) -> tuple:
     """One cotangent per operand (None for integer operands), in the operands' dtypes."""
 
 
-def _forward(kernel, operands):
+def _sink_rows(sinks, rows):
+  """The [N] sinks as float32, broadcast against per-row statistics `rows` (q heads last)."""
+  return vma.like(jnp.broadcast_to(sinks.astype(F32), rows.shape), rows)
+
+
+def _forward(kernel, sinks, operands):
   o, lse = kernel.forward(*operands)
+  if sinks is not None:
+    rows = kernel.lse_to_rows(lse)
+    with_sink = jnp.logaddexp(rows, _sink_rows(sinks, rows))
+    # A sink of -inf on an empty row leaves lse' = -inf: keep that row's zero output (no exp(-inf + inf)).
+    kept = jnp.where(jnp.isneginf(with_sink), 0.0, jnp.exp(rows - with_sink))
+    o = o * kept[..., None]
+    lse = kernel.rows_to_lse(with_sink)
   return o.astype(operands[0].dtype), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def flash(kernel: FlashKernel, *operands):
-  """Differentiable attention of `operands` (q first: the output takes its dtype) by `kernel`."""
-  return _forward(kernel, operands)[0]
+def flash(kernel: FlashKernel, sinks, *operands):
+  """Differentiable attention of `operands` (q first: the output takes its dtype) by `kernel`; `sinks`: None or
+  the [N] attention-sink logits of the q heads the output holds (differentiable)."""
+  return _forward(kernel, sinks, operands)[0]
 
 
-def _flash_fwd(kernel, *operands):
-  out, lse = _forward(kernel, operands)
+def _flash_fwd(kernel, sinks, *operands):
+  out, lse = _forward(kernel, sinks, operands)
   # With dropout, `out` is the dropped output, so delta below is the one the dropped backward needs.
-  return out, (operands, out, lse)
+  return out, (operands, sinks, out, lse)
 
 
 def _flash_bwd(kernel, res, do):
-  operands, out, lse = res
-  delta = kernel.rows_to_lse(jnp.sum(do.astype(F32) * out.astype(F32), axis=-1))
-  return tuple(kernel.backward(operands, lse, do, delta))
+  operands, sinks, out, lse = res
+  rows_delta = jnp.sum(do.astype(F32) * out.astype(F32), axis=-1)
+  grads = tuple(kernel.backward(operands, lse, do, kernel.rows_to_lse(rows_delta)))
+  if sinks is None:
+    return (None, *grads)
+  rows = kernel.lse_to_rows(lse)
+  s = _sink_rows(sinks, rows)
+  # d p_ij / d s_h = -p_ij * p_sink for every key of a row of head h (dropped or not), so d out / d s_h =
+  # -p_sink * out and d loss / d s_h = -sum over the rows of head h of p_sink * rowsum(dO * out).
+  p_sink = jnp.where(jnp.isneginf(rows), 0.0, jnp.exp(s - rows))
+  dsinks = -jnp.sum((p_sink * rows_delta).reshape(-1, sinks.shape[0]), axis=0)
+  # Rows are this device's: sum over the manual axes they vary over and the (replicated) sinks do not.
+  dsinks = vma.sum_to(dsinks, sinks)
+  return (dsinks.astype(sinks.dtype), *grads)
 
 
 flash.defvjp(_flash_fwd, _flash_bwd)
@@ -89,6 +125,7 @@ class RingKernel:
   bwd: Callable
   cfg: object
   rows_to_lse = staticmethod(heads_before_rows)
+  lse_to_rows = staticmethod(heads_before_rows)
 
   def forward(self, *operands):
     return self.fwd(*operands, self.cfg)

@@ -54,17 +54,20 @@ class ProblemShape:
   kv_len: int
   num_heads: int
   num_kv_heads: int
-  head_dim: int
+  head_dim: int  # q and k's
   dtype: object
   has_segments: bool = False
   soft_cap: bool = False
   dropout: bool = False
+  v_head_dim: int | None = None  # v's (and the output's) when it differs from head_dim (MLA); None: the same
 
   @classmethod
-  def of(cls, q_shape, k_shape, dtype, spec: AttentionSpec, *, split: int = 1) -> ProblemShape:
-    """From q [B, T, N, H] and k [B, S, K, H] shapes, each length split `split` ways, and the call's options."""
+  def of(cls, q_shape, k_shape, dtype, spec: AttentionSpec, *, split: int = 1, v_shape=None) -> ProblemShape:
+    """From q [B, T, N, H], k [B, S, K, H] and v [B, S, K, Hv] shapes (None: like k), each length split `split`
+    ways, and the call's options."""
     _, T, N, H = q_shape
     _, S, K, _ = k_shape
+    Hv = H if v_shape is None else v_shape[3]
     return cls(
       q_len=T // split,
       kv_len=S // split,
@@ -75,7 +78,13 @@ class ProblemShape:
       has_segments=spec.mask.has_segments,
       soft_cap=spec.logits_soft_cap is not None,
       dropout=bool(spec.dropout_rate),
+      v_head_dim=None if Hv == H else Hv,
     )
+
+  @property
+  def head_dim_v(self) -> int:
+    """v's head dim (the output's): `v_head_dim`, or `head_dim` when they are equal."""
+    return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
   @property
   def itemsize(self) -> int:
@@ -83,7 +92,8 @@ class ProblemShape:
 
   @property
   def heads(self) -> dict:
-    return dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+    heads = dict(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+    return heads if self.v_head_dim is None else dict(heads, v_head_dim=self.v_head_dim)
 
   @property
   def features(self) -> dict:

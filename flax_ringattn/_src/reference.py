@@ -29,11 +29,13 @@ def reference_attention(
   dropout_rate: float = 0.0,
   dropout_rng=None,
   broadcast_dropout: bool = True,
+  sinks=None,
 ):
   """Dense attention with the features of `ring_attention`, on one device.
 
   Args:
-    q: [B, T, N, H]; k, v: [B, S, K, H] with N % K == 0.
+    q: [B, T, N, H]; k: [B, S, K, H]; v: [B, S, K, Hv] with N % K == 0 (Hv may
+      differ from H, as in MLA).
     is_causal, segment_ids, local_window_size, logits_soft_cap, scale: as in
       `ring_attention` (jax.nn.dot_product_attention semantics).
     q_positions, kv_positions: optional [T] / [S] global token positions used by
@@ -43,10 +45,13 @@ def reference_attention(
       same keep mask as `ring_attention` (a hash of the key and the global
       batch, head, q and kv positions), applied to the normalised
       probabilities; autodiff then uses that same mask in the backward.
+    sinks: optional [N] float attention-sink logits, one per q head: each joins
+      its head's softmax denominator (exp(sinks[h]) beside the row's scores)
+      and carries no value.
 
   Returns:
-    [B, T, N, H] in q.dtype.  Rows with no visible key are 0 (and get 0
-    gradient), never NaN.
+    [B, T, N, Hv] in q.dtype.  Rows with no visible key are 0 (and get 0
+    gradient), never NaN; with sinks their mass is all in the sink.
   """
   B, T, S, N, K, H = validation.check_qkv(q, k, v)
   scale = validation.check_scale(scale, H)
@@ -56,6 +61,7 @@ def reference_attention(
   spec = masks.MaskSpec(
     is_causal=validation.check_bool("is_causal", is_causal), window=window, has_segments=q_seg is not None
   )
+  sinks = validation.check_sinks(sinks, N)
   q_pos = validation.check_positions("q_positions", q_positions, T, "T")
   kv_pos = validation.check_positions("kv_positions", kv_positions, S, "S")
 
@@ -70,9 +76,14 @@ def reference_attention(
   vis = masks.visible(spec, q_pos, kv_pos, q_seg, kv_seg)[:, None, None]  # [B|1, 1, 1, T, S]
   s = jnp.where(vis, s, -jnp.inf)
   m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+  if sinks is not None:
+    sink = sinks.astype(jnp.float32).reshape(1, K, G, 1, 1)
+    m = jnp.maximum(m, jax.lax.stop_gradient(sink))
   m = jnp.where(jnp.isneginf(m), 0.0, m)
   p = jnp.exp(s - m)
   l = jnp.sum(p, axis=-1, keepdims=True)
+  if sinks is not None:
+    l = l + jnp.exp(sink - m)  # the sink's share of the denominator; it carries no value
   p = p / jnp.where(l == 0.0, 1.0, l)
   rate = dropout_lib.check_rate(dropout_rate)
   if rate:
@@ -80,4 +91,4 @@ def reference_attention(
     keep = dropout_lib.keep_grouped(drop, q_pos, kv_pos, rate=rate, broadcast=broadcast_dropout, B=B, K=K, G=G)
     p = jnp.where(keep, p / (1.0 - rate), 0.0)
   o = jnp.einsum("bkgts,bskh->btkgh", p, vf, precision=hi)
-  return o.reshape(B, T, N, H).astype(q.dtype)
+  return o.reshape(B, T, N, v.shape[3]).astype(q.dtype)

@@ -27,7 +27,9 @@ def all_concrete(*xs) -> bool:
 
 
 def check_qkv(q, k, v):
-  """Validates the [B, T, N, H] / [B, S, K, H] layout; returns (B, T, S, N, K, H)."""
+  """Validates the [B, T, N, H] / [B, S, K, H] / [B, S, K, Hv] layout; returns (B, T, S, N, K, H).
+
+  H is the q/k head dim; v's head dim Hv (`v.shape[3]`) may differ (MLA) and is the output's."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(f"{name} must be an array, got {type(x).__name__}")
@@ -39,22 +41,38 @@ def check_qkv(q, k, v):
       raise TypeError(f"{name} must be a floating-point array, got {name}.dtype={x.dtype}")
   if not (q.dtype == k.dtype == v.dtype):
     raise TypeError(f"q, k and v must share a dtype, got q.dtype={q.dtype}, k.dtype={k.dtype}, v.dtype={v.dtype}")
-  if k.shape != v.shape:
+  if k.shape[:3] != v.shape[:3]:
     raise ValueError(
-      f"k and v must have the same shape [B, S, K, H], got k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}"
+      f"k and v must have the same [B, S, K] (v's head dim may differ, as in MLA), got k.shape={tuple(k.shape)}, "
+      f"v.shape={tuple(v.shape)}"
     )
   B, T, N, H = q.shape
   Bk, S, K, Hk = k.shape
   if Bk != B:
     raise ValueError(f"batch sizes differ: q.shape[0]={B} but k.shape[0]={Bk}")
   if Hk != H:
-    raise ValueError(f"head_dim differs: q.shape[3]={H} but k.shape[3]={Hk}")
+    raise ValueError(f"head_dim differs: q.shape[3]={H} but k.shape[3]={Hk} (q and k share a head dim)")
+  if v.shape[3] == 0:
+    raise ValueError(f"v's head dim must be positive, got v.shape={tuple(v.shape)}")
   if K == 0 or N % K:
     raise ValueError(
       f"the number of q heads N={N} must be a multiple of the number of kv heads K={K} "
       f"(GQA/MQA: q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)})"
     )
   return B, T, S, N, K, H
+
+
+def check_sinks(sinks, N: int, *, what: str = "q heads N"):
+  """Optional attention sinks: a floating-point array of shape [N], one logit per q head; returns it or None."""
+  if sinks is None:
+    return None
+  if not hasattr(sinks, "shape") or not hasattr(sinks, "dtype"):
+    raise TypeError(f"sinks must be a float array of shape [N]=({N},) (one logit per q head), got {sinks!r}")
+  if not jnp.issubdtype(sinks.dtype, jnp.floating):
+    raise TypeError(f"sinks must be a floating-point array, got sinks.dtype={sinks.dtype}")
+  if tuple(sinks.shape) != (N,):
+    raise ValueError(f"sinks must have shape [N]=({N},), one logit per q head ({what}={N}), got {tuple(sinks.shape)}")
+  return sinks
 
 
 def normalize_window(local_window_size):

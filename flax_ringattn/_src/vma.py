@@ -43,3 +43,10 @@ def manual_axis_type(x):
 def varying_axes(x) -> frozenset:
   """The manual axes `x` varies over (empty outside shard_map or without the vma check)."""
   return _varying_axes(x)
+
+
+def sum_to(x, ref):
+  """`x` summed (psum) over the manual axes it varies over and `ref` does not: the cotangent of a value that was
+  replicated over those axes (e.g. per-head parameters used by every sequence shard)."""
+  extra = tuple(sorted(_varying_axes(x) - _varying_axes(ref), key=str))
+  return jax.lax.psum(x, extra) if extra else x

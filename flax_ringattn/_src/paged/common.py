@@ -66,16 +66,17 @@ def check_paged_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, nu
   for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
     if x.ndim != 4:
       raise ValueError(f"{name} must be [P, page_size, K, H] (rank 4), got {name}.shape={tuple(x.shape)}")
-  if k_pages.shape != v_pages.shape:
+  if k_pages.shape[:3] != v_pages.shape[:3]:
     raise ValueError(
-      f"k_pages and v_pages must have the same shape, got {tuple(k_pages.shape)} and {tuple(v_pages.shape)}"
+      f"k_pages and v_pages must have the same [P, page_size, K] (v's head dim may differ, as in MLA), got "
+      f"k_pages.shape={tuple(k_pages.shape)} and v_pages.shape={tuple(v_pages.shape)}"
     )
   if k_pages.dtype != v_pages.dtype:
     raise TypeError(f"k_pages and v_pages must share a dtype, got {k_pages.dtype} and {v_pages.dtype}")
   T, N, H = q.shape
   P, page_size, K, Hk = k_pages.shape
   if Hk != H:
-    raise ValueError(f"head_dim differs: q.shape[2]={H} but k_pages.shape[3]={Hk}")
+    raise ValueError(f"head_dim differs: q.shape[2]={H} but k_pages.shape[3]={Hk} (q and k share a head dim)")
   if K == 0 or N % K:
     raise ValueError(f"the number of q heads N={N} must be a multiple of the number of kv heads K={K}")
   quantized = jnp.dtype(k_pages.dtype).name in QUANTIZED_DTYPES

@@ -39,6 +39,7 @@ def paged_attention(
   checked: bool = False,
   interpret=None,
   sliding_window: int | None = None,
+  sinks=None,
 ):
   """Attention of a ragged batch of new tokens over their sequences' paged KV cache.
 
@@ -46,8 +47,9 @@ def paged_attention(
     q: [T, N, H] new tokens of all sequences back to back (T =
       max_num_batched_tokens; rows past cu_q_lens[num_seqs] are padding and
       return 0).  Heads stay in the second-minor dimension, as projected.
-    k_pages, v_pages: [P, page_size, K, H] page-major caches (N % K == 0); float,
-      or int8 / float8 with `k_scale` / `v_scale`.
+    k_pages, v_pages: [P, page_size, K, H] / [P, page_size, K, Hv] page-major
+      caches (N % K == 0; v's head dim Hv may differ, as in MLA); float, or
+      int8 / float8 with `k_scale` / `v_scale`.
     kv_lens: [S] tokens of each sequence in the cache, new tokens included.
     page_indices: [S, pages_per_seq] page ids of each sequence, in order.
     cu_q_lens: [S + 1] sequence i owns rows cu_q_lens[i] .. cu_q_lens[i+1]-1.
@@ -85,10 +87,13 @@ def paged_attention(
       pallas_tpu, with a DeprecationWarning).
     sliding_window: deprecated (warns once): each token sees at most this many
       tokens, itself included; the same as local_window_size=(sliding_window - 1, 0).
+    sinks: optional [N] float attention-sink logits, one per q head
+      (differentiable), as in `ring_attention`: exp(sinks[h]) joins the
+      softmax denominator of every row of head h and carries no value.
 
   Returns:
-    [T, N, H] in q.dtype.  Differentiable in q, k_pages and v_pages (gradients
-    are scatter-added into the pages each sequence reads).
+    [T, N, Hv] in q.dtype.  Differentiable in q, k_pages, v_pages and sinks
+    (page gradients are scatter-added into the pages each sequence reads).
   """
   call = _prepare(
     q,
@@ -109,21 +114,22 @@ def paged_attention(
     interpret=interpret,
   )
   validation.check_bool("checked", checked)
+  sinks = validation.check_sinks(sinks, q.shape[1])
   check_metadata(*call.metadata, q.shape[0], k_pages.shape[0], k_pages.shape[1], checked=checked)
   args = (q, k_pages, v_pages, *call.metadata, call.k_scale, call.v_scale)
   kernel = PagedKernel(spec=call.spec, backend=call.backend)
   mesh = _explicit_mesh(args)
   if mesh is None:
-    return flash.flash(kernel, *args)
+    return flash.flash(kernel, sinks, *args)
   # Arrays typed on an Explicit mesh (e.g. replicated parameters' outputs): the
   # op works per device, so run it as a replicated shard_map over that mesh.
   return jax.shard_map(
-    lambda *a: flash.flash(kernel, *a),
+    lambda sinks, *a: flash.flash(kernel, sinks, *a),
     mesh=mesh,
     in_specs=PartitionSpec(),
     out_specs=PartitionSpec(),
     check_vma=False,
-  )(*args)
+  )(sinks, *args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,6 +300,8 @@ class PagedKernel:
   @staticmethod
   def rows_to_lse(rows):
     return rows  # [T, N] both
+
+  lse_to_rows = rows_to_lse
 
   def forward(self, *operands):
     return self.backend.fwd(*operands, spec=self.spec)

@@ -28,6 +28,7 @@ def paged_reference_attention(
   k_scale=None,
   v_scale=None,
   sliding_window=None,
+  sinks=None,
 ):
   """Same arguments and result as `paged_attention`; rows past the batch are 0."""
   k_scale, v_scale = common.normalize_scales(k_scale, v_scale)
@@ -37,7 +38,8 @@ def paged_reference_attention(
   scale = validation.check_scale(scale, H)
   cap = validation.check_soft_cap(logits_soft_cap)
   window = common.paged_window(local_window_size, sliding_window)
-  G, L = N // K, pps * ps
+  G, L, Hv = N // K, pps * ps, v_pages.shape[3]
+  sinks = validation.check_sinks(sinks, N)
 
   seq, start, valid = metadata.token_owner(cu_q_lens, num_seqs, T)
   lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
@@ -49,7 +51,7 @@ def paged_reference_attention(
   kv_ok = jnp.repeat(page_ok, ps, axis=1) & (kv_pos[None] < kv_lens[:, None])  # [S, L]
 
   def gather(pages, sc):
-    x = common.dequantize(pages[ids], sc, ids).reshape(S, L, K, H)
+    x = common.dequantize(pages[ids], sc, ids).reshape(S, L, K, pages.shape[3])
     return jnp.where(kv_ok[..., None, None], x, 0.0)  # pages not owned never leak (NaN-safe)
 
   k_seq, v_seq = gather(k_pages, k_scale), gather(v_pages, v_scale)
@@ -63,9 +65,15 @@ def paged_reference_attention(
     mask = mask & (kv_pos[None] >= pos[:, None] - window[0])
   s = jnp.where(mask[:, None, None], s, -jnp.inf)
   m = jax.lax.stop_gradient(s.max(-1, keepdims=True))
+  if sinks is not None:
+    sink = sinks.astype(jnp.float32).reshape(1, K, G, 1)
+    m = jnp.maximum(m, jax.lax.stop_gradient(sink))
   m = jnp.where(jnp.isneginf(m), 0.0, m)
   p = jnp.exp(s - m)
   l = p.sum(-1, keepdims=True)
+  if sinks is not None:
+    l = l + jnp.exp(sink - m)  # the sink joins the denominator and carries no value
   p = p / jnp.where(l == 0.0, 1.0, l)
   o = jnp.einsum("tkgl,tlkh->tkgh", p, v_seq[seq], precision=hi)
-  return o.reshape(T, N, H).astype(q.dtype)
+  # Rows past the batch have no visible key; with sinks their mass is in the sink, their output 0 either way.
+  return o.reshape(T, N, Hv).astype(q.dtype)

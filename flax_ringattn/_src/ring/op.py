@@ -42,6 +42,7 @@ def ring_attention(
   dropout_rate: float = 0.0,
   dropout_rng=None,
   broadcast_dropout: bool = True,
+  sinks=None,
 ):
   """Ring attention with the semantics of `jax.nn.dot_product_attention`.
 
@@ -50,7 +51,8 @@ def ring_attention(
   device is O(T / n), and only the K kv heads travel.
 
   Args:
-    q: [B, T, N, H] queries.  k, v: [B, S, K, H] keys and values, N % K == 0.
+    q: [B, T, N, H] queries.  k: [B, S, K, H] keys, v: [B, S, K, Hv] values,
+      N % K == 0; v's head dim Hv may differ from H (MLA: qk 192, v 128).
       Inside `jax.shard_map` these are the local shards; with `mesh` they are
       global arrays.
     axis_name: the mesh axis the sequence is sharded over, or a tuple of mesh
@@ -99,15 +101,21 @@ def ring_attention(
     dropout_rng: a `jax.random` key, needed when dropout_rate > 0.
     broadcast_dropout: one mask for every batch row and head (flax's default),
       else one per (batch, head).
+    sinks: optional [N] float attention-sink logits (gpt-oss), one per q head,
+      differentiable: exp(sinks[h]) joins the softmax denominator of every row
+      of head h and carries no value.  Applied once, to the finished softmax
+      (every implementation and strategy; with `mesh` and `head_axis` each
+      device takes its heads' slice, as Ulysses does after its all-to-all).
 
   Returns:
-    [B, T, N, H] in q.dtype, laid out like q.  Rows with no visible key are 0.
+    [B, T, N, Hv] in q.dtype, laid out like q.  Rows with no visible key are 0.
   """
   B, T, S, N, K, H = validation.check_qkv(q, k, v)
   window = validation.normalize_window(local_window_size)
   cap = validation.check_soft_cap(logits_soft_cap)
   scale = validation.check_scale(scale, H)
   q_seg, kv_seg = validation.normalize_segment_ids(segment_ids, B, T, S)
+  sinks = validation.check_sinks(sinks, N)
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise TypeError(f"block_sizes must be a flax_ringattn.BlockSizes, got {type(block_sizes).__name__}")
   validation.check_bool("load_balance", load_balance)
@@ -141,6 +149,7 @@ def ring_attention(
       q_seg,
       kv_seg,
       drop,
+      sinks,
       mesh,
       axis_name,
       batch_axis,
@@ -171,13 +180,14 @@ def ring_attention(
     n = 1
   _check_shard_lengths(T, S, n, load_balance, local=True, axis_name=axis_name, strategy=strategy)
   # q, k are the local shards here: split by 1, on a ring of n
-  fused = use_fused_ring(choice, spec, q, k, 1, strategy, ring_size=n)
+  fused = use_fused_ring(choice, spec, q, k, 1, strategy, ring_size=n, v=v)
   # Inside the caller's shard_map only the ring axis is known: batch and heads count as global here (shard
   # them yourself and dropout masks repeat).
-  return _local_fn(axis_name, load_balance, spec, choice.backend, strategy, fused)(q, k, v, q_seg, kv_seg, drop)
+  fn = _local_fn(axis_name, load_balance, spec, choice.backend, strategy, fused)
+  return fn(q, k, v, q_seg, kv_seg, drop, sinks)
 
 
-def use_fused_ring(choice, spec, q, k, n, strategy="ring", *, ring_size=None) -> bool:
+def use_fused_ring(choice, spec, q, k, n, strategy="ring", *, ring_size=None, v=None) -> bool:
   """Whether the ring strategy runs as the backend's fused in-kernel ring: always when the call asked for it
   (`implementation="pallas_tpu_ring"`), and with implementation=None where the backend has one, compiles for its
   chip (never in interpret mode) and its planner finds slots and tiles for shards of q [B, T / n, ...] and
@@ -194,20 +204,23 @@ def use_fused_ring(choice, spec, q, k, n, strategy="ring", *, ring_size=None) ->
     return False
   if backend.interpret is not None:
     return False
-  shape = ProblemShape.of(q.shape, k.shape, q.dtype, spec, split=n)
+  shape = ProblemShape.of(q.shape, k.shape, q.dtype, spec, split=n, v_shape=None if v is None else v.shape)
   return backend.fused_ring_fits(shape, n=n if ring_size is None else ring_size)
 
 
 def _local_fn(axis_name, load_balance, spec, backend, strategy, fused):
   """The per-device attention: the backend's fused in-kernel ring, or the strategy on the block contract (the
-  portable ring loop for strategy="ring"); every one of them differentiated by the one `flash` custom_vjp."""
+  portable ring loop for strategy="ring"); every one of them differentiated by the one `flash` custom_vjp, which
+  also applies the attention sinks (`sinks`: the local heads' [N] logits, or None)."""
   if fused:
     kernel = backend.fused_ring(axis_name=axis_name, load_balance=load_balance, spec=spec)
-    return lambda q, k, v, qs, ks, drop: flash.flash(kernel, q, k, v, qs, ks, drop)
+    return lambda q, k, v, qs, ks, drop, sinks: flash.flash(kernel, sinks, q, k, v, qs, ks, drop)
   cfg = RingConfig(axis_name=axis_name, load_balance=load_balance, spec=spec, backend=backend)
   if strategy == "ring":
-    return lambda q, k, v, qs, ks, drop: ring_attention_local(q, k, v, qs, ks, cfg, drop)
-  return lambda q, k, v, qs, ks, drop: strategies.attention_local(q, k, v, qs, ks, drop, strategy=strategy, cfg=cfg)
+    return lambda q, k, v, qs, ks, drop, sinks: ring_attention_local(q, k, v, qs, ks, cfg, drop, sinks)
+  return lambda q, k, v, qs, ks, drop, sinks: strategies.attention_local(
+    q, k, v, qs, ks, drop, sinks, strategy=strategy, cfg=cfg
+  )
 
 
 def check_mesh_lengths(mesh, axis_name, T, S, *, load_balance=False, strategy="ring"):
@@ -244,6 +257,7 @@ def _ring_on_mesh(
   q_seg,
   kv_seg,
   drop,
+  sinks,
   mesh,
   axis_name,
   batch_axis,
@@ -283,32 +297,39 @@ def _ring_on_mesh(
 
   x_spec = P(batch_axis, axis_name, head_axis, None)
   seg_spec = P(batch_axis, axis_name)
-  fused = use_fused_ring(choice, spec, q, k, n, strategy)
+  fused = use_fused_ring(choice, spec, q, k, n, strategy, v=v)
   local_fn = _local_fn(axis_name, load_balance, spec, choice.backend, strategy, fused)
   q, k, v = (sharding.constrain(x, mesh, x_spec) for x in (q, k, v))
   if q_seg is not None:
     q_seg, kv_seg = (sharding.constrain(x, mesh, seg_spec) for x in (q_seg, kv_seg))
   seg_specs = (seg_spec, seg_spec) if q_seg is not None else (None, None)
 
-  def local(q, k, v, qs, ks, drop):
+  def local(q, k, v, qs, ks, drop, sinks):
     if drop is not None:
       # Global batch row / q head of this shard's first: the dropout mask is a
       # function of global indices.
       b0 = jax.lax.axis_index(batch_axis) * q.shape[0] if batch_axis is not None else 0
       h0 = jax.lax.axis_index(head_axis) * q.shape[2] if head_axis is not None else 0
       drop = dropout_lib.with_offsets(drop, b0, h0)
-    return local_fn(q, k, v, qs, ks, drop)
+    return local_fn(q, k, v, qs, ks, drop, sinks)
 
   if drop is not None:
     drop = sharding.constrain(drop, mesh, P())
   fn = jax.shard_map(
     local,
     mesh=mesh,
-    in_specs=(x_spec, x_spec, x_spec, *seg_specs, None if drop is None else P()),
+    in_specs=(
+      x_spec,
+      x_spec,
+      x_spec,
+      *seg_specs,
+      None if drop is None else P(),
+      None if sinks is None else P(head_axis),
+    ),
     out_specs=x_spec,
   )
   if validation.all_concrete(q, k, v):
     # Called eagerly: compile the ring once instead of running its loops op by op (about 25 s for a small ring
     # of 4 on CPU).  Under a trace (the caller's jit or grad) it is traced into the caller's program as is.
     fn = jax.jit(fn)
-  return fn(q, k, v, q_seg, kv_seg, drop)
+  return fn(q, k, v, q_seg, kv_seg, drop, sinks)

@@ -115,7 +115,7 @@ def _ring_forward(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig):
   n, r, shard_of = _ring_geometry(cfg.axis_name)
   spec = cfg.spec
   backend = cfg.backend
-  B, T, N, H = q.shape
+  B, T, N, _ = q.shape
   S = k.shape[1]
   q_pos = _member_positions(cfg, shard_of(r), n, T)
 
@@ -129,7 +129,7 @@ def _ring_forward(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig):
 
     def skip():
       return (
-        vma.like(jnp.zeros((B, T, N, H), F32), q),
+        vma.like(jnp.zeros((B, T, N, v.shape[3]), F32), q),
         vma.like(jnp.full((B, N, T), -jnp.inf, F32), q),
       )
 
@@ -176,7 +176,8 @@ def _ring_backward(operands, lse, do, delta, cfg: RingConfig):
     def skip():
       zq = vma.like(jnp.zeros(q.shape, F32), q)
       zk = vma.like(jnp.zeros(k.shape, F32), k)
-      return zq, zk, zk
+      zv = zk if v.shape == k.shape else vma.like(jnp.zeros(v.shape, F32), k)
+      return zq, zk, zv
 
     return _unless_empty(backend, _hop_kind(spec, q_pos, kv_pos, q_seg, seg_t), compute, skip)
 
@@ -211,6 +212,7 @@ def _ring_backward(operands, lse, do, delta, cfg: RingConfig):
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
-def ring_attention_local(q, k, v, q_seg, kv_seg, cfg: RingConfig, drop=None):
-  """Per-device entry point (inside shard_map, or a ring of one); `drop`: the int32[4] dropout operand or None."""
-  return flash.flash(flash.RingKernel(_ring_forward, _ring_backward, cfg), q, k, v, q_seg, kv_seg, drop)
+def ring_attention_local(q, k, v, q_seg, kv_seg, cfg: RingConfig, drop=None, sinks=None):
+  """Per-device entry point (inside shard_map, or a ring of one); `drop`: the int32[4] dropout operand or None;
+  `sinks`: the [N] sink logits of q's heads or None (applied once, by `flash`, to the whole ring's result)."""
+  return flash.flash(flash.RingKernel(_ring_forward, _ring_backward, cfg), sinks, q, k, v, q_seg, kv_seg, drop)

@@ -135,8 +135,11 @@ def _gather_seq(seg, axis):
   return None if seg is None else jax.lax.all_gather(seg, axis, axis=1, tiled=True)
 
 
-def _ulysses(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig, ring_axis, ulysses_axis):
+def _ulysses(q, k, v, q_seg, kv_seg, drop, sinks, cfg: RingConfig, ring_axis, ulysses_axis):
   u = jax.lax.axis_size(ulysses_axis)
+  if sinks is not None:
+    # This member's q heads after the all-to-all (see the dropout offset below): their slice of the sinks.
+    sinks = jax.lax.dynamic_slice_in_dim(sinks, jax.lax.axis_index(ulysses_axis) * (q.shape[2] // u), q.shape[2] // u)
   if drop is not None:
     # After the all-to-all this member holds q heads [m * N / u, (m + 1) * N / u) of the shard's N.
     head0 = drop[3] + jax.lax.axis_index(ulysses_axis) * (q.shape[2] // u)
@@ -148,7 +151,7 @@ def _ulysses(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig, ring_axis, ulysses_a
   q, k, v = (_seq_to_heads(x, ulysses_axis) for x in (q, k, v))
   q_seg, kv_seg = _gather_seq(q_seg, ulysses_axis), _gather_seq(kv_seg, ulysses_axis)
   inner = dataclasses.replace(cfg, axis_name=ring_axis, sub_shards=u)
-  o = ring_attention_local(q, k, v, q_seg, kv_seg, inner, drop)
+  o = ring_attention_local(q, k, v, q_seg, kv_seg, inner, drop, sinks)
   return _heads_to_seq(o, ulysses_axis)
 
 
@@ -188,18 +191,19 @@ def _ag_backward(operands, lse, do, delta, cfg: RingConfig):
 # --------------------------------------------------------------------------------------------
 
 
-def attention_local(q, k, v, q_seg, kv_seg, drop=None, *, strategy: str, cfg: RingConfig):
+def attention_local(q, k, v, q_seg, kv_seg, drop=None, sinks=None, *, strategy: str, cfg: RingConfig):
   """Per-device entry point of every strategy (inside shard_map; axis_name=None means one device).
 
-  `drop`: the int32[4] dropout operand with this shard's global batch / head offsets, or None.
+  `drop`: the int32[4] dropout operand with this shard's global batch / head offsets, or None.  `sinks`: the [N]
+  sink logits of the local q heads, or None.
   """
   if cfg.axis_name is None or strategy == "ring":
-    return ring_attention_local(q, k, v, q_seg, kv_seg, cfg, drop)
+    return ring_attention_local(q, k, v, q_seg, kv_seg, cfg, drop, sinks)
   if strategy == "ulysses":
-    return _ulysses(q, k, v, q_seg, kv_seg, drop, cfg, None, cfg.axis_name)
+    return _ulysses(q, k, v, q_seg, kv_seg, drop, sinks, cfg, None, cfg.axis_name)
   if strategy == "ulysses_ring":
     ring_axis, ulysses_axis = cfg.axis_name
-    return _ulysses(q, k, v, q_seg, kv_seg, drop, cfg, ring_axis, ulysses_axis)
+    return _ulysses(q, k, v, q_seg, kv_seg, drop, sinks, cfg, ring_axis, ulysses_axis)
   if strategy == "all_gather":
-    return flash.flash(flash.RingKernel(_ag_forward, _ag_backward, cfg), q, k, v, q_seg, kv_seg, drop)
+    return flash.flash(flash.RingKernel(_ag_forward, _ag_backward, cfg), sinks, q, k, v, q_seg, kv_seg, drop)
   raise AssertionError(strategy)

@@ -80,7 +80,7 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, dr
   # The gradient buffers wait for the hop's K/V and for delta (the end of the forward).
   grads = (
     vma.like(c.zeros_after((B, T, N, H), k, delta), q),
-    vma.like(c.zeros_after((B, S, K, H), k, delta), k),
-    vma.like(c.zeros_after((B, S, K, H), k, delta), k),
+    vma.like(c.zeros_after(k.shape, k, delta), k),
+    vma.like(c.zeros_after(v.shape, k, delta), k),
   )
   return jax.lax.fori_loop(0, T // bq, q_step, grads)

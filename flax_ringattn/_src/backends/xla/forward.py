@@ -19,8 +19,8 @@ from flax_ringattn._src.backends.xla import common as c
 
 def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, dropout=None):
   """See `backends/base.py` for the contract."""
-  B, T, N, H = q.shape
-  S, K = k.shape[1], k.shape[2]
+  B, T, N, _ = q.shape
+  S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
   G = N // K
   bq, bk = c.tiles(spec, T, S, backward=False)
   kinds = masks.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, bq, bk)  # [nq, nk]
@@ -61,7 +61,7 @@ def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, dropout=None):
     init = (
       vma.like(jnp.full((B, K, G, bq), -jnp.inf, c.F32), q),
       vma.like(jnp.zeros((B, K, G, bq), c.F32), q),
-      vma.like(jnp.zeros((B, K, G, bq, H), c.F32), q),
+      vma.like(jnp.zeros((B, K, G, bq, Hv), c.F32), q),
     )
     m, l, acc = jax.lax.fori_loop(0, S // bk, kv_step, init)
     empty_row = l == 0.0
@@ -71,5 +71,5 @@ def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, dropout=None):
     return c.put_q_tile(o, o_i, i), c.put_row_tile(lse, lse_i, i)
 
   # The outputs wait for the hop's K (it comes out of the ring loop on the last hop).
-  out = (vma.like(c.zeros_after((B, T, N, H), k), q), vma.like(c.zeros_after((B, N, T), k), q))
+  out = (vma.like(c.zeros_after((B, T, N, Hv), k), q), vma.like(c.zeros_after((B, N, T), k), q))
   return jax.lax.fori_loop(0, T // bq, q_step, out)

@@ -97,9 +97,10 @@ def _padded_page_table(page_indices, pb):
 
 
 def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, *, spec):
-  """Returns (out [T, N, H] in q.dtype, lse [T, N] float32; -inf for rows not in the batch)."""
+  """Returns (out [T, N, Hv] in q.dtype, lse [T, N] float32; -inf for rows not in the batch)."""
   T, N, H = q.shape
   P, ps, K, _ = k_pages.shape
+  Hv = v_pages.shape[3]
   G, pad, pb = N // K, spec.block_sizes.block_q, spec.block_sizes.block_kv // ps
   table = _padded_page_table(page_indices, pb)
   block_tokens = pb * ps
@@ -127,10 +128,10 @@ def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
       acc = alpha[..., None] * acc + jnp.einsum("kgql,lkh->kgqh", p, v_blk, preferred_element_type=F32)
       return kb + 1, m_new, alpha * l + p.sum(-1), acc
 
-    init = (lo, jnp.full((K, G, bq), -jnp.inf, F32), jnp.zeros((K, G, bq), F32), jnp.zeros((K, G, bq, H), F32))
+    init = (lo, jnp.full((K, G, bq), -jnp.inf, F32), jnp.zeros((K, G, bq), F32), jnp.zeros((K, G, bq, Hv), F32))
     _, m, l, acc = jax.lax.while_loop(lambda st: st[0] < hi, kv_step, init)
     empty = l == 0.0
-    o = (acc / jnp.where(empty, 1.0, l)[..., None]).transpose(2, 0, 1, 3).reshape(bq, N, H)
+    o = (acc / jnp.where(empty, 1.0, l)[..., None]).transpose(2, 0, 1, 3).reshape(bq, N, Hv)
     row_lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l))).transpose(2, 0, 1).reshape(bq, N)
     start = ch.q_start[c]
     o = jnp.where(row_ok[:, None, None], o, jax.lax.dynamic_slice_in_dim(out, start, bq))
@@ -139,7 +140,7 @@ def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
       lse, row_lse, start, 0
     )
 
-  carry = (jnp.zeros((T + pad, N, H), F32), jnp.full((T + pad, N), -jnp.inf, F32))
+  carry = (jnp.zeros((T + pad, N, Hv), F32), jnp.full((T + pad, N), -jnp.inf, F32))
   for bq, select, max_chunks in _passes(spec, lens):
     ch = metadata.chunk_schedule(cu_q_lens, num_seqs, T, bq, select, max_chunks)
     carry = jax.lax.fori_loop(0, ch.count, functools.partial(chunk, ch=ch, bq=bq), carry)
@@ -150,7 +151,7 @@ def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
 def paged_bwd(
   q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, lse, do, delta, *, spec
 ):
-  """(dq [T, N, H], dk_pages, dv_pages [P, page_size, K, H]) in float32, given the final lse [T, N] and
+  """(dq [T, N, H], dk_pages [P, page_size, K, H], dv_pages [P, page_size, K, Hv]) in float32, given the final lse [T, N] and
   delta = rowsum(dO * O) [T, N] (the flash contract of `_src/flash.py`).
 
   Gradients reach only the page slots a sequence reads (scatter-added, so
@@ -166,7 +167,7 @@ def paged_bwd(
   lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
   pad = lambda x: jnp.pad(x, ((0, pad_rows),) + ((0, 0),) * (x.ndim - 1))
   q_pad = pad(q).reshape(T + pad_rows, K, G, H)
-  do_pad = pad(do).reshape(T + pad_rows, K, G, H)
+  do_pad = pad(do).reshape(T + pad_rows, K, G, v_pages.shape[3])
   lse_pad = pad(lse).reshape(T + pad_rows, K, G)
   delta_pad = pad(delta).reshape(T + pad_rows, K, G)
 
@@ -208,13 +209,12 @@ def paged_bwd(
       dk_blk = jnp.einsum("kgql,qkgh->lkh", ds, q_c.astype(F32))
       # Scatter-add into the pages read; invalid page ids go nowhere (mode="drop").
       target = jnp.where(page_ok, ids, P)
-      shape = (pb, ps, K, H)
       keep = kv_ok[:, None, None]
       dk_pages = dk_pages.at[target].add(
-        jnp.where(keep, dk_blk, 0.0).reshape(shape) * page_grad_scale(k_scale, ids), mode="drop"
+        jnp.where(keep, dk_blk, 0.0).reshape(pb, ps, K, H) * page_grad_scale(k_scale, ids), mode="drop"
       )
       dv_pages = dv_pages.at[target].add(
-        jnp.where(keep, dv_blk, 0.0).reshape(shape) * page_grad_scale(v_scale, ids), mode="drop"
+        jnp.where(keep, dv_blk, 0.0).reshape(pb, ps, *dv_blk.shape[1:]) * page_grad_scale(v_scale, ids), mode="drop"
       )
       return kb + 1, dq_c, dk_pages, dv_pages
 
@@ -225,8 +225,7 @@ def paged_bwd(
     dq = jax.lax.dynamic_update_slice_in_dim(dq, window + dq_c, start, 0)
     return dq, dk_pages, dv_pages
 
-  zeros_pages = jnp.zeros(k_pages.shape, F32)
-  carry = (jnp.zeros((T + pad_rows, K, G, H), F32), zeros_pages, zeros_pages)
+  carry = (jnp.zeros((T + pad_rows, K, G, H), F32), jnp.zeros(k_pages.shape, F32), jnp.zeros(v_pages.shape, F32))
   for bq, select, max_chunks in _passes(spec, lens):
     ch = metadata.chunk_schedule(cu_q_lens, num_seqs, T, bq, select, max_chunks)
     carry = jax.lax.fori_loop(0, ch.count, functools.partial(chunk, ch=ch, bq=bq), carry)

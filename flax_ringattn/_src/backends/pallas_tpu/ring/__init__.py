@@ -25,6 +25,7 @@ class KernelRing:
   spec: AttentionSpec
   interpret: object  # None (compile for TPU) or a pltpu.InterpretParams
   rows_to_lse = staticmethod(flash.heads_before_rows)
+  lse_to_rows = staticmethod(flash.heads_before_rows)
 
   def _where(self):
     return dict(spec=self.spec, axis_name=self.axis_name, load_balance=self.load_balance, interpret=self.interpret)
