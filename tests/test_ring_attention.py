@@ -302,25 +302,32 @@ def test_deterministic(backend):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "auto"])
-def test_inside_user_shard_map(explicit):
-  """axis_name mode: the caller's shard_map (check_vma on) binds the axis."""
-  case = GQA_SEGMENTS
+@pytest.mark.parametrize(
+  "explicit,sinks", [(True, False), (False, False), (True, True)], ids=["explicit", "auto", "explicit-sinks"]
+)
+def test_inside_user_shard_map(explicit, sinks):
+  """axis_name mode: the caller's shard_map (check_vma on) binds the axis.  Sinks replicated over it: dsinks is
+  the sum over every shard's rows (the flash wrapper's psum to the replicated parameter)."""
+  case = dataclasses.replace(GQA_SEGMENTS, sinks=sinks)
   q, k, v, do, seg = make_inputs(case, jnp.float32)
+  s0 = make_sinks(case)
   mesh = make_mesh((4,), ("sp",), explicit=explicit)
   spec, seg_spec = P(None, "sp", None, None), P(None, "sp")
 
   @jax.jit
-  def f(q, k, v, seg):
-    body = lambda q, k, v, s: fr.ring_attention(q, k, v, axis_name="sp", is_causal=True, segment_ids=s)
-    sm = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, seg_spec), out_specs=spec)
-    return sm(q, k, v, seg)
+  def f(q, k, v, seg, *sinks):
+    def body(q, k, v, s, *sinks):
+      return fr.ring_attention(q, k, v, axis_name="sp", is_causal=True, segment_ids=s, sinks=sinks[0] if sinks else None)
+
+    in_specs = (spec, spec, spec, seg_spec, *((P(),) if sinks else ()))
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=spec)(q, k, v, seg, *sinks)
 
   put = lambda x, s: jax.device_put(x, jax.sharding.NamedSharding(mesh, s))
   args = (put(q, spec), put(k, spec), put(v, spec), put(seg, seg_spec))
-  out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, args[3]), *args[:3])
+  extra = (put(s0, P()),) if sinks else ()
+  out, vjp = jax.vjp(lambda q, k, v, *e: f(q, k, v, args[3], *e), *args[:3], *extra)
   grads = vjp(put(do, spec))
-  ref_out, ref_grads = reference_with_grads(case, q, k, v, do, seg)
+  ref_out, ref_grads = reference_with_grads(case, q, k, v, do, seg, s0)
   assert_close(out, ref_out, jnp.float32)
   assert_close(grads, ref_grads, jnp.float32, "grad")
 
@@ -335,25 +342,33 @@ def test_single_device_without_mesh():
   assert_close(vjp(do), ref_grads, jnp.float32, "grad")
 
 
-def test_batch_and_head_axes_on_3d_mesh():
-  """Sequence on 'sp', batch on 'dp', heads on 'tp', all at once."""
+@pytest.mark.parametrize("features", ["plain", "sinks_mla"])
+def test_batch_and_head_axes_on_3d_mesh(features):
+  """Sequence on 'sp', batch on 'dp', heads on 'tp', all at once; with sinks each 'tp' device takes its heads'
+  slice of them (and dsinks sums the 'dp' and 'sp' devices' rows), with MLA head dims."""
   case = GQA_CAUSAL_LB
+  if features == "sinks_mla":
+    case = dataclasses.replace(case, sinks=True, H=24, Hv=16)
   q, k, v, do, seg = make_inputs(case, jnp.float32)
+  sinks = make_sinks(case)
   mesh = make_mesh((2, 2, 2), ("dp", "sp", "tp"))
   zz = lambda x: fr.zigzag_order(x, 2, axis=1)
 
-  def f(q, k, v):
+  def f(q, k, v, sinks=None):
     return fr.ring_attention(
-      q, k, v, mesh=mesh, axis_name="sp", batch_axis="dp", head_axis="tp", is_causal=True, load_balance=True
-    )
+      q, k, v, mesh=mesh, axis_name="sp", batch_axis="dp", head_axis="tp", is_causal=True, load_balance=True,
+      sinks=sinks,
+    )  # fmt: skip
 
-  out, vjp = jax.vjp(jax.jit(f), zz(q), zz(k), zz(v))
+  f, extra = with_sinks(f, sinks)
+  out, vjp = jax.vjp(jax.jit(f), zz(q), zz(k), zz(v), *extra)
   assert out.sharding.spec == P("dp", "sp", "tp", None)
   grads = vjp(zz(do))
   unzz = lambda x: fr.zigzag_inverse(x, 2, axis=1)
-  ref_out, ref_grads = reference_with_grads(case, q, k, v, do, seg)
+  ref_out, ref_grads = reference_with_grads(case, q, k, v, do, seg, sinks)
   assert_close(unzz(out), ref_out, jnp.float32)
-  assert_close(tuple(unzz(g) for g in grads), ref_grads, jnp.float32, "grad")
+  assert len(grads) == len(ref_grads)
+  assert_close((*(unzz(g) for g in grads[:3]), *grads[3:]), ref_grads, jnp.float32, "grad")
 
 
 def _collective_permutes(hlo_text: str):
@@ -377,3 +392,17 @@ def test_only_kv_heads_travel():
   assert shapes, "the ring must rotate K/V with collective-permutes"
   assert all("[2,16,2,16]" in s for s in shapes), shapes
   assert not any("[2,16,8,16]" in s for s in shapes), shapes
+
+
+def test_mla_k_and_v_travel_at_their_own_head_dims():
+  """MLA (qk 24, v 16) on a ring of 4: the forward rotates K at 24 and V at 16 (never V padded to K's size), and
+  the backward's dK / dV accumulators travel at the same sizes."""
+  mesh = make_mesh((4,), ("sp",))
+  q, k, v = jnp.zeros((2, 64, 8, 24)), jnp.zeros((2, 64, 2, 24)), jnp.zeros((2, 64, 2, 16))
+  f = jax.jit(jax.grad(lambda q, k, v: fr.ring_attention(q, k, v, mesh=mesh, is_causal=True).sum(), (0, 1, 2)))
+  shapes = _collective_permutes(f.lower(q, k, v).as_text(dialect="hlo"))
+  k_moves = [s for s in shapes if "[2,16,2,24]" in s]
+  v_moves = [s for s in shapes if "[2,16,2,16]" in s]
+  assert k_moves and v_moves, shapes
+  assert len(k_moves) == len(v_moves), shapes  # K and V (and dK and dV) always move together
+  assert all(s in k_moves + v_moves or "s32" in s for s in shapes), shapes

@@ -21,8 +21,10 @@ from cases import (
   case_names,
   make_case,
   make_inputs,
+  make_sinks,
   pick,
   reference_with_grads,
+  with_sinks,
 )
 from conftest import make_mesh
 from flax import nnx
@@ -49,8 +51,10 @@ WIDE = {
 }
 
 
-def strategy_with_grads(case, strategy, layout, q, k, v, do, seg, *, implementation="xla", blocks=XLA_BLOCKS, **extra):
-  """Global arrays in natural order -> (out, (dq, dk, dv)) in natural order."""
+def strategy_with_grads(
+  case, strategy, layout, q, k, v, do, seg, *, implementation="xla", blocks=XLA_BLOCKS, sinks=None, **extra
+):
+  """Global arrays in natural order -> (out, (dq, dk, dv[, dsinks])) in natural order."""
   shape, names, axis_name = layout
   mesh = make_mesh(shape, names)
   n = int(np.prod(shape))
@@ -59,7 +63,7 @@ def strategy_with_grads(case, strategy, layout, q, k, v, do, seg, *, implementat
   if seg is not None:
     seg = tuple(zz(s) for s in seg) if isinstance(seg, tuple) else zz(seg)
 
-  def f(q, k, v):
+  def f(q, k, v, sinks=None):
     return fr.ring_attention(
       q,
       k,
@@ -71,24 +75,32 @@ def strategy_with_grads(case, strategy, layout, q, k, v, do, seg, *, implementat
       load_balance=case.load_balance,
       implementation=implementation,
       block_sizes=blocks,
+      sinks=sinks,
       **extra,
       **case.options(),
     )
 
-  out, vjp = jax.vjp(jax.jit(f), zz(q), zz(k), zz(v))
+  f, extra_args = with_sinks(f, sinks)
+  out, vjp = jax.vjp(jax.jit(f), zz(q), zz(k), zz(v), *extra_args)
   grads = vjp(zz(do))
-  return unzz(out), tuple(unzz(g) for g in grads)
+  return unzz(out), (*(unzz(g) for g in grads[:3]), *grads[3:])
 
 
 # Every mask feature, layout and head grouping of the registry (tests/cases.py) at least once per strategy (the
 # plain and single-feature cases are covered by these combinations).
-MATRIX_CASES = pick("causal_lb", "mqa", "segments_lb", "causal_window_lb", "soft_cap", "cross", "empty_rows")
+# Sinks (each strategy hands `flash` its devices' heads: Ulysses slices them after its all-to-all, with the kv-head
+# repeat on 4 devices for 2 kv heads) and MLA (v and the output move at their own head dim through the all-to-alls
+# and all-gathers).
+MATRIX_CASES = pick(
+  "causal_lb", "mqa", "segments_lb", "causal_window_lb", "soft_cap", "cross", "empty_rows", "sinks_gqa",
+  "sinks_empty_rows", "mla_gqa", "mla_sinks",
+)  # fmt: skip
 
 
 # ulysses_ring is the Ulysses all-to-all around the ring loop, both covered on every case: its own matrix keeps
 # the cases where the two meet in a new way (zigzag positions of a Ulysses group, kv-head repeat, segment ids
 # gathered over the Ulysses axis, empty rows).
-ULYSSES_RING_CASES = case_names("causal_lb", "mqa", "segments_lb", "empty_rows")
+ULYSSES_RING_CASES = case_names("causal_lb", "mqa", "segments_lb", "empty_rows", "sinks_gqa", "mla_sinks")
 
 
 def _matrix():
@@ -103,9 +115,10 @@ def _matrix():
 @pytest.mark.parametrize("strategy,case,layout", list(_matrix()))
 def test_matches_reference(strategy, case, layout):
   q, k, v, do, seg = make_inputs(case, jnp.float32)
-  out, grads = strategy_with_grads(case, strategy, layout, q, k, v, do, seg)
-  ref_out, ref_grads = reference_with_grads(case, q, k, v, do, seg)
-  assert out.shape == q.shape and out.dtype == q.dtype
+  sinks = make_sinks(case)
+  out, grads = strategy_with_grads(case, strategy, layout, q, k, v, do, seg, sinks=sinks)
+  ref_out, ref_grads = reference_with_grads(case, q, k, v, do, seg, sinks)
+  assert out.shape == do.shape and out.dtype == q.dtype and len(grads) == len(ref_grads)
   assert_close(out, ref_out, jnp.float32, "fwd")
   assert_close(grads, ref_grads, jnp.float32, "grad")
 
@@ -146,46 +159,59 @@ def test_pallas_tpu_interpret(strategy):
   assert_close(grads, ref_grads, jnp.float32, "grad")
 
 
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
 @pytest.mark.parametrize("strategy", list(LAYOUTS))
-def test_inside_user_shard_map(strategy):
-  """axis_name mode: the caller's shard_map binds the axes; the sequence is sharded over both (major first)."""
-  case = GQA_SEGMENTS
+def test_inside_user_shard_map(strategy, sinks):
+  """axis_name mode: the caller's shard_map binds the axes; the sequence is sharded over both (major first).  With
+  sinks replicated over the sequence axes, dsinks is the sum of every shard's rows."""
+  case = make_case("sm_sinks", "segments", "gqa", N=8, sinks=True) if sinks else GQA_SEGMENTS
   q, k, v, do, seg = make_inputs(case, jnp.float32)
+  s0 = make_sinks(case)
   shape, names, axis_name = LAYOUTS[strategy]
   mesh = make_mesh(shape, names)
   spec, seg_spec = P(None, axis_name, None, None), P(None, axis_name)
 
-  def body(q, k, v, s):
-    return fr.ring_attention(q, k, v, axis_name=axis_name, strategy=strategy, is_causal=True, segment_ids=s)
+  def body(q, k, v, s, sinks=None):
+    return fr.ring_attention(
+      q, k, v, axis_name=axis_name, strategy=strategy, is_causal=True, segment_ids=s, sinks=sinks
+    )
 
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, seg_spec), out_specs=spec))
+  in_specs = (spec, spec, spec, seg_spec, *((P(),) if sinks else ()))
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=spec))
   put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
   s_ = put(seg, seg_spec)
-  out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, s_), put(q, spec), put(k, spec), put(v, spec))
-  ref_out, ref_grads = reference_with_grads(case, q, k, v, do, seg)
+  extra = (put(s0, P()),) if sinks else ()
+  out, vjp = jax.vjp(lambda q, k, v, *e: f(q, k, v, s_, *e), put(q, spec), put(k, spec), put(v, spec), *extra)
+  ref_out, ref_grads = reference_with_grads(case, q, k, v, do, seg, s0)
   assert_close(out, ref_out, jnp.float32)
-  assert_close(vjp(put(do, spec)), ref_grads, jnp.float32, "grad")
+  grads = vjp(put(do, spec))
+  assert len(grads) == len(ref_grads)
+  assert_close(grads, ref_grads, jnp.float32, "grad")
 
 
 @pytest.mark.parametrize("strategy", ["ulysses", "all_gather"])
 def test_with_batch_and_head_axes(strategy):
-  """Heads on 'tp' and the Ulysses split on 'sp' compose: each device gets N / (tp * sp) q heads."""
-  case = GQA_CAUSAL_LB
+  """Heads on 'tp' and the Ulysses split on 'sp' compose: each device gets N / (tp * sp) q heads, and the
+  same slice of the sinks (MLA head dims, so v and the output move at their own size)."""
+  case = make_case("3d_sinks_mla", "causal", "gqa", N=8, load_balance=True, sinks=True, H=24, Hv=16)
   q, k, v, do, seg = make_inputs(case, jnp.float32)
+  sinks = make_sinks(case)
   mesh = make_mesh((2, 2, 2), ("dp", "sp", "tp"))
   zz, unzz = (lambda x: fr.zigzag_order(x, 2, axis=1)), (lambda x: fr.zigzag_inverse(x, 2, axis=1))
 
-  def f(q, k, v):
+  def f(q, k, v, sinks):
     return fr.ring_attention(
       q, k, v, mesh=mesh, axis_name="sp", batch_axis="dp", head_axis="tp", strategy=strategy, is_causal=True,
-      load_balance=True,
+      load_balance=True, sinks=sinks,
     )  # fmt: skip
 
-  out, vjp = jax.vjp(jax.jit(f), zz(q), zz(k), zz(v))
+  out, vjp = jax.vjp(jax.jit(f), zz(q), zz(k), zz(v), sinks)
   assert out.sharding.spec == P("dp", "sp", "tp", None)
-  ref_out, ref_grads = reference_with_grads(case, q, k, v, do, seg)
+  ref_out, ref_grads = reference_with_grads(case, q, k, v, do, seg, sinks)
   assert_close(unzz(out), ref_out, jnp.float32)
-  assert_close(tuple(unzz(g) for g in vjp(zz(do))), ref_grads, jnp.float32, "grad")
+  *grads, dsinks = vjp(zz(do))
+  assert_close(tuple(unzz(g) for g in grads), ref_grads[:3], jnp.float32, "grad")
+  assert_close(dsinks, ref_grads[3], jnp.float32, "grad")
 
 
 def _hlo(strategy, axis_name, mesh, N, K, T=64):

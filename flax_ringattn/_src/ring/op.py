@@ -315,6 +315,8 @@ def _ring_on_mesh(
 
   if drop is not None:
     drop = sharding.constrain(drop, mesh, P())
+  if sinks is not None:
+    sinks = sharding.constrain(sinks, mesh, P(head_axis))
   fn = jax.shard_map(
     local,
     mesh=mesh,
