@@ -351,6 +351,28 @@ def test_cost_model_by_hand():
   assert cost.itemsize(jnp.bfloat16) == 2 and cost.itemsize("float32") == 4
 
 
+def test_cost_model_mla_by_hand():
+  """MLA (H = 6 for q/k, Hv = 2 for v): per pair and head the forward runs s = q k^T over 6 and o += p v over 2
+  (2 x (6 + 2) = 16 flops); the backward s and dq and dk over 6, dp and dv over 2 (2 x (18 + 4) = 44)."""
+  dims = dict(B=1, T=8, S=8, N=2, H=6, Hv=2)
+  pairs_heads = 64 * 2
+  assert cost.attention_flops(**dims, direction="fwd") == 16 * pairs_heads
+  assert cost.attention_flops(**dims, direction="bwd") == 44 * pairs_heads
+  assert cost.attention_flops(**dims) == 60 * pairs_heads
+  assert cost.attention_flops(**dict(dims, Hv=6)) == cost.attention_flops(B=1, T=8, S=8, N=2, H=6)
+  assert cost.head_width("dq", 6, 2) == 6 + 2 + 6 and cost.head_width("dkv", 6, 2) == 6 + 2 + 2 + 6
+  with pytest.raises(ValueError, match="pass matmuls as a kind"):
+    cost.pair_flops(1, N=1, H=6, Hv=2, matmuls=2)
+  # Bytes: K at 6 and V at 2 per token and kv head; q / dq at 6, o / dO at 2.
+  kv = dict(B=1, S=128, K=2, H=6, Hv=2, itemsize=2)
+  assert cost.ring_hop_bytes(**kv) == 128 * 2 * (6 + 2) * 2
+  assert cost.ring_hop_bytes(**kv, direction="bwd") == 128 * 2 * (6 + 2) * (2 + 4)
+  q, o, k, v, lse = 8 * 2 * 6 * 4, 8 * 2 * 2 * 4, 8 * 1 * 6 * 4, 8 * 1 * 2 * 4, 8 * 2 * 4
+  got = cost.attention_bytes(B=1, T=8, N=2, K=1, H=6, Hv=2, itemsize=4, direction="bwd")
+  assert got == (q + k + v + 2 * o + lse) + (q + k + v)
+  assert cost.attention_bytes(B=1, T=8, N=2, K=1, H=6, Hv=2, itemsize=4) == q + k + v + o + lse
+
+
 def test_problem_sets_are_valid_and_run_against_the_reference():
   for name, problems in bench.PROBLEM_SETS.items():
     assert problems, name

@@ -317,7 +317,9 @@ def test_inside_user_shard_map(explicit, sinks):
   @jax.jit
   def f(q, k, v, seg, *sinks):
     def body(q, k, v, s, *sinks):
-      return fr.ring_attention(q, k, v, axis_name="sp", is_causal=True, segment_ids=s, sinks=sinks[0] if sinks else None)
+      return fr.ring_attention(
+        q, k, v, axis_name="sp", is_causal=True, segment_ids=s, sinks=sinks[0] if sinks else None
+      )
 
     in_specs = (spec, spec, spec, seg_spec, *((P(),) if sinks else ()))
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=spec)(q, k, v, seg, *sinks)

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cases import (
-  GQA_CAUSAL_LB,
   GQA_CAUSAL_WINDOW,
   GQA_SEGMENTS,
   GQA_SEGMENTS_LB,
@@ -463,6 +462,22 @@ def test_suggest_strategy_lists_every_candidate_with_time_and_memory():
     for T in (4096, 32768)
   )
   assert ring_32k == pytest.approx(8 * ring_4k)  # linear in T / n
+
+
+def test_suggest_strategy_counts_mla_head_dims():
+  """DeepSeek-V3's attention (128 heads, qk 192, v 128): every candidate is cheaper in time and memory than the
+  same call with v at 192, and dearer than with q/k at 128; a bad v_head_dim is named."""
+  mesh = make_mesh((8,), ("sp",))
+  run = lambda H, Hv=None: {  # noqa: E731
+    c.strategy: c
+    for c in fr.suggest_strategy(mesh, 32768, 128, 128, H, jnp.bfloat16, hardware="tpu_v5p", v_head_dim=Hv).candidates
+  }
+  mla, wide, narrow = run(192, 128), run(192), run(128)
+  for name in mla:
+    assert narrow[name].time_s < mla[name].time_s < wide[name].time_s, name
+    assert narrow[name].memory_bytes < mla[name].memory_bytes < wide[name].memory_bytes, name
+  with pytest.raises(ValueError, match=r"v_head_dim must be a positive int, got v_head_dim=0"):
+    run(192, 0)
 
 
 def test_suggest_strategy_marks_ulysses_infeasible_when_heads_do_not_divide():

@@ -130,34 +130,36 @@ def estimate(strategy, sizes, bws, shape: ProblemShape, *, B, causal, hw, latenc
   """Time and memory per device for `strategy` over axes of `sizes` (outer first) with bandwidths `bws`, for B
   sequences of the call's (global) `shape`."""
   T, N, K, H, itemsize = shape.q_len, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.itemsize
+  Hv = shape.head_dim_v
+  W = H + Hv  # q and o (and k and v) side by side: 2 H without MLA
   n = int(np.prod(sizes))
-  flops = cost.attention_flops(B=B, T=T, S=T, N=N, H=H, is_causal=causal, direction="fwd+bwd")
+  flops = cost.attention_flops(B=B, T=T, S=T, N=N, H=H, is_causal=causal, direction="fwd+bwd", Hv=Hv)
   compute = flops / n / hw.flops
-  local = B * T / n * (2 * N + 2 * K) * H * itemsize * 2  # q, k, v, o + do, dq/dk/dv of the caller
-  kv_shard = 2 * B * T / n * K * H
+  local = B * T / n * (N + K) * W * itemsize * 2  # q, k, v, o + do, dq/dk/dv of the caller
+  kv_shard = B * T / n * K * W
 
   def hops(S, K):
-    return [cost.ring_hop_bytes(B=B, S=S, K=K, H=H, itemsize=itemsize, direction=d) for d in ("fwd", "bwd")]
+    return [cost.ring_hop_bytes(B=B, S=S, K=K, H=H, itemsize=itemsize, direction=d, Hv=Hv) for d in ("fwd", "bwd")]
 
   if strategy == "ring":
-    merge = cost.ring_merge_bytes(B=B, T=T / n, S=T / n, N=N, K=K, H=H) / hw.memory_bandwidth
+    merge = cost.ring_merge_bytes(B=B, T=T / n, S=T / n, N=N, K=K, H=H, Hv=Hv) / hw.memory_bandwidth
     t = _ring_time(n, compute, *hops(T / n, K), bws[0], latency, merge)
     return t, local + 2 * kv_shard * itemsize + kv_shard * 4 * 2, ""
   if strategy == "all_gather":
-    gathered = 2 * B * T * K * H
+    gathered = B * T * K * W
     vol = (n - 1) / n * gathered * (2 * itemsize + 4)
     return compute + vol / bws[0] + 3 * (n - 1) * latency, local + gathered * (itemsize + 4), ""
   u = sizes[-1]
   if N % u:
     return math.inf, math.inf, f"N={N} q heads do not split over {u} devices"
   Kp = K * ulysses_kv_repeat(K, u)
-  a2a = (u - 1) / u * B * T / n * (2 * N + 2 * Kp) * H * (itemsize * 2 + 4)
-  heads_copy = B * T * u / n * (2 * N + 2 * Kp) / u * H * (itemsize + 4)
+  a2a = (u - 1) / u * B * T / n * (N + Kp) * W * (itemsize * 2 + 4)
+  heads_copy = B * T * u / n * (N + Kp) / u * W * (itemsize + 4)
   if strategy == "ulysses":
     return compute + a2a / bws[-1] + 4 * (u - 1) * latency, local + heads_copy, ""
   R = sizes[0]
-  kv_r = 2 * B * T / R * Kp / u * H
-  merge_r = cost.ring_merge_bytes(B=B, T=T / R, S=T / R, N=N / u, K=Kp / u, H=H) / hw.memory_bandwidth
+  kv_r = B * T / R * Kp / u * W
+  merge_r = cost.ring_merge_bytes(B=B, T=T / R, S=T / R, N=N / u, K=Kp / u, H=H, Hv=Hv) / hw.memory_bandwidth
   t = _ring_time(R, compute, *hops(T / R, Kp / u), bws[0], latency, merge_r)
   return t + a2a / bws[-1] + 4 * (u - 1) * latency, local + heads_copy + kv_r * (3 * itemsize + 8), ""
 
@@ -174,6 +176,7 @@ def suggest_strategy(
   hardware=None,
   batch_size: int = 1,
   is_causal: bool = False,
+  v_head_dim: int | None = None,
 ) -> StrategyAdvice:
   """Ranks "ring", "ulysses", "all_gather" and "ulysses_ring" on `mesh` with the documented cost model.
 
@@ -191,6 +194,8 @@ def suggest_strategy(
     batch_size: B.
     is_causal: whether the call is causal (halves the compute), False by
       default like `ring_attention`'s.
+    v_head_dim: v's head dim when it differs from `head_dim` (MLA: 128
+      against qk 192); None: the same.
 
   Returns:
     `StrategyAdvice` with the fastest feasible candidate (its memory must fit the
@@ -207,7 +212,8 @@ def suggest_strategy(
     hardware = HARDWARE[hardware]
   if not isinstance(hardware, Hardware):
     raise TypeError(f"hardware must be a name or a flax_ringattn.Hardware, got {hardware!r}")
-  for name, value in (("seq_len", seq_len), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+  dims = (("seq_len", seq_len), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim))
+  for name, value in (*dims, *((("v_head_dim", v_head_dim),) if v_head_dim is not None else ())):
     if not isinstance(value, int) or value < 1:
       raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
   if num_heads % num_kv_heads:
@@ -230,7 +236,13 @@ def suggest_strategy(
     return hardware.outer_bandwidth if _crosses_processes(mesh, ax) else hardware.inner_bandwidth
 
   shape = ProblemShape(
-    q_len=seq_len, kv_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
+    q_len=seq_len,
+    kv_len=seq_len,
+    num_heads=num_heads,
+    num_kv_heads=num_kv_heads,
+    head_dim=head_dim,
+    dtype=dtype,
+    v_head_dim=None if v_head_dim in (None, head_dim) else v_head_dim,
   )
   dims = dict(B=batch_size, causal=is_causal, hw=hardware, latency=hardware.latency)
   out = []

@@ -18,7 +18,8 @@ from flax_ringattn._src.perf import cost
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Problem:
-  """One attention call: q [B, T, N, H], k and v [B, S, K, H] (S = T unless given), `dtype`, mask options."""
+  """One attention call: q [B, T, N, H], k [B, S, K, H] and v [B, S, K, Hv] (S = T and Hv = H unless given),
+  `dtype`, mask options."""
 
   B: int = 1
   T: int
@@ -29,12 +30,15 @@ class Problem:
   dtype: str = "float32"
   is_causal: bool = False
   local_window_size: int | tuple[int, int] | None = None
+  Hv: int | None = None  # v's head dim when it differs from H (MLA)
 
   def __post_init__(self):
     for name in ("B", "T", "N", "K", "H"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"Problem: {name} must be a positive int, got {name}={value!r}")
+    if self.Hv is not None and (not isinstance(self.Hv, int) or self.Hv < 1):
+      raise ValueError(f"Problem: Hv must be a positive int or None, got Hv={self.Hv!r}")
     if self.N % self.K:
       raise ValueError(f"Problem: N={self.N} q heads must be a multiple of K={self.K} kv heads")
 
@@ -55,7 +59,13 @@ class Problem:
   def shape(self) -> ProblemShape:
     """The call's `ProblemShape` (per sequence of the batch), as the advisor and the planners take it."""
     return ProblemShape(
-      q_len=self.T, kv_len=self.kv_len, num_heads=self.N, num_kv_heads=self.K, head_dim=self.H, dtype=self.dtype
+      q_len=self.T,
+      kv_len=self.kv_len,
+      num_heads=self.N,
+      num_kv_heads=self.K,
+      head_dim=self.H,
+      dtype=self.dtype,
+      v_head_dim=None if self.Hv in (None, self.H) else self.Hv,
     )
 
   def replace(self, **changes) -> Problem:
@@ -72,11 +82,12 @@ class Problem:
       is_causal=self.is_causal,
       local_window_size=self.local_window_size,
       direction=direction,
+      Hv=self.Hv,
     )
 
   def bytes(self, direction: str = "fwd") -> float:
     """HBM bytes of every operand once (`cost.attention_bytes`)."""
-    dims = dict(B=self.B, T=self.T, S=self.kv_len, N=self.N, K=self.K, H=self.H)
+    dims = dict(B=self.B, T=self.T, S=self.kv_len, N=self.N, K=self.K, H=self.H, Hv=self.Hv)
     return cost.attention_bytes(**dims, itemsize=self.itemsize, direction=direction)
 
   def mask_kwargs(self) -> dict:
