@@ -171,6 +171,7 @@ def dot_product_attention(
   precision=None,
   interpret=None,
   check_mask: bool = True,
+  sinks=None,
 ):
   """`jax.nn.dot_product_attention`'s call, run as ring attention over a mesh axis.
 
@@ -179,8 +180,9 @@ def dot_product_attention(
   mask or bias, its scale, soft cap and window.
 
   Args:
-    q: [B, T, N, H]; k, v: [B, S, K, H] (N % K == 0; only the K kv heads
-      travel).  Global arrays with a mesh, local shards inside your shard_map.
+    q: [B, T, N, H]; k: [B, S, K, H]; v: [B, S, K, Hv] (N % K == 0; only the
+      K kv heads travel; Hv may differ from H, as in MLA).  Global arrays with
+      a mesh, local shards inside your shard_map.
     mask: the model's boolean mask, True = visible: [T, S], [B, T, S] (the key
       masks of hand-written decoders, padding queries may see keys) or
       [B | 1, N | 1, T, S].  Its structure `[causal] & [window] & (q_ids[i] ==
@@ -197,10 +199,12 @@ def dot_product_attention(
     mesh: the mesh to run on; default: the mesh of `jax.set_mesh`, if any.
     axis_name: the sequence axis (default: the mesh's only axis).
     load_balance, strategy, implementation, block_sizes, batch_axis,
-      head_axis, precision, interpret: as in `ring_attention`.
+      head_axis, precision, interpret, sinks: as in `ring_attention` (sinks:
+      the [N] attention-sink logits of a gpt-oss-style model, the column it
+      concatenates to its logits before the softmax).
 
   Returns:
-    [B, T, N, H] in q.dtype.  Rows with no visible key are 0 (a hand-written
+    [B, T, N, Hv] in q.dtype.  Rows with no visible key are 0 (a hand-written
     softmax over only masked logits gives their mean instead).
   """
   if mask is not None and bias is not None:
@@ -227,14 +231,18 @@ def dot_product_attention(
     check_mask=check_mask,
   )
   mask = None if mask is None else as_four_dims(mask, "mask")
-  return masked_ring_attention(q, k, v, options, mask=mask, also_exact=also_exact, segment_ids=segment_ids)
+  return masked_ring_attention(
+    q, k, v, options, mask=mask, also_exact=also_exact, segment_ids=segment_ids, sinks=sinks
+  )
 
 
-def masked_ring_attention(q, k, v, options: RingOptions, *, mask, also_exact=None, segment_ids=None, dropout_rng=None):
+def masked_ring_attention(
+  q, k, v, options: RingOptions, *, mask, also_exact=None, segment_ids=None, dropout_rng=None, sinks=None
+):
   """`ring_attention` with `options`, and a dense 4-D boolean mask (or None) recovered into its structure (see
   `dense_mask_options`; the recovery must also satisfy `also_exact`), the output poisoned with NaN when a
   traced mask is outside the family.  The one path of the layers, `make_ring_attention_fn`, `convert`'s
-  hand-written sites and `dot_product_attention`."""
+  hand-written sites and `dot_product_attention`; `sinks`: the [N] attention-sink logits, or None."""
   axis_name = sharding.sequence_axis(options.mesh, options.axis_name, arg="axis_name")
   options = options.replace(axis_name=axis_name)
   causal, exact = options.is_causal, None
@@ -255,6 +263,6 @@ def masked_ring_attention(q, k, v, options: RingOptions, *, mask, also_exact=Non
 
   def attend(is_causal):
     kwargs = options.replace(is_causal=is_causal).ring_kwargs()
-    return ring_attention(q, k, v, segment_ids=segment_ids, dropout_rng=dropout_rng, **kwargs)
+    return ring_attention(q, k, v, segment_ids=segment_ids, dropout_rng=dropout_rng, sinks=sinks, **kwargs)
 
   return poison_unless(exact, call_with_mask_structure(attend, causal))
