@@ -1,4 +1,5 @@
-"""Pallas GPU (Triton) backend specifics: selection and errors, planner, tile skipping, float16.
+"""Pallas GPU (Triton) backend specifics: selection and errors, planner, tile skipping, float16, padded and
+MLA head dims (v head dim != q/k's).
 
 The shared numerical suite (test_ring_attention.py) runs this backend on every
 feature case in Pallas's generic interpreter; these tests cover what only this
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import assert_dropout_matches_reference, dropout, make_case
+from cases import assert_dropout_matches_reference, dropout, make_case, make_inputs, reference_with_grads
 from conftest import make_mesh
 from jax import export
 from jax.experimental.pallas import tpu as pltpu
@@ -25,6 +26,7 @@ from flax_ringattn._src import masks
 from flax_ringattn._src.backends import pallas_gpu
 from flax_ringattn._src.backends.base import AttentionSpec
 from flax_ringattn._src.backends.pallas_gpu import PallasGpuBackend, planner
+from flax_ringattn._src.backends.pallas_gpu import common as gpu_common
 from flax_ringattn._src.backends.pallas_gpu.backward import block_bwd
 from flax_ringattn._src.backends.pallas_gpu.forward import block_fwd
 from flax_ringattn._src.ring.implementations import get_backend
@@ -84,9 +86,8 @@ def test_unsupported_shapes_and_dtypes():
     NotImplementedError, match=r"pallas_gpu supports float32, bfloat16 and float16 inputs, got dtype="
   ):
     backend.check_supported(dtype=jnp.int8, spec=spec, shapes=((1, 64, 2, 16), (1, 64, 2, 16)))
-  with pytest.raises(NotImplementedError, match=r"power-of-two head_dim >= 16 \(Triton tensor sizes\), got H=24"):
-    x = jnp.zeros((1, 64, 2, 24))
-    fr.ring_attention(x, x, x, implementation="pallas_gpu", interpret=True)
+  # Any head dim: the kernels pad q/k's and v's each to a power of two >= 16 (test_padded_mla_head_dims_with_dropout).
+  backend.check_supported(dtype=jnp.float32, spec=spec, shapes=((1, 64, 2, 24), (1, 64, 2, 24)))
   with pytest.raises(NotImplementedError, match=r"power-of-two number of q heads per kv head .* got N=6, K=2 \(3 per"):
     fr.ring_attention(
       jnp.zeros((1, 64, 6, 16)), *[jnp.zeros((1, 64, 2, 16))] * 2, implementation="pallas_gpu", interpret=True
@@ -129,6 +130,75 @@ def test_planner():
     planner.smem_bytes("sm_1")
   with pytest.raises(ValueError, match=r"kernel must be 'fwd', 'dq' or 'dkv', got 'x'"):
     planner.smem_model("x", rows=16, bk=16, head_dim=16, dtype=jnp.float32, stages=1)
+
+
+def test_planner_mla_head_dims():
+  """DeepSeek-V3's MLA (q/k head dim 192, v 128, 128 heads, bf16) on the H100/H200 (sm_90): q/k tiles count at
+  H (192, padded to 256), v/o/do tiles at Hv (128), so the default tiles fit with two pipeline stages; counting v
+  at q/k's head dim (Hv = 192, padded to 256) would leave one."""
+  arch, dt = "sm_90", jnp.bfloat16
+  budget = planner.SMEM_PER_BLOCK[arch] * planner.SAFETY_MARGIN
+  assert planner.padded_head_dim(192) == 256 and planner.padded_head_dim(128) == 128
+  assert planner.padded_head_dim(24) == 32 and planner.padded_head_dim(8) == 16
+  mla = planner.plan_block_sizes(4096, 4096, 128, 128, 192, dt, arch=arch, v_head_dim=128)
+  assert (mla.block_q, mla.block_kv, mla.bwd) == (128, 64, (64, 64))  # the default tiles, unshrunk
+  for kernel, (bq, bk) in (("fwd", (mla.block_q, mla.block_kv)), ("dq", mla.bwd), ("dkv", mla.bwd)):
+    cfg = planner.launch_config(kernel, rows=bq, bk=bk, head_dim=192, v_head_dim=128, dtype=dt, arch=arch)
+    wide = planner.launch_config(kernel, rows=bq, bk=bk, head_dim=192, v_head_dim=192, dtype=dt, arch=arch)
+    assert cfg.smem_bytes <= budget and (cfg.num_stages, wide.num_stages) == (2, 1), kernel
+    for stages in (1, 2, 3):
+      tile = dict(rows=bq, bk=bk, head_dim=192, dtype=dt, stages=stages)
+      assert planner.smem_model(kernel, **tile, v_head_dim=128) < planner.smem_model(kernel, **tile, v_head_dim=192)
+  # By hand, the forward at 2 stages: q 128 x 256, k 64 x 256 and v 64 x 128 twice, p 128 x 64, 2 bytes each.
+  fwd = planner.smem_model("fwd", rows=128, bk=64, head_dim=192, v_head_dim=128, dtype=dt, stages=2)
+  assert fwd == 2 * (128 * 256 + 2 * 64 * (256 + 128) + 128 * 64)
+  assert planner.smem_model("dkv", rows=64, bk=64, head_dim=128, dtype=dt, stages=2) == planner.smem_model(
+    "dkv", rows=64, bk=64, head_dim=128, v_head_dim=128, dtype=dt, stages=2
+  )
+  with pytest.raises(ValueError, match=r"the dq tile of 256 q rows x 256 kv tokens with head_dim=192, v_head_dim=128 "):
+    planner.launch_config("dq", rows=256, bk=256, head_dim=192, v_head_dim=128, dtype=jnp.float32, arch="sm_75")
+
+
+@pytest.mark.skipif(ON_GPU, reason="plans for the off-GPU default arch, not the attached GPU")
+def test_kernel_tiles_plan_with_the_v_head_dim():
+  """block_sizes=None: the kernels' tiles come from the planner with v's own head dim.  On the default arch off
+  GPU (sm_80), f32 q/k at 256: a v head dim of 16 leaves room for 64-token kv tiles, one of 256 does not."""
+  assert planner.current_arch() == "sm_80"
+  spec = AttentionSpec(mask=masks.MaskSpec(), scale=0.25)
+  sds = jax.ShapeDtypeStruct
+  q, k = sds((1, 4096, 8, 256), jnp.float32), sds((1, 4096, 8, 256), jnp.float32)
+  narrow = gpu_common.tiles(spec, q, k, sds((1, 4096, 8, 16), jnp.float32), backward=False)
+  wide = gpu_common.tiles(spec, q, k, sds((1, 4096, 8, 256), jnp.float32), backward=False)
+  assert (narrow, wide) == ((32, 64), (32, 32))
+
+
+@interpret
+def test_padded_mla_head_dims_with_dropout():
+  """q/k head dim 24 (padded to 32) and v head dim 8 (padded to 16: below a Triton matmul's 16) with GQA, a
+  causal mask, per-head dropout and a soft cap: forward and q/k/v gradients against the reference with the same
+  keep mask (each kernel regenerates it on its v-width tiles), and out / dv keep v's head dim."""
+  case = make_case(
+    "mla_dropout", "causal", "gqa", N=4, group=2, B=1, T=64, H=24, Hv=8, soft_cap=20.0, dropout=dropout("per-head", 9)
+  )
+  q, k, v, do, seg = make_inputs(case, jnp.float32)
+
+  def ring(q, k, v):
+    return fr.ring_attention(
+      q,
+      k,
+      v,
+      implementation="pallas_gpu",
+      interpret=INTERPRET,
+      block_sizes=fr.BlockSizes(block_q=16, block_kv=16),
+      **case.options(),
+    )
+
+  out, vjp = jax.vjp(jax.jit(ring), q, k, v)
+  grads = vjp(do)
+  ref_out, ref_grads = reference_with_grads(case, q, k, v, do, seg)
+  assert out.shape == (1, 64, 4, 8) and grads[2].shape == v.shape == (1, 64, 2, 8)
+  assert_close(out, ref_out, jnp.float32)
+  assert_close(grads, ref_grads, jnp.float32, "grad")
 
 
 def _poisoned_block(monkeypatch=None, kinds=None):
@@ -233,15 +303,22 @@ def test_dropout_matches_the_reference(kind, cap):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize(
-  "segments,cap,dropout",
-  [(False, None, None), (True, 30.0, None), (True, 30.0, "per-head"), (False, None, "broadcast")],
-  ids=["plain", "seg-cap", "seg-cap-dropout", "broadcast-dropout"],
+  "segments,cap,dropout,heads",
+  [
+    (False, None, None, (128, 128)),
+    (True, 30.0, None, (128, 128)),
+    (True, 30.0, "per-head", (128, 128)),
+    (False, None, "broadcast", (128, 128)),
+    (True, None, "per-head", (192, 128)),
+  ],
+  ids=["plain", "seg-cap", "seg-cap-dropout", "broadcast-dropout", "mla-seg-dropout"],
 )
-def test_kernels_lower_to_triton_for_cuda(dtype, segments, cap, dropout):
+def test_kernels_lower_to_triton_for_cuda(dtype, segments, cap, dropout, heads):
   """jax.export runs the Pallas -> Triton IR lowering for CUDA on this CPU machine: block shapes, loads, loops,
   tile-class branches and kernel ops (the dropout hash's wrapping int32 multiplies and logical shifts included)
   must all be accepted by the Triton lowering (Triton's own compiler runs only on a GPU, so this cannot catch
-  what it would reject)."""
+  what it would reject).  The MLA row (DeepSeek-V3's q/k head dim 192, v 128) checks that every tile is a
+  power of two: Triton rejects a load of 192 columns, so q/k must be padded to 256 and v kept at 128."""
   spec = AttentionSpec(
     mask=masks.MaskSpec(is_causal=True, window=(300, 0), has_segments=segments),
     scale=0.1,
@@ -249,9 +326,9 @@ def test_kernels_lower_to_triton_for_cuda(dtype, segments, cap, dropout):
     dropout_rate=0.0 if dropout is None else 0.1,
     dropout_broadcast=dropout == "broadcast",
   )
-  B, T, N, K, H = 2, 512, 8, 2, 128
+  (B, T, N, K), (H, Hv) = (2, 512, 8, 2), heads
   sds = jax.ShapeDtypeStruct
-  q, k = sds((B, T, N, H), dtype), sds((B, T, K, H), dtype)
+  q, k, v, do = sds((B, T, N, H), dtype), sds((B, T, K, H), dtype), sds((B, T, K, Hv), dtype), sds((B, T, N, Hv), dtype)
   pos = sds((T,), jnp.int32)
   seg = sds((B, T), jnp.int32) if segments else None
   stat = sds((B, N, T), jnp.float32)
@@ -267,8 +344,8 @@ def test_kernels_lower_to_triton_for_cuda(dtype, segments, cap, dropout):
   # The Triton custom call has no export compatibility guarantee; we only lower, never serialise for later.
   triton = "__gpu$xla.gpu.triton"
   kw = dict(platforms=("cuda",), disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)])
-  text = export.export(fwd, **kw)(q, k, k, pos, pos, seg, seg, drop).mlir_module()
-  text += export.export(bwd, **kw)(q, k, k, q, stat, stat, pos, pos, seg, seg, drop).mlir_module()
+  text = export.export(fwd, **kw)(q, k, v, pos, pos, seg, seg, drop).mlir_module()
+  text += export.export(bwd, **kw)(q, k, v, do, stat, stat, pos, pos, seg, seg, drop).mlir_module()
   assert text.count(f"@{triton}") == 3  # forward, dq, dk/dv
 
 

@@ -12,7 +12,8 @@ tiles, so no gradient is written twice and no atomics are needed:
 Both read the forward's tile-class table (the dk/dv kernel along its columns),
 so EMPTY tiles load nothing and run no matmul.  With dropout (see `common`)
 both regenerate the forward's keep mask: dV uses the dropped p, and dP is
-dropped before dS = p * (dP - delta).
+dropped before dS = p * (dP - delta).  q, k, dq and dk tiles are [*, H],
+v, do and dv [*, Hv] (padded head dims, see `common`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from jax.experimental import pallas as pl
 
 from flax_ringattn._src import masks
 from flax_ringattn._src.backends.pallas_gpu import common as c
+from flax_ringattn._src.backends.pallas_gpu import planner
 
 
 def _probs_and_dscores(q, k, v, do, lse, delta, qp, kp, qs, ks, *, spec, masked, drop_idx):
@@ -98,8 +100,7 @@ def _dkv_kernel(
 
     return c.by_tile_kind(kinds_ref[i, j], carry, update)
 
-  zeros = jnp.zeros(k.shape, c.F32)
-  dk, dv = jax.lax.fori_loop(0, nq, body, (zeros, zeros))
+  dk, dv = jax.lax.fori_loop(0, nq, body, (jnp.zeros(k.shape, c.F32), jnp.zeros(v.shape, c.F32)))
   dk_ref[...] = dk
   dv_ref[...] = dv
 
@@ -107,9 +108,10 @@ def _dkv_kernel(
 def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret, dropout=None):
   """See `backends/base.py` for the contract."""
   B, T, N, H = q.shape
-  S, K = k.shape[1], k.shape[2]
+  S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
+  Hp, Hvp = planner.padded_head_dim(H), planner.padded_head_dim(Hv)  # what the kernels hold (see `common`)
   G = N // K
-  bq, bk = c.tiles(spec, q, k, backward=True)
+  bq, bk = c.tiles(spec, q, k, v, backward=True)
   R = G * bq
   kinds = masks.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, bq, bk)  # [T / bq, S / bk]
   qp, qs = c.row_mask_operands(q_pos, q_seg, G)
@@ -120,7 +122,7 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, in
   segs = [qs, kv_seg.astype(jnp.int32)] if has_seg else []
   drop_specs, drop_args = c.dropout_operand(spec, dropout)
   has_drop = bool(drop_args)
-  common = dict(rows=R, bk=bk, head_dim=H, dtype=q.dtype, interpret=interpret)
+  common = dict(rows=R, bk=bk, head_dim=H, v_head_dim=Hv, dtype=q.dtype, interpret=interpret)
   table = pl.BlockSpec(kinds.shape, lambda b, h, x: (0, 0))
 
   # dq: a program per q tile; kv side whole.
@@ -128,12 +130,12 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, in
   whole = lambda b, h, x: (b, h, 0, 0)  # noqa: E731
   dq_specs = [
     table,
-    pl.BlockSpec((None, None, R, H), tile_q),
-    pl.BlockSpec((None, None, R, H), tile_q),
+    pl.BlockSpec((None, None, R, Hp), tile_q),
+    pl.BlockSpec((None, None, R, Hvp), tile_q),
     pl.BlockSpec((None, None, R), lambda b, h, i: (b, h, i)),
     pl.BlockSpec((None, None, R), lambda b, h, i: (b, h, i)),
-    pl.BlockSpec((None, None, S, H), whole),
-    pl.BlockSpec((None, None, S, H), whole),
+    pl.BlockSpec((None, None, S, Hp), whole),
+    pl.BlockSpec((None, None, S, Hvp), whole),
     pl.BlockSpec((R,), lambda b, h, i: (i,)),
     pl.BlockSpec((S,), lambda b, h, i: (0,)),
   ]
@@ -143,8 +145,8 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, in
     functools.partial(_dq_kernel, spec=spec, bk=bk, G=G, dropout=has_drop),
     grid=(B, K, T // bq),
     in_specs=dq_specs + drop_specs,
-    out_specs=[pl.BlockSpec((None, None, R, H), tile_q)],
-    out_shapes=[jax.ShapeDtypeStruct((B, K, T * G, H), c.F32)],
+    out_specs=[pl.BlockSpec((None, None, R, Hp), tile_q)],
+    out_shapes=[jax.ShapeDtypeStruct((B, K, T * G, Hp), c.F32)],
     kernel_name="dq",
     name="ring_block_bwd_dq_gpu",
     **common,
@@ -154,10 +156,10 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, in
   tile_kv = lambda b, h, j: (b, h, j, 0)  # noqa: E731
   dkv_specs = [
     table,
-    pl.BlockSpec((None, None, bk, H), tile_kv),
-    pl.BlockSpec((None, None, bk, H), tile_kv),
-    pl.BlockSpec((None, None, T * G, H), whole),
-    pl.BlockSpec((None, None, T * G, H), whole),
+    pl.BlockSpec((None, None, bk, Hp), tile_kv),
+    pl.BlockSpec((None, None, bk, Hvp), tile_kv),
+    pl.BlockSpec((None, None, T * G, Hp), whole),
+    pl.BlockSpec((None, None, T * G, Hvp), whole),
     pl.BlockSpec((None, None, T * G), lambda b, h, j: (b, h, 0)),
     pl.BlockSpec((None, None, T * G), lambda b, h, j: (b, h, 0)),
     pl.BlockSpec((T * G,), lambda b, h, j: (0,)),
@@ -172,10 +174,10 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, in
     functools.partial(_dkv_kernel, spec=spec, rows=R, G=G, dropout=has_drop),
     grid=(B, K, S // bk),
     in_specs=dkv_specs + drop_specs,
-    out_specs=[pl.BlockSpec((None, None, bk, H), tile_kv)] * 2,
-    out_shapes=[jax.ShapeDtypeStruct((B, K, S, H), c.F32)] * 2,
+    out_specs=[pl.BlockSpec((None, None, bk, Hp), tile_kv), pl.BlockSpec((None, None, bk, Hvp), tile_kv)],
+    out_shapes=[jax.ShapeDtypeStruct((B, K, S, Hp), c.F32), jax.ShapeDtypeStruct((B, K, S, Hvp), c.F32)],
     kernel_name="dkv",
     name="ring_block_bwd_dkv_gpu",
     **common,
   )(kinds, *kv_side, *q_side, qp, kp, *segs, *drop_args)
-  return c.ungroup_rows(dq, N), c.ungroup_rows(dk, K), c.ungroup_rows(dv, K)
+  return c.ungroup_rows(dq, N, H), c.ungroup_rows(dk, K, H), c.ungroup_rows(dv, K, Hv)

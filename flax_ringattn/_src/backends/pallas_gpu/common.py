@@ -1,5 +1,14 @@
 """Layout, tile math and the launch helper shared by the Pallas Triton kernels.
 
+Head dims: q and k have head dim H, v, the output, do and dv Hv (MLA: Hv may
+differ from H).  Triton tensors have power-of-two sizes and matmul dimensions
+>= 16, so each of H and Hv is zero-padded to its own `planner.padded_head_dim`
+(H = 24 -> 32, Hv = 16 stays 16; DeepSeek's 192 -> 256, 128 stays 128) when
+the operands are stacked (`group_rows`, beside the transposing copy it makes),
+and the results are sliced back.  Zero columns change nothing: they add 0 to
+every q . k score and to do . v, and give zero columns of o, dq, dk and dv,
+which the slice drops.
+
 Layout inside the kernels: the G = N / K q heads of one kv head are stacked
 token-major into rows, q `[B, N, T, H]` -> `[B, K, T * G, H]` with row
 r = t * G + g, so that one kernel instance reads its kv tile once for the whole
@@ -41,16 +50,19 @@ TN = (((0,), (0,)), ((), ()))  # [k, m] x [k, n]
 
 
 def group_rows(x, K):
-  """[B, T, N, H] -> [B, K, T * G, H] (row t * G + g is token t of q head k * G + g)."""
+  """[B, T, N, H] -> [B, K, T * G, Hp] (row t * G + g is token t of q head k * G + g; Hp = padded H, zeros)."""
   B, T, N, H = x.shape
   G = N // K
-  return x.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)
+  Hp = planner.padded_head_dim(H)
+  x = x.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)
+  return x if Hp == H else jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, Hp - H)))
 
 
-def ungroup_rows(x, N):
-  """Inverse of `group_rows`: [B, K, T * G, H] -> [B, T, N, H]."""
-  B, K, R, H = x.shape
+def ungroup_rows(x, N, H):
+  """Inverse of `group_rows`: [B, K, T * G, Hp] -> [B, T, N, H] (the padding columns dropped)."""
+  B, K, R, _ = x.shape
   G = N // K
+  x = x[..., :H]
   return x.reshape(B, K, R // G, G, H).transpose(0, 2, 1, 3, 4).reshape(B, R // G, N, H)
 
 
@@ -140,15 +152,17 @@ def by_tile_kind(kind, carry, update):
   )
 
 
-def tiles(spec, q, k, *, backward: bool):
+def tiles(spec, q, k, v, *, backward: bool):
   """(bq, bk) in tokens for one block (see `planner.block_tiles`)."""
   _, T, N, H = q.shape
   _, S, K, _ = k.shape
-  bq, bk = planner.block_tiles(spec.block_sizes, T=T, S=S, N=N, K=K, H=H, dtype=q.dtype, backward=backward)
-  return bq, bk
+  Hv = v.shape[3]
+  return planner.block_tiles(spec.block_sizes, T=T, S=S, N=N, K=K, H=H, Hv=Hv, dtype=q.dtype, backward=backward)
 
 
-def call(kernel, *, grid, in_specs, out_specs, out_shapes, kernel_name, rows, bk, head_dim, dtype, interpret, name):
+def call(
+  kernel, *, grid, in_specs, out_specs, out_shapes, kernel_name, rows, bk, head_dim, v_head_dim, dtype, interpret, name
+):
   """`pl.pallas_call` for the Triton lowering (or Pallas's generic interpreter when `interpret`).
 
   Inside `jax.shard_map(check_vma=True)`, compiled: the operands are made to
@@ -161,7 +175,7 @@ def call(kernel, *, grid, in_specs, out_specs, out_shapes, kernel_name, rows, bk
   there (an op traced without the check drops the varying-axes type), and its
   results are marked varying again outside.
   """
-  cfg = planner.launch_config(kernel_name, rows=rows, bk=bk, head_dim=head_dim, dtype=dtype)
+  cfg = planner.launch_config(kernel_name, rows=rows, bk=bk, head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype)
 
   def launch(*args, manual_axis_type=None):
     shapes = [jax.ShapeDtypeStruct(o.shape, o.dtype, manual_axis_type=manual_axis_type) for o in out_shapes]

@@ -6,6 +6,8 @@ m / l / acc carried in registers (online softmax, f32).  The tile-class table
 of `masks.tile_kinds` decides per kv tile: EMPTY loads nothing, FULL skips the
 mask, PARTIAL applies `masks.pair_visible`.  With dropout, l sums the
 undropped probabilities and acc the dropped ones times v (see `common`).
+q and k tiles are [*, H], v tiles and acc [*, Hv] (padded head dims, see
+`common`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from jax.experimental import pallas as pl
 
 from flax_ringattn._src import masks
 from flax_ringattn._src.backends.pallas_gpu import common as c
+from flax_ringattn._src.backends.pallas_gpu import planner
 
 
 def _kernel(kinds_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec, bk, G, dropout):
@@ -27,7 +30,8 @@ def _kernel(kinds_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec, bk, G, 
   q = q_ref[...]
   qp = qp_ref[...]
   qs = seg_refs[0][...] if seg_refs else None
-  R, H = q.shape
+  R = q.shape[0]
+  Hv = v_ref.shape[1]
   nk = k_ref.shape[0] // bk
   drop_idx = c.dropout_indices(spec, drop_ref, R, G)
 
@@ -53,7 +57,7 @@ def _kernel(kinds_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec, bk, G, 
 
     return c.by_tile_kind(kinds_ref[i, j], carry, update)
 
-  init = (jnp.full((R,), -jnp.inf, c.F32), jnp.zeros((R,), c.F32), jnp.zeros((R, H), c.F32))
+  init = (jnp.full((R,), -jnp.inf, c.F32), jnp.zeros((R,), c.F32), jnp.zeros((R, Hv), c.F32))
   m, l, acc = jax.lax.fori_loop(0, nk, body, init)
   empty = l == 0.0  # no visible key in the whole block: o = 0, lse = -inf
   l_safe = jnp.where(empty, 1.0, l)
@@ -64,17 +68,18 @@ def _kernel(kinds_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec, bk, G, 
 def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret, dropout=None):
   """See `backends/base.py` for the contract."""
   B, T, N, H = q.shape
-  S, K = k.shape[1], k.shape[2]
+  S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
+  Hp, Hvp = planner.padded_head_dim(H), planner.padded_head_dim(Hv)  # what the kernel holds (see `common`)
   G = N // K
-  bq, bk = c.tiles(spec, q, k, backward=False)
+  bq, bk = c.tiles(spec, q, k, v, backward=False)
   R = G * bq
   kinds = masks.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, bq, bk)  # [T / bq, S / bk]
   qp, qs = c.row_mask_operands(q_pos, q_seg, G)
   in_specs = [
     pl.BlockSpec(kinds.shape, lambda b, h, i: (0, 0)),
-    pl.BlockSpec((None, None, R, H), lambda b, h, i: (b, h, i, 0)),
-    pl.BlockSpec((None, None, S, H), lambda b, h, i: (b, h, 0, 0)),
-    pl.BlockSpec((None, None, S, H), lambda b, h, i: (b, h, 0, 0)),
+    pl.BlockSpec((None, None, R, Hp), lambda b, h, i: (b, h, i, 0)),
+    pl.BlockSpec((None, None, S, Hp), lambda b, h, i: (b, h, 0, 0)),
+    pl.BlockSpec((None, None, S, Hvp), lambda b, h, i: (b, h, 0, 0)),
     pl.BlockSpec((R,), lambda b, h, i: (i,)),
     pl.BlockSpec((S,), lambda b, h, i: (0,)),
   ]
@@ -88,16 +93,17 @@ def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret, dropout
     grid=(B, K, T // bq),
     in_specs=in_specs + drop_specs,
     out_specs=[
-      pl.BlockSpec((None, None, R, H), lambda b, h, i: (b, h, i, 0)),
+      pl.BlockSpec((None, None, R, Hvp), lambda b, h, i: (b, h, i, 0)),
       pl.BlockSpec((None, None, R), lambda b, h, i: (b, h, i)),
     ],
-    out_shapes=[jax.ShapeDtypeStruct((B, K, T * G, H), c.F32), jax.ShapeDtypeStruct((B, K, T * G), c.F32)],
+    out_shapes=[jax.ShapeDtypeStruct((B, K, T * G, Hvp), c.F32), jax.ShapeDtypeStruct((B, K, T * G), c.F32)],
     kernel_name="fwd",
     rows=R,
     bk=bk,
     head_dim=H,
+    v_head_dim=Hv,
     dtype=q.dtype,
     interpret=interpret,
     name="ring_block_fwd_gpu",
   )(*args, *drop_args)
-  return c.ungroup_rows(o, N), c.ungroup_stats(lse, N)
+  return c.ungroup_rows(o, N, Hv), c.ungroup_stats(lse, N)

@@ -3,14 +3,18 @@
 Triton tensors have power-of-two sizes and `tl.dot` wants every matmul
 dimension >= 16, so a tile here is a power of two: q tiles hold `bq` tokens of
 the G = N / K q heads of one kv head, stacked into R = G * bq rows (R >= 16);
-kv tiles hold bk >= 16 tokens; head_dim H is a power of two >= 16.
+kv tiles hold bk >= 16 tokens.  The q/k head dim H and the v head dim Hv
+(v, o, do, dv; MLA has Hv != H) are each zero-padded to their own
+`padded_head_dim`, a power of two >= 16 (see `common`); below, H and Hv are
+the padded dims the kernels hold.
 
 Shared memory model (per thread block; what Triton's software pipeliner keeps
-in shared memory, the rest lives in registers)::
+in shared memory, the rest, the f32 accumulators o [R, Hv], dq [R, H],
+dk [bk, H] and dv [bk, Hv] included, lives in registers)::
 
-    fwd  : R*H (q)          + stages * 2*bk*H (k, v)          + R*bk (p, relayout for p @ v)
-    dq   : 2*R*H (q, do)    + stages * 2*bk*H (k, v)          + 2*R*bk (p, ds)
-    dkv  : 2*bk*H (k, v)    + stages * (2*R*H + 2*R*4) (q, do, lse, delta) + 2*R*bk (p, ds)
+    fwd  : R*H (q)             + stages * bk*(H + Hv) (k, v)   + R*bk (p, relayout for p @ v)
+    dq   : R*(H + Hv) (q, do)  + stages * bk*(H + Hv) (k, v)   + 2*R*bk (p, ds)
+    dkv  : bk*(H + Hv) (k, v)  + stages * (R*(H + Hv) + 2*R*4) (q, do, lse, delta) + 2*R*bk (p, ds)
 
 in bytes of the input dtype (statistics in f32).  It is a model, checked
 against nothing on a GPU yet (no GPU was available when it was written): it
@@ -57,22 +61,32 @@ def current_arch() -> str:
   return min(known, key=SMEM_PER_BLOCK.get)
 
 
+def padded_head_dim(h: int) -> int:
+  """The head dim a kernel holds for a logical one of h: the next power of two, at least MIN_DOT (Triton tensor
+  sizes and `tl.dot` dimensions); 24 -> 32, 128 -> 128, 192 -> 256."""
+  return max(MIN_DOT, 1 << (h - 1).bit_length())
+
+
 def smem_bytes(arch: str) -> int:
   if arch not in SMEM_PER_BLOCK:
     raise ValueError(f"unknown GPU {arch=}; known: {tuple(SMEM_PER_BLOCK)}")
   return SMEM_PER_BLOCK[arch]
 
 
-def smem_model(kernel: str, *, rows: int, bk: int, head_dim: int, dtype, stages: int) -> int:
-  """Shared memory bytes of one thread block (see the module docstring)."""
+def smem_model(
+  kernel: str, *, rows: int, bk: int, head_dim: int, dtype, stages: int, v_head_dim: int | None = None
+) -> int:
+  """Shared memory bytes of one thread block (see the module docstring) for the logical q/k head dim `head_dim`
+  and v head dim `v_head_dim` (None: the same), each counted at its padded size."""
   b = jnp.dtype(dtype).itemsize
-  R, H = rows, head_dim
+  R, H = rows, padded_head_dim(head_dim)
+  Hv = padded_head_dim(head_dim if v_head_dim is None else v_head_dim)
   if kernel == "fwd":
-    return R * H * b + stages * 2 * bk * H * b + R * bk * b
+    return R * H * b + stages * bk * (H + Hv) * b + R * bk * b
   if kernel == "dq":
-    return 2 * R * H * b + stages * 2 * bk * H * b + 2 * R * bk * b
+    return R * (H + Hv) * b + stages * bk * (H + Hv) * b + 2 * R * bk * b
   if kernel == "dkv":
-    return 2 * bk * H * b + stages * (2 * R * H * b + 2 * R * 4) + 2 * R * bk * b
+    return bk * (H + Hv) * b + stages * (R * (H + Hv) * b + 2 * R * 4) + 2 * R * bk * b
   raise ValueError(f"kernel must be 'fwd', 'dq' or 'dkv', got {kernel!r}")
 
 
@@ -83,20 +97,26 @@ class LaunchConfig:
   smem_bytes: int  # the model's estimate for that many stages
 
 
-def launch_config(kernel: str, *, rows: int, bk: int, head_dim: int, dtype, arch: str | None = None) -> LaunchConfig:
-  """Warps and pipeline stages for one kernel's tile; ValueError when the tile cannot fit shared memory."""
+def launch_config(
+  kernel: str, *, rows: int, bk: int, head_dim: int, dtype, arch: str | None = None, v_head_dim: int | None = None
+) -> LaunchConfig:
+  """Warps and pipeline stages for one kernel's tile (q/k head dim `head_dim`, v head dim `v_head_dim`, None: the
+  same); ValueError when the tile cannot fit shared memory."""
   arch = current_arch() if arch is None else arch
   budget = int(smem_bytes(arch) * SAFETY_MARGIN)
+  dims = dict(head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype)
+  widest = padded_head_dim(max(head_dim, v_head_dim or head_dim))
   # 4 warps (128 threads) per 64-row tile, 8 for the big 128 x 128 ones: the f32 accumulators of
   # rows x head_dim then stay within ~128 registers per thread.
-  warps = 8 if rows * max(bk, head_dim) >= 128 * 128 else 4
+  warps = 8 if rows * max(bk, widest) >= 128 * 128 else 4
   for stages in (3, 2, 1):
-    need = smem_model(kernel, rows=rows, bk=bk, head_dim=head_dim, dtype=dtype, stages=stages)
+    need = smem_model(kernel, rows=rows, bk=bk, stages=stages, **dims)
     if need <= budget:
       return LaunchConfig(warps, stages, need)
-  need = smem_model(kernel, rows=rows, bk=bk, head_dim=head_dim, dtype=dtype, stages=1)
+  need = smem_model(kernel, rows=rows, bk=bk, stages=1, **dims)
+  v_dims = "" if v_head_dim in (None, head_dim) else f", v_head_dim={v_head_dim}"
   raise ValueError(
-    f"pallas_gpu: the {kernel} tile of {rows} q rows x {bk} kv tokens with head_dim={head_dim} "
+    f"pallas_gpu: the {kernel} tile of {rows} q rows x {bk} kv tokens with head_dim={head_dim}{v_dims} "
     f"({jnp.dtype(dtype).name}) needs about {need} bytes of shared memory, more than the {budget} bytes usable on "
     f"{arch} ({smem_bytes(arch)} per block, {SAFETY_MARGIN:.0%} margin); use smaller BlockSizes "
     "(or block_sizes=None to let the planner choose)"
@@ -133,10 +153,12 @@ def q_tile_minimum(group: int) -> int:
   return max(1, MIN_DOT // group)
 
 
-def block_tiles(block_sizes: BlockSizes | None, *, T: int, S: int, N: int, K: int, H: int, dtype, backward: bool):
+def block_tiles(
+  block_sizes: BlockSizes | None, *, T: int, S: int, N: int, K: int, H: int, Hv: int, dtype, backward: bool
+):
   """(bq, bk) in tokens for one block: the requested `BlockSizes`, or the planner's choice."""
   G = N // K
-  blocks = block_sizes or plan_block_sizes(T, S, N, K, H, dtype)
+  blocks = block_sizes or plan_block_sizes(T, S, N, K, H, dtype, v_head_dim=Hv)
   req_q, req_kv = blocks.bwd if backward else (blocks.block_q, blocks.block_kv)
   suffix = "_bwd" if backward else ""
   bq = pow2_tile(T, req_q, q_tile_minimum(G), what=f"block_q{suffix}")
@@ -144,8 +166,12 @@ def block_tiles(block_sizes: BlockSizes | None, *, T: int, S: int, N: int, K: in
   return bq, bk
 
 
-def plan_block_sizes(q_len: int, kv_len: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype, *, arch=None):
+def plan_block_sizes(
+  q_len: int, kv_len: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype, *, arch=None, v_head_dim=None
+):
   """Tiles for the GPU kernels: 128 stacked q rows x 64 kv tokens forward, 64 x 64 backward (shrunk to fit).
+
+  `head_dim` is q/k's, `v_head_dim` v's (None: the same; MLA: DeepSeek-V3's 192 and 128).
 
   Targets the tile shapes of flash-attention kernels in Triton (a 128-row forward tile, smaller backward tiles
   because each keeps two gradients in registers); tiles shrink to divide the shard and to fit shared memory.
@@ -159,7 +185,7 @@ def plan_block_sizes(q_len: int, kv_len: int, num_heads: int, num_kv_heads: int,
     while True:
       try:
         for k in kernels:
-          launch_config(k, rows=G * bq, bk=bk, head_dim=head_dim, dtype=dtype, arch=arch)
+          launch_config(k, rows=G * bq, bk=bk, head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype, arch=arch)
         break
       except ValueError:
         if G * bq >= bk and G * bq > MIN_DOT and bq > 1:
