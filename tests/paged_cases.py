@@ -8,8 +8,10 @@ at the end of q, and often fewer live sequences than max_num_seqs.  `scenario(na
 
 Features: paged attention is causal by construction, so of the registry's axes it takes the causal window
 (jax.nn's `local_window_size`, (left, right): a token at position i sees keys in [i - left, i]), the soft cap and
-scale, and the head layout (make_batch's num_heads / num_kv_heads; the default is GQA 8:2).  `features(case)` turns
-a registry case into the op's keywords.
+scale, the head layout (make_batch's num_heads / num_kv_heads; the default is GQA 8:2), attention sinks (an
+operand: `Batch.sinks`, differentiated with q and the pages) and v's head dim (MLA: make_batch's v_head_dim).
+`features(case)` turns a registry case into the op's keywords, `case_batch(case, ...)` into a batch with the
+case's heads, v head dim and sinks.
 
 A helper module, not a test module: test_paged*.py import from here, never from each other.
 """
@@ -22,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from cases import Case, make_case
+from cases import Case, make_case, make_sinks
 from paged_oracle import paged_oracle
 
 import flax_ringattn as fr
@@ -57,6 +59,7 @@ def op_fn(
   scale=None,
   block_sizes=SMALL,
   implementation=None,
+  sinks=None,
 ):
   return fr.paged_attention(
     q,
@@ -73,12 +76,25 @@ def op_fn(
     scale=scale,
     block_sizes=block_sizes,
     implementation=implementation,
+    sinks=sinks,
   )
 
 
 @functools.partial(jax.jit, static_argnames=FEATURE_KEYWORDS)
 def ref_fn(
-  q, kp, vp, kv_lens, pi, cu, ns, k_scale=None, v_scale=None, local_window_size=None, logits_soft_cap=None, scale=None
+  q,
+  kp,
+  vp,
+  kv_lens,
+  pi,
+  cu,
+  ns,
+  k_scale=None,
+  v_scale=None,
+  local_window_size=None,
+  logits_soft_cap=None,
+  scale=None,
+  sinks=None,
 ):
   return fr.paged_reference_attention(
     q,
@@ -93,11 +109,16 @@ def ref_fn(
     local_window_size=local_window_size,
     logits_soft_cap=logits_soft_cap,
     scale=scale,
+    sinks=sinks,
   )
 
 
-def _vjp(f, args, do, kw):
-  out, pullback = jax.vjp(lambda q, kp, vp: f(q, kp, vp, *args[3:], **kw), *args[:3])
+def paged_vjp(f, args, do, sinks=None, **kw):
+  """f's output and its cotangents (dq, dk_pages, dv_pages), with dsinks appended when `sinks` is given."""
+  if sinks is None:
+    out, pullback = jax.vjp(lambda q, kp, vp: f(q, kp, vp, *args[3:], **kw), *args[:3])
+  else:
+    out, pullback = jax.vjp(lambda q, kp, vp, s: f(q, kp, vp, *args[3:], sinks=s, **kw), *args[:3], sinks)
   return out, pullback(do)
 
 
@@ -112,16 +133,17 @@ def op_vjp(
   scale=None,
   block_sizes=SMALL,
   implementation=None,
+  sinks=None,
 ):
   kw = dict(k_scale=k_scale, v_scale=v_scale, local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
   kw.update(scale=scale, block_sizes=block_sizes, implementation=implementation)
-  return _vjp(fr.paged_attention, args, do, kw)
+  return paged_vjp(fr.paged_attention, args, do, sinks, **kw)
 
 
 @functools.partial(jax.jit, static_argnames=FEATURE_KEYWORDS)
-def ref_vjp(args, do, k_scale=None, v_scale=None, local_window_size=None, logits_soft_cap=None, scale=None):
+def ref_vjp(args, do, k_scale=None, v_scale=None, local_window_size=None, logits_soft_cap=None, scale=None, sinks=None):
   kw = dict(k_scale=k_scale, v_scale=v_scale, local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
-  return _vjp(fr.paged_reference_attention, args, do, dict(kw, scale=scale))
+  return paged_vjp(fr.paged_reference_attention, args, do, sinks, scale=scale, **kw)
 
 
 # -- batches ---------------------------------------------------------------------------------------------------
@@ -139,6 +161,7 @@ class Batch:
   seqs: list  # (q_len, kv_len) of the live sequences
   k_scale: jax.Array | None = None
   v_scale: jax.Array | None = None
+  sinks: jax.Array | None = None  # [N] attention-sink logits
 
   @property
   def args(self):
@@ -147,6 +170,16 @@ class Batch:
   @property
   def scales(self):
     return dict(k_scale=self.k_scale, v_scale=self.v_scale)
+
+  @property
+  def operands(self):
+    """The keyword operands: the scales and the sinks."""
+    return dict(self.scales, sinks=self.sinks)
+
+  @property
+  def out_shape(self):
+    """[T, N, Hv]: the output's (and dO's) shape."""
+    return (*self.q.shape[:2], self.v_pages.shape[3])
 
   @property
   def total(self):
@@ -180,13 +213,16 @@ def make_batch(
   num_kv_heads=K,
   num_heads=N,
   head_dim=H,
+  v_head_dim=None,
   dtype=F32,
   page_dtype=None,
   scale_shape=None,
   share_prefix=False,
   exclude_pages=(),
+  sinks=None,
 ):
-  """A ragged batch whose live sequences are `seqs` = [(q_len, kv_len), ...]."""
+  """A ragged batch whose live sequences are `seqs` = [(q_len, kv_len), ...]; v pages at `v_head_dim` (None:
+  head_dim), and `sinks` ([num_heads] logits or None) carried along."""
   n = len(seqs)
   assert n <= max_num_seqs and sum(q for q, _ in seqs) <= num_tokens
   assert all(0 <= q <= kv <= pages_per_seq * page_size for q, kv in seqs)
@@ -205,14 +241,15 @@ def make_batch(
   cu = np.zeros(max_num_seqs + 1, np.int64)
   cu[1 : n + 1] = np.cumsum([q for q, _ in seqs])
   cu[n + 1 :] = cu[n]
-  shape = (num_pages, page_size, num_kv_heads, head_dim)
+  v_head_dim = head_dim if v_head_dim is None else v_head_dim
+  shapes = [(num_pages, page_size, num_kv_heads, h) for h in (head_dim, v_head_dim)]
   page_dtype = dtype if page_dtype is None else page_dtype
   if jnp.dtype(page_dtype) == jnp.int8:
-    pages = [jnp.asarray(rng.integers(-127, 128, size=shape), jnp.int8) for _ in range(2)]
+    pages = [jnp.asarray(rng.integers(-127, 128, size=shape), jnp.int8) for shape in shapes]
   elif jnp.issubdtype(page_dtype, jnp.floating) and jnp.dtype(page_dtype).itemsize == 1:
-    pages = [jnp.asarray(rng.normal(size=shape) * 40, F32).astype(page_dtype) for _ in range(2)]
+    pages = [jnp.asarray(rng.normal(size=shape) * 40, F32).astype(page_dtype) for shape in shapes]
   else:
-    pages = [jnp.asarray(rng.normal(size=shape), page_dtype) for _ in range(2)]
+    pages = [jnp.asarray(rng.normal(size=shape), page_dtype) for shape in shapes]
   scales = [None, None]
   if scale_shape is not None:  # one name for both, or a (k, v) pair of names
     full = {"scalar": (), "page": (num_pages, num_kv_heads), "token": (num_pages, page_size, num_kv_heads)}
@@ -229,6 +266,7 @@ def make_batch(
     seqs=list(seqs),
     k_scale=scales[0],
     v_scale=scales[1],
+    sinks=None if sinks is None else jnp.asarray(sinks, F32),
   )
 
 
@@ -270,7 +308,7 @@ SCENARIOS = ["decode", "prefill", "chunked", "mixed", "edge", "few", "none"]
 
 def numpy_oracle(b: Batch, **kw):
   """The independent float64 oracle's output (`paged_oracle.py`; gradients: test_paged_oracle.py)."""
-  return paged_oracle(*b.args, k_scale=b.k_scale, v_scale=b.v_scale, **kw)[0]
+  return paged_oracle(*b.args, **b.operands, **kw)[0]
 
 
 def poison(b: Batch, value=np.nan):
@@ -284,11 +322,23 @@ def poison(b: Batch, value=np.nan):
 
 
 def features(case: Case) -> dict:
-  """The paged keywords (`FEATURE_KEYWORDS`) of a registry case: its causal window, soft cap and scale.  A case the
-  paged op cannot express (not causal, segments, cross lengths, zigzag, dropout) is an error."""
-  if not case.is_causal or case.segments or case.S != case.T or case.load_balance or case.dropout is not None:
-    raise ValueError(f"paged attention is causal self attention without segments, zigzag or dropout: {case}")
+  """The paged keywords (`FEATURE_KEYWORDS`) of a registry case: its causal window, soft cap and scale (its sinks
+  and v head dim are the batch's: `case_batch`).  A case the paged op cannot express (not causal, segments, cross
+  lengths, dropout) is an error; zigzag (`load_balance`) is a ring layout with no paged meaning, so ignored."""
+  if not case.is_causal or case.segments or case.S != case.T or case.dropout is not None:
+    raise ValueError(f"paged attention is causal self attention without segments or dropout: {case}")
   return dict(local_window_size=case.window, logits_soft_cap=case.soft_cap, scale=case.scale)
+
+
+def case_heads(case: Case) -> dict:
+  """make_batch's head keywords of a registry case: N, K, H and v's head dim."""
+  return dict(num_heads=case.N, num_kv_heads=case.K, head_dim=case.H, v_head_dim=case.Hv)
+
+
+def case_batch(case: Case, rng, seqs, *, seed=0, **geometry) -> Batch:
+  """A batch of `seqs` in `geometry` (make_batch's keywords) with the case's heads, v head dim and sinks
+  (`make_sinks`, drawn with `seed`)."""
+  return make_batch(rng, seqs, **{**geometry, **case_heads(case)}, sinks=make_sinks(case, seed))
 
 
 # The paged suites' window + soft cap case (op, reference, numpy oracle and the Pallas kernel): a 5-token window

@@ -16,6 +16,15 @@ ragged batch token by token in plain numpy:
 Gradients are the textbook softmax backward per row, with the soft cap's
 derivative, accumulated into the page slot each key was read from and taken
 with respect to the stored value (d stored = d dequantized * scale).
+
+v's head dim Hv may differ from q and k's H (MLA): the output and dO are
+[T, N, Hv].  Attention sinks (`sinks`: one logit s_h per q head) are one more
+entry of every row's softmax, with value 0: p_j = exp(s_j) / (sum_k exp(s_k) +
+exp(s_h)), p_sink = exp(s_h) / (the same sum).  A row with no visible key has
+output 0 and puts all its mass in the sink (p_sink = 1), so it contributes no
+gradient anywhere, dsinks included.  With D = dO . out of a row, the backward of
+that softmax is ds_j = p_j (dp_j - D) for the keys (the sink's dp is 0) and
+d loss / d s_h = -p_sink * D, summed over the rows of head h.
 """
 
 from __future__ import annotations
@@ -80,11 +89,15 @@ def paged_oracle(
   local_window_size=None,
   logits_soft_cap=None,
   scale=None,
+  sinks=None,
 ):
-  """float64 (out, (dq, dk_pages, dv_pages)); gradients only when `do` is given (else None)."""
+  """float64 (out [T, N, Hv], (dq, dk_pages, dv_pages)), with dsinks [N] appended to the gradients when `sinks`
+  is given; gradients only when `do` is given (else None)."""
   qf = _widen(q)
   T, N, H = qf.shape
   P, ps, K, _ = k_pages.shape
+  Hv = v_pages.shape[3]
+  sink = None if sinks is None else _widen(sinks)
   ksf = scale_factors(k_scale, P, ps, K)
   vsf = scale_factors(v_scale, P, ps, K)
   kp = _widen(k_pages) * ksf[..., None]
@@ -95,8 +108,9 @@ def paged_oracle(
   scale = H**-0.5 if scale is None else scale
   dof = None if do is None else _widen(do)
   left = _window_left(local_window_size)
-  out = np.zeros((T, N, H))
-  dq, dkd, dvd = np.zeros((T, N, H)), np.zeros((P, ps, K, H)), np.zeros((P, ps, K, H))
+  out = np.zeros((T, N, Hv))
+  dq, dkd, dvd = np.zeros((T, N, H)), np.zeros((P, ps, K, H)), np.zeros((P, ps, K, Hv))
+  dsinks = np.zeros(N)
   for i in range(n):
     q_len, kv_len = int(cu[i + 1] - cu[i]), int(kv_lens[i])
     for j in range(q_len):
@@ -108,21 +122,26 @@ def paged_oracle(
       slots = np.array([s for _, _, s in keys])
       for h in range(N):
         g = h // groups
-        kk, vv = kp[pages, slots, g], vp[pages, slots, g]  # [L, H]
+        kk, vv = kp[pages, slots, g], vp[pages, slots, g]  # [L, H], [L, Hv]
         x = kk @ qf[row, h] * scale
         if logits_soft_cap is not None:
           tanh = np.tanh(x / logits_soft_cap)
           s = logits_soft_cap * tanh
         else:
           s = x
-        p = np.exp(s - s.max())
-        p /= p.sum()
+        m = s.max() if sink is None else max(s.max(), sink[h])
+        p = np.exp(s - m)
+        total = p.sum() if sink is None else p.sum() + np.exp(sink[h] - m)
+        p /= total
         out[row, h] = p @ vv
         if dof is None:
           continue
         d_o = dof[row, h]
         dp = vv @ d_o
-        ds = p * (dp - p @ dp)
+        big_d = d_o @ out[row, h]  # = sum_j p_j dp_j: the sink's value, hence its dp, is 0
+        ds = p * (dp - big_d)
+        if sink is not None:
+          dsinks[h] -= np.exp(sink[h] - m) / total * big_d
         if logits_soft_cap is not None:
           ds = ds * (1.0 - tanh**2)
         dq[row, h] = scale * ds @ kk
@@ -131,4 +150,5 @@ def paged_oracle(
   if dof is None:
     return out, None
   # Gradients with respect to the stored values: d stored = d dequantized * scale.
-  return out, (dq, dkd * ksf[..., None], dvd * vsf[..., None])
+  grads = (dq, dkd * ksf[..., None], dvd * vsf[..., None])
+  return out, grads if sink is None else (*grads, dsinks)

@@ -35,6 +35,7 @@ from paged_cases import (
   N,
   P,
   S,
+  case_batch,
   features,
   make_batch,
   numpy_oracle,
@@ -46,6 +47,7 @@ from paged_cases import (
   ref_vjp,
   scenario,
 )
+from paged_oracle import paged_oracle
 from tolerances import assert_close
 
 import flax_ringattn as fr
@@ -296,26 +298,31 @@ def test_grads_scaled_float_pages():
 # -- isolation ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["mixed", "edge"])
-def test_isolation_from_unread_pages(name):
+@pytest.mark.parametrize("name, case", [("mixed", None), ("edge", None), ("edge", "mla_sinks")])
+def test_isolation_from_unread_pages(name, case):
+  """NaN / huge values in the slots no live sequence reads change no output or gradient (dsinks included, with
+  sinks and v pages at Hv != H: `mla_sinks`)."""
   rng = np.random.default_rng([31, SCENARIOS.index(name)])
-  b = make_batch(rng, scenario(name, rng))
+  b = make_batch(rng, scenario(name, rng)) if case is None else case_batch(pick(case)[0], rng, scenario(name, rng))
+  kw = {} if case is None else features(pick(case)[0])
   assert (~b.read_mask()).any()
-  do = jnp.asarray(rng.normal(size=b.q.shape), F32)
-  out, (dq, dk, dv) = op_vjp(b.args, do)
+  do = jnp.asarray(rng.normal(size=b.out_shape), F32)
+  out, grads = op_vjp(b.args, do, sinks=b.sinks, **kw)
   read = b.read_mask()[:, :, None, None]
   for value in (np.nan, 1e30, -1e30):
     bad = poison(b, value)
-    out_bad, (dq_bad, dk_bad, dv_bad) = op_vjp(bad.args, do)
+    out_bad, grads_bad = op_vjp(bad.args, do, sinks=b.sinks, **kw)
     np.testing.assert_array_equal(np.asarray(out_bad), np.asarray(out))
-    np.testing.assert_array_equal(np.asarray(dq_bad), np.asarray(dq))
-    np.testing.assert_array_equal(np.asarray(dk_bad), np.asarray(dk))
-    np.testing.assert_array_equal(np.asarray(dv_bad), np.asarray(dv))
-    assert np.isfinite(np.asarray(out_bad)).all() and np.isfinite(np.asarray(dq_bad)).all()
+    for g_bad, g in zip(grads_bad, grads, strict=True):  # dq, dk, dv (and dsinks)
+      np.testing.assert_array_equal(np.asarray(g_bad), np.asarray(g))
+    assert np.isfinite(np.asarray(out_bad)).all() and np.isfinite(np.asarray(grads_bad[0])).all()
     # Unread slots receive no gradient.
-    assert not np.asarray(jnp.where(read, 0.0, jnp.abs(dk_bad) + jnp.abs(dv_bad))).any()
+    dk_bad, dv_bad = grads_bad[1:3]
+    assert not np.asarray(jnp.where(read, 0.0, jnp.abs(dk_bad))).any()
+    assert not np.asarray(jnp.where(read, 0.0, jnp.abs(dv_bad))).any()
     # The reference is just as isolated.
-    np.testing.assert_array_equal(np.asarray(ref_fn(*bad.args)), np.asarray(ref_fn(*b.args)))
+    ref_bad, ref_good = (ref_fn(*x.args, sinks=b.sinks, **kw) for x in (bad, b))
+    np.testing.assert_array_equal(np.asarray(ref_bad), np.asarray(ref_good))
 
 
 def test_isolation_quantized_scales():
@@ -330,6 +337,56 @@ def test_isolation_quantized_scales():
     v_scale=jnp.where(unread, jnp.inf, b.v_scale),
   )
   np.testing.assert_array_equal(np.asarray(op_fn(*poisoned.args, **poisoned.scales)), np.asarray(out))
+
+
+def test_sinks_rows_without_keys_and_padding_get_zero():
+  """With sinks, a row that sees no key (an empty page table, q_len 0 neighbours, padding rows) has the finite lse'
+  = s_h: its output and dq are exactly 0, and it adds nothing to dsinks (its rowsum(dO * O) is 0)."""
+  (c,) = pick("mla_sinks")
+  rng = np.random.default_rng(34)
+  b = case_batch(c, rng, [(1, 17), (2, 2), (0, 5), (3, 9)])
+  table = np.asarray(b.page_indices).copy()
+  table[1, :] = -1  # sequence 1 (rows 1, 2) sees nothing
+  b = poison(b.replace(page_indices=jnp.asarray(table, jnp.int32)), np.nan)
+  do = jnp.asarray(rng.normal(size=b.out_shape), F32)
+  out, (dq, dk, dv, dsinks) = op_vjp(b.args, do, sinks=b.sinks, **features(c))
+  empty = np.r_[1:3, b.total : b.q.shape[0]]
+  np.testing.assert_array_equal(np.asarray(out)[empty], 0.0)
+  np.testing.assert_array_equal(np.asarray(dq)[empty], 0.0)
+  # Zeroing dO on those rows changes no gradient: they contribute nothing, dsinks included.
+  do_live = do.at[empty].set(0.0)
+  _, grads_live = op_vjp(b.args, do_live, sinks=b.sinks, **features(c))
+  assert_close(grads_live, (dq, dk, dv, dsinks), F32, "grad")
+  for g in (dq, dk, dv, dsinks):
+    assert np.isfinite(np.asarray(g)).all()
+  # Against the float64 oracle.
+  _, oracle_grads = paged_oracle(*b.args, **b.operands, do=do, **features(c))
+  assert_close((dq, dk, dv, dsinks), oracle_grads, F32, "grad")
+
+
+def _dead_slot_batch():
+  """Two live sequences; the dead last slot (padding rows map to it) owns 6 pages nobody reads, NaN-poisoned."""
+  b = make_batch(np.random.default_rng(35), [(1, 17), (2, 2)], exclude_pages=range(6))
+  table = np.asarray(b.page_indices).copy()
+  table[S - 1] = np.arange(6)
+  b = b.replace(page_indices=jnp.asarray(table, jnp.int32), kv_lens=b.kv_lens.at[S - 1].set(CAP))
+  bad = poison(b, np.nan)
+  assert np.isnan(np.asarray(bad.v_pages[:6])).all()
+  return b, bad
+
+
+def test_op_padding_rows_ignore_dead_slots():
+  b, bad = _dead_slot_batch()
+  out = op_fn(*bad.args)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(op_fn(*b.args)))
+  np.testing.assert_array_equal(np.asarray(out[b.total :]), 0.0)
+
+
+def test_reference_padding_rows_ignore_dead_slots():
+  """Padding rows map to the last slot; when it is dead (num_seqs < max_num_seqs) its page table and kv_lens are
+  garbage, and NaN in those pages must not reach the padding rows' zero output."""
+  b, bad = _dead_slot_batch()
+  np.testing.assert_array_equal(np.asarray(ref_fn(*bad.args)), np.asarray(ref_fn(*b.args)))
 
 
 @pytest.mark.parametrize("bad_id", [-1, P, P + 7, -P])

@@ -4,7 +4,9 @@
 code with it (dequantisation, q-length metadata).  Here every paged scenario and
 every quantized case is also checked against numpy code written apart from the
 library, and a mutation test proves that a wrong dequantisation inside the
-library fails these checks.
+library fails these checks.  Attention sinks and MLA head shapes (v's head dim
+Hv != H) are checked the same way, dsinks included, on the registry's sinks and
+MLA cases (tests/cases.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import pick
 from paged_cases import (
   BF16,
   F32,
@@ -20,11 +23,13 @@ from paged_cases import (
   SMALL,
   WINDOW_CAP,
   Batch,
+  case_batch,
   features,
   make_batch,
   op_fn,
   op_vjp,
   ref_fn,
+  ref_vjp,
   scenario,
 )
 from paged_oracle import paged_oracle
@@ -35,25 +40,29 @@ from flax_ringattn._src.paged import common as paged_common
 
 
 def oracle(b: Batch, do=None, **kw):
-  return paged_oracle(*b.args, k_scale=b.k_scale, v_scale=b.v_scale, do=do, **kw)
+  return paged_oracle(*b.args, **b.operands, do=do, **kw)
 
 
 def _do(b: Batch, dtype=F32, seed=100):
-  return jnp.asarray(np.random.default_rng(seed).normal(size=b.q.shape), dtype)
+  return jnp.asarray(np.random.default_rng(seed).normal(size=b.out_shape), dtype)
 
 
-def check_against_oracle(b: Batch, dtype=F32, *, grads=True, page_grads=True, **kw):
-  """The op's output (and dq, dk, dv) equal the oracle's at the dtype's tolerance."""
+def check_against_oracle(b: Batch, dtype=F32, *, grads=True, page_grads=True, fn=op_vjp, **kw):
+  """The op's output (and dq, dk, dv, and dsinks with sinks) equal the oracle's at the dtype's tolerance.  `fn`:
+  `op_vjp` or `ref_vjp` (the reference; it takes no op keywords)."""
   if not grads:
-    out = op_fn(*b.args, **b.scales, **kw)
+    out = op_fn(*b.args, **b.operands, **kw)
     assert_close(out, oracle(b, **kw)[0], dtype)
     return
   do = _do(b, dtype)
-  out, (dq, dk, dv) = op_vjp(b.args, do, **b.scales, **kw)
-  ref_out, (ref_dq, ref_dk, ref_dv) = oracle(b, do, **kw)
+  out, (dq, dk, dv, *dsinks) = fn(b.args, do, **b.operands, **kw)
+  ref_out, (ref_dq, ref_dk, ref_dv, *ref_dsinks) = oracle(b, do, **kw)
+  assert out.shape == b.out_shape and out.dtype == b.q.dtype
+  assert len(dsinks) == len(ref_dsinks) == (b.sinks is not None)
   assert_close(out, ref_out, dtype)
-  assert_close(dq, ref_dq, dtype, "grad")
+  assert_close((dq, dsinks), (ref_dq, ref_dsinks), dtype, "grad")
   if page_grads:
+    assert dv.shape == b.v_pages.shape
     assert_close((dk, dv), (ref_dk, ref_dv), dtype, "grad")
 
 
@@ -104,6 +113,61 @@ def test_oracle_scale_shapes_by_hand(shape):
     np.testing.assert_array_equal(f, expected[shape])
   else:
     assert (f == 1.0).sum() == P_ * ps * K_ - 1
+
+
+def _sinks_mla_example():
+  """Two sequences, one q head and kv head, H = 1, Hv = 2, page_size 2, scale 1.
+
+  Sequence 0 decodes 1 token (row 0, q = 1) over 2 keys in page 1: k = 0, ln 2; v = (4, 0), (0, 8).
+  Sequence 1 decodes 1 token (row 1) whose only page id is -1: it sees no key.  Row 2 is padding.
+  """
+  q = np.array([[[1.0]], [[5.0]], [[7.0]]])  # [T=3, N=1, H=1]
+  k_pages = np.zeros((2, 2, 1, 1))
+  v_pages = np.zeros((2, 2, 1, 2))
+  k_pages[1, :, 0, 0] = [0.0, np.log(2.0)]
+  v_pages[1, :, 0] = [[4.0, 0.0], [0.0, 8.0]]
+  args = (q, k_pages, v_pages, np.array([2, 1]), np.array([[1], [-1]]), np.array([0, 1, 2]), np.array([2]))
+  return args, np.ones((3, 1, 2))  # dO = (1, 1) on every row
+
+
+def test_oracle_sinks_and_mla_by_hand():
+  """Sinks and Hv != H, forward and every gradient, worked out by hand.
+
+  Row 0: logits q . k = 0, ln 2, and the sink s = 0, so the softmax numerators are 1, 2, 1 (sum 4):
+  p = 1/4, 1/2 and p_sink = 1/4.  out = 1/4 (4, 0) + 1/2 (0, 8) = (1, 4).
+  Backward with dO = (1, 1): D = dO . out = 5; dp_j = v_j . dO = 4, 8; ds_j = p_j (dp_j - D) = -1/4, 3/2
+  (with the sink's -p_sink D = -5/4 they sum to 0, as softmax gradients must).  dq = sum_j ds_j k_j = 3/2 ln 2;
+  dk_j = ds_j q = -1/4, 3/2; dv_j = p_j dO = (1/4, 1/4), (1/2, 1/2); dsinks = -p_sink D = -5/4.
+  Row 1 sees no key: out 0, all its mass in the sink, D = 0, so it adds nothing (dsinks included).  Row 2 is
+  padding: 0.  Without the sink, row 0 would be softmax(0, ln 2) = 1/3, 2/3: out (4/3, 16/3); a sink of -inf is
+  no sink.
+  """
+  args, do = _sinks_mla_example()
+  out, (dq, dk, dv, dsinks) = paged_oracle(*args, do=do, scale=1.0, sinks=np.array([0.0]))
+  np.testing.assert_allclose(out[:, 0], [[1.0, 4.0], [0.0, 0.0], [0.0, 0.0]], atol=1e-12)
+  np.testing.assert_allclose(dq[:, 0, 0], [1.5 * np.log(2.0), 0.0, 0.0], atol=1e-12)
+  np.testing.assert_allclose(dk[1, :, 0, 0], [-0.25, 1.5], atol=1e-12)
+  np.testing.assert_allclose(dv[1, :, 0], [[0.25, 0.25], [0.5, 0.5]], atol=1e-12)
+  assert not dk[0].any() and not dv[0].any()  # page 0 is nobody's
+  np.testing.assert_allclose(dsinks, [-1.25], atol=1e-12)
+  for no_sink in (None, np.array([-np.inf])):
+    out, grads = paged_oracle(*args, do=do, scale=1.0, sinks=no_sink)
+    np.testing.assert_allclose(out[0, 0], [4.0 / 3.0, 16.0 / 3.0], atol=1e-12)
+    assert len(grads) == (3 if no_sink is None else 4)
+
+
+@pytest.mark.parametrize("fn", [op_vjp, ref_vjp], ids=["op", "reference"])
+def test_library_on_the_hand_computed_sinks_and_mla_batch(fn):
+  """The op (XLA) and the reference reproduce the hand-computed numbers above (float32)."""
+  args, do = _sinks_mla_example()
+  args = tuple(jnp.asarray(x, F32 if x.dtype.kind == "f" else jnp.int32) for x in args)
+  kw = dict(block_sizes=fr.BlockSizes(block_q=1, block_kv=2)) if fn is op_vjp else {}
+  out, (dq, dk, dv, dsinks) = fn(args, jnp.asarray(do, F32), scale=1.0, sinks=jnp.zeros((1,), F32), **kw)
+  np.testing.assert_allclose(np.asarray(out[:, 0]), [[1.0, 4.0], [0.0, 0.0], [0.0, 0.0]], atol=1e-6)
+  np.testing.assert_allclose(np.asarray(dq[:, 0, 0]), [1.5 * np.log(2.0), 0.0, 0.0], atol=1e-6)
+  np.testing.assert_allclose(np.asarray(dk[1, :, 0, 0]), [-0.25, 1.5], atol=1e-6)
+  np.testing.assert_allclose(np.asarray(dv[1, :, 0]), [[0.25, 0.25], [0.5, 0.5]], atol=1e-6)
+  np.testing.assert_allclose(np.asarray(dsinks), [-1.25], atol=1e-6)
 
 
 # -- every scenario, forward and gradients -------------------------------------------------
@@ -162,6 +226,51 @@ def test_scaled_float_page_grads_match_oracle(scales):
   """Float pages with scales: dk/dv with respect to the stored values, for every scale shape."""
   rng = np.random.default_rng([65, len(scales[0])])
   check_against_oracle(make_batch(rng, scenario("mixed", rng), scale_shape=scales))
+
+
+# -- attention sinks and MLA head shapes (registry cases: tests/cases.py) ---------------------------------------
+
+# (registry case, batch mix, dtype): decode, chunked prefill, mixed and edge batches; window with sinks (mla_sinks),
+# window + soft cap with sinks (sinks_window_cap, MHA 4:4), GQA 4:1 with sinks (sinks_gqa) and MLA (qk 24, v 16).
+SINKS_MLA = [
+  ("sinks_gqa", "decode", F32),
+  ("mla_gqa", "chunked", F32),
+  ("mla_sinks", "mixed", F32),
+  ("sinks_window_cap", "edge", F32),
+  ("mla_sinks", "mixed", BF16),
+]
+
+
+@pytest.mark.parametrize("case, name, dtype", SINKS_MLA, ids=[f"{c}-{n}-{jnp.dtype(d).name}" for c, n, d in SINKS_MLA])
+def test_sinks_mla_match_oracle(case, name, dtype):
+  """Forward, dq, dk_pages, dv_pages [P, page_size, K, Hv] and dsinks of the XLA op against the oracle."""
+  (c,) = pick(case)
+  rng = np.random.default_rng([67, SINKS_MLA.index((case, name, dtype))])
+  b = case_batch(c, rng, scenario(name, rng), dtype=dtype)
+  check_against_oracle(b, dtype, **features(c))
+
+
+def test_sinks_mla_shared_prefix_match_oracle():
+  """Two sequences read the same prefix pages: their dK / dV [.., Hv] add up in the shared slots."""
+  (c,) = pick("mla_sinks")
+  rng = np.random.default_rng(68)
+  b = case_batch(c, rng, [(3, 13), (2, 19), (1, 6)], share_prefix=True)
+  assert int(b.page_indices[0, 0]) == int(b.page_indices[1, 0])
+  check_against_oracle(b, **features(c))
+
+
+@pytest.mark.parametrize(
+  "case, page_dtype, scales",
+  [("mla_sinks", "int8", ("page", "token")), ("sinks_gqa", "float8_e4m3fn", ("token", "scalar"))],
+  ids=["int8-mla_sinks", "fp8-sinks_gqa"],
+)
+def test_sinks_mla_quantized_pages_match_oracle(case, page_dtype, scales):
+  """Quantized pages with scales: output, dq and dsinks (quantized pages have no float gradient)."""
+  (c,) = pick(case)
+  rng = np.random.default_rng([69, len(page_dtype)])
+  b = case_batch(c, rng, scenario("mixed", rng), page_dtype=jnp.dtype(page_dtype), scale_shape=scales)
+  assert b.v_pages.shape[3] == c.v_dim
+  check_against_oracle(b, page_grads=False, **features(c))
 
 
 # -- mutations: a wrong dequantisation must fail the oracle checks --------------------------------

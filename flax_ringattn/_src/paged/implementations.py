@@ -68,14 +68,19 @@ class PagedPallasTpu:
       q, k_pages, block_q=blocks.block_q, pages_per_block=max(1, blocks.block_kv // k_pages.shape[1])
     )
 
-  def blocks(self, *, q, k_pages, block_sizes, k_scale, v_scale, pages_per_seq, logits_soft_cap) -> BlockSizes:
+  def blocks(
+    self, *, q, k_pages, block_sizes, k_scale, v_scale, pages_per_seq, logits_soft_cap, v_pages=None
+  ) -> BlockSizes:
+    """The call's blocks, or the planner's for its shapes (v_pages: its head dim Hv may differ from H, as in
+    MLA; None: like k_pages)."""
     if block_sizes is not None:
       return block_sizes
     T, N, H = q.shape
     _, ps, K, _ = k_pages.shape
+    Hv = H if v_pages is None else v_pages.shape[3]
     rows = tuple(0 if x is None else (1 if x.ndim < 3 else ps) for x in (k_scale, v_scale))
     try:
-      return _planned(T, ps, pages_per_seq, N, K, H, q.dtype, k_pages.dtype, rows, logits_soft_cap is not None)
+      return _planned(T, ps, pages_per_seq, N, K, H, Hv, q.dtype, k_pages.dtype, rows, logits_soft_cap is not None)
     except ValueError as e:
       raise NotImplementedError(str(e)) from None
 
@@ -90,11 +95,11 @@ class PagedPallasTpu:
 
 
 @functools.lru_cache(maxsize=256)
-def _planned(T, ps, pages_per_seq, N, K, H, q_dtype, page_dtype, scale_rows, soft_cap) -> BlockSizes:
+def _planned(T, ps, pages_per_seq, N, K, H, Hv, q_dtype, page_dtype, scale_rows, soft_cap) -> BlockSizes:
   """`plan_paged_block_sizes`, once per shape: a call consults it to check support and again for its blocks, and
   a serving step asks twice (does the fused write run, then the write itself)."""
   return planners.plan_paged_block_sizes(
-    T, ps, pages_per_seq, N, K, H, q_dtype, page_dtype, scale_rows=scale_rows, soft_cap=soft_cap
+    T, ps, pages_per_seq, N, K, H, q_dtype, page_dtype, scale_rows=scale_rows, soft_cap=soft_cap, v_head_dim=Hv
   )
 
 

@@ -171,7 +171,9 @@ def _prepare(
     raise TypeError(f"block_sizes must be a flax_ringattn.BlockSizes, got {type(block_sizes).__name__}")
   if block_sizes is not None and block_sizes.block_kv % ps and ps % block_sizes.block_kv:
     raise ValueError(f"block_sizes.block_kv={block_sizes.block_kv} must be a multiple of page_size={ps}")
-  shape = dict(q=q, k_pages=k_pages, k_scale=k_scale, v_scale=v_scale, pages_per_seq=pps, logits_soft_cap=cap)
+  shape = dict(
+    q=q, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale, pages_per_seq=pps, logits_soft_cap=cap
+  )
   backend = PAGED.select(implementation, interpret=interpret, block_sizes=block_sizes, **shape).backend
   blocks = backend.blocks(block_sizes=block_sizes, **shape)
   pages_per_block = max(1, min(blocks.block_kv // ps, pps))

@@ -49,6 +49,8 @@ def paged_reference_attention(
   ids = jnp.clip(page_indices, 0, P - 1)
   kv_pos = jnp.arange(L)
   kv_ok = jnp.repeat(page_ok, ps, axis=1) & (kv_pos[None] < kv_lens[:, None])  # [S, L]
+  # Slots past num_seqs are dead: padding rows map to one, and its garbage pages must not reach them (0 * NaN).
+  kv_ok = kv_ok & (jnp.arange(S) < num_seqs[0])[:, None]
 
   def gather(pages, sc):
     x = common.dequantize(pages[ids], sc, ids).reshape(S, L, K, pages.shape[3])

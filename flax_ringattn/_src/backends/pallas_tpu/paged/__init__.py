@@ -1,10 +1,10 @@
 """Pallas TPU ragged paged attention: one launch for a mixed prefill + decode batch, forward and backward.
 
 Grid: one step per block of `bq` consecutive rows of q (q stays [T, N, H] as
-projected; its BlockSpec is (bq, N, H), so nothing is transposed outside the
-kernel).  A block may hold rows of several sequences; the step derives
-everything else from the scalar-prefetched metadata (SMEM), with no
-precomputed schedule:
+projected; its BlockSpec is (bq, N, H), the output's (bq, N, Hv), so nothing
+is transposed outside the kernel).  A block may hold rows of several
+sequences; the step derives everything else from the scalar-prefetched
+metadata (SMEM), with no precomputed schedule:
 
   1. the first sequence whose rows reach the block (a scalar scan of cu_q_lens);
   2. for each sequence s overlapping the block: its rows in the block, their
@@ -17,6 +17,13 @@ precomputed schedule:
   4. for each kv head: the G = N / K q heads of its group, folded to one
      (bq * G, H) operand (row r is token r // G, head r % G), meet the block
      in one matmul, so decode under 8:1 GQA fills 8 rows of the MXU per token.
+
+MLA head shapes: v pages may be [P, page_size, K, Hv] with Hv != H (q and k's).
+The v buffers, their copies, the o / dV accumulators and the outputs are Hv wide;
+only q . k and dq, dK use H.  Attention sinks need nothing here: `_src/flash.py`
+applies them after the forward, and the backward only reads p where a key is
+visible, so the sink-inclusive lse it receives (finite, s_h, on rows that see no
+key) still gives those rows exact-zero gradients.
 
 Isolation: a page slot is copied only if the page id is in [0, P) and the
 slot is below kv_lens[s]; anything else is never read.  Copied slots past

@@ -20,7 +20,8 @@ def _bwd_kernel(
   _dk_in, _dv_in, dq_ref, dk_hbm, dv_hbm, *rest = rest
   del _dk_in, _dv_in  # the same buffers as dk_hbm / dv_hbm (aliased)
   k_buf, v_buf, scale_bufs, rest = w.split_scratch(d, rest)
-  dq_sc, dk_blk, dv_blk, page_sc, sem = rest
+  dq_sc, dk_blk, dv_blk, *page_bufs, sem = rest
+  dk_page, dv_page = page_bufs[0], page_bufs[-1]  # one buffer for both unless v's head dim differs (MLA)
   r = w.Refs(cu_ref, kv_lens_ref, table_ref, n_ref, k_hbm, v_hbm, scales_hbm, k_buf, v_buf, scale_bufs, sem)
   G, q_lo, rows = d.G, pl.program_id(0) * d.bq, d.bq * d.G
   dq_sc[...] = jnp.zeros(dq_sc.shape, c.F32)
@@ -35,6 +36,8 @@ def _bwd_kernel(
       heads = slice(k * G, (k + 1) * G)
       q = w.fold(q_ref[:, heads, :], G)
       do = w.fold(do_ref[:, heads, :], G)
+      # lse is the final one (flash.py): with sinks it is finite even on rows that see no key (s_h), without them
+      # -inf there.  Either way only `vis` decides which p are read, so those rows get exact-zero gradients.
       lse = lse_ref[:, heads].reshape(rows, 1)
       lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
       delta = delta_ref[:, heads].reshape(rows, 1)
@@ -44,7 +47,7 @@ def _bwd_kernel(
         t = jnp.tanh(s_ / spec.logits_soft_cap)
         s_ = spec.logits_soft_cap * t
       p = jnp.where(vis, jnp.exp(jnp.where(vis, s_, 0.0) - lse), 0.0)  # [rows, L]
-      dv = w.dot(p, do, ((0,), (0,)), d.q_dtype)  # [L, H]
+      dv = w.dot(p, do, ((0,), (0,)), d.q_dtype)  # [L, Hv]
       dp = w.dot(do, vv, ((1,), (1,)), d.q_dtype)
       ds = p * (dp - delta)
       if t is not None:
@@ -53,7 +56,7 @@ def _bwd_kernel(
       dq = w.dot(ds, kk, ((1,), (0,)), d.q_dtype)  # [rows, H]
       dq_sc[:, heads, :] = dq_sc[:, heads, :] + dq.reshape(d.bq, G, d.H)
       dk = w.dot(ds, q, ((0,), (0,)), d.q_dtype).reshape(d.ppb, d.ps, d.H)
-      dv = dv.reshape(d.ppb, d.ps, d.H)
+      dv = dv.reshape(d.ppb, d.ps, d.Hv)
       # Gradients with respect to the stored values: d(stored) = d(dequantised) * scale.
       if k_sc is not None:
         dk = dk * k_sc
@@ -64,7 +67,7 @@ def _bwd_kernel(
 
     # Read-add-write of every page read, one at a time (a page may repeat in a table row).
     def add_page(j, pid):
-      for acc_hbm, blk in ((dk_hbm, dk_blk), (dv_hbm, dv_blk)):
+      for acc_hbm, blk, page_sc in ((dk_hbm, dk_blk, dk_page), (dv_hbm, dv_blk, dv_page)):
         rd = pltpu.make_async_copy(acc_hbm.at[pid], page_sc, sem.at[2])
         rd.start()
         rd.wait()
@@ -83,11 +86,12 @@ def _bwd_kernel(
 def paged_bwd(
   q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, lse, do, delta, *, spec, interpret
 ):
-  """(dq [T, N, H], dk_pages, dv_pages [P, page_size, K, H]) in float32, as the XLA backend's `paged_bwd`."""
-  d = pp.spec_dims(q, k_pages, page_indices, k_scale, v_scale, spec)
+  """(dq [T, N, H], dk_pages [P, page_size, K, H], dv_pages [P, page_size, K, Hv]) in float32, as the XLA
+  backend's `paged_bwd`."""
+  d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec)
   prefetch, scales = pp.operands(d, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
-  zeros = jnp.zeros((d.P, d.ps, d.K, d.H), c.F32)
-  operands = (*prefetch, q, do.astype(q.dtype), lse, delta, k_pages, v_pages, *scales, zeros, zeros)
+  dk0, dv0 = (jnp.zeros((d.P, d.ps, d.K, h), c.F32) for h in (d.H, d.Hv))
+  operands = (*prefetch, q, do.astype(q.dtype), lse, delta, k_pages, v_pages, *scales, dk0, dv0)
   n = len(operands)
   kernel = functools.partial(_bwd_kernel, d=d, spec=spec)
   # dK/dV pages are read-modified-written across grid steps: the steps run in order on one core.

@@ -53,9 +53,9 @@ def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *res
       p = jnp.exp(s_ - m_safe)
       l_sc[k] = jnp.broadcast_to(alpha * l_prev + p.sum(axis=-1, keepdims=True), (d.bq * G, c.LANES))
       m_sc[k] = jnp.broadcast_to(m_new, (d.bq * G, c.LANES))
-      pv = w.dot(p, vv, ((1,), (0,)), d.q_dtype)  # [bq * G, H]
+      pv = w.dot(p, vv, ((1,), (0,)), d.q_dtype)  # [bq * G, Hv]
       acc = acc_sc[:, k * G : (k + 1) * G, :]
-      acc_sc[:, k * G : (k + 1) * G, :] = alpha.reshape(d.bq, G, 1) * acc + pv.reshape(d.bq, G, d.H)
+      acc_sc[:, k * G : (k + 1) * G, :] = alpha.reshape(d.bq, G, 1) * acc + pv.reshape(d.bq, G, d.Hv)
 
   if d.write:
     _write_block(d, spec, r, new_refs, q_lo)
@@ -63,7 +63,9 @@ def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *res
   for k in range(d.K):
     l = l_sc[k][:, :1].reshape(d.bq, G, 1)
     m = m_sc[k][:, :1].reshape(d.bq, G, 1)
-    empty = l == 0.0  # no visible key (padding rows, empty sequences): o = 0, lse = -inf
+    # No visible key (padding rows, empty sequences): o = 0, lse = -inf (with sinks, flash.py then gives the row
+    # lse' = s_h, a finite lse whose backward must still read no key: see backward.py).
+    empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     o_ref[:, k * G : (k + 1) * G, :] = (acc_sc[:, k * G : (k + 1) * G, :] / l_safe).astype(o_ref.dtype)
     lse_ref[:, k * G : (k + 1) * G] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe)).reshape(d.bq, G)
@@ -113,8 +115,8 @@ def _write_rows(d: pp.PagedDims, r: w.Refs, new_refs, q_lo, s, seq_start, lo_row
 
 
 def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, *, spec, interpret):
-  """Returns (out [T, N, H] in q.dtype, lse [T, N] float32; -inf for rows not in the batch)."""
-  d = pp.spec_dims(q, k_pages, page_indices, k_scale, v_scale, spec)
+  """Returns (out [T, N, Hv] in q.dtype, lse [T, N] float32; -inf for rows not in the batch)."""
+  d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec)
   prefetch, scales = pp.operands(d, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
   kernel = functools.partial(_fwd_kernel, d=d, spec=spec)
   run = pp.launch(
@@ -144,9 +146,9 @@ def paged_fwd_write(
 ):
   """Forward with the fused cache write; not differentiable (serving).
 
-  k_new, v_new: [T, K, H] the new tokens' K/V as stored (page dtype; quantized by the caller), with their
-  per-token scales [T, K] when the cache keeps scales ([P, page_size, K]).  kv_lens and page_indices are the
-  cache's after the append (pages reserved, copy-on-write done).  Returns (out [T, N, H], k_pages, v_pages,
+  k_new, v_new: [T, K, H] / [T, K, Hv] the new tokens' K/V as stored (page dtype; quantized by the caller), with
+  their per-token scales [T, K] when the cache keeps scales ([P, page_size, K]).  kv_lens and page_indices are
+  the cache's after the append (pages reserved, copy-on-write done).  Returns (out [T, N, Hv], k_pages, v_pages,
   k_scale, v_scale); the page buffers are aliased to the results (donate them to update in place).
   """
   for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -154,7 +156,7 @@ def paged_fwd_write(
       raise NotImplementedError(
         f"the fused cache write stores per-token scales [P, page_size, K], got {name}.ndim={sc.ndim}"
       )
-  d = pp.spec_dims(q, k_pages, page_indices, k_scale, v_scale, spec, write=True)
+  d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, write=True)
   prefetch, _ = pp.operands(d, kv_lens, page_indices, cu_q_lens, num_seqs, None, None)
   scales = tuple(x for x in (k_scale, v_scale) if x is not None)
   new_scales = tuple(x.astype(c.F32) for x in (k_new_scale, v_new_scale) if x is not None)

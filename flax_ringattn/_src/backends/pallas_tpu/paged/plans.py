@@ -23,7 +23,7 @@ class PagedDims:
   T: int  # rows of q
   N: int
   K: int
-  H: int
+  H: int  # q's and k's head dim
   P: int  # pages
   ps: int  # page size
   S: int  # max_num_seqs
@@ -34,6 +34,11 @@ class PagedDims:
   page_dtype: object
   scale_rows: tuple  # (rows of k_scale, rows of v_scale) per page: 0 (no scale), 1 (per page) or ps (per token)
   write: bool = False  # fused cache write: the new tokens' K/V (and per-token scales) go into their pages first
+  v_head_dim: int | None = None  # v's (and the output's) head dim when it differs from H (MLA); None: H
+
+  @property
+  def Hv(self) -> int:
+    return self.H if self.v_head_dim is None else self.v_head_dim
 
   @property
   def G(self) -> int:
@@ -69,9 +74,10 @@ def check_supported(q, k_pages, *, block_q, pages_per_block) -> tuple[int, int]:
   return bq, max(1, pages_per_block)
 
 
-def dims_of(q, k_pages, page_indices, k_scale, v_scale, *, bq, ppb, write=False) -> PagedDims:
+def dims_of(q, k_pages, v_pages, page_indices, k_scale, v_scale, *, bq, ppb, write=False) -> PagedDims:
   T, N, H = q.shape
   P, ps, K, _ = k_pages.shape
+  Hv = v_pages.shape[3]
   S, pps = page_indices.shape
   rows = tuple(0 if x is None else (1 if x.ndim < 3 else ps) for x in (k_scale, v_scale))
   return PagedDims(
@@ -89,6 +95,7 @@ def dims_of(q, k_pages, page_indices, k_scale, v_scale, *, bq, ppb, write=False)
     page_dtype=jnp.dtype(k_pages.dtype),
     scale_rows=rows,
     write=write,
+    v_head_dim=None if Hv == H else Hv,
   )
 
 
@@ -104,7 +111,7 @@ def _any():
 
 
 def _kv_scratch(d: PagedDims):
-  bufs = [((2, d.ppb, d.ps, d.K, d.H), d.page_dtype)] * 2
+  bufs = [((2, d.ppb, d.ps, d.K, d.H), d.page_dtype), ((2, d.ppb, d.ps, d.K, d.Hv), d.page_dtype)]
   bufs += [((2, d.ppb, r, d.K), c.F32) for r in d.scale_rows if r]
   return bufs
 
@@ -114,14 +121,14 @@ def fwd_plan(d: PagedDims) -> c.CallPlan:
   rows = d.bq * d.G
   in_specs = [_row_block(d, (d.N, d.H)), _any(), _any(), *(_any() for _ in range(num_scales))]
   in_dtypes = [d.q_dtype, d.page_dtype, d.page_dtype, *((c.F32,) * num_scales)]
-  out_specs = [_row_block(d, (d.N, d.H)), _row_block(d, (d.N,))]
-  out_shapes = [jax.ShapeDtypeStruct((d.T, d.N, d.H), d.q_dtype), jax.ShapeDtypeStruct((d.T, d.N), c.F32)]
+  out_specs = [_row_block(d, (d.N, d.Hv)), _row_block(d, (d.N,))]
+  out_shapes = [jax.ShapeDtypeStruct((d.T, d.N, d.Hv), d.q_dtype), jax.ShapeDtypeStruct((d.T, d.N), c.F32)]
   if d.write:  # new K/V rows (and their per-token scales) in; the updated pages out (aliased, in HBM)
-    in_specs += [_row_block(d, (d.K, d.H))] * 2 + [_row_block(d, (d.K,))] * num_scales
+    in_specs += [_row_block(d, (d.K, d.H)), _row_block(d, (d.K, d.Hv))] + [_row_block(d, (d.K,))] * num_scales
     in_dtypes += [d.page_dtype] * 2 + [c.F32] * num_scales
     out_specs += [_any()] * (2 + num_scales)
-    pages = jax.ShapeDtypeStruct((d.P, d.ps, d.K, d.H), d.page_dtype)
-    out_shapes += [pages, pages] + [jax.ShapeDtypeStruct((d.P, d.ps, d.K), c.F32)] * num_scales
+    out_shapes += [jax.ShapeDtypeStruct((d.P, d.ps, d.K, h), d.page_dtype) for h in (d.H, d.Hv)]
+    out_shapes += [jax.ShapeDtypeStruct((d.P, d.ps, d.K), c.F32)] * num_scales
   return c.CallPlan(
     grid=(d.T // d.bq,),
     in_specs=tuple(in_specs),
@@ -132,19 +139,24 @@ def fwd_plan(d: PagedDims) -> c.CallPlan:
       *_kv_scratch(d),
       ((d.K, rows, c.LANES), c.F32),  # m
       ((d.K, rows, c.LANES), c.F32),  # l
-      ((d.bq, d.N, d.H), c.F32),  # acc, laid out as the output block
+      ((d.bq, d.N, d.Hv), c.F32),  # acc, laid out as the output block
     ),
   )
 
 
+def page_grad_buffers(d: PagedDims) -> tuple:
+  """Head dims of the one-page VMEM buffers the backward's read-add-write goes through: one for dK and dV, or
+  one each when v's head dim differs (MLA)."""
+  return (d.H,) if d.Hv == d.H else (d.H, d.Hv)
+
+
 def bwd_plan(d: PagedDims) -> c.CallPlan:
   num_scales = sum(1 for r in d.scale_rows if r)
-  page_grads = jax.ShapeDtypeStruct((d.P, d.ps, d.K, d.H), c.F32)
   return c.CallPlan(
     grid=(d.T // d.bq,),
     in_specs=(
       _row_block(d, (d.N, d.H)),  # q
-      _row_block(d, (d.N, d.H)),  # do
+      _row_block(d, (d.N, d.Hv)),  # do
       _row_block(d, (d.N,)),  # lse
       _row_block(d, (d.N,)),  # delta
       _any(),
@@ -155,13 +167,18 @@ def bwd_plan(d: PagedDims) -> c.CallPlan:
     ),
     in_dtypes=(d.q_dtype, d.q_dtype, c.F32, c.F32, d.page_dtype, d.page_dtype, *((c.F32,) * (num_scales + 2))),
     out_specs=(_row_block(d, (d.N, d.H)), _any(), _any()),
-    out_shapes=(jax.ShapeDtypeStruct((d.T, d.N, d.H), c.F32), page_grads, page_grads),
+    out_shapes=(
+      jax.ShapeDtypeStruct((d.T, d.N, d.H), c.F32),
+      jax.ShapeDtypeStruct((d.P, d.ps, d.K, d.H), c.F32),
+      jax.ShapeDtypeStruct((d.P, d.ps, d.K, d.Hv), c.F32),
+    ),
     scratch=(
       *_kv_scratch(d),
       ((d.bq, d.N, d.H), c.F32),  # dq accumulator
       ((d.ppb, d.ps, d.K, d.H), c.F32),  # dK of one kv block
-      ((d.ppb, d.ps, d.K, d.H), c.F32),  # dV of one kv block
-      ((d.ps, d.K, d.H), c.F32),  # one page of the dK / dV accumulators (read-add-write)
+      ((d.ppb, d.ps, d.K, d.Hv), c.F32),  # dV of one kv block
+      # One page of the dK / dV accumulators (read-add-write).
+      *(((d.ps, d.K, h), c.F32) for h in page_grad_buffers(d)),
     ),
   )
 
@@ -212,8 +229,8 @@ def operands(d: PagedDims, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, 
   return prefetch, tuple(scales)
 
 
-def spec_dims(q, k_pages, page_indices, k_scale, v_scale, spec, write=False):
+def spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, write=False):
   block_q, block_kv = spec.block_sizes.block_q, spec.block_sizes.block_kv
   bq, ppb = check_supported(q, k_pages, block_q=block_q, pages_per_block=block_kv // k_pages.shape[1])
   scale_dims = [None if x is None else jnp.asarray(x) for x in (k_scale, v_scale)]
-  return dims_of(q, k_pages, page_indices, *scale_dims, bq=bq, ppb=ppb, write=write)
+  return dims_of(q, k_pages, v_pages, page_indices, *scale_dims, bq=bq, ppb=ppb, write=write)

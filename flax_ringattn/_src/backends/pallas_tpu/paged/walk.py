@@ -27,7 +27,7 @@ class Refs:
   v_hbm: object
   scales_hbm: tuple  # k_scale / v_scale [P, rows, K] (None when absent)
   k_buf: object  # [2, ppb, ps, K, H]
-  v_buf: object
+  v_buf: object  # [2, ppb, ps, K, Hv]
   scale_bufs: tuple  # [2, ppb, rows, K] (None when absent)
   sem: object  # DMA semaphores; [0] and [1]: the kv slots
 
@@ -86,14 +86,15 @@ def kv_valid_row(d: pp.PagedDims, copies, b, kv_len):
 
 
 def load_head(d: pp.PagedDims, buf, scale_buf, slot, k, valid):
-  """[ppb * ps, H] float32 values of kv head k (dequantised, zero where not valid), and the scale [ppb, rows, 1]."""
-  x = buf[slot, :, :, k, :].astype(c.F32)  # [ppb, ps, H]
+  """[ppb * ps, H or Hv] float32 values of kv head k (dequantised, zero where not valid), and the scale
+  [ppb, rows, 1]."""
+  x = buf[slot, :, :, k, :].astype(c.F32)  # [ppb, ps, H or Hv]
   sc = None
   if scale_buf is not None:
     sc = scale_buf[slot, :, :, k][..., None]  # [ppb, rows, 1]
     x = x * sc
   x = jnp.where(valid, x, 0.0)
-  return x.reshape(d.block_tokens, d.H), sc
+  return x.reshape(d.block_tokens, x.shape[-1]), sc
 
 
 def fold(x, G):

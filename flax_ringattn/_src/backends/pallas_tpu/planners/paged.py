@@ -29,29 +29,35 @@ def paged_footprint(
   page_dtype,
   scale_rows=(0, 0),
   soft_cap=False,
+  v_head_dim=None,
 ) -> Footprint:
   """VMEM of the paged kernel 'paged_fwd' or 'paged_bwd' at `bq` rows and `pages_per_block` pages per kv block.
 
   `scale_rows`: per-page rows of (k_scale, v_scale): 0 without a scale, 1 per page (and for a scalar scale),
-  page_size per token.  Pages stay in HBM; the kernel copies them into a two-slot buffer itself.
+  page_size per token.  `v_head_dim`: v's (and the output's) head dim when it differs from `head_dim` (MLA):
+  the v pages, the output, do and the accumulators of o and dV are that wide.  Pages stay in HBM; the kernel
+  copies them into a two-slot buffer itself.
   """
   N, K, H, ps, ppb = num_heads, num_kv_heads, head_dim, page_size, pages_per_block
+  Hv = H if v_head_dim is None else v_head_dim
   G, L, f32 = N // K, pages_per_block * page_size, jnp.float32
   q_block = c.padded_bytes((bq, N, H), dtype)
-  kv_slots = 2 * c.padded_bytes((2, ppb, ps, K, H), page_dtype)
+  o_block = c.padded_bytes((bq, N, Hv), dtype)  # o, or do
+  kv_slots = c.padded_bytes((2, ppb, ps, K, H), page_dtype) + c.padded_bytes((2, ppb, ps, K, Hv), page_dtype)
   kv_slots += sum(c.padded_bytes((2, ppb, r, K), f32) for r in scale_rows if r)
   score = G * bq * L * 4  # one f32 [bq * G, L] tile
-  head_kv = 2 * L * H * 4  # one kv head's K and V block, dequantised to f32
+  head_kv = L * (H + Hv) * 4  # one kv head's K and V block, dequantised to f32
   if kernel == "paged_fwd":
-    pipelined = q_block + c.padded_bytes((bq, N, H), dtype) + c.padded_bytes((bq, N), f32)  # q; o, lse
-    scratch = kv_slots + 2 * c.padded_bytes((K, bq * G, c.LANES), f32) + c.padded_bytes((bq, N, H), f32)
+    pipelined = q_block + o_block + c.padded_bytes((bq, N), f32)  # q; o, lse
+    scratch = kv_slots + 2 * c.padded_bytes((K, bq * G, c.LANES), f32) + c.padded_bytes((bq, N, Hv), f32)
     temporaries = 3 * score + head_kv
   elif kernel == "paged_bwd":
-    pipelined = (
-      2 * q_block + 2 * c.padded_bytes((bq, N), f32) + c.padded_bytes((bq, N, H), f32)
-    )  # q, do, lse, delta; dq
-    scratch = kv_slots + c.padded_bytes((bq, N, H), f32) + 2 * c.padded_bytes((ppb, ps, K, H), f32)
-    scratch += c.padded_bytes((ps, K, H), f32)
+    # q, do, lse, delta; dq
+    pipelined = q_block + o_block + 2 * c.padded_bytes((bq, N), f32) + c.padded_bytes((bq, N, H), f32)
+    scratch = kv_slots + c.padded_bytes((bq, N, H), f32)
+    scratch += c.padded_bytes((ppb, ps, K, H), f32) + c.padded_bytes((ppb, ps, K, Hv), f32)  # dK, dV of a block
+    # One page of the read-add-write: one buffer for dK and dV, or one each when their head dims differ.
+    scratch += sum(c.padded_bytes((ps, K, h), f32) for h in ((H,) if Hv == H else (H, Hv)))
     temporaries = 5 * score + head_kv
   else:
     raise ValueError(f"kernel must be 'paged_fwd' or 'paged_bwd', got {kernel!r}")
@@ -72,13 +78,15 @@ def plan_paged_block_sizes(
   *,
   scale_rows=(0, 0),
   soft_cap=False,
+  v_head_dim=None,
   generation: str | None = None,
 ) -> BlockSizes:
   """`BlockSizes(block_q=rows per grid step, block_kv=tokens per kv block)` for the paged kernel.
 
   The largest kv block up to PAGED_MAX_BLOCK_TOKENS tokens (whole pages, at most a sequence's pages), then the
   tallest q block up to PAGED_MAX_BLOCK_Q rows (a prefill spanning several q blocks reads its pages once per
-  block), such that both the forward and the backward kernels fit `generation`'s VMEM budget.
+  block), such that both the forward and the backward kernels fit `generation`'s VMEM budget.  `v_head_dim`:
+  v's head dim when it differs from `head_dim` (MLA), as in `paged_footprint`.
   """
   generation = current_generation() if generation is None else generation
   budget = budget_bytes(generation)
@@ -97,6 +105,7 @@ def plan_paged_block_sizes(
     page_dtype=page_dtype,
     scale_rows=scale_rows,
     soft_cap=soft_cap,
+    v_head_dim=None if v_head_dim == head_dim else v_head_dim,
   )
   for ppb in sorted(pbs, reverse=True):
     for bq in sorted(qs, reverse=True):
@@ -106,5 +115,7 @@ def plan_paged_block_sizes(
   raise ValueError(
     f"plan_paged_block_sizes: no q block of {max_num_batched_tokens=} (multiples of {sub} up to "
     f"{PAGED_MAX_BLOCK_Q}) with whole pages of {page_size=} fits the {generation} VMEM budget of "
-    f"{budget / MiB:.1f} MiB ({num_heads=}, {num_kv_heads=}, {head_dim=})"
+    f"{budget / MiB:.1f} MiB ({num_heads=}, {num_kv_heads=}, {head_dim=}"
+    + ("" if v_head_dim in (None, head_dim) else f", {v_head_dim=}")
+    + ")"
   )
