@@ -8,6 +8,12 @@
 * `BiasStyle`: MHA with kv heads repeated by `jnp.repeat`, logits by `jnp.matmul`, an additive 0 / -inf bias,
   and a softmax written out with exp and sum.
 * `SegmentStyle`: builds its mask inside from segment ids and positions.
+* `GptOssAttention`: GQA with attention sinks written out (a learned logit column per head joined to the
+  logits, a float32 softmax, the column dropped), fused qkv with biases, an optional sliding window built in
+  the module from a constant band; `GptOssDecoder` alternates windowed and full layers.
+* `MlaAttention`: DeepSeek-style multi-head latent attention with small dims: q and k of 16 + 8 rope dims
+  (q = concat(q_nope, q_rope), the rope part of k shared by every head), v of 16, keys and values from a
+  normalised low-rank latent, logits `[B, T, N, S]` with the key axis last.
 
 Every model takes `(tokens [B, T] int, positions [B, T] int, mask-ish input)` and returns logits
 `[B, T, vocab]`.
@@ -214,3 +220,84 @@ class ScanDecoder(nnx.Module):
       return block(x, positions, mask)
 
     return self.embed.attend(body(self.blocks, self.embed(tokens), positions, mask))
+
+
+class GptOssAttention(nnx.Module):
+  """GQA with per-head sink logits joined to the scores before the softmax and dropped after it."""
+
+  def __init__(self, heads, kv_heads, head_dim, *, window=None, sink_column="last", rngs):
+    self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, head_dim, window
+    self.sink_column = sink_column  # "last" or "first"; the tests' broken variants use others
+    self.qkv = nnx.Linear(D, (heads + 2 * kv_heads) * head_dim, rngs=rngs)
+    self.out = nnx.Linear(heads * head_dim, D, rngs=rngs)
+    self.sinks = nnx.Param(nnx.initializers.normal(1.0)(rngs.params(), (heads,)))
+
+  def __call__(self, x, positions, mask):
+    B, T, _ = x.shape
+    N, K, H = self.heads, self.kv_heads, self.head_dim
+    G = N // K
+    q, k, v = jnp.split(self.qkv(x), [N * H, (N + K) * H], axis=-1)
+    q = rope(q.reshape(B, T, N, H), positions).reshape(B, T, K, G, H)
+    k = rope(k.reshape(B, T, K, H), positions)
+    v = v.reshape(B, T, K, H)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k) * H**-0.5
+    if self.window is not None:  # the last `window` tokens, the token itself included
+      near = jnp.tril(jnp.ones((T, T), bool)) & ~jnp.tril(jnp.ones((T, T), bool), -self.window)
+      mask = mask & near
+    scores = jnp.where(mask[:, None, None], scores, NEG)
+    column = jnp.broadcast_to(self.sinks[...].reshape(K, G, 1, 1), (B, K, G, T, 1)).astype(scores.dtype)
+    first = self.sink_column in ("first", "first_dropped_last")
+    scores = jnp.concatenate([column, scores] if first else [scores, column], axis=-1)
+    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
+    if self.sink_column in ("last", "first_dropped_last"):
+      probs = probs[..., :-1]
+    elif self.sink_column in ("first", "last_dropped_first"):
+      probs = probs[..., 1:]
+    else:  # "kept": the column is never dropped; the sink meets a zero value row instead (the same maths)
+      v = jnp.concatenate([v, jnp.zeros_like(v[:, :1])], axis=1)
+    enc = jnp.einsum("bkgts,bskh->btkgh", probs.astype(x.dtype), v)
+    return self.out(enc.reshape(B, T, N * H))
+
+
+class GptOssDecoder(Decoder):
+  """Sliding-window layers (even) alternating with full ones (odd), as gpt-oss stacks them."""
+
+  def __init__(self, layers=2, *, window=8, heads=4, kv_heads=2, head_dim=8, sink_column="last", rngs):
+    super().__init__(
+      lambda r: GptOssAttention(heads, kv_heads, head_dim, sink_column=sink_column, rngs=r), layers, rngs=rngs
+    )
+    for n, block in enumerate(self.blocks):
+      block.attn.window = window if n % 2 == 0 else None
+
+
+class MlaAttention(nnx.Module):
+  """DeepSeek-style MLA: q/k head dim nope + rope, v head dim v_dim, k and v from a low-rank latent."""
+
+  def __init__(self, heads, *, nope=16, rope_dim=8, v_dim=16, rank=16, rngs):
+    self.heads, self.nope, self.rope_dim, self.v_dim, self.rank = heads, nope, rope_dim, v_dim, rank
+    self.wq = nnx.Linear(D, heads * (nope + rope_dim), use_bias=False, rngs=rngs)
+    self.wkv_a = nnx.Linear(D, rank + rope_dim, use_bias=False, rngs=rngs)
+    self.kv_norm = RMS(rank)
+    self.wkv_b = nnx.Linear(rank, heads * (nope + v_dim), use_bias=False, rngs=rngs)
+    self.wo = nnx.Linear(heads * v_dim, D, use_bias=False, rngs=rngs)
+
+  def __call__(self, x, positions, mask):
+    B, T, _ = x.shape
+    N = self.heads
+    q = self.wq(x).reshape(B, T, N, self.nope + self.rope_dim)
+    q_nope, q_rope = jnp.split(q, [self.nope], axis=-1)
+    latent, k_rope = jnp.split(self.wkv_a(x), [self.rank], axis=-1)
+    kv = self.wkv_b(self.kv_norm(latent)).reshape(B, T, N, self.nope + self.v_dim)
+    k_nope, v = jnp.split(kv, [self.nope], axis=-1)
+    k_rope = rope(k_rope[:, :, None, :], positions)  # one rope key shared by every head
+    q = jnp.concatenate([q_nope, rope(q_rope, positions)], axis=-1)
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (B, T, N, self.rope_dim))], axis=-1)
+    scores = jnp.einsum("bthd,bshd->bths", q, k) * (self.nope + self.rope_dim) ** -0.5
+    scores = jnp.where(mask[:, :, None, :], scores, NEG)
+    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(x.dtype)
+    out = jnp.einsum("bths,bshd->bthd", probs, v)
+    return self.wo(out.reshape(B, T, N * self.v_dim))
+
+
+def mla(heads=4, **kw):
+  return lambda rngs: MlaAttention(heads, rngs=rngs, **kw)

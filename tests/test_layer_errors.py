@@ -165,6 +165,23 @@ def test_layer_constructor_rejects_unknown_keywords(cls):
     cls(NUM_HEADS, FEATURES, logit_soft_cap=2.0, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize("cls", [fr.PagedMultiHeadAttention, fr.RingMultiHeadAttention])
+def test_layer_sinks_and_v_head_dim_options_checked(cls):
+  make = functools.partial(cls, NUM_HEADS, FEATURES, rngs=nnx.Rngs(0))
+  with pytest.raises(
+    ValueError, match=r"v_head_dim must be a positive int .* or None \(the q/k head dim 4\), got v_head_dim=0"
+  ):
+    make(v_head_dim=0)
+  with pytest.raises(ValueError, match=r"got v_head_dim=2.5"):
+    make(v_head_dim=2.5)
+  with pytest.raises(TypeError, match=r"use_sinks must be a bool, got 'yes'"):
+    make(use_sinks="yes")
+  with pytest.raises(TypeError, match=r"unexpected keyword argument 'use_sink' \(did you mean 'use_sinks'\?\)"):
+    make(use_sink=True)
+  layer = make(v_head_dim=4)  # the q/k head dim: the parameter tree of nnx.MultiHeadAttention
+  assert layer.v_head_dim == 4 and layer.value.kernel.shape == (FEATURES, NUM_HEADS, 4) and layer.sinks is None
+
+
 def test_decode_flag():
   with pytest.raises(NotImplementedError, match="decode=True .* is not supported by RingMultiHeadAttention"):
     fr.RingMultiHeadAttention(NUM_HEADS, FEATURES, decode=True, rngs=nnx.Rngs(0))

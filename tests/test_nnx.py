@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import make_mesh
 from flax import nnx
@@ -186,3 +187,47 @@ def test_nnx_scan_and_remat_over_layers(remat):
   # (pure dicts: the ring layer's parameters also carry their mesh placement as metadata)
   pure = lambda g: nnx.to_pure_dict(nnx.state(g, nnx.Param))  # noqa: E731
   assert_close(pure(got_grads), pure(ref_grads), jnp.float32, "grad")
+
+
+def _attend_reference(m, x):
+  """The layer's projections around `reference_attention` (one device, the sinks of the layer if any)."""
+  sinks = None if m.sinks is None else m.sinks[...]
+  return m.out(fr.reference_attention(m.query(x), m.key(x), m.value(x), is_causal=True, sinks=sinks))
+
+
+@pytest.mark.parametrize(
+  "options,head_axis",
+  [(dict(use_sinks=True), "tp"), (dict(use_sinks=True, v_head_dim=4), None), (dict(v_head_dim=12), "tp")],
+  ids=["sinks-tp", "sinks+mla", "mla-tp"],
+)
+def test_sinks_and_v_head_dim_match_the_reference_and_train(options, head_axis):
+  """The sinks parameter ([N], zeros, over head_axis) and the MLA value head dim: forward and every parameter's
+  gradient match `reference_attention(..., sinks=)` on the same projections, and an optax step moves the sinks."""
+  shape, names = ((4, 2), ("sp", "tp")) if head_axis else ((8,), ("sp",))
+  mesh = make_mesh(shape, names)
+  ring = _ring(mesh, seq_axis="sp", head_axis=head_axis, **options)
+  twin = _ring(None, **options)
+  Hv = options.get("v_head_dim", QKV // NUM_HEADS)
+  assert ring.value.kernel.shape == (FEATURES, NUM_KV, Hv) and ring.out.kernel.shape == (NUM_HEADS, Hv, FEATURES)
+  assert ring.query.kernel.shape == (FEATURES, NUM_HEADS, QKV // NUM_HEADS)
+  if options.get("use_sinks"):
+    np.testing.assert_array_equal(np.asarray(ring.sinks[...]), np.zeros(NUM_HEADS))
+    spec = nnx.get_partition_spec(nnx.state(ring, nnx.Param))["sinks"].get_value()
+    assert spec == P(head_axis) and ring.sinks[...].sharding.spec == P(head_axis)
+    twin.sinks.set_value(jnp.linspace(-2.0, 3.0, NUM_HEADS))  # trained-looking values, one per head
+  else:
+    assert ring.sinks is None and "sinks" not in nnx.state(ring, nnx.Param)
+  nnx.update(ring, nnx.state(twin, nnx.Param))
+  x = jax.random.normal(jax.random.PRNGKey(6), (2, 32, FEATURES))
+  assert_close(nnx.jit(lambda m, x: m(x, is_causal=True))(ring, x), _attend_reference(twin, x), jnp.float32)
+  ref_loss = lambda m, x: jnp.mean(_attend_reference(m, x) ** 2)  # noqa: E731
+  pure = lambda g: nnx.to_pure_dict(nnx.state(g, nnx.Param))  # noqa: E731
+  assert_close(pure(nnx.jit(nnx.grad(_loss))(ring, x)), pure(nnx.grad(ref_loss)(twin, x)), jnp.float32, "grad")
+  if not options.get("use_sinks"):
+    return
+  opt = nnx.Optimizer(ring, optax.sgd(0.5), wrt=nnx.Param)
+  before = np.asarray(ring.sinks[...])
+  grad = np.asarray(nnx.grad(ref_loss)(twin, x).sinks[...])
+  nnx.jit(lambda m, o, x: o.update(m, nnx.grad(_loss)(m, x)))(ring, opt, x)
+  assert np.abs(grad).max() > 1e-4
+  np.testing.assert_allclose(np.asarray(ring.sinks[...]), before - 0.5 * grad, rtol=1e-4, atol=1e-6)

@@ -17,7 +17,7 @@ KH, HD = 2, 4  # kv heads, head dim
 F32 = jnp.float32
 
 
-def _create(num_pages=16, page_size=4, max_num_seqs=4, pages_per_seq=4, dtype=F32):
+def _create(num_pages=16, page_size=4, max_num_seqs=4, pages_per_seq=4, dtype=F32, v_head_dim=None):
   return fr.PagedKVCache.create(
     num_pages=num_pages,
     page_size=page_size,
@@ -25,6 +25,7 @@ def _create(num_pages=16, page_size=4, max_num_seqs=4, pages_per_seq=4, dtype=F3
     pages_per_seq=pages_per_seq,
     num_kv_heads=KH,
     head_dim=HD,
+    v_head_dim=v_head_dim,
     dtype=dtype,
   )
 
@@ -53,15 +54,15 @@ _util = jax.jit(fr.PagedKVCache.utilization)
 _fits = jax.jit(fr.PagedKVCache.fits)
 
 
-def _batch(rng, lens, num_tokens=16, pad_value=1e6, max_num_seqs=None):
-  """k, v [num_tokens, KH, HD] with lens[i] new tokens for live slot i (padding rows = pad_value), cu_q_lens
+def _batch(rng, lens, num_tokens=16, pad_value=1e6, max_num_seqs=None, v_dim=HD):
+  """k [num_tokens, KH, HD], v [num_tokens, KH, v_dim] with lens[i] new tokens for live slot i (padding rows = pad_value), cu_q_lens
   [max_num_seqs + 1] (entries past the live slots repeat the total), num_seqs."""
   total = int(sum(lens))
   max_num_seqs = len(lens) if max_num_seqs is None else max_num_seqs
   k = np.full((num_tokens, KH, HD), pad_value, np.float32)
-  v = np.full((num_tokens, KH, HD), -pad_value, np.float32)
+  v = np.full((num_tokens, KH, v_dim), -pad_value, np.float32)
   k[:total] = rng.normal(size=(total, KH, HD))
-  v[:total] = rng.normal(size=(total, KH, HD))
+  v[:total] = rng.normal(size=(total, KH, v_dim))
   cu = np.concatenate([[0], np.cumsum(lens), [total] * (max_num_seqs - len(lens))]).astype(np.int32)
   per_slot = [(k[cu[i] : cu[i + 1]], v[cu[i] : cu[i + 1]]) for i in range(len(lens))]
   return jnp.asarray(k), jnp.asarray(v), jnp.asarray(cu), jnp.asarray([len(lens)], jnp.int32), per_slot
@@ -69,7 +70,7 @@ def _batch(rng, lens, num_tokens=16, pad_value=1e6, max_num_seqs=None):
 
 def _step(cache, rng, lens, history=None, num_tokens=16):
   """Appends random tokens (lens[i] for slot i; slots past len(lens) idle); extends `history` (slot -> [(k, v)])."""
-  k, v, cu, n, per_slot = _batch(rng, lens, num_tokens, max_num_seqs=cache.max_num_seqs)
+  k, v, cu, n, per_slot = _batch(rng, lens, num_tokens, max_num_seqs=cache.max_num_seqs, v_dim=cache.v_head_dim)
   cache = _append(cache, k, v, cu, n)
   if history is not None:
     for i, (kk, vv) in enumerate(per_slot):
@@ -78,7 +79,7 @@ def _step(cache, rng, lens, history=None, num_tokens=16):
 
 
 def _gather(cache, slot):
-  """(k, v) [kv_len, KH, HD] of a slot as float32, read through its page table (dequantized)."""
+  """(k [kv_len, KH, HD], v [kv_len, KH, Hv]) of a slot as float32, read through its page table (dequantized)."""
   table = np.asarray(cache.page_indices)[slot]
   n, ps = int(cache.kv_lens[slot]), cache.page_size
   pages = [np.asarray(cache.k_pages, np.float32), np.asarray(cache.v_pages, np.float32)]
@@ -92,22 +93,22 @@ def _gather(cache, slot):
       p = table[t // ps]
       assert p >= 0, f"slot {slot} has no page for token {t}"
       rows.append(x[p, t % ps])
-    out.append(np.stack(rows) if rows else np.zeros((0, KH, HD), np.float32))
+    out.append(np.stack(rows) if rows else np.zeros((0, KH, x.shape[-1]), np.float32))
   return tuple(out)
 
 
-def _expected(history, slot):
+def _expected(history, slot, v_dim=HD):
   parts = history.get(slot, [])
   if not parts:
-    return np.zeros((0, KH, HD)), np.zeros((0, KH, HD))
+    return np.zeros((0, KH, HD)), np.zeros((0, KH, v_dim))
   return np.concatenate([k for k, _ in parts]), np.concatenate([v for _, v in parts])
 
 
 def _assert_slot(cache, slot, history):
   """The slot reads exactly its history (within half an int8 step per token and head for an int8 cache)."""
   k, v = _gather(cache, slot)
-  ek, ev = _expected(history, slot)
-  assert k.shape == ek.shape, (k.shape, ek.shape)
+  ek, ev = _expected(history, slot, cache.v_head_dim)
+  assert k.shape == ek.shape and v.shape == ev.shape, (k.shape, ek.shape, v.shape, ev.shape)
   for got, want in ((k, ek), (v, ev)):
     if cache.k_pages.dtype == jnp.int8:
       step = np.abs(want).max(-1, keepdims=True) / 127

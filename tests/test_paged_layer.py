@@ -165,6 +165,52 @@ def test_weights_from_ring_attention(explicit):
   _assert_matches(outs, expected, lengths)
 
 
+def _ring_twin(seed, **options):
+  """A one-device RingMultiHeadAttention with trained-looking sinks: the reference of the paged layer."""
+  ring = fr.RingMultiHeadAttention(NUM_HEADS, FEATURES, QKV, num_kv_heads=NUM_KV, rngs=nnx.Rngs(seed), **options)
+  if options.get("use_sinks"):
+    ring.sinks.set_value(jnp.linspace(-1.5, 2.5, NUM_HEADS))
+  return ring
+
+
+@pytest.mark.parametrize("head_axis", [None, "tp"])
+def test_sinks_and_v_head_dim_serve_like_ring_attention(head_axis):
+  """Sinks and an MLA value head dim (Hv = 4, H = 8): v pages of Hv, ragged steps equal whole sequences through
+  the ring layer with the same weights (on one device, or with the kv heads and sinks over a tensor axis)."""
+  options = dict(use_sinks=True, v_head_dim=4)
+  ring = _ring_twin(8, **options)
+  mesh = make_mesh((2,), ("tp",)) if head_axis else None
+  layer = _loaded(ring, mesh=mesh, head_axis=head_axis, **options)
+  cache = layer.kv_cache.get_value()
+  assert cache.k_pages.shape[3] == 8 and cache.v_pages.shape[3] == 4 and cache.v_head_dim == 4
+  lengths, chunk, start = _ragged_plan()
+  xs = _inputs(lengths, seed=8)
+  outs = serve(layer, xs, lengths, chunk, start)
+  _assert_matches(outs, ring(xs, is_causal=True), lengths)
+
+
+def test_sinks_gradient_through_a_prefill_step():
+  """A prefill step is differentiable in every parameter, the sinks included (RL log-probs, tuning)."""
+  options = dict(use_sinks=True, v_head_dim=4)
+  ring = _ring_twin(9, **options)
+  layer = _loaded(ring, **options)
+  xs = _inputs([5, 3], seed=9)
+  x = jnp.concatenate([xs[0, :5], xs[1, :3]])
+  cu, n = jnp.asarray([0, 5, 8, 8, 8], jnp.int32), jnp.asarray([2], jnp.int32)
+
+  def paged_loss(m):
+    return jnp.sum(m(x, cu_q_lens=cu, num_seqs=n) ** 2)
+
+  def ring_loss(m):
+    y = m(xs, is_causal=True)
+    return jnp.sum(y[0, :5] ** 2) + jnp.sum(y[1, :3] ** 2)
+
+  got = nnx.to_pure_dict(nnx.state(nnx.grad(paged_loss, argnums=nnx.DiffState(0, nnx.Param))(layer), nnx.Param))
+  want = nnx.to_pure_dict(nnx.state(nnx.grad(ring_loss)(ring), nnx.Param))
+  assert np.abs(np.asarray(want["sinks"])).max() > 1e-4
+  assert_close(got, want, F32, "grad")
+
+
 def test_free_then_reuse_slot():
   """A new sequence in a freed slot gets its own outputs; the other slot carries on undisturbed."""
   mha = _mha(seed=6)

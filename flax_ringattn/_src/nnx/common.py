@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import numbers
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from flax_ringattn._src import sharding
+from flax_ringattn._src import sharding, validation
 
 _PROJECTIONS = ("query", "key", "value", "out", "query_ln", "key_ln")
 _FLAX_OPTIONS = tuple(p for p in inspect.signature(nnx.MultiHeadAttention.__init__).parameters if p != "self")
+_FLAX_DEFAULTS = {name: p.default for name, p in inspect.signature(nnx.MultiHeadAttention.__init__).parameters.items()}
 
 
 def check_keywords(cls, kwargs):
@@ -60,9 +63,12 @@ def head_sharding_metadata(head_axis, mesh, *, kernel_metadata, bias_metadata, o
 
 
 def head_param_spec(projection: str, param: str, head_axis):
-  """Partition of a parameter of nnx.MultiHeadAttention with the heads on `head_axis` (None: not head-sharded)."""
+  """Partition of a parameter of nnx.MultiHeadAttention with the heads on `head_axis` (None: not head-sharded);
+  the layers' own `sinks` ([N], one logit per q head) is `projection="sinks"`."""
   if head_axis is None:
     return None
+  if projection == "sinks":
+    return (head_axis,)
   if projection in ("query", "key", "value"):
     return {"kernel": (None, head_axis, None), "bias": (head_axis, None)}.get(param)
   if projection == "out" and param == "kernel":
@@ -82,21 +88,95 @@ def place_params(layer, mesh, head_axis=None):
   """
   if mesh is None:
     return
+  for name, param, var in _layer_params(layer):
+    value = var.get_value()
+    spec = head_param_spec(name, param, head_axis)
+    if spec is None:
+      spec = var.get_metadata().get("out_sharding") or (None,) * value.ndim
+    target = sharding.named(mesh, P(*spec))
+    if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
+      if value.sharding.is_equivalent_to(target, value.ndim):
+        continue
+      var.set_value(jax.device_put(value, target))
+    else:
+      var.set_value(sharding.constrain(value, mesh, P(*spec)))
+
+
+def _layer_params(layer):
+  """(projection, parameter name, nnx.Param) of the layer's projections, and its `sinks` when it has them."""
   for name in _PROJECTIONS:
     module = getattr(layer, name, None)
     if not isinstance(module, nnx.Module):
       continue
     for path, var in nnx.iter_graph(module):
-      if not isinstance(var, nnx.Param):
-        continue
-      value = var.get_value()
-      spec = head_param_spec(name, path[-1], head_axis)
-      if spec is None:
-        spec = var.get_metadata().get("out_sharding") or (None,) * value.ndim
-      target = sharding.named(mesh, P(*spec))
-      if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
-        if value.sharding.is_equivalent_to(target, value.ndim):
-          continue
-        var.set_value(jax.device_put(value, target))
-      else:
-        var.set_value(sharding.constrain(value, mesh, P(*spec)))
+      if isinstance(var, nnx.Param):
+        yield name, path[-1], var
+  sinks = getattr(layer, "sinks", None)
+  if isinstance(sinks, nnx.Param):
+    yield "sinks", "sinks", sinks
+
+
+def check_v_head_dim(v_head_dim, head_dim: int) -> int:
+  """The value head dim of a layer: `v_head_dim`, or the q/k `head_dim` when None."""
+  if v_head_dim is None:
+    return head_dim
+  if not isinstance(v_head_dim, numbers.Integral) or isinstance(v_head_dim, bool) or v_head_dim < 1:
+    raise ValueError(
+      f"v_head_dim must be a positive int (the value projection's head dim, as in MLA) or None (the q/k head dim "
+      f"{head_dim}), got {v_head_dim=!r}"
+    )
+  return int(v_head_dim)
+
+
+def build_head_options(layer, *, use_sinks, v_head_dim, kwargs, metadata, mesh, head_axis):
+  """The layers' options beyond nnx.MultiHeadAttention, applied to a layer `super().__init__` just built.
+
+  `v_head_dim` (MLA): the value projection becomes [in_kv_features] -> [K, Hv] and the out projection
+  [N, Hv] -> [out_features], built with the same initialisers, dtypes, precision, dot_general and metadata as
+  flax builds them (`kwargs`: the caller's keywords; `metadata`: what the layer passed to flax); q and k keep
+  `head_dim`.  `use_sinks`: a learnable `sinks` parameter [N] (one logit per q head, zeros, `param_dtype`),
+  typed over `head_axis` like the kernels' head dimension.
+  """
+  validation.check_bool("use_sinks", use_sinks)
+  layer.v_head_dim = check_v_head_dim(v_head_dim, layer.head_dim)
+  rngs = kwargs["rngs"]
+  if layer.v_head_dim != layer.head_dim:
+    option = lambda name: kwargs.get(name, _FLAX_DEFAULTS[name])  # noqa: E731
+    common = dict(
+      dtype=layer.dtype,
+      param_dtype=layer.param_dtype,
+      use_bias=layer.use_bias,
+      precision=layer.precision,
+      rngs=rngs,
+    )
+    layer.value = nnx.LinearGeneral(
+      layer.in_kv_features,
+      out_features=(layer.num_kv_heads, layer.v_head_dim),
+      kernel_init=option("kernel_init"),
+      bias_init=option("bias_init"),
+      promote_dtype=layer.qkv_promote_dtype,
+      dot_general=layer.qkv_dot_general,
+      dot_general_cls=layer.qkv_dot_general_cls,
+      kernel_metadata=metadata["kernel_metadata"],
+      bias_metadata=metadata["bias_metadata"],
+      **common,
+    )
+    layer.out = nnx.LinearGeneral(
+      in_features=(layer.num_heads, layer.v_head_dim),
+      out_features=layer.out_features,
+      axis=(-2, -1),
+      kernel_init=option("out_kernel_init") or option("kernel_init"),
+      bias_init=option("out_bias_init") or option("bias_init"),
+      promote_dtype=layer.out_promote_dtype,
+      dot_general=layer.out_dot_general,
+      dot_general_cls=layer.out_dot_general_cls,
+      kernel_metadata=metadata["out_kernel_metadata"] or metadata["kernel_metadata"],
+      bias_metadata=metadata["out_bias_metadata"] or metadata["bias_metadata"],
+      **common,
+    )
+  layer.sinks = nnx.data(None)
+  if use_sinks:
+    placement = {}
+    if head_axis is not None or mesh is not None:
+      placement = {"out_sharding": (head_axis,), **({"mesh": mesh} if mesh is not None else {})}
+    layer.sinks = nnx.Param(jnp.zeros((layer.num_heads,), layer.param_dtype), **placement)

@@ -60,8 +60,8 @@ class ConversionReport:
   `replaced` / `skipped` (path, reason): the `nnx.MultiHeadAttention` layers.  `watched`: the model's own
   modules that look for attention written by hand at their first call; `sites` (`SiteReport`s, filled at the
   first call, or at once with `convert(..., example=...)`): each hand-written attention found, converted
-  (with what was recognised: heads and groups, scale, soft cap, window, mask kind, softmax) or left alone
-  (with the reason).  `converted` and `left_alone` list them by kind.
+  (with what was recognised: heads and groups, q/k and v head dims, scale, soft cap, window, mask kind, sinks,
+  softmax) or left alone (with the reason).  `converted` and `left_alone` list them by kind.
   """
 
   to: str
@@ -214,8 +214,11 @@ def convert(
     handwritten: (ring only) also convert attention written by hand in the
       model's own modules (einsum or matmul logits, scale, tanh cap,
       `where` mask or additive bias, softmax, einsum with v; MHA, grouped or
-      repeated GQA): the innermost module holding such a block runs it as
-      ring attention over `seq_axis`, with the mask recovered from the
+      repeated GQA; a v head dim other than q/k's, as in MLA; attention
+      sinks written as a per-head logit column joined before the softmax
+      and dropped after it, as in gpt-oss, whose gradient reaches the
+      model's parameter): the innermost module holding such a block runs it
+      as ring attention over `seq_axis`, with the mask recovered from the
       model's own (see "Hand-written attention" in the README).
     example: optional `fn(model)` calling the model once as training will
       (e.g. `lambda m: m(tokens, positions, mask)`); run abstractly (no

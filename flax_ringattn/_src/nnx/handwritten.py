@@ -15,6 +15,9 @@ Mechanism (see `ring/pattern.py` for the matcher):
   (caches, counters) is written back with `nnx.update`.
 * A call that passes a non-None argument named like `*cache*` (sampling) runs the model's code unchanged,
   and so does a site whose queries and keys differ in length.
+* Attention sinks written as a logit column joined before the softmax and dropped after it (gpt-oss) are
+  recognised around the matcher (`handwritten_sinks.py`) and passed to the op as `sinks=`; a value head dim
+  other than q/k's (MLA) is read from the second einsum.
 * Plans are cached per module class on the call's structure, static arguments and avals: a jitted step
   traces once, an eager loop traces once per shape.
 """
@@ -31,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flax_ringattn._src.nnx import handwritten_sinks
 from flax_ringattn._src.ring import pattern
 from flax_ringattn._src.ring.dense import bias_as_mask, context_mesh, masked_ring_attention
 from flax_ringattn._src.ring.options import RingOptions
@@ -53,12 +57,16 @@ class SiteReport:
     parts = [
       f"heads {d['q_heads']}/{d['kv_heads']} (groups {d['groups']}{', kv repeated' if d['kv_repeated'] else ''})"
     ]
+    if d.get("v_head_dim", d["head_dim"]) != d["head_dim"]:
+      parts.append(f"head dims q/k {d['head_dim']}, v {d['v_head_dim']}")
     parts.append(f"scale {d['scale']:.6g}" + (f" (q pre-scaled by {d['scale_on_q']:.6g})" if d["scale_on_q"] else ""))
     if d["soft_cap"] is not None:
       parts.append(f"soft cap {d['soft_cap']:.6g}")
     if d["window"] is not None:
       parts.append(f"window {d['window']}")
     parts.append(f"mask {d['mask']}")
+    if d.get("sinks"):
+      parts.append("sinks")
     parts.append(f"softmax {d['softmax']}")
     return f"{self.path} ({self.module}): " + ", ".join(parts)
 
@@ -107,6 +115,7 @@ class _Plan:
   sites: list
   out_tree: object = None
   dyn_index: tuple = ()
+  sinks: dict = dataclasses.field(default_factory=dict)  # g2 -> handwritten_sinks.SinkRef
   delegated: bool = False
   total_sites: int = 0  # sites in this call's jaxpr, its watched children's included
   total_rejects: int = 0
@@ -176,7 +185,7 @@ def _plan(module, call, split, flat):
         cache[key] = plan
       return plan
   program = pattern.Program.flatten(closed)
-  sites, rejected = pattern.find_sites(program)
+  sites, rejected, sinks = handwritten_sinks.find_sites(program)
   # The children hold all of this call's sites: they convert them.  A site of this module's own code (attention
   # inline beside attention children) makes this module convert every site of its call itself.
   delegated = bool(sites) and len(sites) <= found.child_sites
@@ -185,18 +194,19 @@ def _plan(module, call, split, flat):
     [] if delegated else sites,
     jax.tree.structure(out_shape),
     dyn_index,
+    sinks=sinks,
     delegated=delegated,
     total_sites=len(sites),
     total_rejects=len(rejected),
   )
-  _record(module, plan.sites, rejected if len(rejected) > found.child_rejects else [])
+  _record(module, plan.sites, rejected if len(rejected) > found.child_rejects else [], sinks)
   _count_in_enclosing(plan)
   if key is not None:
     cache[key] = plan
   return plan
 
 
-def _record(module, sites, rejected):
+def _record(module, sites, rejected, sinks):
   report = type(module)._fr_report
   path = getattr(module, "_fr_path", type(module).__name__)
   name = type(module)._fr_original.__name__
@@ -204,6 +214,8 @@ def _record(module, sites, rejected):
   for n, site in enumerate(sites):
     where = path if len(sites) == 1 else f"{path}[{n}]"
     details = site.describe()
+    details["v_head_dim"] = site.sizes["Hv"]
+    details["sinks"] = site.g2 in sinks
     if declared is not None:
       details["window"] = f"{declared} (declared)"
     report.add_site(SiteReport(where, name, True, details))
@@ -218,7 +230,7 @@ def _run(module, plan: _Plan, state, leaves):
   replace = {}
   declared = declared_window(opts, module)
   for site in plan.sites:
-    replace[site.g2] = _SiteFn(site, opts, declared)
+    replace[site.g2] = _SiteFn(site, opts, declared, plan.sinks.get(site.g2))
   skip = set().union(*(s.interior for s in plan.sites))
   outs = plan.program.run(inputs, replace=replace, skip=skip)
   out, new_state = jax.tree.unflatten(plan.out_tree, outs)
@@ -229,9 +241,9 @@ def _run(module, plan: _Plan, state, leaves):
 class _SiteFn:
   """The replacement of one site's second dot_general (its `inputs` keep those values alive)."""
 
-  def __init__(self, site, opts, declared_window=None):
-    self.site, self.opts, self.declared = site, opts, declared_window
-    self.inputs = site.inputs
+  def __init__(self, site, opts, declared_window=None, sinks=None):
+    self.site, self.opts, self.declared, self.sinks = site, opts, declared_window, sinks
+    self.inputs = site.inputs + ([sinks.atom] if sinks is not None else [])
 
   def __call__(self, read):
     site, opts = self.site, self.opts
@@ -257,7 +269,8 @@ class _SiteFn:
       precision=precision,
     )
     mask = None if mask is None else mask[:, None]
-    out = masked_ring_attention(q, k, v, options, mask=mask, also_exact=exact)
+    sinks = None if self.sinks is None else handwritten_sinks.read_sinks(site, self.sinks, read)
+    out = masked_ring_attention(q, k, v, options, mask=mask, also_exact=exact, sinks=sinks)
     return pattern.site_output(site, out)
 
 

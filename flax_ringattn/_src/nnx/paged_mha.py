@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from flax_ringattn._src import sharding, validation
-from flax_ringattn._src.nnx.common import check_keywords, head_sharding_metadata
+from flax_ringattn._src.nnx.common import build_head_options, check_keywords, head_sharding_metadata
 from flax_ringattn._src.paged import common as paged_common
 from flax_ringattn._src.paged.cache import PagedKVCache
 from flax_ringattn._src.paged.op import paged_attention, paged_attention_with_cache_write, uses_fused_cache_write
@@ -27,8 +27,10 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
   then runs under `shard_map` over it), `local_window_size` (jax.nn's meaning, as
   for `RingMultiHeadAttention`; the deprecated `sliding_window=w` is converted to
   `(w - 1, 0)`), `logits_soft_cap`, `implementation`, `block_sizes` and
-  `interpret` (as for `paged_attention`), and `checked`.  `decode` may be left out or True (the layer always samples from
-  its paged cache); decode=False raises.
+  `interpret` (as for `paged_attention`), `checked`, and `use_sinks` / `v_head_dim` (a learnable `sinks` parameter
+  [N], and a value head dim Hv other than the q/k one for MLA: the same parameters as `RingMultiHeadAttention`
+  with these options, whose weights load with `nnx.update`; the cache then keeps v pages of Hv).  `decode` may be
+  left out or True (the layer always samples from its paged cache); decode=False raises.
 
   A step whose new tokens do not fit a sequence's cache slot (past
   `pages_per_seq * page_size` tokens, or no free pages left) is never cut
@@ -41,9 +43,11 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
   run too.
 
   On pallas_tpu (a TPU with implementation=None, or interpret=...), without
-  `head_axis`, a step writes the new tokens' K/V into their pages inside the
-  attention kernel (fused cache write; the page buffers are aliased to its
-  results) after reserving pages (copy-on-write included) in XLA.
+  `head_axis` and without sinks, a step writes the new tokens' K/V into their
+  pages inside the attention kernel (fused cache write; the page buffers are
+  aliased to its results) after reserving pages (copy-on-write included) in
+  XLA.  With sinks the step appends, then attends (the fused write's kernel
+  returns no softmax statistics to apply them to).
 
   Usage::
 
@@ -74,6 +78,8 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     block_sizes=None,
     interpret=None,
     checked: bool = False,
+    use_sinks: bool = False,
+    v_head_dim: int | None = None,
     dropout_rate: float = 0.0,
     kernel_metadata: Mapping = MappingProxyType({}),
     out_kernel_metadata: Mapping = MappingProxyType({}),
@@ -117,6 +123,9 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       **metadata,
       **kwargs,
     )
+    build_head_options(
+      self, use_sinks=use_sinks, v_head_dim=v_head_dim, kwargs=kwargs, metadata=metadata, mesh=mesh, head_axis=head_axis
+    )
     self.mesh = mesh
     self.head_axis = head_axis
     self.local_window_size = local_window_size  # (left, right) or None
@@ -130,7 +139,8 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
   def init_cache(  # type: ignore[override]
     self, *, num_pages: int, page_size: int, max_num_seqs: int, pages_per_seq: int, dtype=None
   ):
-    """Creates the paged cache (`nnx.Cache` state); int8/float8 dtypes quantize per token."""
+    """Creates the paged cache (`nnx.Cache` state); int8/float8 dtypes quantize per token.  v pages have the
+    layer's `v_head_dim`."""
     cache = PagedKVCache.create(
       num_pages=num_pages,
       page_size=page_size,
@@ -138,6 +148,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       pages_per_seq=pages_per_seq,
       num_kv_heads=self.num_kv_heads,
       head_dim=self.head_dim,
+      v_head_dim=self.v_head_dim,
       dtype=dtype if dtype is not None else (self.dtype or self.param_dtype),
     )
     if self.mesh is not None:
@@ -248,25 +259,38 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       block_sizes=self.block_sizes,
       interpret=self.interpret,
     )
-    if self.mesh is None or self.head_axis is None:
+    sinks = None if self.sinks is None else self.sinks[...]
+    if (self.mesh is None or self.head_axis is None) and sinks is None:
       fused = self._fused_step(query, key, value, cu_q_lens, num_seqs, options)
       if fused is not None:
         return self.out(fused)
     cache = self._cache().append(key, value, cu_q_lens, num_seqs, checked=self.checked)
     self.kv_cache.set_value(cache)
 
-    def attend(q, k_pages, v_pages, k_scale, v_scale, kv_lens, table, cu, n):
+    def attend(q, k_pages, v_pages, k_scale, v_scale, sinks, kv_lens, table, cu, n):
       return paged_attention(
-        q, k_pages, v_pages, kv_lens, table, cu, n, k_scale=k_scale, v_scale=v_scale, checked=self.checked, **options
+        q,
+        k_pages,
+        v_pages,
+        kv_lens,
+        table,
+        cu,
+        n,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        sinks=sinks,
+        checked=self.checked,
+        **options,
       )
 
     kv_lens, table = cache.attention_view()
-    args = (query, cache.k_pages, cache.v_pages, cache.k_scale, cache.v_scale, kv_lens, table)
+    args = (query, cache.k_pages, cache.v_pages, cache.k_scale, cache.v_scale, sinks, kv_lens, table)
     meta = (jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(num_seqs, jnp.int32))
     if self.mesh is not None and self.head_axis is not None:
       h = self.head_axis
       scale_spec = None if cache.k_scale is None else P(None, None, h)
-      specs = (P(None, h, None), P(None, None, h, None), P(None, None, h, None), scale_spec, scale_spec)
+      sinks_spec = None if sinks is None else P(h)  # q heads are kv-head major: a device's slice is its heads'
+      specs = (P(None, h, None), P(None, None, h, None), P(None, None, h, None), scale_spec, scale_spec, sinks_spec)
       specs = specs + (P(),) * 4
       attend = jax.shard_map(attend, mesh=self.mesh, in_specs=specs, out_specs=P(None, h, None), check_vma=False)
       # Explicit axes: shard_map wants its inputs already laid out as in_specs.

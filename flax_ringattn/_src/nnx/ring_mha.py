@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from flax_ringattn._src import sharding
-from flax_ringattn._src.nnx.common import check_keywords, head_sharding_metadata, place_params
+from flax_ringattn._src.nnx.common import build_head_options, check_keywords, head_sharding_metadata, place_params
 from flax_ringattn._src.ring import strategies
 from flax_ringattn._src.ring.dense import masked_ring_attention
 from flax_ringattn._src.ring.op import check_mesh_lengths
@@ -89,6 +89,16 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     check_mask: verify, under jit, that a dense `mask=` was recovered exactly
       (a host callback per call reports a failure on stderr and the output is
       NaN; a concrete mask is always checked and raises).
+    use_sinks: add a learnable `sinks` parameter [N] (attention sinks, as in
+      gpt-oss): exp(sinks[h]) joins the softmax denominator of every row of
+      head h and carries no value.  Zeros at first (load trained values with
+      `nnx.update`), in `param_dtype`, sharded over `head_axis` like the
+      kernels' head dimension, and trained like any other parameter.
+    v_head_dim: the value head dim Hv when it differs from the q/k head dim
+      H = qkv_features // num_heads (MLA, e.g. DeepSeek's H = 192, Hv = 128):
+      the value kernel is then [in_kv_features, K, Hv] and the out kernel
+      [N, Hv, out_features].  None: Hv = H (the parameter tree of
+      `nnx.MultiHeadAttention`).
 
   `__call__` takes the arguments of `nnx.MultiHeadAttention.__call__` plus
   `is_causal` and `segment_ids` ([B, T] or a (q_ids, kv_ids) pair).  A dense
@@ -122,6 +132,8 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     logits_soft_cap: float | None = None,
     scale: float | None = None,
     check_mask: bool = True,
+    use_sinks: bool = False,
+    v_head_dim: int | None = None,
     kernel_metadata: Mapping = MappingProxyType({}),
     out_kernel_metadata: Mapping = MappingProxyType({}),
     bias_metadata: Mapping = MappingProxyType({}),
@@ -143,6 +155,10 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     )
     super().__init__(
       num_heads, in_features, qkv_features, out_features, num_kv_heads, in_kv_features, **metadata, **kwargs
+    )
+    # Sinks are a parameter, not an option: they stay out of `ring_options` and join each call as an operand.
+    build_head_options(
+      self, use_sinks=use_sinks, v_head_dim=v_head_dim, kwargs=kwargs, metadata=metadata, mesh=mesh, head_axis=head_axis
     )
     # Everything the layer hands the op, built once and the one place the layer keeps it (the attributes
     # `mesh`, `seq_axis`, ... read it); precision and dropout join per call.
@@ -251,7 +267,10 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
       broadcast_dropout=self.broadcast_dropout,
     )
-    x = masked_ring_attention(query, key, value, options, mask=mask, segment_ids=segment_ids, dropout_rng=dropout_rng)
+    sinks = None if self.sinks is None else self.sinks[...]
+    x = masked_ring_attention(
+      query, key, value, options, mask=mask, segment_ids=segment_ids, dropout_rng=dropout_rng, sinks=sinks
+    )
     if out_sharding is None and mesh is not None and sharding.has_explicit_axes(mesh, seq):
       # Explicit axes: the out projection contracts the (possibly sharded)
       # heads, so say where the result lives.

@@ -50,7 +50,7 @@ class _Admission:
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
   k_pages: jax.Array  # [P, page_size, K, H]
-  v_pages: jax.Array  # [P, page_size, K, H]
+  v_pages: jax.Array  # [P, page_size, K, Hv] (Hv == H unless v's head dim differs, as in MLA)
   page_indices: jax.Array  # [S, pages_per_seq] int32, -1 = no page
   kv_lens: jax.Array  # [S] int32 tokens stored per slot
   ref_counts: jax.Array  # [P] int32
@@ -69,9 +69,14 @@ class PagedKVCache:
     pages_per_seq: int,
     num_kv_heads: int,
     head_dim: int,
+    v_head_dim: int | None = None,
     dtype=jnp.float32,
   ) -> PagedKVCache:
-    """An empty cache; int8 / float8 dtypes store per-token, per-head scales."""
+    """An empty cache; int8 / float8 dtypes store per-token, per-head scales.
+
+    k pages hold `head_dim` H per kv head, v pages `v_head_dim` Hv (None: H; MLA stores e.g. H = 192, Hv = 128).
+    """
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
     for name, value in (
       ("num_pages", num_pages),
       ("page_size", page_size),
@@ -79,15 +84,15 @@ class PagedKVCache:
       ("pages_per_seq", pages_per_seq),
       ("num_kv_heads", num_kv_heads),
       ("head_dim", head_dim),
+      ("v_head_dim", v_head_dim),
     ):
-      if not isinstance(value, int) or value < 1:
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"PagedKVCache.create: {name} must be a positive int, got {name}={value!r}")
-    shape = (num_pages, page_size, num_kv_heads, head_dim)
     quantized = jnp.dtype(dtype).name in common.QUANTIZED_MAX
     scale = jnp.zeros((num_pages, page_size, num_kv_heads), jnp.float32) if quantized else None
     return cls(
-      k_pages=jnp.zeros(shape, dtype),
-      v_pages=jnp.zeros(shape, dtype),
+      k_pages=jnp.zeros((num_pages, page_size, num_kv_heads, head_dim), dtype),
+      v_pages=jnp.zeros((num_pages, page_size, num_kv_heads, v_head_dim), dtype),
       page_indices=jnp.full((max_num_seqs, pages_per_seq), -1, jnp.int32),
       kv_lens=jnp.zeros((max_num_seqs,), jnp.int32),
       ref_counts=jnp.zeros((num_pages,), jnp.int32),
@@ -112,6 +117,34 @@ class PagedKVCache:
   @property
   def pages_per_seq(self) -> int:
     return self.page_indices.shape[1]
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.k_pages.shape[2]
+
+  @property
+  def head_dim(self) -> int:
+    return self.k_pages.shape[3]
+
+  @property
+  def v_head_dim(self) -> int:
+    return self.v_pages.shape[3]
+
+  def _check_new(self, k, v, where: str):
+    """The new tokens' k [T, K, H] and v [T, K, Hv] must match the pages: the scatter would broadcast a size-1
+    head dim silently, and fail deep inside for other mismatches."""
+    want = {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.v_head_dim)}
+    for name, x in (("k", k), ("v", v)):
+      shape = tuple(getattr(x, "shape", ()))
+      if len(shape) != 3 or shape[1:] != want[name]:
+        letters = "[T, K, H]" if name == "k" else "[T, K, Hv]"
+        raise ValueError(
+          f"PagedKVCache.{where}: {name} must be {letters} = [T, {want[name][0]}, {want[name][1]}] as the cache "
+          f"stores it (num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, v_head_dim={self.v_head_dim}), "
+          f"got {name}.shape={shape}"
+        )
+    if k.shape[0] != v.shape[0]:
+      raise ValueError(f"PagedKVCache.{where}: k and v must have the same T, got k.shape={k.shape}, v.shape={v.shape}")
 
   # -- queries ----------------------------------------------------------------
   def num_free_pages(self):
@@ -290,8 +323,9 @@ class PagedKVCache:
     return jnp.where(self._overflowed(), 0, q_lens)
 
   def append(self, k, v, cu_q_lens, num_seqs, *, checked: bool = False) -> PagedKVCache:
-    """Reserves pages and writes the new K/V [T, K, H] of a ragged batch; kv_lens grows (see `reserve` for a
-    write that does not fit)."""
+    """Reserves pages and writes the new k [T, K, H] and v [T, K, Hv] of a ragged batch; kv_lens grows (see
+    `reserve` for a write that does not fit)."""
+    self._check_new(k, v, "append")
     T = k.shape[0]
     q_lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
     cache = self.reserve(q_lens, checked=checked)
@@ -301,10 +335,12 @@ class PagedKVCache:
     """`append` without the page writes, for a kernel that writes the new tokens itself (the fused write).
 
     Returns (cache, stored_k, stored_v, k_token_scale, v_token_scale): the cache with its pages reserved
-    (copy-on-write done) and kv_lens grown, and the new K/V [T, K, H] as the pages store them (quantized, with
-    per-token scales [T, K], when the cache keeps scales; else the scales are None).  The kernel must read the
-    lengths and page table of `cache.attention_view()`, so that a refused slot's tokens are stored nowhere.
+    (copy-on-write done) and kv_lens grown, and the new k [T, K, H] / v [T, K, Hv] as the pages store them
+    (quantized, with per-token scales [T, K], when the cache keeps scales; else the scales are None).  The
+    kernel must read the lengths and page table of `cache.attention_view()`, so that a refused slot's tokens are
+    stored nowhere.
     """
+    self._check_new(k, v, "reserve_append")
     q_lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
     cache = self.reserve(q_lens, checked=checked)
     k_store, k_sc = _quantize(cache.k_pages.dtype, cache.k_scale is not None, k)
@@ -375,7 +411,7 @@ def _zero_pages(x, released):
 
 
 def _quantize(dtype, scaled: bool, x):
-  """x [T, K, H] as pages of `dtype` store it, and its per-token scales [T, K] (None without scales)."""
+  """x [T, K, H | Hv] as pages of `dtype` store it, and its per-token scales [T, K] (None without scales)."""
   if not scaled:
     return x.astype(dtype), None
   qmax = common.QUANTIZED_MAX[jnp.dtype(dtype).name]
@@ -389,7 +425,7 @@ def _quantize(dtype, scaled: bool, x):
 
 
 def _store(pages, scale, page, slot, x):
-  """Writes x [T, K, H] at (page, slot); quantizes per token and head when `scale` is kept."""
+  """Writes x [T, K, H | Hv] at (page, slot); quantizes per token and head when `scale` is kept."""
   stored, s = _quantize(pages.dtype, scale is not None, x)
   pages = pages.at[page, slot].set(stored, mode="drop")
   return pages, None if scale is None else scale.at[page, slot].set(s, mode="drop")

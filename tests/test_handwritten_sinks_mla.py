@@ -1,0 +1,152 @@
+"""`convert` on hand-written attention with sinks (gpt-oss style) and MLA head dims (DeepSeek style).
+
+The models are look-alikes in `handwritten_models.py`; the batch, masks, loss and gradient helpers are those of
+`test_handwritten.py`.  Each converted model is compared with the unconverted one: logits on every token that
+sees a key, the loss and every parameter's gradient (the sinks' included), f32.  Sink columns that are not
+joined and dropped in the form convert runs exactly are left alone, with the reason.
+"""
+
+from __future__ import annotations
+
+import handwritten_models as hm
+import jax
+import numpy as np
+import pytest
+from conftest import make_mesh
+from flax import nnx
+from test_handwritten import F32, _batch, _grads, _inputs, _key_mask
+from tolerances import assert_close
+
+import flax_ringattn as fr
+
+WINDOW = 8
+
+
+def _check_converted_matches(make, *, expected, sees):
+  tokens, pos, third, _, valid = _inputs("mask")
+  ref, model = make(), make()
+  report = fr.convert(model, mesh=make_mesh((8,), ("sp",)), seq_axis="sp", example=lambda m: m(tokens, pos, third))
+  assert [s.path for s in report.converted] == ["blocks.0.attn", "blocks.1.attn"], str(report)
+  assert not report.left_alone, str(report)
+  for site, want in zip(report.converted, expected, strict=True):
+    for key, value in want.items():
+      assert site.details[key] == (pytest.approx(value) if isinstance(value, float) else value), (key, str(report))
+  got = nnx.jit(lambda m, *a: m(*a))(model, tokens, pos, third)
+  assert_close(np.asarray(got)[sees], np.asarray(ref(tokens, pos, third))[sees], F32)
+  step, params = _grads(model, tokens, pos, third, valid)
+  ref_step, ref_params = _grads(ref, tokens, pos, third, valid)
+  (loss, grads), (ref_loss, ref_grads) = step(params), ref_step(ref_params)
+  assert_close(loss, ref_loss, F32)
+  assert_close(grads, ref_grads, F32, "grad")
+  assert "collective-permute" in step.lower(params).compile().as_text()  # the ring runs
+  return report, grads
+
+
+@pytest.mark.parametrize("sink_column", ["last", "first"])
+def test_gpt_oss_sinks_windowed_and_full_layers(sink_column):
+  """GQA with sinks, a sliding-window layer then a full one: forward, loss and gradients (sinks' too) match."""
+  sees = np.asarray(_key_mask(*_batch()[2:], window=WINDOW)).any(-1)
+  expected = [
+    dict(q_heads=4, kv_heads=2, groups=2, sinks=True, window=(WINDOW - 1, 0), scale=8**-0.5),
+    dict(q_heads=4, kv_heads=2, groups=2, sinks=True, window=None),
+  ]
+  report, grads = _check_converted_matches(
+    lambda: hm.GptOssDecoder(window=WINDOW, sink_column=sink_column, rngs=nnx.Rngs(0)), expected=expected, sees=sees
+  )
+  assert "sinks" in str(report) and "window (7, 0)" in str(report), str(report)
+  for n in range(2):  # the sinks learn: their gradient is there and not zero
+    assert np.abs(np.asarray(grads["blocks"][n]["attn"]["sinks"][...])).max() > 1e-4
+
+
+def test_deepseek_mla_head_dims():
+  """q/k of 16 + 8 rope dims, v of 16: recognised with its own v head dim; forward and gradients match."""
+  sees = np.asarray(_key_mask(*_batch()[2:])).any(-1)
+  expected = [dict(q_heads=4, kv_heads=4, groups=1, head_dim=24, v_head_dim=16, sinks=False, scale=24**-0.5)] * 2
+  report, _ = _check_converted_matches(lambda: hm.Decoder(hm.mla(), rngs=nnx.Rngs(0)), expected=expected, sees=sees)
+  assert "head dims q/k 24, v 16" in str(report), str(report)
+
+
+@pytest.mark.parametrize(
+  "sink_column,reason",
+  [
+    ("kept", "the probabilities meet v with the sink column still in them"),
+    ("last_dropped_first", "keeps 1:33 of the 33 columns"),
+    ("first_dropped_last", "keeps 0:32 of the 33 columns"),
+  ],
+)
+def test_sink_column_not_dropped_exactly_is_left_alone(sink_column, reason):
+  """A sink column kept (it meets a zero value row instead) or the wrong column dropped: not converted, the
+  reason reported, and the model's own code runs (outputs equal)."""
+  tokens, pos, third, _, _ = _inputs("mask")
+  ref = hm.GptOssDecoder(window=None, sink_column=sink_column, rngs=nnx.Rngs(0))
+  model = hm.GptOssDecoder(window=None, sink_column=sink_column, rngs=nnx.Rngs(0))
+  report = fr.convert(model, mesh=make_mesh((8,), ("sp",), explicit=False), example=lambda m: m(tokens, pos, third))
+  assert not report.converted, str(report)
+  assert [s.path for s in report.left_alone] == ["blocks.0.attn", "blocks.1.attn"], str(report)
+  for site in report.left_alone:
+    assert site.reason.startswith("attention sinks: ") and reason in site.reason, str(report)
+  np.testing.assert_array_equal(np.asarray(model(tokens, pos, third)), np.asarray(ref(tokens, pos, third)))
+
+
+def test_a_dropped_sink_fails_the_comparison(monkeypatch):
+  """The comparison can fail: convert the gpt-oss model with its sinks forgotten and the logits differ."""
+  from flax_ringattn._src.nnx import handwritten_sinks
+
+  real = handwritten_sinks.find_sites
+  monkeypatch.setattr(handwritten_sinks, "find_sites", lambda prog: (*real(prog)[:2], {}))
+  tokens, pos, third, sees, _ = _inputs("mask")
+  ref, model = (hm.GptOssDecoder(window=None, rngs=nnx.Rngs(0)) for _ in range(2))
+  report = fr.convert(model, mesh=make_mesh((8,), ("sp",)))
+  got = np.asarray(nnx.jit(lambda m, *a: m(*a))(model, tokens, pos, third))
+  assert len(report.converted) == 2
+  with pytest.raises(AssertionError):
+    assert_close(got[sees], np.asarray(ref(tokens, pos, third))[sees], F32)
+
+
+REJECTED = {  # sink columns joined in ways that are not the op's sinks
+  "scaled_after_join": "mul on the logits after the sink column was joined",
+  "masked_after_join": "select_n on the logits after the sink column was joined",
+  "probabilities_returned": "returned",
+  "per_query_sinks": "varies over more than the heads",
+  "sliced_before_normalised": "the softmax must be finished before the column is dropped",
+}
+
+
+def _sink_attention(case):
+  T = 16
+
+  def fn(q, k, v, sinks, mask):
+    s = jax.numpy.einsum("btnh,bsnh->bnts", q, k) * 8**-0.5
+    s = jax.numpy.where(mask, s, -1e9)
+    if case == "per_query_sinks":
+      col = sinks[None, :, :, None]  # [1, N, T, 1]: a sink per head and query
+    else:
+      col = jax.numpy.broadcast_to(sinks[None, :, None, None], (1, 2, T, 1))
+    s = jax.numpy.concatenate([s, col], -1)
+    if case == "scaled_after_join":
+      s = s * 0.5
+    if case == "masked_after_join":
+      s = jax.numpy.where(jax.numpy.arange(T + 1) < T, s, -1e9)
+    if case == "sliced_before_normalised":  # the same maths, in a form convert does not follow
+      p = jax.numpy.exp(s - jax.lax.stop_gradient(s.max(-1, keepdims=True)))
+      keys = p[..., :-1] / p.sum(-1, keepdims=True)
+    else:
+      p = jax.nn.softmax(s, -1)
+      keys = p[..., :-1]
+    out = jax.numpy.einsum("bnts,bsnh->btnh", keys, v)
+    return (out, p) if case == "probabilities_returned" else out
+
+  x = jax.numpy.zeros((1, T, 2, 8))
+  sinks = jax.numpy.zeros((2, T) if case == "per_query_sinks" else (2,))
+  return jax.make_jaxpr(fn)(x, x, x, sinks, jax.numpy.ones((1, 1, T, T), bool))
+
+
+@pytest.mark.parametrize("case", list(REJECTED))
+def test_sink_patterns_that_are_not_the_ops_sinks_are_rejected(case):
+  from flax_ringattn._src.nnx import handwritten_sinks
+  from flax_ringattn._src.ring import pattern
+
+  sites, rejected, sinks = handwritten_sinks.find_sites(pattern.Program.flatten(_sink_attention(case)))
+  assert not sites and not sinks
+  assert len(rejected) == 1 and rejected[0].reason.startswith("attention sinks: "), rejected
+  assert REJECTED[case] in rejected[0].reason, rejected
