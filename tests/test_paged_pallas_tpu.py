@@ -568,13 +568,17 @@ def test_fused_write_equals_separate_append_int8_copy_on_write():
 
 
 @interpret
-def test_layer_uses_fused_write():
-  """The layer on pallas_tpu (interpret=True) takes the fused path and matches the XLA layer step by step."""
-  kw = dict(num_kv_heads=KV, rngs=nnx.Rngs(0))
-  fused = fr.PagedMultiHeadAttention(8, 16, 64, implementation="pallas_tpu", interpret=True, **kw)
-  plain = fr.PagedMultiHeadAttention(8, 16, 64, implementation="xla", num_kv_heads=KV, rngs=nnx.Rngs(0))
+@pytest.mark.parametrize("use_sinks", [False, True], ids=["plain", "sinks"])
+def test_layer_uses_fused_write(use_sinks):
+  """The layer on pallas_tpu (interpret=True) takes the fused path and matches the XLA layer step by step (with
+  sinks too: the fused write's finished rows are rescaled by them)."""
+  kw = dict(num_kv_heads=KV, use_sinks=use_sinks)
+  fused = fr.PagedMultiHeadAttention(8, 16, 64, implementation="pallas_tpu", interpret=True, rngs=nnx.Rngs(0), **kw)
+  plain = fr.PagedMultiHeadAttention(8, 16, 64, implementation="xla", rngs=nnx.Rngs(0), **kw)
   for layer in (fused, plain):
     layer.init_cache(**{k: v for k, v in CACHE.items() if k not in ("num_kv_heads", "head_dim")})
+    if use_sinks:  # learned values, not the zeros they start from
+      layer.sinks.set_value(jnp.linspace(-1.0, 3.0, 8, dtype=F32))
   calls = []
   real = paged_ops.paged_attention_with_cache_write
 
@@ -604,8 +608,9 @@ def test_layer_uses_fused_write():
 
 @interpret
 def test_fused_write_mla_pages():
-  """The fused write stores v_new [T, K, Hv] into v pages at Hv != H (and k_new at H), then attends over them:
-  pages equal a numpy scatter of the new rows, the output the reference's over those pages."""
+  """The fused write stores v_new [T, K, Hv] into v pages at Hv != H (and k_new at H), then attends over them
+  with sinks: pages equal a numpy scatter of the new rows, the output the reference's over those pages (sinks
+  rescale the kernel's finished rows, as in `flash`)."""
   rng = np.random.default_rng(83)
   seqs = [(3, 11), (1, 17), (9, 9), (0, 4), (6, 30)]  # chunked, decode, prefill, no new token, crossing q blocks
   b = make_batch(rng, seqs, num_kv_heads=KV, v_head_dim=4, **GEOM)
@@ -618,15 +623,18 @@ def test_fused_write_mla_pages():
       pos, row = kv_len - q_len + j, cu[i] + j
       k_want[table[i, pos // PS], pos % PS] = k_new[row]
       v_want[table[i, pos // PS], pos % PS] = v_new[row]
+  sinks = jnp.asarray(2.0 + rng.normal(size=GEOM["num_heads"]), F32)
   write = jax.jit(
     lambda q, *a: paged_ops.paged_attention_with_cache_write(
-      q, k_new, v_new, *a, block_sizes=BLOCKS, implementation="pallas_tpu", interpret=interpret_params()
+      q, k_new, v_new, *a, block_sizes=BLOCKS, implementation="pallas_tpu", interpret=interpret_params(),
+      sinks=sinks,
     )
-  )
+  )  # fmt: skip
   with no_races():
     out, k_pages, v_pages, _, _ = jax.block_until_ready(write(*b.args))
   np.testing.assert_array_equal(np.asarray(k_pages), k_want)
   np.testing.assert_array_equal(np.asarray(v_pages), v_want)
   assert out.shape == (T, GEOM["num_heads"], 4)
   written = b.replace(k_pages=jnp.asarray(k_want), v_pages=jnp.asarray(v_want))
-  assert_close(out, fwd_fn(written.args, impl="reference"), F32)
+  assert_close(out, fwd_fn(written.args, sinks=sinks, impl="reference"), F32)
+  assert not np.allclose(np.asarray(out), np.asarray(fwd_fn(written.args, impl="reference")), atol=1e-3)

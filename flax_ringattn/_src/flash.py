@@ -65,15 +65,21 @@ def _sink_rows(sinks, rows):
   return vma.like(jnp.broadcast_to(sinks.astype(F32), rows.shape), rows)
 
 
+def apply_sinks(kernel, o, lse, sinks):
+  """(o', lse') of finished rows (o, lse in `kernel`'s layouts) with the [N] sinks in their softmax:
+  lse' = logaddexp(lse, s_h), o' = o * exp(lse - lse').  Also for serving paths outside `flash` (the paged
+  fused cache write)."""
+  if sinks is None:
+    return o, lse
+  rows = kernel.lse_to_rows(lse)
+  with_sink = jnp.logaddexp(rows, _sink_rows(sinks, rows))
+  # A sink of -inf on an empty row leaves lse' = -inf: keep that row's zero output (no exp(-inf + inf)).
+  kept = jnp.where(jnp.isneginf(with_sink), 0.0, jnp.exp(rows - with_sink))
+  return o * kept[..., None], kernel.rows_to_lse(with_sink)
+
+
 def _forward(kernel, sinks, operands):
-  o, lse = kernel.forward(*operands)
-  if sinks is not None:
-    rows = kernel.lse_to_rows(lse)
-    with_sink = jnp.logaddexp(rows, _sink_rows(sinks, rows))
-    # A sink of -inf on an empty row leaves lse' = -inf: keep that row's zero output (no exp(-inf + inf)).
-    kept = jnp.where(jnp.isneginf(with_sink), 0.0, jnp.exp(rows - with_sink))
-    o = o * kept[..., None]
-    lse = kernel.rows_to_lse(with_sink)
+  o, lse = apply_sinks(kernel, *kernel.forward(*operands), sinks)
   return o.astype(operands[0].dtype), lse
 
 

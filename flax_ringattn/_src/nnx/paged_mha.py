@@ -43,11 +43,10 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
   run too.
 
   On pallas_tpu (a TPU with implementation=None, or interpret=...), without
-  `head_axis` and without sinks, a step writes the new tokens' K/V into their
-  pages inside the attention kernel (fused cache write; the page buffers are
-  aliased to its results) after reserving pages (copy-on-write included) in
-  XLA.  With sinks the step appends, then attends (the fused write's kernel
-  returns no softmax statistics to apply them to).
+  `head_axis`, a step writes the new tokens' K/V into their pages inside the
+  attention kernel (fused cache write; the page buffers are aliased to its
+  results) after reserving pages (copy-on-write included) in XLA; sinks
+  rescale its finished rows.
 
   Usage::
 
@@ -187,7 +186,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       raise ValueError("the paged cache is not initialised: call init_cache(...) first")
     return self.kv_cache.get_value()
 
-  def _fused_step(self, query, key, value, cu_q_lens, num_seqs, options):
+  def _fused_step(self, query, key, value, cu_q_lens, num_seqs, options, sinks=None):
     """Reserve pages in XLA, then attend and write the new K/V in one kernel; None where that kernel does not
     run (XLA backend, unsupported shapes): the caller appends and attends separately."""
     cache = self._cache()
@@ -212,6 +211,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       k_new_scale=k_sc,
       v_new_scale=v_sc,
       checked=self.checked,
+      sinks=sinks,
       **options,
     )
     if result is None:
@@ -260,8 +260,8 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       interpret=self.interpret,
     )
     sinks = None if self.sinks is None else self.sinks[...]
-    if (self.mesh is None or self.head_axis is None) and sinks is None:
-      fused = self._fused_step(query, key, value, cu_q_lens, num_seqs, options)
+    if self.mesh is None or self.head_axis is None:
+      fused = self._fused_step(query, key, value, cu_q_lens, num_seqs, options, sinks)
       if fused is not None:
         return self.out(fused)
     cache = self._cache().append(key, value, cu_q_lens, num_seqs, checked=self.checked)

@@ -257,14 +257,16 @@ def paged_attention_with_cache_write(
   block_sizes=None,
   checked: bool = False,
   interpret=None,
+  sinks=None,
 ):
   """Attention with the fused cache write, when the call runs on pallas_tpu; else None (append separately).
 
   k_new, v_new: [T, K, H] the new tokens' K/V as the pages store them, with per-token scales [T, K] for a
   scaled cache; k_pages .. v_scale: the cache after `PagedKVCache.reserve_append` (pages reserved,
-  copy-on-write done, kv_lens grown).  Returns (out [T, N, H], k_pages, v_pages, k_scale, v_scale), the pages
+  copy-on-write done, kv_lens grown).  Returns (out [T, N, Hv], k_pages, v_pages, k_scale, v_scale), the pages
   with the new tokens written in the same launch (buffers aliased: donate them to update in place).  Serving
-  only: not differentiable.  `checked` as for `paged_attention`.
+  only: not differentiable.  `checked` and `sinks` as for `paged_attention` (the sinks rescale the kernel's
+  finished rows, as `flash` does).
   """
   call = _prepare(
     q,
@@ -287,8 +289,11 @@ def paged_attention_with_cache_write(
   if not _fused_write_runs(call):
     return None
   check_metadata(*call.metadata, q.shape[0], k_pages.shape[0], k_pages.shape[1], checked=checked)
+  sinks = validation.check_sinks(sinks, q.shape[1])
   new = (k_new, v_new, k_pages, v_pages, *call.metadata, call.k_scale, call.v_scale, k_new_scale, v_new_scale)
-  return call.backend.fwd_write(q, *new, spec=call.spec)
+  out, lse, *cache = call.backend.fwd_write(q, *new, spec=call.spec)
+  out, _ = flash.apply_sinks(PagedKernel(spec=call.spec, backend=call.backend), out, lse, sinks)
+  return (out.astype(q.dtype), *cache)
 
 
 @dataclasses.dataclass(frozen=True)

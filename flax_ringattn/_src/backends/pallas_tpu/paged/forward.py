@@ -148,8 +148,9 @@ def paged_fwd_write(
 
   k_new, v_new: [T, K, H] / [T, K, Hv] the new tokens' K/V as stored (page dtype; quantized by the caller), with
   their per-token scales [T, K] when the cache keeps scales ([P, page_size, K]).  kv_lens and page_indices are
-  the cache's after the append (pages reserved, copy-on-write done).  Returns (out [T, N, Hv], k_pages, v_pages,
-  k_scale, v_scale); the page buffers are aliased to the results (donate them to update in place).
+  the cache's after the append (pages reserved, copy-on-write done).  Returns (out [T, N, Hv], lse [T, N],
+  k_pages, v_pages, k_scale, v_scale); the page buffers are aliased to the results (donate them to update in
+  place).
   """
   for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
     if sc is not None and sc.ndim != 3:
@@ -182,9 +183,9 @@ def paged_fwd_write(
     interpret=interpret,
     name="paged_fwd_write",
   )
-  out, _, k_pages, v_pages, *new = run(*operands)
+  out, lse, k_pages, v_pages, *new = run(*operands)
   k_scale, v_scale = (new.pop(0) if x is not None else None for x in (k_scale, v_scale))
-  return out, k_pages, v_pages, k_scale, v_scale
+  return out, lse, k_pages, v_pages, k_scale, v_scale
 
 
 # -- backward -----------------------------------------------------------------------------
