@@ -97,14 +97,14 @@ def test_many_tiles_per_shard(opts, n):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize(
-  "segments,cap,dropout",
-  [(False, None, False), (True, 30.0, False), (True, 30.0, True)],
-  ids=["plain", "seg-cap", "seg-cap-dropout"],
+  "segments,cap,dropout,Hv",
+  [(False, None, False, None), (True, 30.0, False, None), (True, 30.0, True, None), (True, None, False, 128)],
+  ids=["plain", "seg-cap", "seg-cap-dropout", "seg-mla"],
 )
-def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, cap, dropout):
+def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, cap, dropout, Hv):
   """jax.export runs the Pallas -> Mosaic lowering for TPU on this CPU machine: block shapes, index maps and
   kernel ops (the dropout hash's wrapping int32 multiplies and logical shifts included) must all be accepted by
-  the TPU lowering (Mosaic's own compiler passes run only on a TPU)."""
+  the TPU lowering (Mosaic's own compiler passes run only on a TPU).  MLA: DeepSeek's qk 192, v 128."""
   spec = AttentionSpec(
     mask=masks.MaskSpec(is_causal=True, window=(300, 0), has_segments=segments),
     scale=0.1,
@@ -113,9 +113,10 @@ def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, cap, dropout):
     dropout_rate=0.1 if dropout else 0.0,
     dropout_broadcast=False,
   )
-  B, T, N, K, H = 2, 512, 8, 2, 128
+  B, T, N, K, H = 2, 512, 8, 2, 128 if Hv is None else 192
   sds = jax.ShapeDtypeStruct
   q, k = sds((B, T, N, H), dtype), sds((B, T, K, H), dtype)
+  v, do = sds((B, T, K, Hv or H), dtype), sds((B, T, N, Hv or H), dtype)
   pos = sds((T,), jnp.int32)
   seg = sds((B, T), jnp.int32) if segments else None
   stat = sds((B, N, T), jnp.float32)
@@ -128,8 +129,8 @@ def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, cap, dropout):
       q, k, v, do, lse, dl, qp, kp, qs, ks, spec=spec, interpret=None, dropout=d
     )
   )
-  text = export.export(fwd, platforms=("tpu",))(q, k, k, pos, pos, seg, seg, drop).mlir_module()
-  text += export.export(bwd, platforms=("tpu",))(q, k, k, q, stat, stat, pos, pos, seg, seg, drop).mlir_module()
+  text = export.export(fwd, platforms=("tpu",))(q, k, v, pos, pos, seg, seg, drop).mlir_module()
+  text += export.export(bwd, platforms=("tpu",))(q, k, v, do, stat, stat, pos, pos, seg, seg, drop).mlir_module()
   assert text.count("tpu_custom_call") == 3  # forward, dq, dk/dv
 
 

@@ -2,19 +2,20 @@
 
 The shared numerical suite (test_ring_attention.py) runs every feature case on a ring of 4; these tests cover
 rings of 1, 2 and 8 in both DMA execution modes, rings over two mesh axes, a broken protocol that the race
-detector must catch, the bytes the kernels send, TPU lowering and the VMEM model.
+detector must catch, the bytes the kernels send and TPU lowering (the ring's VMEM model and planner:
+test_planner.py).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import Case, dropout, make_case, make_inputs
+from cases import Case, dropout, make_case, make_inputs, make_sinks, reference_with_grads, with_sinks
 from conftest import make_mesh
 from jax import export
 from jax.sharding import PartitionSpec as P
@@ -23,13 +24,9 @@ from tolerances import assert_close
 import flax_ringattn as fr
 from flax_ringattn._src import flash, masks
 from flax_ringattn._src.backends.base import AttentionSpec
-from flax_ringattn._src.backends.pallas_tpu import PallasTpuBackend, common
-from flax_ringattn._src.backends.pallas_tpu import planners as planner
+from flax_ringattn._src.backends.pallas_tpu import PallasTpuBackend
 from flax_ringattn._src.backends.pallas_tpu.ring import protocol as rp
-from flax_ringattn._src.backends.pallas_tpu.ring.hbm_backward import bwd_plan_hbm
-from flax_ringattn._src.backends.pallas_tpu.ring.hbm_forward import fwd_plan_hbm
-from flax_ringattn._src.backends.pallas_tpu.ring.vmem_backward import bwd_plan
-from flax_ringattn._src.backends.pallas_tpu.ring.vmem_forward import fwd_plan, ring_fwd
+from flax_ringattn._src.backends.pallas_tpu.ring.vmem_forward import ring_fwd
 from flax_ringattn._src.testing.interpret import interpret_params, no_races
 from flax_ringattn.testing import KernelDebug, Recorder, kernel_debug
 
@@ -37,14 +34,16 @@ interpret = pytest.mark.interpret
 BLOCKS = fr.BlockSizes(block_q=16, block_kv=128)
 
 
-def _inputs(B, T, N, K, H, dtype=jnp.float32, seed=0, segments=False):
-  """The registry's inputs (`cases.make_inputs`) for self attention at this shape, with packed-document segment
-  ids or none."""
-  shape = Case("inputs", B=B, T=T, S=T, N=N, K=K, H=H, segments="self" if segments else None)
+def _inputs(B, T, N, K, H, dtype=jnp.float32, seed=0, segments=False, Hv=None):
+  """The registry's inputs (`cases.make_inputs`) for self attention at this shape (v's head dim Hv, None: H),
+  with packed-document segment ids or none."""
+  shape = Case("inputs", B=B, T=T, S=T, N=N, K=K, H=H, Hv=Hv, segments="self" if segments else None)
   return make_inputs(shape, dtype, seed)
 
 
-def _run(implementation, mesh, axis, q, k, v, do, seg, opts, *, load_balance=False, params=None, blocks=BLOCKS):
+def _run(
+  implementation, mesh, axis, q, k, v, do, seg, opts, *, load_balance=False, params=None, blocks=BLOCKS, sinks=None
+):
   n = 1
   for a in axis if isinstance(axis, tuple) else (axis,):
     n *= mesh.shape[a]
@@ -54,7 +53,7 @@ def _run(implementation, mesh, axis, q, k, v, do, seg, opts, *, load_balance=Fal
     seg = None if seg is None else zz(seg)
   extra = {} if implementation == "xla" else dict(interpret=params or interpret_params(), block_sizes=blocks)
 
-  def f(q, k, v):
+  def f(q, k, v, sinks=None):
     return fr.ring_attention(
       q,
       k,
@@ -64,15 +63,17 @@ def _run(implementation, mesh, axis, q, k, v, do, seg, opts, *, load_balance=Fal
       segment_ids=seg,
       load_balance=load_balance,
       implementation=implementation,
+      sinks=sinks,
       **extra,
       **opts,
     )
 
-  out, vjp = jax.vjp(jax.jit(f), q, k, v)
+  f, extra_args = with_sinks(f, sinks)
+  out, vjp = jax.vjp(jax.jit(f), q, k, v, *extra_args)
   grads = vjp(do)
-  if load_balance:
+  if load_balance:  # (dsinks, when present, is per head: no token order to undo)
     unzz = lambda x: fr.zigzag_inverse(x, n, axis=1)  # noqa: E731
-    out, grads = unzz(out), tuple(unzz(g) for g in grads)
+    out, grads = unzz(out), (*(unzz(g) for g in grads[:3]), *grads[3:])
   return out, grads
 
 
@@ -84,7 +85,7 @@ def _check(out, grads, q, k, v, do, seg, opts, dtype=jnp.float32):
 
 def _ring_case(n, mask, *, shard=16, B=1, N=2, **fields):
   """A registry case (tests/cases.py) for a ring of n: GQA 2:1 with N q heads, shards of `shard` tokens, head_dim
-  16, the mask kind with `fields` (window sizes, zigzag, soft cap, dropout) on top."""
+  16, the mask kind with `fields` (window sizes, zigzag, soft cap, dropout, sinks, MLA head dims) on top."""
   return make_case(f"ring{n}-{mask}", mask, "gqa", N=N, group=2, B=B, T=shard * n, **fields)
 
 
@@ -95,6 +96,8 @@ def _case_id(n, mode, case):
     ("local_window_size", case.window),
     ("logits_soft_cap", case.soft_cap),
     ("dropout_rate", case.dropout),
+    ("sinks", case.sinks),
+    ("mla", case.Hv),
   )
   return "-".join([f"ring{n}", mode, *(name for name, value in options if value)])
 
@@ -110,6 +113,9 @@ RING_CASES = [
   (8, "on_wait", _ring_case(8, "segments", window=(40, 0), load_balance=True)),
   # Contiguous causal window of 20 over shards of 16: hops 3..7 are EMPTY on every member, the ring ends after 3.
   (8, "eager", _ring_case(8, "causal_window", window=(20, 0))),
+  # MLA (qk 24, v 16: K and V slots of their own widths) with sinks on rows no key is visible to (the
+  # sink-inclusive lse is finite there, the gradients must still be exactly 0), segment ids travelling too.
+  (4, "eager", _ring_case(4, "empty_rows", H=24, Hv=16, sinks=True)),
 ]
 
 
@@ -122,9 +128,10 @@ def test_ring_sizes_and_dma_modes(n, mode, case, capfd):
 
 
 def _check_ring_case(n, mode, case, capfd, *, bq=16):
-  """One in-kernel ring run of a case on a ring of n against the reference (forward and all gradients), with
-  the race detector on and every semaphore back at zero."""
+  """One in-kernel ring run of a case on a ring of n against the reference (forward and all gradients, dsinks
+  too with sinks), with the race detector on and every semaphore back at zero."""
   q, k, v, do, seg = make_inputs(case, jnp.float32)
+  sinks = make_sinks(case)
   opts = case.options()
   mesh = make_mesh((n,), ("sp",))
   with no_races():
@@ -141,9 +148,15 @@ def _check_ring_case(n, mode, case, capfd, *, bq=16):
       load_balance=case.load_balance,
       params=interpret_params(dma_execution_mode=mode),
       blocks=fr.BlockSizes(block_q=bq, block_kv=128),
+      sinks=sinks,
     )
   assert "non-zero count" not in capfd.readouterr().out
-  _check(out, grads, q, k, v, do, seg, opts)
+  if sinks is None:
+    _check(out, grads, q, k, v, do, seg, opts)
+  else:
+    ref_out, ref_grads = reference_with_grads(case, q, k, v, do, seg, sinks)
+    assert_close(out, ref_out, jnp.float32, "fwd")
+    assert_close(grads, ref_grads, jnp.float32, "grad")
 
 
 # The HBM-slot kernels (`ring/hbm_forward.py`, `ring/hbm_backward.py`), forced on short shards; ring 2 and the
@@ -158,6 +171,9 @@ HBM_CASES = [
   # a two-sided window that spans 3 shards (non-causal), with dropout (one mask for all heads)
   (4, "on_wait", _ring_case(4, "window", shard=32, window=(20, 3), dropout=dropout("broadcast", 3, rate=0.2)), 16),
   (8, "on_wait", _ring_case(8, "segments", window=(40, 0), load_balance=True), 16),
+  # MLA (K / V slots, tiles and the dK / dV fold at their own widths) with sinks, zigzag and segment ids; the
+  # 24-token kv tile is no whole number of f32 sublane tiles per half: the fold adds with partner buffers
+  (4, "on_wait", _ring_case(4, "segments", shard=24, H=24, Hv=16, sinks=True, load_balance=True), 16),
 ]
 
 
@@ -215,7 +231,7 @@ def test_tuple_axes_agree(shape, lb):
   mesh = make_mesh(shape, ("x", "y"))
   opts = dict(is_causal=True)
   for impl in ("xla", "pallas_tpu_ring"):
-    checks = no_races() if impl != "xla" else _nullcontext()
+    checks = no_races() if impl != "xla" else contextlib.nullcontext()
     with checks:
       out, grads = _run(impl, mesh, ("x", "y"), q, k, v, do, seg, opts, load_balance=lb)
     _check(out, grads, q, k, v, do, seg, opts)
@@ -254,14 +270,6 @@ def test_tuple_axes_block_kernel_ring():
   with no_races():
     out = jax.jit(f)(q, k, v)
   assert_close(out, fr.reference_attention(q, k, v, is_causal=True), jnp.float32)
-
-
-class _nullcontext:
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    return False
 
 
 def test_tuple_axis_errors():
@@ -359,34 +367,46 @@ def _launched_slots(events):
 
 
 @pytest.mark.parametrize(
-  "opts,load_balance,kv_sends",
+  "opts,load_balance,kv_sends,Hv",
   [
-    ({}, False, 12),
-    (dict(is_causal=True), True, 12),
-    (dict(is_causal=True), False, 6),
-    (dict(is_causal=True, local_window_size=(20, 0)), False, 5),
+    ({}, False, 12, None),
+    (dict(is_causal=True), True, 12, None),
+    (dict(is_causal=True), False, 6, None),
+    (dict(is_causal=True, local_window_size=(20, 0)), False, 5, None),
+    (dict(is_causal=True), True, 12, 8),
   ],
-  ids=["full", "causal-zigzag", "causal", "causal-window"],
+  ids=["full", "causal-zigzag", "causal", "causal-window", "causal-zigzag-mla"],
 )
 @pytest.mark.parametrize("slots", ["vmem", "hbm"])
-def test_bytes_sent_follow_the_schedule(opts, load_balance, kv_sends, slots, force_slots):
-  """Counted from the DMAs the kernels start (once per grid step of B x K), over all 4 ring members: K/V
-  (kv heads only) `kv_sends` shard sends, forward and backward alike; the backward adds the f32 dK/dV
+def test_bytes_sent_follow_the_schedule(opts, load_balance, kv_sends, Hv, slots, force_slots):
+  """Counted from the DMAs the kernels start (once per grid step of B x K), over all 4 ring members: K and V
+  (kv heads only) `kv_sends` shard sends each, forward and backward alike; the backward adds the f32 dK and dV
   accumulators n times per member.  Every member sends on each of the n - 1 hops (12 sends) unless nobody
   downstream reads the shard: on the causal contiguous layout member r sends at hops t <= r, and member 3 never
   (shards past the wrap are invisible to everyone): 3 + 2 + 1 = 6.  A causal window of 20 over 16-token shards
   sees 3 shards, so the ring ends after hop 2, and member r sends at hop t when r + 1 sees r - t: 3 + 2 = 5.
-  The same with the slots in HBM: the tiles a kernel streams through VMEM are local copies, never sends."""
+  With MLA head dims (qk 16, v 8) K and dK move at H, V and dV at Hv: counted per send size, so a V slot (or dV
+  accumulator) at K's width fails.  The same with the slots in HBM: the tiles a kernel streams through VMEM are
+  local copies, never sends."""
   force_slots(slots)
   n, B, T, N, K, H = 4, 2, 64, 8, 2, 16
-  q, k, v, do, _ = _inputs(B, T, N, K, H)
+  q, k, v, do, _ = _inputs(B, T, N, K, H, Hv=Hv)
   log, events = _trace_kernels(q, k, v, do, n, load_balance=load_balance, **opts)
   assert _launched_slots(events) == {"ring_fwd": slots, "ring_bwd": slots}
+  # member-sends per (kernel, bytes of one grid step's send)
+  sends = collections.Counter()
+  for name, size, members in log:
+    sends[name, size] += members
+  k_bytes, v_bytes = ((T // n) * w * 4 for w in (H, Hv or H))  # one grid step's K (V) shard, f32
+  expected = collections.Counter({("ring_fwd", k_bytes): kv_sends})
+  expected.update({("ring_fwd", v_bytes): kv_sends, ("ring_bwd", k_bytes): kv_sends + n * n})
+  expected.update({("ring_bwd", v_bytes): kv_sends + n * n})  # V, then the f32 dV accumulator
+  assert sends == expected
   steps = B * K
   sent = {name: steps * sum(b * members for nm, b, members in log if nm == name) for name in ("ring_fwd", "ring_bwd")}
-  shard = B * (T // n) * K * H  # elements of one device's K (or V) shard: kv heads only
-  assert sent["ring_fwd"] == kv_sends * 2 * shard * 4
-  assert sent["ring_bwd"] == kv_sends * 2 * shard * 4 + n * n * 2 * shard * 4
+  shard = B * (T // n) * K * (H + (Hv or H))  # elements of one device's K and V shards: kv heads only
+  assert sent["ring_fwd"] == kv_sends * shard * 4
+  assert sent["ring_bwd"] == kv_sends * shard * 4 + n * n * shard * 4
 
 
 def _protocol_events(n, opts, slots):
@@ -443,14 +463,15 @@ def test_protocol_rules_hold_in_program_order(n, opts, slots, force_slots):
 
 
 @pytest.mark.parametrize(
-  "segments,cap,dropout",
-  [(False, None, False), (True, 30.0, False), (True, 30.0, True)],
-  ids=["plain", "seg-cap", "seg-cap-dropout"],
+  "segments,cap,dropout,Hv",
+  [(False, None, False, None), (True, 30.0, False, None), (True, 30.0, True, None), (True, None, False, 128)],
+  ids=["plain", "seg-cap", "seg-cap-dropout", "seg-mla"],
 )
 @pytest.mark.parametrize("slots", ["vmem", "hbm"])
-def test_kernels_lower_to_mosaic_for_tpu(segments, cap, dropout, slots):
+def test_kernels_lower_to_mosaic_for_tpu(segments, cap, dropout, Hv, slots):
   """jax.export runs the Pallas -> Mosaic lowering of both ring kernels for TPU (ring of 4, bf16, GQA), with
-  the slots in VMEM and in HBM.  The kernels are called directly, so the debug hooks go in their spec."""
+  the slots in VMEM and in HBM, and MLA head dims (qk 192, v 128).  The kernels are called directly, so the
+  debug hooks go in their spec."""
   rec = Recorder()
   spec = AttentionSpec(
     mask=masks.MaskSpec(is_causal=True, has_segments=segments),
@@ -461,12 +482,13 @@ def test_kernels_lower_to_mosaic_for_tpu(segments, cap, dropout, slots):
     dropout_broadcast=False,
     debug=KernelDebug(slots=slots, recorder=rec),
   )
-  n, B, T, N, K, H = 4, 1, 512 * 4, 8, 2, 128
+  n, B, T, N, K, H = 4, 1, 512 * 4, 8, 2, 128 if Hv is None else 192
   mesh = jax.sharding.AbstractMesh((n,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
   s, ss = P(None, "sp"), P(None, "sp")
   sds = jax.ShapeDtypeStruct
   x = sds((B, T, N, H), jnp.bfloat16)
   kv = sds((B, T, K, H), jnp.bfloat16)
+  v = sds((B, T, K, Hv or H), jnp.bfloat16)
   seg = sds((B, T), jnp.int32) if segments else None
 
   drop = sds((4,), jnp.int32) if dropout else None
@@ -483,45 +505,9 @@ def test_kernels_lower_to_mosaic_for_tpu(segments, cap, dropout, slots):
     in_specs=(s, s, s, ss if segments else None, P() if dropout else None),
     out_specs=(s, s, s),
   )
-  text = export.export(jax.jit(body), platforms=("tpu",))(x, kv, kv, seg, drop).mlir_module()
+  text = export.export(jax.jit(body), platforms=("tpu",))(x, kv, v, seg, drop).mlir_module()
   assert _launched_slots(rec.events) == {"ring_fwd": slots, "ring_bwd": slots}
   assert text.count("tpu_custom_call") == 2  # forward and backward
-
-
-@pytest.mark.parametrize("segments,dropout", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_planner_counts_every_ring_buffer(segments, dropout, dtype):
-  d = rp.RingDims(
-    axes=("sp",),
-    sizes=(4,),
-    n=4,
-    load_balance=False,
-    B=2,
-    T=256,
-    S=384,
-    N=8,
-    K=2,
-    H=64,
-    dtype=jnp.dtype(dtype),
-    bq=64,
-    bk=128,
-    has_segments=segments,
-    live=4,
-    has_dropout=dropout,
-  )
-  dims = dict(T=256, S=384, bq=64, bk=128, num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, has_segments=segments)
-  dims["dropout"] = dropout
-  assert planner.ring_footprint("ring_fwd", **dims).buffers == common.plan_vmem_bytes(fwd_plan(d))
-  assert planner.ring_footprint("ring_bwd", **dims).buffers == common.plan_vmem_bytes(bwd_plan(d))
-  d = dataclasses.replace(d, slots="hbm")
-  assert planner.ring_footprint("ring_fwd_hbm", **dims).buffers == common.plan_vmem_bytes(fwd_plan_hbm(d))
-  assert planner.ring_footprint("ring_bwd_hbm", **dims).buffers == common.plan_vmem_bytes(bwd_plan_hbm(d))
-  # HBM slots: no VMEM buffer grows with the shard
-  longer = dict(dims, T=64 * 1024, S=64 * 1024)
-  for kernel in ("ring_fwd_hbm", "ring_bwd_hbm"):
-    assert planner.ring_footprint(kernel, **longer) == planner.ring_footprint(kernel, **dims)
-  with pytest.raises(ValueError, match="kernel must be 'ring_fwd', 'ring_bwd', 'ring_fwd_hbm' or 'ring_bwd_hbm'"):
-    planner.ring_footprint("fwd", **dims)
 
 
 def test_packed_tile_table_round_trips():
@@ -549,55 +535,6 @@ def test_packed_tile_table_round_trips():
   )
   got = np.array([[[int(rp.tile_kind(packed, d, t, i, j)) for j in range(nk)] for i in range(nq)] for t in range(n)])
   np.testing.assert_array_equal(got, np.asarray(kinds))
-
-
-def test_ring_plan():
-  """The ring's planner: VMEM slots at the largest tiles that fit with whole shards resident, else HBM slots at
-  the least-traffic tiles; the tile table of n hops always within SMEM; the caller's tiles kept."""
-  small = dict(num_heads=8, num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16, generation="v5e")
-  plan = lambda **kw: planner.plan_ring(**small, **kw)  # noqa: E731
-  budget = planner.budget_bytes("v5e")
-  for L, backward in ((1024, False), (4096, False), (4096, True)):
-    got = plan(T=L, S=L, n=8, backward=backward)
-    assert got.slots == "vmem", (L, backward, got)
-    name = "ring_bwd" if backward else "ring_fwd"
-    dims = dict(T=L, S=L, num_heads=8, num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
-
-    def need(bq, bk, name=name, dims=dims):
-      return planner.ring_footprint(name, bq=bq, bk=bk, **dims).total
-
-    assert need(got.bq, got.bk) <= budget
-    # the largest: every legal pair of larger area does not fit
-    bigger = [
-      (bq, bk)
-      for bq in planner.q_candidates(L, jnp.bfloat16, grouped=True)
-      for bk in planner.candidates(L, 128)
-      if bq * bk > got.bq * got.bk
-    ]
-    assert all(need(bq, bk) > budget for bq, bk in bigger), (L, backward, got)
-    if L == 4096:
-      assert bigger, "the choice is below the whole shard, so the check above compares something"
-  # A shard too long for VMEM: HBM slots, and the tile table of a ring of 8 fits SMEM.
-  for backward in (False, True):
-    long = plan(T=1 << 17, S=1 << 17, n=8, backward=backward)
-    assert long.slots == "hbm", long
-    assert planner.ring_table_bytes(8, (1 << 17) // long.bq, (1 << 17) // long.bk) <= common.SMEM_TABLE_BYTES
-  # The caller's tiles are kept; only the slots are chosen.
-  assert plan(T=1024, S=1024, n=4, backward=False, tiles=(64, 128)) == planner.RingPlan("vmem", 64, 128)
-  assert plan(T=1 << 17, S=1 << 17, n=4, backward=False, tiles=(512, 512)) == planner.RingPlan("hbm", 512, 512)
-  with pytest.raises(ValueError, match=r"plan_ring: no legal TPU tile for q_len=100"):
-    plan(T=100, S=1024, n=4, backward=False)  # no legal grouped q tile
-  assert planner.ring_fits(T=1024, S=1024, n=4, **small)
-  assert planner.ring_fits(T=1 << 17, S=1 << 17, n=4, **small)  # HBM slots: no VMEM cap on the shard length
-  # ... but the tile table is: n x T/bq x S/bk tiles of 2 bits within 512 KiB, at most 2048-token tiles.
-  assert planner.ring_table_bytes(4, 512, 512) == 4 * 512 * 32 * 4
-  assert not planner.ring_fits(T=1 << 21, S=1 << 21, n=4, **small)
-  assert not planner.ring_fits(T=100, S=1024, n=4, **small)
-  # Not even the smallest tiles fit: a group of 2048 q heads of head_dim 512 is 32 MiB per 16-row q tile.
-  wide = dict(small, num_heads=2048, num_kv_heads=1, head_dim=512)
-  assert not planner.ring_fits(T=1024, S=1024, n=4, **wide)
-  with pytest.raises(ValueError, match=r"plan_ring: no legal tiles .* fit the v5e VMEM budget .* with HBM slots"):
-    planner.plan_ring(T=1024, S=1024, n=4, backward=True, **wide)
 
 
 def test_selection_and_errors():

@@ -1,7 +1,9 @@
-"""The Pallas TPU tile planner: its footprint model, its choices, and tile validation."""
+"""The Pallas TPU planners: the block kernels' and the in-kernel ring's footprint models and choices, and tile
+validation."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -12,9 +14,16 @@ from jax.experimental.pallas import tpu as pltpu
 import flax_ringattn as fr
 from flax_ringattn._src.backends.pallas_tpu import common
 from flax_ringattn._src.backends.pallas_tpu import planners as planner
-from flax_ringattn._src.backends.pallas_tpu.block import backward, forward
+from flax_ringattn._src.backends.pallas_tpu.block import backward as block_backward
+from flax_ringattn._src.backends.pallas_tpu.block import forward as block_forward
+from flax_ringattn._src.backends.pallas_tpu.ring import protocol as rp
+from flax_ringattn._src.backends.pallas_tpu.ring.hbm_backward import bwd_plan_hbm
+from flax_ringattn._src.backends.pallas_tpu.ring.hbm_forward import fwd_plan_hbm
+from flax_ringattn._src.backends.pallas_tpu.ring.vmem_backward import bwd_plan
+from flax_ringattn._src.backends.pallas_tpu.ring.vmem_forward import fwd_plan
+from flax_ringattn._src.options import ProblemShape
 
-PLANS = {"fwd": forward.fwd_plan, "dq": backward.dq_plan, "dkv": backward.dkv_plan}
+PLANS = {"fwd": block_forward.fwd_plan, "dq": block_backward.dq_plan, "dkv": block_backward.dkv_plan}
 
 
 @pytest.mark.parametrize("kernel", sorted(PLANS))
@@ -24,12 +33,15 @@ PLANS = {"fwd": forward.fwd_plan, "dq": backward.dq_plan, "dkv": backward.dkv_pl
 )
 def test_model_counts_exactly_the_kernels_buffers(kernel, dtype, has_segments, dropout):
   """The closed-form model equals the VMEM of the kernel's own BlockSpecs and scratch shapes (the dropout
-  operand lives in SMEM: no VMEM buffer, but its hash and scale tiles are temporaries)."""
-  for (bq, bk), (N, K), H in itertools.product(
-    [(16, 128), (128, 256), (512, 128), (24, 384)], [(8, 2), (4, 4), (8, 1)], [64, 128, 80]
+  operand lives in SMEM: no VMEM buffer, but its hash and scale tiles are temporaries), with v's head dim equal
+  to q/k's and not (MLA: DeepSeek's qk 192, v 128, and a v wider than q/k)."""
+  for (bq, bk), (N, K), (H, Hv) in itertools.product(
+    [(16, 128), (128, 256), (512, 128), (24, 384)],
+    [(8, 2), (4, 4), (8, 1)],
+    [(64, None), (128, None), (80, None), (192, 128), (24, 160)],
   ):
     dims = dict(B=2, T=4 * bq, S=2 * bk, N=N, K=K, H=H, dtype=dtype, bq=bq, bk=bk, has_segments=has_segments)
-    plan = PLANS[kernel](**dims, has_dropout=dropout)
+    plan = PLANS[kernel](**dims, has_dropout=dropout, Hv=Hv)
     model = planner.footprint(
       kernel,
       bq=bq,
@@ -40,8 +52,9 @@ def test_model_counts_exactly_the_kernels_buffers(kernel, dtype, has_segments, d
       dtype=dtype,
       has_segments=has_segments,
       dropout=dropout,
+      v_head_dim=Hv,
     )
-    assert model.buffers == common.plan_vmem_bytes(plan), (kernel, bq, bk, N, K, H)
+    assert model.buffers == common.plan_vmem_bytes(plan), (kernel, bq, bk, N, K, H, Hv)
     assert model.temporaries >= 2 * (N // K) * bq * bk * 4  # at least the f32 score tile and p
     if dropout:
       without = planner.footprint(kernel, bq=bq, bk=bk, num_heads=N, num_kv_heads=K, head_dim=H, dtype=dtype)
@@ -62,19 +75,26 @@ def test_vmem_table_matches_jax_hardware_table():
 
 
 SHAPES = [
-  # (q_len, kv_len, N, K, H, dtype)
+  # (q_len, kv_len, N, K, H, dtype[, Hv: v's head dim when it differs])
   (4096, 4096, 8, 8, 128, jnp.bfloat16),
   (8192, 8192, 32, 8, 128, jnp.bfloat16),
   (2048, 2048, 16, 1, 256, jnp.bfloat16),
   (16384, 16384, 8, 2, 64, jnp.float32),
   (1024, 3072, 4, 4, 128, jnp.float32),
   (640, 640, 8, 8, 128, jnp.bfloat16),
+  (8192, 8192, 16, 16, 192, jnp.bfloat16, 128),  # MLA (DeepSeek's head dims)
+  (4096, 4096, 8, 2, 64, jnp.float32, 256),  # a v wider than q/k
 ]
 
 
-def _total(kernels, bq, bk, N, K, H, dtype):
+def _shape_id(s):
+  return "x".join(map(str, s[:5])) + f"-{jnp.dtype(s[5]).name}" + "".join(f"-v{h}" for h in s[6:])
+
+
+def _total(kernels, bq, bk, N, K, H, dtype, Hv=None):
   return max(
-    planner.footprint(k, bq=bq, bk=bk, num_heads=N, num_kv_heads=K, head_dim=H, dtype=dtype).total for k in kernels
+    planner.footprint(k, bq=bq, bk=bk, num_heads=N, num_kv_heads=K, head_dim=H, dtype=dtype, v_head_dim=Hv).total
+    for k in kernels
   )
 
 
@@ -84,18 +104,21 @@ def _next(values, v):
 
 
 @pytest.mark.parametrize("generation", sorted(planner.VMEM_BYTES))
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + f"-{jnp.dtype(s[5]).name}")
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 def test_plan_fits_and_one_step_larger_does_not(generation, shape):
-  T, S, N, K, H, dtype = shape
+  """With MLA head dims the planner counts v at its own width: were it to plan v at q/k's, it would stop one
+  step short of (or past) what fits."""
+  T, S, N, K, H, dtype, *Hv = shape
+  Hv = Hv[0] if Hv else None
   budget = planner.budget_bytes(generation)
-  bs = fr.plan_block_sizes(T, S, N, K, H, dtype, generation=generation)
+  bs = fr.plan_block_sizes(T, S, N, K, H, dtype, generation=generation, v_head_dim=Hv)
   qs, ks = planner.candidates(T, common.sublanes(dtype)), planner.candidates(S, common.LANES)
   for kernels, (bq, bk) in ((("fwd",), (bs.block_q, bs.block_kv)), (("dq", "dkv"), bs.bwd)):
     assert bq in qs and bk in ks and T % bq == 0 and S % bk == 0
-    assert _total(kernels, bq, bk, N, K, H, dtype) <= budget
+    assert _total(kernels, bq, bk, N, K, H, dtype, Hv) <= budget
     for bigger in ((_next(qs, bq), bk), (bq, _next(ks, bk))):
       if None not in bigger:
-        assert _total(kernels, *bigger, N, K, H, dtype) > budget, (generation, kernels, (bq, bk), bigger)
+        assert _total(kernels, *bigger, N, K, H, dtype, Hv) > budget, (generation, kernels, (bq, bk), bigger)
 
 
 def test_smaller_vmem_gets_smaller_tiles():
@@ -123,6 +146,10 @@ def test_planner_errors():
     fr.plan_block_sizes(4096, 4096, 64, 1, 4096, jnp.float32, generation="v4")
   with pytest.raises(ValueError, match=r"no legal TPU tile for q_len=4000 .* or kv_len=4000 \(multiples of 128"):
     fr.plan_block_sizes(4000, 4000, 32, 8, 128, jnp.bfloat16, generation="v5e")
+  with pytest.raises(ValueError, match=r"v_head_dim must be a positive int, got v_head_dim=0"):
+    fr.plan_block_sizes(1024, 1024, 8, 8, 128, jnp.bfloat16, v_head_dim=0)
+  with pytest.raises(ValueError, match=r"fit the v4 VMEM budget .* head_dim=128, v_head_dim=65536\)"):
+    fr.plan_block_sizes(4096, 4096, 8, 8, 128, jnp.float32, generation="v4", v_head_dim=65536)
 
 
 def _pallas(q, k, v, blocks):
@@ -162,3 +189,166 @@ def test_tile_tables_must_fit_smem():
   x = jnp.zeros((1, 16384, 1, 8))
   with pytest.raises(ValueError, match=r"2048 x 128 tiles .* need 2097152 bytes of tile tables in SMEM"):
     _pallas(x, x, x, fr.BlockSizes(block_q=8, block_kv=128))
+
+
+# -- the in-kernel ring's planner (`planners/ring.py`) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("segments,dropout", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_planner_counts_every_ring_buffer(segments, dropout, dtype):
+  """`ring_footprint` equals the VMEM of each ring kernel's own plan, with VMEM and HBM slots, with v's head dim
+  equal to q/k's, narrower and wider, on kv tiles the HBM backward's fold adds in halves (128) or with partner
+  buffers (200: a whole short shard)."""
+  for Hv, (S, bk) in itertools.product((None, 48, 160), ((384, 128), (200, 200))):
+    d = rp.RingDims(
+      axes=("sp",),
+      sizes=(4,),
+      n=4,
+      load_balance=False,
+      B=2,
+      T=256,
+      S=S,
+      N=8,
+      K=2,
+      H=64,
+      dtype=jnp.dtype(dtype),
+      bq=64,
+      bk=bk,
+      has_segments=segments,
+      live=4,
+      has_dropout=dropout,
+      v_head_dim=Hv,
+    )
+    dims = dict(T=256, S=S, bq=64, bk=bk, num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, v_head_dim=Hv)
+    dims.update(has_segments=segments, dropout=dropout)
+    plans = dict(ring_fwd=fwd_plan, ring_bwd=bwd_plan, ring_fwd_hbm=fwd_plan_hbm, ring_bwd_hbm=bwd_plan_hbm)
+    for kernel, plan in plans.items():
+      slots = "hbm" if kernel.endswith("_hbm") else "vmem"
+      got = common.plan_vmem_bytes(plan(dataclasses.replace(d, slots=slots)))
+      assert planner.ring_footprint(kernel, **dims).buffers == got, (kernel, Hv, S, bk)
+    # HBM slots: no VMEM buffer grows with the shard
+    longer = dict(dims, T=64 * 1024, S=64 * 1024)
+    for kernel in ("ring_fwd_hbm", "ring_bwd_hbm"):
+      assert planner.ring_footprint(kernel, **longer) == planner.ring_footprint(kernel, **dims)
+  with pytest.raises(ValueError, match="kernel must be 'ring_fwd', 'ring_bwd', 'ring_fwd_hbm' or 'ring_bwd_hbm'"):
+    planner.ring_footprint("fwd", **dims)
+
+
+def test_ring_plan():
+  """The ring's planner: VMEM slots at the largest tiles that fit with whole shards resident, else HBM slots at
+  the least-traffic tiles; the tile table of n hops always within SMEM; the caller's tiles kept."""
+  small = dict(num_heads=8, num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16, generation="v5e")
+  plan = lambda **kw: planner.plan_ring(**small, **kw)  # noqa: E731
+  budget = planner.budget_bytes("v5e")
+  for L, backward in ((1024, False), (4096, False), (4096, True)):
+    got = plan(T=L, S=L, n=8, backward=backward)
+    assert got.slots == "vmem", (L, backward, got)
+    name = "ring_bwd" if backward else "ring_fwd"
+    dims = dict(T=L, S=L, num_heads=8, num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
+
+    def need(bq, bk, name=name, dims=dims):
+      return planner.ring_footprint(name, bq=bq, bk=bk, **dims).total
+
+    assert need(got.bq, got.bk) <= budget
+    # the largest: every legal pair of larger area does not fit
+    bigger = [
+      (bq, bk)
+      for bq in planner.q_candidates(L, jnp.bfloat16, grouped=True)
+      for bk in planner.candidates(L, 128)
+      if bq * bk > got.bq * got.bk
+    ]
+    assert all(need(bq, bk) > budget for bq, bk in bigger), (L, backward, got)
+    if L == 4096:
+      assert bigger, "the choice is below the whole shard, so the check above compares something"
+  # A shard too long for VMEM: HBM slots, and the tile table of a ring of 8 fits SMEM.
+  for backward in (False, True):
+    long = plan(T=1 << 17, S=1 << 17, n=8, backward=backward)
+    assert long.slots == "hbm", long
+    assert planner.ring_table_bytes(8, (1 << 17) // long.bq, (1 << 17) // long.bk) <= common.SMEM_TABLE_BYTES
+  # The caller's tiles are kept; only the slots are chosen.
+  assert plan(T=1024, S=1024, n=4, backward=False, tiles=(64, 128)) == planner.RingPlan("vmem", 64, 128)
+  assert plan(T=1 << 17, S=1 << 17, n=4, backward=False, tiles=(512, 512)) == planner.RingPlan("hbm", 512, 512)
+  with pytest.raises(ValueError, match=r"plan_ring: no legal TPU tile for q_len=100"):
+    plan(T=100, S=1024, n=4, backward=False)  # no legal grouped q tile
+  assert planner.ring_fits(T=1024, S=1024, n=4, **small)
+  assert planner.ring_fits(T=1 << 17, S=1 << 17, n=4, **small)  # HBM slots: no VMEM cap on the shard length
+  # ... but the tile table is: n x T/bq x S/bk tiles of 2 bits within 512 KiB, at most 2048-token tiles.
+  assert planner.ring_table_bytes(4, 512, 512) == 4 * 512 * 32 * 4
+  assert not planner.ring_fits(T=1 << 21, S=1 << 21, n=4, **small)
+  assert not planner.ring_fits(T=100, S=1024, n=4, **small)
+  # Not even the smallest tiles fit: a group of 2048 q heads of head_dim 512 is 32 MiB per 16-row q tile.
+  wide = dict(small, num_heads=2048, num_kv_heads=1, head_dim=512)
+  assert not planner.ring_fits(T=1024, S=1024, n=4, **wide)
+  with pytest.raises(ValueError, match=r"plan_ring: no legal tiles .* fit the v5e VMEM budget .* with HBM slots"):
+    planner.plan_ring(T=1024, S=1024, n=4, backward=True, **wide)
+
+
+# DeepSeek-V3's attention at full size (prefill, the latent projections expanded: 128 heads, qk 192 = 128 + 64
+# rope, v 128), bf16, on a 16K-token shard (a 128K sequence over a ring of 8).  The block kernels' grid holds one
+# kv head's group per step, so MHA (K = N) is the shape they see.
+DEEPSEEK_V3 = dict(num_heads=128, num_kv_heads=128, head_dim=192, dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v5p", "v6e"])
+def test_deepseek_v3_mla_plans_fit_with_v_at_its_own_width(generation):
+  """The block and ring planners' choices for DeepSeek-V3 fit the budget, and at the chosen tiles the footprint
+  (and the HBM traffic) with v at 128 is smaller than with v at q/k's 192: the models count v, o, dO and dv at
+  Hv.  The keyword forms and the `ProblemShape` forms agree."""
+  L, budget = 16384, planner.budget_bytes(generation)
+  bs = fr.plan_block_sizes(L, L, 128, 128, 192, jnp.bfloat16, generation=generation, v_head_dim=128)
+  shape = ProblemShape(q_len=L, kv_len=L, v_head_dim=128, **DEEPSEEK_V3)
+  assert planner.plan_block_sizes_for(shape, generation=generation) == bs
+  for kernels, (bq, bk) in ((("fwd",), (bs.block_q, bs.block_kv)), (("dq", "dkv"), bs.bwd)):
+    for kernel in kernels:
+      mla, wide = (planner.footprint(kernel, bq=bq, bk=bk, **DEEPSEEK_V3, v_head_dim=w).total for w in (128, 192))
+      assert mla <= budget and mla < wide, (kernel, bq, bk, mla, wide)
+      traffic = dict(bq=bq, bk=bk, q_len=L, kv_len=L, **DEEPSEEK_V3)
+      assert planner.hbm_bytes(kernel, **traffic, v_head_dim=128) < planner.hbm_bytes(kernel, **traffic), kernel
+  for backward in (False, True):
+    plan = planner.plan_ring(T=L, S=L, n=8, backward=backward, generation=generation, v_head_dim=128, **DEEPSEEK_V3)
+    assert planner.plan_ring_for(shape, n=8, backward=backward, generation=generation) == plan
+    name = ("ring_bwd" if backward else "ring_fwd") + ("_hbm" if plan.slots == "hbm" else "")
+    tiles = dict(T=L, S=L, bq=plan.bq, bk=plan.bk, **DEEPSEEK_V3)
+    mla, wide = (planner.ring_footprint(name, **tiles, v_head_dim=w).total for w in (128, 192))
+    assert mla <= budget and mla < wide, (name, plan, mla, wide)
+  assert planner.ring_fits(T=L, S=L, n=8, generation=generation, v_head_dim=128, **DEEPSEEK_V3)
+  assert planner.ring_fits_for(shape, n=8, generation=generation)
+
+
+# -- the paged planner (`plan_paged_block_sizes`) at MLA head shapes ------------------------------------------
+
+# DeepSeek-V3 serving at full size, paged: 128 q heads, the latent projections expanded to MHA (K = 128), qk 192
+# (128 + 64 rope), v 128, bf16 pages of 16 tokens, a 128K-token context (8192 pages), 512 batched tokens.
+DEEPSEEK_V3_PAGED = dict(num_heads=128, num_kv_heads=128, head_dim=192, dtype=jnp.bfloat16)
+PAGED_GEOMETRY = dict(max_num_batched_tokens=512, page_size=16, pages_per_seq=8192)
+
+
+def _paged_plan(generation, **kw):
+  return planner.plan_paged_block_sizes(**PAGED_GEOMETRY, **DEEPSEEK_V3_PAGED, generation=generation, **kw)
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v5p", "v6e", "v7x"])
+def test_paged_plan_deepseek_v3_mla_fits_with_v_at_its_own_width(generation):
+  """The paged planner's choice for DeepSeek-V3 (v 128) fits the chip's budget, and at those blocks both paged
+  kernels' footprints are below the ones with v at q/k's 192 (v pages, o, dO, the o and dV accumulators at Hv):
+  the narrower v leaves room for a kv block at least as long."""
+  budget = planner.budget_bytes(generation)
+  mla, wide = _paged_plan(generation, v_head_dim=128), _paged_plan(generation)
+  assert _paged_plan(generation, v_head_dim=192) == wide  # v_head_dim == head_dim is no MLA
+  blocks = dict(bq=mla.block_q, pages_per_block=mla.block_kv // 16, page_size=16, page_dtype=jnp.bfloat16)
+  blocks.update(DEEPSEEK_V3_PAGED)
+  for kernel in ("paged_fwd", "paged_bwd"):
+    at_128, at_192 = (planner.paged_footprint(kernel, **blocks, v_head_dim=hv).total for hv in (128, 192))
+    assert at_128 <= budget and at_128 < at_192, (kernel, mla, at_128, at_192)
+  assert mla.block_kv >= wide.block_kv and mla.block_q >= wide.block_q, (mla, wide)
+
+
+def test_paged_plan_deepseek_v3_mla_does_not_fit_v4():
+  """v4's 12 MiB budget cannot hold the backward's 128-head q / dq blocks and one page of 128 kv heads even at the
+  smallest blocks (about 18 MiB at v 128, 20 at 192): the planner says so, naming v's head dim, and the registry
+  turns that into "not supported here" (XLA runs the call)."""
+  smallest = dict(bq=16, pages_per_block=1, page_size=16, page_dtype=jnp.bfloat16, **DEEPSEEK_V3_PAGED)
+  assert planner.paged_footprint("paged_bwd", **smallest, v_head_dim=128).total > planner.budget_bytes("v4")
+  with pytest.raises(ValueError, match=r"fits the v4 VMEM budget of 12\.0 MiB .*head_dim=192, v_head_dim=128\)"):
+    _paged_plan("v4", v_head_dim=128)

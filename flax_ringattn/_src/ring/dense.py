@@ -231,9 +231,7 @@ def dot_product_attention(
     check_mask=check_mask,
   )
   mask = None if mask is None else as_four_dims(mask, "mask")
-  return masked_ring_attention(
-    q, k, v, options, mask=mask, also_exact=also_exact, segment_ids=segment_ids, sinks=sinks
-  )
+  return masked_ring_attention(q, k, v, options, mask=mask, also_exact=also_exact, segment_ids=segment_ids, sinks=sinks)
 
 
 def masked_ring_attention(

@@ -3,7 +3,8 @@
 Every kernel builds its `pl.pallas_call` here (`call`) from a `tiling.CallPlan`,
 the description its planner's footprint model is tested against.
 
-Layout inside the kernels: heads-major, q `[B, N, T, H]`, k/v `[B, K, S, H]`,
+Layout inside the kernels: heads-major, q `[B, N, T, H]`, k `[B, K, S, H]`,
+v `[B, K, S, Hv]` (Hv: v's and the output's head dim, MLA's; H when equal),
 so a tile's two minor dimensions are (tokens, head_dim).  Per-row statistics
 (lse, delta) are `[B, N, T, 1]` and per-tile scratch statistics are kept
 lane-replicated `[G, bq, 128]`, as TPU flash kernels do, so no kernel needs a
@@ -35,15 +36,20 @@ from flax_ringattn._src.backends.pallas_tpu.tiling import (  # noqa: F401  (the 
 from flax_ringattn._src.options import ProblemShape
 
 
-def block_tiles(spec, q, k, *, backward: bool) -> tuple[int, int]:
+def block_tiles(spec, q, k, *, backward: bool, v=None) -> tuple[int, int]:
   """(bq, bk) for one block: q tiles sublane-aligned, kv tiles lane-aligned (the score tile's minor dim).
 
-  Without `spec.block_sizes` the planner picks the largest tiles that fit VMEM.
+  Without `spec.block_sizes` the planner picks the largest tiles that fit VMEM (with v's head dim; v None:
+  like k).
   """
 
   _, T, N, H = q.shape
   _, S, K, _ = k.shape
-  blocks = spec.block_sizes or planner.plan_block_sizes_for(ProblemShape.of(q.shape, k.shape, q.dtype, spec))
+  if spec.block_sizes is not None:
+    blocks = spec.block_sizes
+  else:
+    v_shape = None if v is None else v.shape
+    blocks = planner.plan_block_sizes_for(ProblemShape.of(q.shape, k.shape, q.dtype, spec, v_shape=v_shape))
   req_q, req_kv = blocks.bwd if backward else (blocks.block_q, blocks.block_kv)
   suffix = "_bwd" if backward else ""
   bq = tpu_tile(T, req_q, sublanes(q.dtype), what=f"block_q{suffix}")
@@ -59,11 +65,11 @@ def block_tiles(spec, q, k, *, backward: bool) -> tuple[int, int]:
   return bq, bk
 
 
-def block_setup(spec, q, k, q_pos, kv_pos, q_seg, kv_seg, *, backward: bool):
+def block_setup(spec, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, backward: bool):
   """What every kernel of one block needs: plan dimensions, the tile-class table and the mask operands."""
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
-  bq, bk = block_tiles(spec, q, k, backward=backward)
+  bq, bk = block_tiles(spec, q, k, backward=backward, v=v)
   table = 2 * (T // bq) * (S // bk) * 4  # tile-class and fetch-index tables, scalar-prefetched into SMEM
   if table > SMEM_TABLE_BYTES:
     suffix = "_bwd" if backward else ""
@@ -79,6 +85,7 @@ def block_setup(spec, q, k, q_pos, kv_pos, q_seg, kv_seg, *, backward: bool):
     N=N,
     K=K,
     H=H,
+    Hv=v.shape[3],
     dtype=q.dtype,
     bq=bq,
     bk=bk,

@@ -11,6 +11,8 @@ axis so that nothing is written twice:
 
 Both use the same tile-class and fetch-index tables as the forward (the dk/dv
 kernel on their transpose), so EMPTY tiles cost neither matmuls nor DMAs.
+q, k, dq and dk tiles are (tokens, H); v, dO and dv tiles (tokens, Hv), v's
+head dim, which may differ from q/k's (MLA).
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ _NT = (((1,), (1,)), ((), ()))  # [m, k] x [n, k]
 _TN = (((0,), (0,)), ((), ()))  # [k, m] x [k, n]
 
 
-def _q_side_specs(G, bq, H, row):
+def _q_side_specs(G, bq, H, Hv, row):
   """q, do, lse, delta: the G heads of a group, bq rows, block index from `row`."""
   return [
     pl.BlockSpec((None, G, bq, H), row),
-    pl.BlockSpec((None, G, bq, H), row),
+    pl.BlockSpec((None, G, bq, Hv), row),
     pl.BlockSpec((None, G, bq, 1), row),
     pl.BlockSpec((None, G, bq, 1), row),
   ]
@@ -45,14 +47,14 @@ def _dtypes(dtype, has_segments, has_dropout, *, q_first):
   return (q_side + kv_side if q_first else kv_side + q_side) + mask + c.dropout_specs(has_dropout)[1]
 
 
-def dq_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments, has_dropout=False) -> c.CallPlan:
-  G = N // K
+def dq_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments, has_dropout=False, Hv=None) -> c.CallPlan:
+  G, Hv = N // K, H if Hv is None else Hv
   row = lambda b, h, i, j, kinds, fetch: (b, h, i, 0)  # noqa: E731
   kv = lambda b, h, i, j, kinds, fetch: (b, h, fetch[i, j], 0)  # noqa: E731
   in_specs = [
-    *_q_side_specs(G, bq, H, row),
+    *_q_side_specs(G, bq, H, Hv, row),
     pl.BlockSpec((None, None, bk, H), kv),
-    pl.BlockSpec((None, None, bk, H), kv),
+    pl.BlockSpec((None, None, bk, Hv), kv),
     *c.mask_specs(
       has_segments, bq, bk, lambda b, h, i, j, kinds, fetch: (b, i), lambda b, h, i, j, kinds, fetch: (b, fetch[i, j])
     ),
@@ -68,27 +70,26 @@ def dq_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments, has_dropout=False)
   )
 
 
-def dkv_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments, has_dropout=False) -> c.CallPlan:
-  G = N // K
+def dkv_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments, has_dropout=False, Hv=None) -> c.CallPlan:
+  G, Hv = N // K, H if Hv is None else Hv
   row = lambda b, h, j, i, kinds, fetch: (b, h, fetch[j, i], 0)  # noqa: E731
   kv = lambda b, h, j, i, kinds, fetch: (b, h, j, 0)  # noqa: E731
   in_specs = [
     pl.BlockSpec((None, None, bk, H), kv),
-    pl.BlockSpec((None, None, bk, H), kv),
-    *_q_side_specs(G, bq, H, row),
+    pl.BlockSpec((None, None, bk, Hv), kv),
+    *_q_side_specs(G, bq, H, Hv, row),
     *c.mask_specs(
       has_segments, bq, bk, lambda b, h, j, i, kinds, fetch: (b, fetch[j, i]), lambda b, h, j, i, kinds, fetch: (b, j)
     ),
     *c.dropout_specs(has_dropout)[0],
   ]
-  out = pl.BlockSpec((None, None, bk, H), kv)
   return c.CallPlan(
     grid=(B, K, S // bk, T // bq),
     in_specs=tuple(in_specs),
     in_dtypes=_dtypes(dtype, has_segments, has_dropout, q_first=False),
-    out_specs=(out, out),
-    out_shapes=(jax.ShapeDtypeStruct((B, K, S, H), c.F32),) * 2,
-    scratch=(((bk, H), c.F32), ((bk, H), c.F32)),
+    out_specs=(pl.BlockSpec((None, None, bk, H), kv), pl.BlockSpec((None, None, bk, Hv), kv)),
+    out_shapes=(jax.ShapeDtypeStruct((B, K, S, H), c.F32), jax.ShapeDtypeStruct((B, K, S, Hv), c.F32)),
+    scratch=(((bk, H), c.F32), ((bk, Hv), c.F32)),
   )
 
 
@@ -182,7 +183,7 @@ def _dkv_kernel(kinds_ref, fetch_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delt
 
 def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret, dropout=None):
   """See `backends/base.py` for the contract."""
-  dims, kinds, mask_ops = c.block_setup(spec, q, k, q_pos, kv_pos, q_seg, kv_seg, backward=True)
+  dims, kinds, mask_ops = c.block_setup(spec, q, k, v, q_pos, kv_pos, q_seg, kv_seg, backward=True)
   q_side = (c.heads_major(q), c.heads_major(do), lse[..., None], delta[..., None])
   kv_side = (c.heads_major(k), c.heads_major(v))
   n_mask = len(mask_ops)

@@ -8,6 +8,8 @@ the kernel skip the matmuls of EMPTY tiles and the mask arithmetic of FULL
 ones, and a second table (`common.fetch_index`) points the K/V BlockSpecs of
 an EMPTY tile at the tile already in VMEM, so its DMA is skipped too.
 m / l / acc live in VMEM scratch across the kv axis (online softmax, f32).
+q and k tiles are (tokens, H), v, o and acc (tokens, Hv): v's head dim may
+differ from q/k's (MLA), and the kernel never assumes they match.
 With attention dropout the int32[4] dropout operand sits in SMEM and each
 tile's keep mask is hashed from its global indices (`common.dropout_scale`).
 """
@@ -23,15 +25,15 @@ from jax.experimental import pallas as pl
 from flax_ringattn._src.backends.pallas_tpu import common as c
 
 
-def fwd_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments, has_dropout=False) -> c.CallPlan:
-  G = N // K
+def fwd_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments, has_dropout=False, Hv=None) -> c.CallPlan:
+  G, Hv = N // K, H if Hv is None else Hv
   q_map = lambda b, h, i, j, kinds, fetch: (b, i)  # noqa: E731
   kv_map = lambda b, h, i, j, kinds, fetch: (b, fetch[i, j])  # noqa: E731
   drop_specs, drop_dtypes = c.dropout_specs(has_dropout)
   in_specs = [
     pl.BlockSpec((None, G, bq, H), lambda b, h, i, j, kinds, fetch: (b, h, i, 0)),
     pl.BlockSpec((None, None, bk, H), lambda b, h, i, j, kinds, fetch: (b, h, fetch[i, j], 0)),
-    pl.BlockSpec((None, None, bk, H), lambda b, h, i, j, kinds, fetch: (b, h, fetch[i, j], 0)),
+    pl.BlockSpec((None, None, bk, Hv), lambda b, h, i, j, kinds, fetch: (b, h, fetch[i, j], 0)),
     *c.mask_specs(has_segments, bq, bk, q_map, kv_map),
     *drop_specs,
   ]
@@ -41,9 +43,9 @@ def fwd_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments, has_dropout=False
     grid=(B, K, T // bq, S // bk),
     in_specs=tuple(in_specs),
     in_dtypes=in_dtypes,
-    out_specs=(pl.BlockSpec((None, G, bq, H), row), pl.BlockSpec((None, G, bq, 1), row)),
-    out_shapes=(jax.ShapeDtypeStruct((B, N, T, H), c.F32), jax.ShapeDtypeStruct((B, N, T, 1), c.F32)),
-    scratch=(((G, bq, c.LANES), c.F32), ((G, bq, c.LANES), c.F32), ((G, bq, H), c.F32)),
+    out_specs=(pl.BlockSpec((None, G, bq, Hv), row), pl.BlockSpec((None, G, bq, 1), row)),
+    out_shapes=(jax.ShapeDtypeStruct((B, N, T, Hv), c.F32), jax.ShapeDtypeStruct((B, N, T, 1), c.F32)),
+    scratch=(((G, bq, c.LANES), c.F32), ((G, bq, c.LANES), c.F32), ((G, bq, Hv), c.F32)),
   )
 
 
@@ -76,13 +78,13 @@ def _kernel(kinds_ref, fetch_ref, q_ref, k_ref, v_ref, *refs, spec, num_mask_ref
 def online_softmax_step(q_ref, k_ref, v_ref, mask_refs, m_ref, l_ref, acc_ref, *, spec, masked, drop=None):
   """One (q tile, kv tile) step of the online softmax, shared with the in-kernel ring.
 
-  q_ref (G, bq, H), k_ref / v_ref (bk, H); m / l lane-replicated (G, bq, 128)
-  and acc (G, bq, H) f32, updated in place.  `drop`: the tile's dropout scale
+  q_ref (G, bq, H), k_ref (bk, H), v_ref (bk, Hv); m / l lane-replicated
+  (G, bq, 128) and acc (G, bq, Hv) f32, updated in place.  `drop`: the tile's dropout scale
   (`common.dropout_scale`) or None.  Dropout drops normalised probabilities,
   so l sums every p and only the p @ v product is dropped.
   """
   s, _ = c.scores(q_ref, k_ref, mask_refs, spec=spec, masked=masked)  # [G, bq, bk]
-  G, bq, H = acc_ref.shape
+  G, bq, Hv = acc_ref.shape
   m_prev = m_ref[...][..., :1]
   m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
   # A row with nothing visible so far keeps m = -inf: shift by 0 instead, so
@@ -101,7 +103,7 @@ def online_softmax_step(q_ref, k_ref, v_ref, mask_refs, m_ref, l_ref, acc_ref, *
     preferred_element_type=c.F32,
     precision=spec.precision,
   )
-  acc_ref[...] = alpha * acc_ref[...] + pv.reshape(G, bq, H)
+  acc_ref[...] = alpha * acc_ref[...] + pv.reshape(G, bq, Hv)
   m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
   l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
 
@@ -117,7 +119,7 @@ def finish(m_ref, l_ref, acc_ref, o_ref, lse_ref):
 
 def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret, dropout=None):
   """See `backends/base.py` for the contract."""
-  dims, kinds, mask_ops = c.block_setup(spec, q, k, q_pos, kv_pos, q_seg, kv_seg, backward=False)
+  dims, kinds, mask_ops = c.block_setup(spec, q, k, v, q_pos, kv_pos, q_seg, kv_seg, backward=False)
   plan = fwd_plan(**dims)
   kernel = functools.partial(_kernel, spec=spec, num_mask_refs=len(mask_ops))
   o, lse = c.call(kernel, plan, 2, interpret=interpret, name="ring_block_fwd")(

@@ -44,31 +44,49 @@ def _tile(rows: int, cols: int, dtype, lead: int = 1) -> int:
 
 
 def footprint(
-  kernel: str, *, bq, bk, num_heads, num_kv_heads, head_dim, dtype, has_segments=False, soft_cap=False, dropout=False
+  kernel: str,
+  *,
+  bq,
+  bk,
+  num_heads,
+  num_kv_heads,
+  head_dim,
+  dtype,
+  has_segments=False,
+  soft_cap=False,
+  dropout=False,
+  v_head_dim=None,
 ):
-  """Footprint of kernel 'fwd', 'dq' or 'dkv' at tiles (bq, bk)."""
+  """Footprint of kernel 'fwd', 'dq' or 'dkv' at tiles (bq, bk).
+
+  q, k, dq and dk tiles are `head_dim` wide; v, o, dO, dv and the output accumulator `v_head_dim` (None:
+  `head_dim`), v's head dim (MLA's).
+  """
   G, H, f32, i32 = num_heads // num_kv_heads, head_dim, jnp.float32, jnp.int32
-  q_tile = _tile(bq, H, dtype, G)  # q or do: the G heads of a group
-  kv_tile = _tile(bk, H, dtype)
+  Hv = H if v_head_dim is None else v_head_dim
+  q_tile = _tile(bq, H, dtype, G)  # q: the G heads of a group
+  do_tile = _tile(bq, Hv, dtype, G)  # do
+  k_tile = _tile(bk, H, dtype)
+  v_tile = _tile(bk, Hv, dtype)
   row_stat = _tile(bq, 1, f32, G)  # lse / delta, [G, bq, 1]
   mask = _tile(bq, 1, i32) + _tile(1, bk, i32)  # positions
   if has_segments:
     mask *= 2
   score = G * bq * bk * 4  # one f32 [G * bq, bk] tile
   if kernel == "fwd":
-    inputs = q_tile + 2 * kv_tile + mask
-    outputs = _tile(bq, H, f32, G) + row_stat
-    scratch = 2 * _tile(bq, c.LANES, f32, G) + _tile(bq, H, f32, G)  # m, l, acc
+    inputs = q_tile + k_tile + v_tile + mask
+    outputs = _tile(bq, Hv, f32, G) + row_stat
+    scratch = 2 * _tile(bq, c.LANES, f32, G) + _tile(bq, Hv, f32, G)  # m, l, acc
     temporaries = 3 * score  # s, its masked copy, p (and p cast to the input dtype)
   elif kernel == "dq":
-    inputs = 2 * q_tile + 2 * row_stat + 2 * kv_tile + mask
+    inputs = q_tile + do_tile + 2 * row_stat + k_tile + v_tile + mask
     outputs = _tile(bq, H, f32, G)
     scratch = _tile(G * bq, H, f32)
     temporaries = 5 * score  # s (masked), p, dp, ds, ds * scale cast for the matmul
   elif kernel == "dkv":
-    inputs = 2 * kv_tile + 2 * q_tile + 2 * row_stat + mask
-    outputs = 2 * _tile(bk, H, f32)
-    scratch = 2 * _tile(bk, H, f32)
+    inputs = k_tile + v_tile + q_tile + do_tile + 2 * row_stat + mask
+    outputs = _tile(bk, H, f32) + _tile(bk, Hv, f32)  # dk, dv
+    scratch = _tile(bk, H, f32) + _tile(bk, Hv, f32)
     temporaries = 5 * score  # as dq, plus p cast for dV sharing the same live range
   else:
     raise ValueError(f"kernel must be 'fwd', 'dq' or 'dkv', got {kernel!r}")
@@ -92,25 +110,26 @@ def q_candidates(q_len: int, dtype, *, grouped: bool) -> list[int]:
   return [t for t in candidates(q_len, sub) if not grouped or t % sub == 0]
 
 
-def hbm_bytes(kernel: str, *, bq, bk, q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype) -> int:
+def hbm_bytes(kernel: str, *, bq, bk, q_len, kv_len, num_heads, num_kv_heads, head_dim, dtype, v_head_dim=None) -> int:
   """HBM bytes one block's kernel moves when every tile is live.
 
   The forward and dq kernels stream all of K/V once per q tile, the dk/dv kernel
   streams q, dO, lse and delta once per kv tile; the other operands move once.
   This is what the planner minimises: within the VMEM budget, taller q tiles
-  (forward, dq) and wider kv tiles (dk/dv) cut the re-streaming.
+  (forward, dq) and wider kv tiles (dk/dv) cut the re-streaming.  v, o, dO and
+  dv are `v_head_dim` wide (None: `head_dim`).
   """
   b = jnp.dtype(dtype).itemsize
-  q_side = q_len * num_heads * head_dim * b  # q (or do)
-  kv_side = kv_len * num_kv_heads * head_dim * b  # k (or v)
+  Hv = head_dim if v_head_dim is None else v_head_dim
+  q_in, do_in = (q_len * num_heads * w * b for w in (head_dim, Hv))  # q, do
+  kv_in = kv_len * num_kv_heads * (head_dim + Hv) * b  # k and v
   stats = q_len * num_heads * 4  # lse or delta
-  out_q = q_len * num_heads * head_dim * 4  # f32 o or dq
   if kernel == "fwd":
-    return q_side + (q_len // bq) * 2 * kv_side + out_q + stats  # + lse
+    return q_in + (q_len // bq) * kv_in + q_len * num_heads * Hv * 4 + stats  # + o (f32) and lse
   if kernel == "dq":
-    return 2 * q_side + 2 * stats + (q_len // bq) * 2 * kv_side + out_q
+    return q_in + do_in + 2 * stats + (q_len // bq) * kv_in + q_len * num_heads * head_dim * 4  # + dq (f32)
   if kernel == "dkv":
-    return 2 * kv_side + (kv_len // bk) * (2 * q_side + 2 * stats) + 2 * kv_len * num_kv_heads * head_dim * 4
+    return kv_in + (kv_len // bk) * (q_in + do_in + 2 * stats) + kv_len * num_kv_heads * (head_dim + Hv) * 4
   raise ValueError(f"kernel must be 'fwd', 'dq' or 'dkv', got {kernel!r}")
 
 
@@ -127,7 +146,7 @@ def _best(kernels, q_len, kv_len, dtype, budget, **dims):
   """
   best, best_key = None, None
   grouped = dims["num_heads"] > dims["num_kv_heads"]
-  heads = {k: dims[k] for k in ("num_heads", "num_kv_heads", "head_dim")}
+  heads = {k: dims[k] for k in ("num_heads", "num_kv_heads", "head_dim", "v_head_dim") if k in dims}
   for bq in q_candidates(q_len, dtype, grouped=grouped):
     for bk in candidates(kv_len, c.LANES):
       need = max(footprint(k, bq=bq, bk=bk, dtype=dtype, **dims).total for k in kernels)
@@ -153,13 +172,15 @@ def plan_block_sizes(
   logits_soft_cap: float | None = None,
   dropout: bool = False,
   soft_cap: bool | None = None,
+  v_head_dim: int | None = None,
 ) -> BlockSizes:
   """The largest tiles whose VMEM footprint fits `generation`'s budget.
 
   Args:
     q_len, kv_len: the lengths one block sees: the per-device shard lengths
       of the ring (T / ring size and S / ring size).
-    num_heads, num_kv_heads, head_dim: N, K and H of the local shard.
+    num_heads, num_kv_heads, head_dim: N, K and H (q and k's head dim) of
+      the local shard.
     dtype: the input dtype (float32 or bfloat16).
     generation: 'v4', 'v5e', 'v5p', 'v6e' or 'v7x'; None: the attached TPU's,
       or the smallest-VMEM generation off TPU.
@@ -168,6 +189,8 @@ def plan_block_sizes(
       uses attention dropout (each adds buffers or temporaries).
     soft_cap: deprecated (warns once): a bool standing for whether there is a
       `logits_soft_cap`.
+    v_head_dim: v's (and the output's) head dim when it differs from
+      head_dim (MLA: DeepSeek's qk 192, v 128); None: head_dim.
 
   Returns:
     `BlockSizes` with forward and backward tiles: of the legal tiles (at most
@@ -191,12 +214,13 @@ def plan_block_sizes(
     has_segments=has_segments,
     soft_cap=has_cap,
     dropout=dropout,
+    v_head_dim=None if v_head_dim == head_dim else v_head_dim,
   )
   return plan_block_sizes_for(shape, generation=generation)
 
 
 def plan_block_sizes_for(shape: ProblemShape, *, generation: str | None = None) -> BlockSizes:
-  """`plan_block_sizes` of one `ProblemShape` (what the kernels call)."""
+  """`plan_block_sizes` of one `ProblemShape` (what the kernels call; v's head dim is `shape.head_dim_v`)."""
   q_len, kv_len, dtype = shape.q_len, shape.kv_len, shape.dtype
   num_heads, num_kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
   generation = current_generation() if generation is None else generation
@@ -207,6 +231,7 @@ def plan_block_sizes_for(shape: ProblemShape, *, generation: str | None = None) 
     ("num_heads", num_heads),
     ("num_kv_heads", num_kv_heads),
     ("head_dim", head_dim),
+    ("v_head_dim", shape.head_dim_v),
   ):
     if not isinstance(value, int) or value < 1:
       raise ValueError(f"plan_block_sizes: {name} must be a positive int, got {name}={value!r}")
@@ -228,6 +253,11 @@ def plan_block_sizes_for(shape: ProblemShape, *, generation: str | None = None) 
     raise ValueError(
       f"plan_block_sizes: no legal tiles for q_len={q_len}, kv_len={kv_len} fit the {generation} VMEM budget "
       f"of {budget / MiB:.1f} MiB (smallest tiles need {smallest / MiB:.1f} MiB with {num_heads // num_kv_heads} "
-      f"q heads per kv head and head_dim={head_dim})"
+      f"q heads per kv head and head_dim={head_dim}{_v_dim(shape)})"
     )
   return BlockSizes(block_q=fwd[0], block_kv=fwd[1], block_q_bwd=bwd[0], block_kv_bwd=bwd[1])
+
+
+def _v_dim(shape: ProblemShape) -> str:
+  """The `, v_head_dim=...` of an error message when v's head dim differs from q/k's; else nothing."""
+  return "" if shape.v_head_dim is None else f", v_head_dim={shape.v_head_dim}"

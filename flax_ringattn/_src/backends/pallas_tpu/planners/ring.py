@@ -13,6 +13,7 @@ from flax_ringattn._src.backends.pallas_tpu.planners.block import (
   Footprint,
   _tile,
   _traffic,
+  _v_dim,
   candidates,
   q_candidates,
 )
@@ -34,6 +35,7 @@ def ring_footprint(
   has_segments=False,
   soft_cap=False,
   dropout=False,
+  v_head_dim=None,
 ) -> Footprint:
   """VMEM of an in-kernel ring kernel: 'ring_fwd' / 'ring_bwd' (VMEM slots, `ring/vmem_forward.py`,
   `ring/vmem_backward.py`) or 'ring_fwd_hbm' / 'ring_bwd_hbm' (HBM slots, `ring/hbm_forward.py`, `ring/hbm_backward.py`).
@@ -45,37 +47,45 @@ def ring_footprint(
   With HBM slots only tiles are in VMEM, whatever T and S: the outer tile of
   a pass and its state once, the streamed inner tiles twice (double buffers).
   Temporaries are those of one (bq, bk) tile pair, as in `footprint`.
+  q, K, dq and dK buffers are `head_dim` wide; V, dV, dO, o and the softmax
+  accumulator `v_head_dim` (None: `head_dim`).
   """
   G, H, f32, i32 = num_heads // num_kv_heads, head_dim, jnp.float32, jnp.int32
+  Hv = H if v_head_dim is None else v_head_dim
   score = G * bq * bk * 4
   if kernel in ("ring_fwd", "ring_bwd"):
     q_blk = _tile(T, H, dtype, G)
     stat = _tile(T, 1, f32, G)
-    slots = 2 * _tile(S, H, dtype, 2)  # K and V, two slots each
+    slots = _tile(S, H, dtype, 2) + _tile(S, Hv, dtype, 2)  # K and V, two slots each
     seg_in = _tile(T, 1, i32) if has_segments else 0  # the q segment ids column
     if has_segments:
       slots += _tile(1, S, i32, 2)
   if kernel == "ring_fwd":
     inputs = q_blk + seg_in
-    outputs = _tile(T, H, f32, G) + stat
-    scratch = slots + 2 * _tile(T, c.LANES, f32, G) + _tile(T, H, f32, G)  # m, l, acc
+    outputs = _tile(T, Hv, f32, G) + stat
+    scratch = slots + 2 * _tile(T, c.LANES, f32, G) + _tile(T, Hv, f32, G)  # m, l, acc
     temporaries = 3 * score
   elif kernel == "ring_bwd":
-    inputs = 2 * q_blk + 2 * stat + seg_in
-    outputs = _tile(T, H, f32, G) + 2 * _tile(S, H, f32)
-    scratch = slots + 2 * _tile(S, H, f32, 2) + 2 * _tile(S, H, f32)
+    inputs = q_blk + _tile(T, Hv, dtype, G) + 2 * stat + seg_in  # q, do, lse, delta
+    outputs = _tile(T, H, f32, G) + _tile(S, H, f32) + _tile(S, Hv, f32)  # dq, dk, dv
+    scratch = slots + _tile(S, H, f32, 2) + _tile(S, Hv, f32, 2) + _tile(S, H, f32) + _tile(S, Hv, f32)
     temporaries = 5 * score
   elif kernel in ("ring_fwd_hbm", "ring_bwd_hbm"):
     inputs = outputs = 0  # everything pipelined by hand: scratch only
-    kv_tiles = 2 * _tile(bk, H, dtype, 2) + (_tile(1, bk, i32, 2) if has_segments else 0)  # [2] x (k, v, seg)
+    kv_tiles = _tile(bk, H, dtype, 2) + _tile(bk, Hv, dtype, 2)  # [2] x (k, v)
+    kv_tiles += _tile(1, bk, i32, 2) if has_segments else 0  # [2] x kv segment ids
     if kernel == "ring_fwd_hbm":
       q_tile = _tile(bq, H, dtype, G) + (_tile(bq, 1, i32) if has_segments else 0)
-      state = 2 * _tile(bq, c.LANES, f32, G) + _tile(bq, H, f32, G) + _tile(bq, 1, f32, G)  # m, l, acc, lse
+      state = 2 * _tile(bq, c.LANES, f32, G) + _tile(bq, Hv, f32, G) + _tile(bq, 1, f32, G)  # m, l, acc, lse
       scratch = q_tile + kv_tiles + state
       temporaries = 3 * score
     else:
-      q_side = 2 * _tile(bq, H, dtype, G) + 2 * _tile(bq, 1, f32, G) + (_tile(bq, 1, i32) if has_segments else 0)
-      scratch = 2 * q_side + kv_tiles + _tile(bq, H, f32, G) + 2 * _tile(bk, H, f32)  # dq; dk, dv of a kv tile
+      q_side = _tile(bq, H, dtype, G) + _tile(bq, Hv, dtype, G) + 2 * _tile(bq, 1, f32, G)  # q, do, lse, delta
+      q_side += _tile(bq, 1, i32) if has_segments else 0
+      kv_grads = _tile(bk, H, f32) + _tile(bk, Hv, f32)  # dk, dv of a kv tile
+      # the fold's partners of the dk, dv tiles, unless it adds in their halves (`ring.hbm_backward.fold_in_halves`)
+      fold = kv_grads if bk % 16 else 0
+      scratch = 2 * q_side + kv_tiles + _tile(bq, H, f32, G) + kv_grads + fold  # [2] x q side; dq; dk, dv; fold
       temporaries = 5 * score
   else:
     raise ValueError(f"kernel must be 'ring_fwd', 'ring_bwd', 'ring_fwd_hbm' or 'ring_bwd_hbm', got {kernel!r}")
@@ -119,6 +129,7 @@ def plan_ring(
   dropout=False,
   tiles=None,
   generation=None,
+  v_head_dim=None,
 ) -> RingPlan:
   """Slots and tiles of the in-kernel ring's forward (or backward) kernel on (T, S) shards of a ring of n.
 
@@ -128,17 +139,32 @@ def plan_ring(
   least HBM traffic (`hbm_bytes` of the block kernels the passes mirror), then
   the largest.  Either way the ring's tile table (`ring_table_bytes`) must
   fit its SMEM share.  `tiles=(bq, bk)` (the caller's BlockSizes) is kept and
-  only the slots are chosen.
+  only the slots are chosen.  `v_head_dim`: v's (and the output's) head dim
+  when it differs from head_dim (MLA); None: head_dim.
   """
-  heads = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-  shape = ProblemShape(
-    q_len=T, kv_len=S, dtype=dtype, has_segments=has_segments, soft_cap=soft_cap, dropout=dropout, **heads
-  )
+  shape = _shape(T, S, num_heads, num_kv_heads, head_dim, v_head_dim, dtype, has_segments, soft_cap, dropout)
   return plan_ring_for(shape, n=n, backward=backward, tiles=tiles, generation=generation)
 
 
+def _shape(T, S, num_heads, num_kv_heads, head_dim, v_head_dim, dtype, has_segments, soft_cap, dropout):
+  """The `ProblemShape` of the keyword forms (`plan_ring`, `ring_fits`)."""
+  return ProblemShape(
+    q_len=T,
+    kv_len=S,
+    num_heads=num_heads,
+    num_kv_heads=num_kv_heads,
+    head_dim=head_dim,
+    v_head_dim=None if v_head_dim == head_dim else v_head_dim,
+    dtype=dtype,
+    has_segments=has_segments,
+    soft_cap=soft_cap,
+    dropout=dropout,
+  )
+
+
 def plan_ring_for(shape: ProblemShape, *, n, backward: bool, tiles=None, generation=None) -> RingPlan:
-  """`plan_ring` of one `ProblemShape` of (T, S) shards (what the kernels call)."""
+  """`plan_ring` of one `ProblemShape` of (T, S) shards (what the kernels call; v's head dim is
+  `shape.head_dim_v`)."""
   T, S, dtype = shape.q_len, shape.kv_len, shape.dtype
   num_heads, num_kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
   generation = current_generation() if generation is None else generation
@@ -167,15 +193,14 @@ def plan_ring_for(shape: ProblemShape, *, n, backward: bool, tiles=None, generat
     raise ValueError(
       f"plan_ring: no legal tiles of the q_len={T}, kv_len={S} shards fit the {generation} VMEM budget of "
       f"{budget / MiB:.1f} MiB with HBM slots ({num_heads // num_kv_heads} q heads per kv head, "
-      f"head_dim={head_dim}), with a tile table for a ring of {n} within {c.SMEM_TABLE_BYTES} bytes of SMEM"
+      f"head_dim={head_dim}{_v_dim(shape)}), with a tile table for a ring of {n} within {c.SMEM_TABLE_BYTES} "
+      "bytes of SMEM"
     )
   passes = ("dq", "dkv") if backward else ("fwd",)
 
   def key(t):
     bq, bk = t
-    traffic = _traffic(
-      passes, bq, bk, q_len=T, kv_len=S, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
-    )
+    traffic = _traffic(passes, bq, bk, q_len=T, kv_len=S, dtype=dtype, **shape.heads)
     if backward:
       # `hbm_bytes` counts lse and delta at 4 bytes a row; the dK/dV pass copies their [G, bq, 1] f32 tiles,
       # which TPU HBM tiling pads to 128 lanes, once per kv tile.
@@ -199,17 +224,15 @@ def ring_fits(
   soft_cap=False,
   dropout=False,
   generation=None,
+  v_head_dim=None,
 ) -> bool:
   """Whether `plan_ring` finds slots and tiles for both directions on (T, S) shards of a ring of n."""
-  heads = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-  shape = ProblemShape(
-    q_len=T, kv_len=S, dtype=dtype, has_segments=has_segments, soft_cap=soft_cap, dropout=dropout, **heads
-  )
+  shape = _shape(T, S, num_heads, num_kv_heads, head_dim, v_head_dim, dtype, has_segments, soft_cap, dropout)
   return ring_fits_for(shape, n=n, generation=generation)
 
 
 def ring_fits_for(shape: ProblemShape, *, n=1, generation=None) -> bool:
-  """`ring_fits` of one `ProblemShape` of (T, S) shards."""
+  """`ring_fits` of one `ProblemShape` of (T, S) shards (v's head dim: `shape.head_dim_v`)."""
   try:
     for backward in (False, True):
       plan_ring_for(shape, n=n, backward=backward, generation=generation)

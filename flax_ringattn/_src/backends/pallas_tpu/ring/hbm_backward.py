@@ -13,11 +13,15 @@ recompute the probabilities from the saved lse, as a flash backward does:
         contribution (hop 0: straight into accumulator slot 0; later hops:
         into a local HBM sum).
     fold (after the hop's receives landed): add the local sum to the
-        accumulator that arrived in slot t % 2, tile by tile.
+        accumulator that arrived in slot t % 2, tile by tile, in VMEM: the
+        two halves of the kv tile's own dK (dV) buffer hold half a tile of
+        each (`fold_in_halves`), else two partner tiles hold a whole one.
 
 Tiles and whole rows / columns that are EMPTY at a hop are skipped, copies
 included (hop 0 still writes zeros where it is the first writer).  After hop
-n the accumulators of this member's own shard are home and copied out.
+n the accumulators of this member's own shard are home and copied out.  q, K,
+dq and dK are H wide; dO, V and dV Hv (v's head dim, MLA's): slots, tiles and
+accumulators alike.
 """
 
 from __future__ import annotations
@@ -36,11 +40,11 @@ from flax_ringattn._src.backends.pallas_tpu.ring import stream as st
 
 
 def bwd_plan_hbm(d: rp.RingDims) -> c.CallPlan:
-  G, T, S, H, bq, bk = d.G, d.T, d.S, d.H, d.bq, d.bk
+  G, T, S, H, Hv, bq, bk = d.G, d.T, d.S, d.H, d.Hv, d.bq, d.bk
   in_specs = [rp.HBM] * 6  # q, do, lse, delta, k, v
   in_dtypes = [d.dtype, d.dtype, c.F32, c.F32, d.dtype, d.dtype]
-  outs = [((d.B, d.N, T, H), c.F32), ((d.B, d.K, S, H), c.F32), ((d.B, d.K, S, H), c.F32)]  # dq, dk, dv
-  outs += [((2, S, H), d.dtype), ((2, S, H), d.dtype)]  # K / V slots
+  outs = [((d.B, d.N, T, H), c.F32), ((d.B, d.K, S, H), c.F32), ((d.B, d.K, S, Hv), c.F32)]  # dq, dk, dv
+  outs += [((2, S, H), d.dtype), ((2, S, Hv), d.dtype)]  # K / V slots
   if d.has_segments:
     in_specs += [rp.HBM, rp.HBM]
     in_dtypes += [jnp.int32, jnp.int32]
@@ -48,14 +52,16 @@ def bwd_plan_hbm(d: rp.RingDims) -> c.CallPlan:
   drop_specs, drop_dtypes = c.dropout_specs(d.has_dropout)
   in_specs += drop_specs
   in_dtypes += drop_dtypes
-  outs += [((2, S, H), c.F32), ((2, S, H), c.F32), ((S, H), c.F32), ((S, H), c.F32)]  # dk/dv slots, local sums
-  scratch = [((2, G, bq, H), d.dtype), ((2, G, bq, H), d.dtype), ((2, G, bq, 1), c.F32), ((2, G, bq, 1), c.F32)]
+  outs += [((2, S, H), c.F32), ((2, S, Hv), c.F32), ((S, H), c.F32), ((S, Hv), c.F32)]  # dk/dv slots, local sums
+  scratch = [((2, G, bq, H), d.dtype), ((2, G, bq, Hv), d.dtype), ((2, G, bq, 1), c.F32), ((2, G, bq, 1), c.F32)]
   if d.has_segments:
     scratch += [((2, bq, 1), jnp.int32)]
-  scratch += [((2, bk, H), d.dtype), ((2, bk, H), d.dtype)]
+  scratch += [((2, bk, H), d.dtype), ((2, bk, Hv), d.dtype)]
   if d.has_segments:
     scratch += [((2, 1, bk), jnp.int32)]
-  scratch += [((G, bq, H), c.F32), ((bk, H), c.F32), ((bk, H), c.F32)]  # dq of a q tile; dk, dv of a kv tile
+  scratch += [((G, bq, H), c.F32), ((bk, H), c.F32), ((bk, Hv), c.F32)]  # dq of a q tile; dk, dv of a kv tile
+  if not fold_in_halves(d):
+    scratch += [((bk, H), c.F32), ((bk, Hv), c.F32)]  # the fold's partners of the dk, dv tiles
   return c.CallPlan(
     grid=(d.B, d.K),
     in_specs=tuple(in_specs),
@@ -77,7 +83,9 @@ def _kernel(meta_ref, kinds_ref, q_hbm, do_hbm, lse_hbm, delta_hbm, k_hbm, v_hbm
   qseg_buf = refs.pop(0) if d.has_segments else None
   k_buf, v_buf, *refs = refs
   kvseg_buf = refs.pop(0) if d.has_segments else None
-  dq_sc, dk_sc, dv_sc, io_sems, tile_sems, send_sems, recv_sems, credit = refs
+  dq_sc, dk_sc, dv_sc, *refs = refs
+  partners = None if fold_in_halves(d) else (refs.pop(0), refs.pop(0))  # the fold's, for dk_sc and dv_sc
+  io_sems, tile_sems, send_sems, recv_sems, credit = refs
   b, h = pl.program_id(0), pl.program_id(1)
   comms = rp.Comms(meta_ref, d, credit, name="ring_bwd")
   G, bq, bk, nq, nk = d.G, d.bq, d.bk, d.T // d.bq, d.S // d.bk
@@ -209,22 +217,34 @@ def _kernel(meta_ref, kinds_ref, q_hbm, do_hbm, lse_hbm, delta_hbm, k_hbm, v_hbm
     if t == 0 or t >= d.live:
       return
     slot = t % 2
+    if partners is None:  # (row offset, rows, the arriving accumulator's buffer, the local sum's) per add
+      half = bk // 2
+      parts = [[(off, half, x.at[:half], x.at[half:]) for off in (0, half)] for x in (dk_sc, dv_sc)]
+    else:
+      parts = [[(0, bk, x, y)] for x, y in zip((dk_sc, dv_sc), partners, strict=True)]
 
     def kv_tile(j, _):
-      cols = pl.ds(j * bk, bk)
-
       @pl.when(st.any_live(kinds_ref, d, t, col=j, count=nq))
       def _add():
-        for acc, loc in ((dk_slots, dk_loc), (dv_slots, dv_loc)):
-          rp.sync_copies([(acc.at[slot, cols], dk_sc), (loc.at[cols], dv_sc)], io_sems)
-          dk_sc[...] = dk_sc[...] + dv_sc[...]
-          rp.sync_copies([(dk_sc, acc.at[slot, cols])], io_sems)
+        for acc, loc, adds in ((dk_slots, dk_loc, parts[0]), (dv_slots, dv_loc, parts[1])):
+          for off, size, x, y in adds:
+            rows = pl.ds(j * bk + off, size)
+            rp.sync_copies([(acc.at[slot, rows], x), (loc.at[rows], y)], io_sems)
+            x[...] = x[...] + y[...]
+            rp.sync_copies([(x, acc.at[slot, rows])], io_sems)
 
     jax.lax.fori_loop(0, nk, kv_tile, None)
 
   kv_pairs = lambda t: [(a, s.at[(t + 1) % 2]) for a, s in zip(src_of(t), slots, strict=True)]  # noqa: E731
   home = rp.backward_hops(comms, d, kv_pairs, (dk_slots, dv_slots), send_sems, recv_sems, compute=compute, fold=fold)
   rp.sync_copies([(dk_slots.at[home], dk_out.at[b, h]), (dv_slots.at[home], dv_out.at[b, h])], io_sems)
+
+
+def fold_in_halves(d: rp.RingDims) -> bool:
+  """Whether the fold adds a kv tile's accumulator half a tile at a time inside the tile's own dK (dV) buffer,
+  needing no other VMEM: when the halves are whole f32 sublane tiles (8 rows), as every kv tile of 128-lane
+  multiples is; else (a whole short shard as the kv tile) it adds whole tiles with two partner buffers."""
+  return d.bk % 16 == 0
 
 
 def sems(d: rp.RingDims):
@@ -241,7 +261,8 @@ def sems(d: rp.RingDims):
 
 
 def ring_bwd_hbm(d: rp.RingDims, spec, meta, kinds, args, *, interpret):
-  """(dq [B, N, T, H], dk, dv [B, K, S, H]) f32 heads-major; `args` as `vmem_backward.ring_bwd` builds them."""
+  """(dq [B, N, T, H], dk [B, K, S, H], dv [B, K, S, Hv]) f32 heads-major; `args` as `vmem_backward.ring_bwd`
+  builds them."""
   kernel = functools.partial(_kernel, spec=spec, d=d)
   dq, dk, dv, *_ = rp.ring_call(kernel, bwd_plan_hbm(d), sems(d), d, interpret=interpret, name="ring_bwd")(
     meta, kinds, *args

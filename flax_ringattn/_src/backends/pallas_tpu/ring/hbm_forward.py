@@ -17,7 +17,8 @@ m + log l), in the o and lse outputs themselves, and resumed as m = lse,
 l = 1, acc = o: the same softmax rescaled, so no m / l buffers live in HBM
 and the last hop's write is the result.  The own K/V are read from the input
 and sent from it on hop 0 (no copy into a slot); hop t >= 1 holds the shard
-that arrived in slot t % 2.
+that arrived in slot t % 2.  K slots and tiles are H wide, V slots and tiles,
+o and the accumulator Hv (v's head dim, MLA's).
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ from flax_ringattn._src.backends.pallas_tpu.ring import stream as st
 
 
 def fwd_plan_hbm(d: rp.RingDims) -> c.CallPlan:
-  G, T, S, H, bq, bk = d.G, d.T, d.S, d.H, d.bq, d.bk
+  G, T, S, H, Hv, bq, bk = d.G, d.T, d.S, d.H, d.Hv, d.bq, d.bk
   in_specs = [rp.HBM, rp.HBM, rp.HBM]  # q, k, v
   in_dtypes = [d.dtype, d.dtype, d.dtype]
-  outs = [((d.B, d.N, T, H), c.F32), ((d.B, d.N, T, 1), c.F32), ((2, S, H), d.dtype), ((2, S, H), d.dtype)]
+  outs = [((d.B, d.N, T, Hv), c.F32), ((d.B, d.N, T, 1), c.F32), ((2, S, H), d.dtype), ((2, S, Hv), d.dtype)]
   scratch = [((G, bq, H), d.dtype)]  # the q tile
   if d.has_segments:
     in_specs += [rp.HBM, rp.HBM]
@@ -49,10 +50,10 @@ def fwd_plan_hbm(d: rp.RingDims) -> c.CallPlan:
   drop_specs, drop_dtypes = c.dropout_specs(d.has_dropout)
   in_specs += drop_specs
   in_dtypes += drop_dtypes
-  scratch += [((2, bk, H), d.dtype), ((2, bk, H), d.dtype)]  # streamed k, v tiles
+  scratch += [((2, bk, H), d.dtype), ((2, bk, Hv), d.dtype)]  # streamed k, v tiles
   if d.has_segments:
     scratch += [((2, 1, bk), jnp.int32)]
-  scratch += [((G, bq, c.LANES), c.F32), ((G, bq, c.LANES), c.F32), ((G, bq, H), c.F32), ((G, bq, 1), c.F32)]
+  scratch += [((G, bq, c.LANES), c.F32), ((G, bq, c.LANES), c.F32), ((G, bq, Hv), c.F32), ((G, bq, 1), c.F32)]
   return c.CallPlan(
     grid=(d.B, d.K),
     in_specs=tuple(in_specs),
@@ -173,7 +174,7 @@ def sems(d: rp.RingDims):
 
 
 def ring_fwd_hbm(d: rp.RingDims, spec, meta, kinds, args, *, interpret):
-  """(o [B, N, T, H] f32, lse [B, N, T, 1] f32) heads-major; `args` as `vmem_forward.ring_fwd` builds them."""
+  """(o [B, N, T, Hv] f32, lse [B, N, T, 1] f32) heads-major; `args` as `vmem_forward.ring_fwd` builds them."""
   kernel = functools.partial(_kernel, spec=spec, d=d)
   o, lse, *_ = rp.ring_call(kernel, fwd_plan_hbm(d), sems(d), d, interpret=interpret, name="ring_fwd")(
     meta, kinds, *args

@@ -3,7 +3,8 @@
 One `pallas_call` per layer call does every hop.  Grid (B, K), both axes
 "arbitrary" (every device runs the grid steps in the same order); a grid step
 owns the G = N / K q heads of one kv head for one batch row and runs the whole
-ring for them.  Its K/V travel in two slots per array (`slot = hop % 2`);
+ring for them.  Its K/V travel in two slots per array (`slot = hop % 2`;
+K's slots H wide, V's Hv: v's head dim, which differs under MLA);
 every shard but the own one arrives from the upstream neighbour by
 `pltpu.make_async_remote_copy`, and no device ever reads a neighbour's HBM.
 

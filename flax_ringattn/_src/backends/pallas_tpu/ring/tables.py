@@ -45,25 +45,32 @@ class RingDims:
   # or "hbm" (tiles streamed through VMEM, `hbm_forward.py`), by `planner.plan_ring`.
   slots: str = "vmem"
   debug: object = None  # a `debug.KernelDebug` (tests only), or None
+  v_head_dim: int | None = None  # v's (and the output's) head dim when it differs from H (MLA); None: H
 
   @property
   def G(self) -> int:
     return self.N // self.K
 
+  @property
+  def Hv(self) -> int:
+    """v's head dim: the width of the V and dV slots and of the output, dO and the softmax accumulator."""
+    return self.H if self.v_head_dim is None else self.v_head_dim
 
-def ring_dims(spec, q, k, axis_name, load_balance, *, has_segments: bool, backward: bool) -> RingDims:
+
+def ring_dims(spec, q, k, v, axis_name, load_balance, *, has_segments: bool, backward: bool) -> RingDims:
   B, T, N, H = q.shape
-  S, K = k.shape[1], k.shape[2]
+  S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
   axes = layout.ring_axes(axis_name)
   sizes = tuple(jax.lax.axis_size(a) for a in axes)
   n = 1
   for s in sizes:
     n *= s
-  shape = ProblemShape.of(q.shape, k.shape, q.dtype, spec)
+  shape = ProblemShape.of(q.shape, k.shape, q.dtype, spec, v_shape=v.shape)
   if spec.block_sizes is None:  # the ring's own plan: slots and tiles, the tile table within SMEM
     plan = planner.plan_ring_for(shape, n=n, backward=backward)
   else:  # the caller's tiles (checked as the block kernels check them); only the slots are chosen
-    plan = planner.plan_ring_for(shape, n=n, backward=backward, tiles=c.block_tiles(spec, q, k, backward=backward))
+    tiles = c.block_tiles(spec, q, k, backward=backward, v=v)
+    plan = planner.plan_ring_for(shape, n=n, backward=backward, tiles=tiles)
   bq, bk = plan.bq, plan.bk
   table = planner.ring_table_bytes(n, T // bq, S // bk)
   if table > c.SMEM_TABLE_BYTES:
@@ -96,6 +103,7 @@ def ring_dims(spec, q, k, axis_name, load_balance, *, has_segments: bool, backwa
     kv_sends=() if sends.all() else tuple(tuple(bool(x) for x in row) for row in sends),
     slots=slots,
     debug=debug,
+    v_head_dim=None if Hv == H else Hv,
   )
 
 

@@ -6,7 +6,8 @@ the forward, and the dK/dV accumulators travel one hop behind them (two f32
 slots each).  One pass per tile pair computes p and dS once and feeds all
 three gradients.  A hop's contribution to the shard it holds is summed in a
 local buffer while the accumulator of that shard is still arriving, and added
-to it at the end of the hop.
+to it at the end of the hop.  K, dK and dq are [.., H] wide; V, dV and dO
+[.., Hv], v's head dim (MLA's), so each travels at its own size.
 """
 
 from __future__ import annotations
@@ -23,18 +24,18 @@ from flax_ringattn._src.backends.pallas_tpu.ring import protocol as rp
 
 
 def bwd_plan(d: rp.RingDims) -> c.CallPlan:
-  G, T, S, H = d.G, d.T, d.S, d.H
+  G, T, S, H, Hv = d.G, d.T, d.S, d.H, d.Hv
   grp = lambda b, h, meta, kinds: (b, h, 0, 0)  # noqa: E731
   in_specs = [
     pl.BlockSpec((None, G, T, H), grp),  # q
-    pl.BlockSpec((None, G, T, H), grp),  # do
+    pl.BlockSpec((None, G, T, Hv), grp),  # do
     pl.BlockSpec((None, G, T, 1), grp),  # lse
     pl.BlockSpec((None, G, T, 1), grp),  # delta
     rp.HBM,
     rp.HBM,
   ]
   in_dtypes = [d.dtype, d.dtype, c.F32, c.F32, d.dtype, d.dtype]
-  scratch = [((2, S, H), d.dtype), ((2, S, H), d.dtype)]
+  scratch = [((2, S, H), d.dtype), ((2, S, Hv), d.dtype)]  # K and V slots
   if d.has_segments:
     in_specs += [pl.BlockSpec((None, T, 1), lambda b, h, meta, kinds: (b, 0, 0)), rp.HBM]
     in_dtypes += [jnp.int32, jnp.int32]
@@ -42,17 +43,20 @@ def bwd_plan(d: rp.RingDims) -> c.CallPlan:
   drop_specs, drop_dtypes = c.dropout_specs(d.has_dropout)
   in_specs += drop_specs
   in_dtypes += drop_dtypes
-  scratch += [((2, S, H), c.F32), ((2, S, H), c.F32), ((S, H), c.F32), ((S, H), c.F32)]  # dk/dv slots, local sums
-  kv_out = pl.BlockSpec((None, None, S, H), grp)
+  scratch += [((2, S, H), c.F32), ((2, S, Hv), c.F32), ((S, H), c.F32), ((S, Hv), c.F32)]  # dk/dv slots, sums
   return c.CallPlan(
     grid=(d.B, d.K),
     in_specs=tuple(in_specs),
     in_dtypes=tuple(in_dtypes),
-    out_specs=(pl.BlockSpec((None, G, T, H), grp), kv_out, kv_out),
+    out_specs=(
+      pl.BlockSpec((None, G, T, H), grp),
+      pl.BlockSpec((None, None, S, H), grp),
+      pl.BlockSpec((None, None, S, Hv), grp),
+    ),
     out_shapes=(
       jax.ShapeDtypeStruct((d.B, d.N, T, H), c.F32),
       jax.ShapeDtypeStruct((d.B, d.K, S, H), c.F32),
-      jax.ShapeDtypeStruct((d.B, d.K, S, H), c.F32),
+      jax.ShapeDtypeStruct((d.B, d.K, S, Hv), c.F32),
     ),
     scratch=tuple(scratch),
   )
@@ -143,7 +147,7 @@ def _kernel(meta_ref, kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm
 
 def ring_bwd(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec, axis_name, load_balance, interpret, dropout=None):
   """(dq, dk, dv) f32 of this device's shards, given the final lse and delta = rowsum(dO * O) [B, N, T]."""
-  d = rp.ring_dims(spec, q, k, axis_name, load_balance, has_segments=q_seg is not None, backward=True)
+  d = rp.ring_dims(spec, q, k, v, axis_name, load_balance, has_segments=q_seg is not None, backward=True)
   meta, kinds = rp.ring_tables(spec, d, q_seg, kv_seg)
   args = [c.heads_major(q), c.heads_major(do), lse[..., None], delta[..., None], c.heads_major(k), c.heads_major(v)]
   if d.has_segments:

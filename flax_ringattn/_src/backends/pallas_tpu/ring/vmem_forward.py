@@ -1,7 +1,8 @@
 """Forward kernel of the in-kernel ring (protocol: `protocol.py`).
 
 Per grid step (b, kv head h): q of the group [G, T, H] and the online-softmax
-state m / l / acc of the whole q shard stay in VMEM across all n hops; each hop
+state m / l / acc [G, T, Hv] of the whole q shard stay in VMEM across all n hops
+(the K slots hold [S, H], the V slots [S, Hv]: v's head dim, MLA's); each hop
 walks its (q tile, kv tile) pairs, skipping EMPTY ones (`masks.classify`
 table) and the mask arithmetic of FULL ones, on the K/V slot that hop holds.
 The tile step itself is the block forward's (`forward.online_softmax_step`);
@@ -22,10 +23,10 @@ from flax_ringattn._src.backends.pallas_tpu.ring import protocol as rp
 
 
 def fwd_plan(d: rp.RingDims) -> c.CallPlan:
-  G, T, S, H = d.G, d.T, d.S, d.H
+  G, T, S, H, Hv = d.G, d.T, d.S, d.H, d.Hv
   in_specs = [pl.BlockSpec((None, G, T, H), lambda b, h, meta, kinds: (b, h, 0, 0)), rp.HBM, rp.HBM]
   in_dtypes = [d.dtype, d.dtype, d.dtype]
-  scratch = [((2, S, H), d.dtype), ((2, S, H), d.dtype)]
+  scratch = [((2, S, H), d.dtype), ((2, S, Hv), d.dtype)]  # K and V slots
   if d.has_segments:
     in_specs += [pl.BlockSpec((None, T, 1), lambda b, h, meta, kinds: (b, 0, 0)), rp.HBM]
     in_dtypes += [jnp.int32, jnp.int32]
@@ -34,13 +35,13 @@ def fwd_plan(d: rp.RingDims) -> c.CallPlan:
   in_specs += drop_specs
   in_dtypes += drop_dtypes
   row = lambda b, h, meta, kinds: (b, h, 0, 0)  # noqa: E731
-  scratch += [((G, T, c.LANES), c.F32), ((G, T, c.LANES), c.F32), ((G, T, H), c.F32)]
+  scratch += [((G, T, c.LANES), c.F32), ((G, T, c.LANES), c.F32), ((G, T, Hv), c.F32)]  # m, l, acc
   return c.CallPlan(
     grid=(d.B, d.K),
     in_specs=tuple(in_specs),
     in_dtypes=tuple(in_dtypes),
-    out_specs=(pl.BlockSpec((None, G, T, H), row), pl.BlockSpec((None, G, T, 1), row)),
-    out_shapes=(jax.ShapeDtypeStruct((d.B, d.N, d.T, H), c.F32), jax.ShapeDtypeStruct((d.B, d.N, d.T, 1), c.F32)),
+    out_specs=(pl.BlockSpec((None, G, T, Hv), row), pl.BlockSpec((None, G, T, 1), row)),
+    out_shapes=(jax.ShapeDtypeStruct((d.B, d.N, d.T, Hv), c.F32), jax.ShapeDtypeStruct((d.B, d.N, d.T, 1), c.F32)),
     scratch=tuple(scratch),
   )
 
@@ -112,8 +113,8 @@ def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
 
 
 def ring_fwd(q, k, v, q_seg, kv_seg, *, spec, axis_name, load_balance, interpret, dropout=None):
-  """(o [B, T, N, H] f32, lse [B, N, T] f32) of the whole ring, on this device's q shard."""
-  d = rp.ring_dims(spec, q, k, axis_name, load_balance, has_segments=q_seg is not None, backward=False)
+  """(o [B, T, N, Hv] f32, lse [B, N, T] f32) of the whole ring, on this device's q shard."""
+  d = rp.ring_dims(spec, q, k, v, axis_name, load_balance, has_segments=q_seg is not None, backward=False)
   meta, kinds = rp.ring_tables(spec, d, q_seg, kv_seg)
   args = [c.heads_major(q), c.heads_major(k), c.heads_major(v)]
   if d.has_segments:
