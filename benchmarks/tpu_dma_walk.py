@@ -55,8 +55,8 @@ def rates(gen: str) -> tuple[float, float]:
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-  """What the roofline models: one call's B, N, K, H and dtype on a ring of n (the global T varies per row), and
-  the left window of the "window" mask."""
+  """What the roofline models: one call's B, N, K, H (Hv: v's head dim, MLA) and dtype on a ring of n (the global
+  T varies per row), and the left window of the "window" mask."""
 
   B: int
   N: int
@@ -65,6 +65,7 @@ class Problem:
   dtype: str
   n: int  # ring size
   window: int
+  Hv: int | None = None  # None: H
 
   @property
   def G(self) -> int:
@@ -91,7 +92,7 @@ def mask_setup(name: str, window: int) -> tuple[masks.MaskSpec, bool]:
 def tiles(gen: str, L: int, p: Problem) -> dict[str, tuple[int, int]]:
   """(bq, bk) per pass as the kernels resolve them (`common.block_tiles`) from the planner's BlockSizes."""
   try:
-    bs = fr.plan_block_sizes(L, L, p.N, p.K, p.H, jnp.dtype(p.dtype), generation=gen)
+    bs = fr.plan_block_sizes(L, L, p.N, p.K, p.H, jnp.dtype(p.dtype), generation=gen, v_head_dim=p.Hv)
   except ValueError as e:
     raise ValueError(f"plan_block_sizes({L}, {L}, ..., generation={gen!r}) failed: {e}") from e
   sub, lanes = common.sublanes(jnp.dtype(p.dtype)), common.LANES
@@ -299,7 +300,8 @@ def kernel_cost(
   kernel: str, tab: Tables, pairs: np.ndarray, p: Problem, L: int, bq: int, bk: int, tiled: bool
 ) -> KernelCost:
   """FLOPs and HBM bytes of `kernel` ('fwd', 'dq', 'dkv') for every (device, hop) of the ring."""
-  dims = dict(B=p.B, T=L, S=L, N=p.N, K=p.K, H=p.H, dtype=jnp.dtype(p.dtype), bq=bq, bk=bk, has_segments=False)
+  dims = dict(B=p.B, T=L, S=L, N=p.N, K=p.K, H=p.H, Hv=p.Hv, dtype=jnp.dtype(p.dtype), bq=bq, bk=bk)
+  dims["has_segments"] = False
   plan = PLANS[kernel](**dims)
   if kernel == "dkv":  # dk/dv walks the transposed table (block_bwd: kinds.T and fetch_index(kinds.T))
     table, fetch = np.swapaxes(tab.kinds, -1, -2), tab.fetch_t
@@ -328,9 +330,8 @@ def kernel_cost(
     nbytes = block_bytes(spec.block_shape, out.dtype, tiled)
     total += bh * rows * nbytes  # one write-back per row and (b, h)
     dead += bh * empty_rows * nbytes
-  matmuls = cost.KERNEL_MATMULS[kernel]
-  flops = live.sum(axis=(-2, -1)) * cost.pair_flops(bq * bk, B=p.B, N=p.N, H=p.H, matmuls=matmuls)
-  useful = cost.pair_flops(pairs, B=p.B, N=p.N, H=p.H, matmuls=matmuls)
+  flops = live.sum(axis=(-2, -1)) * cost.pair_flops(bq * bk, B=p.B, N=p.N, H=p.H, matmuls=kernel, Hv=p.Hv)
+  useful = cost.pair_flops(pairs, B=p.B, N=p.N, H=p.H, matmuls=kernel, Hv=p.Hv)
   return KernelCost(*(np.where(launched, a, 0.0) for a in (flops, useful, total, dead)))
 
 
@@ -407,7 +408,8 @@ def evaluate(gen: str, T: int, mask: str, pas: str, p: Problem, tiled: bool) -> 
 
 def _replay(kernel: str, tab: Tables, p: Problem, L: int, bq: int, bk: int, tiled: bool) -> tuple[float, float]:
   """(HBM bytes, FLOPs) of one launch (`tab` of one hop) by walking the grid through the plan's index_map lambdas."""
-  dims = dict(B=p.B, T=L, S=L, N=p.N, K=p.K, H=p.H, dtype=jnp.dtype(p.dtype), bq=bq, bk=bk, has_segments=False)
+  dims = dict(B=p.B, T=L, S=L, N=p.N, K=p.K, H=p.H, Hv=p.Hv, dtype=jnp.dtype(p.dtype), bq=bq, bk=bk)
+  dims["has_segments"] = False
   plan = PLANS[kernel](**dims)
   kinds = tab.kinds[0, 0]
   table, fetch = (kinds.T, tab.fetch_t[0, 0]) if kernel == "dkv" else (kinds, tab.fetch[0, 0])
@@ -426,7 +428,7 @@ def _replay(kernel: str, tab: Tables, p: Problem, L: int, bq: int, bk: int, tile
         total += block_bytes(spec.block_shape, plan.out_shapes[a].dtype, tiled)
         prev_out[a] = idx
     if table[g[2], g[3]] != masks.EMPTY:
-      flops += cost.pair_flops(bq * bk, N=p.G, H=p.H, matmuls=cost.KERNEL_MATMULS[kernel])
+      flops += cost.pair_flops(bq * bk, N=p.G, H=p.H, matmuls=kernel, Hv=p.Hv)
   return total, flops
 
 
@@ -447,12 +449,14 @@ def self_check(tiled: bool) -> None:
     assert np.array_equal(tab.kinds, kinds) and np.array_equal(tab.launched, hop != masks.EMPTY), (mask, "kinds")
     assert np.array_equal(tab.fetch, fetch) and np.array_equal(tab.fetch_t, fetch_t), (mask, "fetch_index")
     assert np.array_equal(pairs, vis), (mask, "visible pairs")
-    for kernel in cost.KERNEL_MATMULS:
-      kc = kernel_cost(kernel, tab, pairs, p, L, bq, bk, tiled)
-      for r, t in [(0, 0), (1, 2), (p.n - 1, 1), (2, p.n - 1)]:
-        if not tab.launched[r, t]:
-          assert kc.bytes[r, t] == 0
-          continue
-        want_bytes, want_flops = _replay(kernel, tab.at(r, t), p, L, bq, bk, tiled)
-        assert kc.bytes[r, t] == want_bytes, (mask, kernel, r, t, kc.bytes[r, t], want_bytes)
-        assert kc.flops[r, t] == want_flops, (mask, kernel, r, t)
+    # The MLA problem (qk 192, v 128) checks that v-side blocks are walked at their own width.
+    for pp in (p, dataclasses.replace(p, H=192, Hv=128)):
+      for kernel in cost.KERNEL_MATMULS:
+        kc = kernel_cost(kernel, tab, pairs, pp, L, bq, bk, tiled)
+        for r, t in [(0, 0), (1, 2), (p.n - 1, 1), (2, p.n - 1)]:
+          if not tab.launched[r, t]:
+            assert kc.bytes[r, t] == 0
+            continue
+          want_bytes, want_flops = _replay(kernel, tab.at(r, t), pp, L, bq, bk, tiled)
+          assert kc.bytes[r, t] == want_bytes, (mask, kernel, r, t, pp.Hv, kc.bytes[r, t], want_bytes)
+          assert kc.flops[r, t] == want_flops, (mask, kernel, r, t, pp.Hv)

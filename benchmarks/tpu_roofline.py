@@ -18,7 +18,10 @@ What it prints
   which `planners.plan_ring` minimises) plus the ring's state, fold and sends;
 * the ragged paged kernel (`_src/backends/pallas_tpu/paged/`, blocks from
   `planners.plan_paged_block_sizes`): a decode step and a mixed step, walked as
-  the kernel walks them (`paged_table`).
+  the kernel walks them (`paged_table`);
+* MLA (`mla_table`): DeepSeek-V3's attention (128 q heads and kv heads, q/k
+  head dim 192, v 128, bf16) through the same walk, beside the same call with v
+  at 192: tiles, time and the share v's narrower head saves.
 
 Hardware figures are the package's table (`flax_ringattn.benchmarking.hardware`:
 JAX's per-TensorCore numbers times the cores of one JAX device, ICI from the
@@ -145,7 +148,7 @@ def ici_table(report: Report, results: dict, gens, seq_lens, mask_names, p: Prob
           r = results.get((g, T, mask, pas))
           if r is None or r.error:
             continue
-          sent = cost.ring_hop_bytes(B=p.B, S=L, K=p.K, H=p.H, itemsize=p.itemsize, direction=pas)
+          sent = cost.ring_hop_bytes(B=p.B, S=L, K=p.K, H=p.H, itemsize=p.itemsize, direction=pas, Hv=p.Hv)
           sending = r.hop_times[: p.n - 1] if pas == "fwd" else r.hop_times  # bwd: accumulators move every hop
           t_min = float(sending.min()) if len(sending) else float("nan")
           t_ici = sent / link if link else None
@@ -161,6 +164,37 @@ def ici_table(report: Report, results: dict, gens, seq_lens, mask_names, p: Prob
       "Bytes each device sends per hop (forward K and V; backward also the f32 dK/dV accumulators) vs the slowest",
       "device's compute in the sending hops; 'needs' = the one-way bandwidth that would hide the send; 'link' assumes",
       "the ring's neighbour is one ICI link away and the send uses one direction of it.",
+    ],
+  )
+
+
+# DeepSeek-V3's attention (MLA, the q/k head dim 192 = 128 + 64 rope, v 128), per device on a ring of the
+# problem's size, against the same call with v at q/k's width.
+MLA = dict(N=128, K=128, H=192, Hv=128, dtype="bfloat16")
+
+
+def mla_table(report: Report, gens: Sequence[str], seq_lens: Sequence[int], p: Problem, tiled: bool) -> None:
+  T = max(seq_lens)
+  mla = dataclasses.replace(p, B=1, **MLA)
+  wide = dataclasses.replace(mla, Hv=None)
+  rows = []
+  for g in gens:
+    for pas in PASSES:
+      try:
+        r, w = (walk.evaluate(g, T, "causal-lb", pas, x, tiled) for x in (mla, wide))
+      except ValueError as e:
+        rows.append([g, T, pas, f"error: {e}", *[None] * 6])
+        continue
+      rows.append([g, T, pas, f"{r.tiles[0]}x{r.tiles[1]}", f"{w.tiles[0]}x{w.tiles[1]}", r.flops / 1e12,
+                   r.bytes / GB, r.t_dev * 1e3, w.t_dev * 1e3, r.t_dev / w.t_dev])  # fmt: skip
+  report.table(
+    f"MLA: DeepSeek-V3 attention (N=K=128, qk 192, v 128, bf16), causal-lb, T={T} on a ring of {p.n}",
+    ["gen", "T", "pass", "tiles", "tiles v=192", "TFLOP", "GB", "t_dev ms", "t_dev v=192 ms", "ratio"],
+    rows,
+    formats={"TFLOP": ".2f", "GB": ".2f", "ratio": ".2f"},
+    notes=[
+      "The same walk as the table above with v, o, dO and dV at 128 (plan_block_sizes(v_head_dim=128)); 'v=192' is",
+      "the call with v at q/k's 192, for scale.  Model-derived; the busiest device.",
     ],
   )
 
@@ -576,6 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   ici_masks = [m for m in ("full", "causal-lb") if m in args.masks] or args.masks[:1]
   ici_table(report, results, args.generations, args.seq_lens, ici_masks, p)
   paged_table(report, args.generations, p, args, tiled)
+  mla_table(report, args.generations, args.seq_lens, p, tiled)
   kernel_ring_table(report, args.generations, p)
   kernel_ring_hbm_table(report, args.generations, p, tiled)
   time_on_tpu(report, args, p, tiled)

@@ -202,9 +202,17 @@ def test_roofline_json_report_parses(roofline):
   doc = json.loads(out.getvalue())
   assert code == doc["exit_code"] == bench.EXIT_OK
   tables = {s["table"].split(" (")[0].split(":")[0]: s for s in doc["sections"] if "table" in s}
-  assert {"Hardware", "Per pass, one device's whole ring", "ICI per hop", "In-kernel ring with HBM slots"} <= set(
-    tables
-  )
+  assert {
+    "Hardware",
+    "Per pass, one device's whole ring",
+    "ICI per hop",
+    "In-kernel ring with HBM slots",
+    "MLA",
+  } <= set(tables)
+  # DeepSeek-V3's MLA row: the walk at v 128 costs less than the same call with v at 192, in both passes.
+  mla = tables["MLA"]["rows"]
+  assert [r["pass"] for r in mla] == ["fwd", "bwd"]
+  assert all(0.5 < r["ratio"] < 1.0 and r["t_dev ms"] < r["t_dev v=192 ms"] for r in mla), mla
   (hw,) = tables["Hardware"]["rows"]
   assert hw["gen"] == "v5e" and hw["bf16 TF/s"] == 197 and hw["HBM GB/s"] == 820  # numbers stay numbers
 
