@@ -8,6 +8,8 @@ joined and dropped in the form convert runs exactly are left alone, with the rea
 
 from __future__ import annotations
 
+import contextlib
+
 import handwritten_models as hm
 import jax
 import numpy as np
@@ -18,6 +20,7 @@ from test_handwritten import F32, _batch, _grads, _inputs, _key_mask
 from tolerances import assert_close
 
 import flax_ringattn as fr
+from flax_ringattn._src.testing.interpret import interpret_params, no_races
 
 WINDOW = 8
 
@@ -150,3 +153,55 @@ def test_sink_patterns_that_are_not_the_ops_sinks_are_rejected(case):
   assert not sites and not sinks
   assert len(rejected) == 1 and rejected[0].reason.startswith("attention sinks: "), rejected
   assert REJECTED[case] in rejected[0].reason, rejected
+
+
+# -- the converted gpt-oss and DeepSeek look-alikes on every strategy and implementation --------------------------
+
+_TPU = dict(interpret=interpret_params(), block_sizes=fr.BlockSizes(block_q=16, block_kv=16))
+EVERYWHERE = {  # (strategy, mesh shape, mesh axes, seq_axis, convert's options); T = 32: 16-token shards on 2
+  "ulysses-xla": ("ulysses", (4,), ("sp",), "sp", dict(implementation="xla")),
+  "all_gather-xla": ("all_gather", (4,), ("sp",), "sp", dict(implementation="xla")),
+  "ulysses_ring-xla": ("ulysses_ring", (2, 2), ("ring", "uly"), ("ring", "uly"), dict(implementation="xla")),
+  "ring-pallas_tpu": ("ring", (2,), ("sp",), "sp", dict(implementation="pallas_tpu", **_TPU)),
+  "ring-pallas_tpu_ring": ("ring", (2,), ("sp",), "sp", dict(implementation="pallas_tpu_ring", **_TPU)),
+  "ring-pallas_gpu": (
+    "ring", (2,), ("sp",), "sp",
+    dict(implementation="pallas_gpu", interpret=True, block_sizes=fr.BlockSizes(block_q=16, block_kv=16)),
+  ),
+}  # fmt: skip
+
+
+def _marks(where):
+  if "pallas_gpu" in where:
+    return (pytest.mark.interpret, pytest.mark.races_not_read("Triton interpret mode: no race detector, no DMAs"))
+  return (pytest.mark.interpret,) if "pallas" in where else ()
+
+
+MODELS = {
+  "gpt_oss": lambda: hm.GptOssDecoder(window=WINDOW, rngs=nnx.Rngs(0)),  # sinks, window then full layer, GQA
+  "deepseek_mla": lambda: hm.Decoder(hm.mla(), rngs=nnx.Rngs(0)),  # q/k 24 = 16 + 8 rope, v 16
+}
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("where", [pytest.param(k, marks=_marks(k)) for k in EVERYWHERE])
+def test_converted_models_on_every_strategy_and_implementation(where, model):
+  """The gpt-oss-style decoder (sinks, a windowed layer then a full one, GQA) and the DeepSeek-style MLA decoder,
+  converted onto each strategy and each implementation (Pallas kernels in interpret mode, TPU ones with the race
+  detector): loss and every gradient, the sinks' included, match the unconverted model."""
+  strategy, shape, names, seq_axis, options = EVERYWHERE[where]
+  tokens, pos, third, _, valid = _inputs("mask")
+  ref, converted = MODELS[model](), MODELS[model]()
+  report = fr.convert(
+    converted, mesh=make_mesh(shape, names), seq_axis=seq_axis, strategy=strategy,
+    example=lambda m: m(tokens, pos, third), **options,
+  )  # fmt: skip
+  assert len(report.converted) == 2 and not report.left_alone, str(report)
+  step, params = _grads(converted, tokens, pos, third, valid)
+  ref_step, ref_params = _grads(ref, tokens, pos, third, valid)
+  checks = no_races() if where in ("ring-pallas_tpu", "ring-pallas_tpu_ring") else contextlib.nullcontext()
+  with checks:
+    loss, grads = jax.block_until_ready(step(params))
+  ref_loss, ref_grads = ref_step(ref_params)
+  assert_close(loss, ref_loss, F32)
+  assert_close(grads, ref_grads, F32, "grad")
