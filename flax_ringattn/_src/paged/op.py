@@ -118,7 +118,7 @@ def paged_attention(
   check_metadata(*call.metadata, q.shape[0], k_pages.shape[0], k_pages.shape[1], checked=checked)
   args = (q, k_pages, v_pages, *call.metadata, call.k_scale, call.v_scale)
   kernel = PagedKernel(spec=call.spec, backend=call.backend)
-  mesh = _explicit_mesh(args)
+  mesh = _explicit_mesh((*args, sinks))
   if mesh is None:
     return flash.flash(kernel, sinks, *args)
   # Arrays typed on an Explicit mesh (e.g. replicated parameters' outputs): the
