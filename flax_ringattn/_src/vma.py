@@ -25,8 +25,9 @@ def _varying_over(x, want: frozenset):
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def like(x, ref):
-  return _varying_over(x, _varying_axes(ref))
+def like(x, *refs):
+  """`x` marked varying over every manual axis any of `refs` varies over."""
+  return _varying_over(x, frozenset().union(*(_varying_axes(r) for r in refs)))
 
 
 def unify(*xs):

@@ -6,6 +6,7 @@ them.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
@@ -91,9 +92,13 @@ def check_metadata(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps, *, chec
   concrete = validation.all_concrete(*arrays)
   if not concrete and not checked:
     return
+  if concrete:
+    # Concrete arrays closed over by a jitted function are still values: evaluate the checks now, not as traced
+    # operations of the enclosing jit.
+    with jax.ensure_compile_time_eval():
+      for bad, message, values in _metadata_problems(*arrays, T, P, ps):
+        if bool(bad):
+          raise ValueError("paged_attention: " + message.format(**{k: int(v) for k, v in values.items()}))
+    return
   for bad, message, values in _metadata_problems(*arrays, T, P, ps):
-    if concrete:
-      if bool(bad):
-        raise ValueError("paged_attention: " + message.format(**{k: int(v) for k, v in values.items()}))
-    else:
-      checkify.check(~bad, "paged_attention: " + message, **values)
+    checkify.check(~bad, "paged_attention: " + message, **values)

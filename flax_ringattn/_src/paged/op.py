@@ -12,10 +12,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec
 
-from flax_ringattn._src import flash, masks, validation
+from flax_ringattn._src import flash, masks, sharding, validation, vma
 from flax_ringattn._src.block_sizes import BlockSizes
 from flax_ringattn._src.options import AttentionSpec
 from flax_ringattn._src.paged import common
+from flax_ringattn._src.paged import context_parallel as cp
 from flax_ringattn._src.paged.checks import check_metadata
 from flax_ringattn._src.paged.implementations import PAGED
 
@@ -40,6 +41,9 @@ def paged_attention(
   interpret=None,
   sliding_window: int | None = None,
   sinks=None,
+  mesh=None,
+  seq_axis=None,
+  axis_name=None,
 ):
   """Attention of a ragged batch of new tokens over their sequences' paged KV cache.
 
@@ -91,6 +95,18 @@ def paged_attention(
       (differentiable), as in `ring_attention`: exp(sinks[h]) joins the
       softmax denominator of every row of head h and carries no value.
 
+    mesh, seq_axis: context parallelism: the cache's pages are spread over
+      mesh axis `seq_axis` (default: the mesh's only axis), sharded on the page
+      dimension (device d of n owns the global page ids [d * P / n,
+      (d + 1) * P / n), as `PagedKVCache.create(..., mesh=, seq_axis=)` lays
+      them out); page_indices keep global ids.  Each device attends over its
+      own pages and the partials are merged exactly (one psum of
+      [T, N, Hv + 1] and one pmax of [T, N]); q, the metadata and the output
+      are replicated over the axis.  P must be a multiple of n.
+    axis_name: the same inside your own `jax.shard_map` over that (bound) axis:
+      k_pages / v_pages (and per-page scales) are then this device's shards,
+      everything else replicated.
+
   Returns:
     [T, N, Hv] in q.dtype.  Differentiable in q, k_pages, v_pages and sinks
     (page gradients are scatter-added into the pages each sequence reads).
@@ -115,8 +131,16 @@ def paged_attention(
   )
   validation.check_bool("checked", checked)
   sinks = validation.check_sinks(sinks, q.shape[1])
-  check_metadata(*call.metadata, q.shape[0], k_pages.shape[0], k_pages.shape[1], checked=checked)
+  seq_axis, shards = _context_parallel(mesh, seq_axis, axis_name, k_pages.shape[0])
+  # Inside the caller's shard_map the pages are this device's shard: the ids in the table are global.
+  num_pages = k_pages.shape[0] * (shards if axis_name is not None else 1)
+  check_metadata(*call.metadata, q.shape[0], num_pages, k_pages.shape[1], checked=checked)
   args = (q, k_pages, v_pages, *call.metadata, call.k_scale, call.v_scale)
+  if axis_name is not None:
+    return flash.flash(PagedKernel(spec=call.spec, backend=call.backend, axis_name=axis_name), sinks, *args)
+  if seq_axis is not None:
+    kernel = PagedKernel(spec=call.spec, backend=call.backend, axis_name=seq_axis)
+    return _on_mesh(kernel, mesh, seq_axis, sinks, args)
   kernel = PagedKernel(spec=call.spec, backend=call.backend)
   mesh = _explicit_mesh((*args, sinks))
   if mesh is None:
@@ -130,6 +154,71 @@ def paged_attention(
     out_specs=PartitionSpec(),
     check_vma=False,
   )(sinks, *args)
+
+
+def _context_parallel(mesh, seq_axis, axis_name, pages: int):
+  """(seq_axis, n): the mesh axis (or axes) the pages are spread over and its size; (None, 1) without context
+  parallelism.  With `axis_name` (inside the caller's shard_map) seq_axis stays None and n is the bound size."""
+  if axis_name is not None:
+    if mesh is not None or seq_axis is not None:
+      raise ValueError(
+        f"pass axis_name={axis_name!r} inside your own shard_map, or mesh=... with seq_axis=..., not both"
+      )
+    axes = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    if not all(sharding.axis_is_bound(a) for a in axes):
+      raise ValueError(
+        f"axis_name={axis_name!r} is not bound: call paged_attention inside jax.shard_map over a mesh with that "
+        "axis (k_pages / v_pages sharded on their page dimension), or pass mesh=... and seq_axis=..."
+      )
+    return None, jax.lax.axis_size(axis_name)
+  if seq_axis is not None and mesh is None:
+    raise ValueError(f"seq_axis={seq_axis!r} needs mesh=... (inside your own shard_map pass axis_name=...)")
+  if mesh is None:
+    return None, 1
+  if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  seq_axis = sharding.sequence_axis(mesh, seq_axis, arg="seq_axis")
+  if isinstance(seq_axis, list):
+    seq_axis = tuple(seq_axis)
+  sharding.check_mesh_axes(mesh, where="paged_attention", seq_axis=seq_axis)
+  n = sharding.axes_size(mesh, seq_axis)
+  if pages % n:
+    raise ValueError(
+      f"k_pages has P={pages} pages, which must be a multiple of the {seq_axis!r} axis size {n}: each device owns "
+      "P / n of them (PagedKVCache.create(..., mesh=, seq_axis=) allocates so)"
+    )
+  return seq_axis, n
+
+
+def _on_mesh(kernel, mesh, seq_axis, sinks, args):
+  """`kernel` (its pages spread over `seq_axis`) as a shard_map over `mesh`: the pages and per-page scales split on
+  their page dimension, everything else replicated."""
+  q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale = args
+
+  def spec(x, paged):
+    if x is None:
+      return None
+    return PartitionSpec(seq_axis) if paged and x.ndim > 0 else PartitionSpec()
+
+  specs = (
+    spec(q, False),
+    spec(k_pages, True),
+    spec(v_pages, True),
+    *(spec(x, False) for x in (kv_lens, page_indices, cu_q_lens, num_seqs)),
+    spec(k_scale, True),
+    spec(v_scale, True),
+  )
+  sinks_spec = spec(sinks, False)
+  placed = [x if s is None else sharding.constrain(x, mesh, s) for x, s in zip(args, specs, strict=True)]
+  if sinks is not None:
+    sinks = sharding.constrain(sinks, mesh, sinks_spec)
+  fn = jax.shard_map(
+    lambda sinks, *a: flash.flash(kernel, sinks, *a),
+    mesh=mesh,
+    in_specs=(sinks_spec, *specs),
+    out_specs=PartitionSpec(),
+  )
+  return fn(sinks, *placed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,10 +388,13 @@ def paged_attention_with_cache_write(
 @dataclasses.dataclass(frozen=True)
 class PagedKernel:
   """Paged attention as a `flash.FlashKernel`: operands (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
-  num_seqs, k_scale, v_scale); o [T, N, H], lse [T, N]."""
+  num_seqs, k_scale, v_scale); o [T, N, Hv], lse [T, N].  With `axis_name` (bound: inside `jax.shard_map`) the
+  pages are this device's shard of a cache spread over that axis, and the partials are merged across it
+  (`context_parallel.py`)."""
 
   spec: AttentionSpec
   backend: object
+  axis_name: object = None
 
   @staticmethod
   def rows_to_lse(rows):
@@ -311,11 +403,17 @@ class PagedKernel:
   lse_to_rows = rows_to_lse
 
   def forward(self, *operands):
-    return self.backend.fwd(*operands, spec=self.spec)
+    if self.axis_name is None:
+      return self.backend.fwd(*operands, spec=self.spec)
+    o, lse = self.backend.fwd(*cp.local_operands(operands, self.axis_name), spec=self.spec)
+    return cp.merge_partials(o, lse, self.axis_name)
 
   def backward(self, operands, lse, do, delta):
     q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale = operands
-    dq, dk, dv = self.backend.bwd(*operands, lse, do, delta, spec=self.spec)
+    local = operands if self.axis_name is None else cp.local_operands(operands, self.axis_name)
+    dq, dk, dv = self.backend.bwd(*local, lse, do, delta, spec=self.spec)
+    # Each device's dq covers its own pages' keys: the whole dq is their sum (q is replicated over the axis).
+    dq = vma.sum_to(dq, q)
     return (
       dq.astype(q.dtype),
       _page_cotangent(dk, k_pages),

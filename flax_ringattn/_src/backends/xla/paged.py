@@ -20,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from flax_ringattn._src import vma
 from flax_ringattn._src.paged import common, metadata
 
 F32 = jnp.float32
@@ -129,6 +130,7 @@ def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
       return kb + 1, m_new, alpha * l + p.sum(-1), acc
 
     init = (lo, jnp.full((K, G, bq), -jnp.inf, F32), jnp.zeros((K, G, bq), F32), jnp.zeros((K, G, bq, Hv), F32))
+    init = (lo, *(vma.like(x, q, k_pages, v_pages) for x in init[1:]))
     _, m, l, acc = jax.lax.while_loop(lambda st: st[0] < hi, kv_step, init)
     empty = l == 0.0
     o = (acc / jnp.where(empty, 1.0, l)[..., None]).transpose(2, 0, 1, 3).reshape(bq, N, Hv)
@@ -140,7 +142,9 @@ def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
       lse, row_lse, start, 0
     )
 
+  # Pages sharded over a sequence axis (context parallelism) make every partial vary over it.
   carry = (jnp.zeros((T + pad, N, Hv), F32), jnp.full((T + pad, N), -jnp.inf, F32))
+  carry = tuple(vma.like(x, q, k_pages, v_pages) for x in carry)
   for bq, select, max_chunks in _passes(spec, lens):
     ch = metadata.chunk_schedule(cu_q_lens, num_seqs, T, bq, select, max_chunks)
     carry = jax.lax.fori_loop(0, ch.count, functools.partial(chunk, ch=ch, bq=bq), carry)
@@ -218,7 +222,7 @@ def paged_bwd(
       )
       return kb + 1, dq_c, dk_pages, dv_pages
 
-    init = (lo, jnp.zeros((bq, K, G, H), F32), dk_pages, dv_pages)
+    init = (lo, vma.like(jnp.zeros((bq, K, G, H), F32), q, k_pages, v_pages, do), dk_pages, dv_pages)
     _, dq_c, dk_pages, dv_pages = jax.lax.while_loop(lambda st: st[0] < hi, kv_step, init)
     dq_c = jnp.where(row_ok[:, None, None, None], dq_c, 0.0)
     window = jax.lax.dynamic_slice_in_dim(dq, start, bq)
@@ -226,6 +230,7 @@ def paged_bwd(
     return dq, dk_pages, dv_pages
 
   carry = (jnp.zeros((T + pad_rows, K, G, H), F32), jnp.zeros(k_pages.shape, F32), jnp.zeros(v_pages.shape, F32))
+  carry = tuple(vma.like(x, q, k_pages, v_pages, do) for x in carry)
   for bq, select, max_chunks in _passes(spec, lens):
     ch = metadata.chunk_schedule(cu_q_lens, num_seqs, T, bq, select, max_chunks)
     carry = jax.lax.fori_loop(0, ch.count, functools.partial(chunk, ch=ch, bq=bq), carry)

@@ -1,0 +1,59 @@
+"""Context parallelism for paged attention: the cache's pages spread over a sequence axis, partials merged exactly.
+
+Layout (`PagedKVCache.create(..., mesh=, seq_axis=)` allocates it): the page arrays stay one global
+`[P, page_size, K, H]` array sharded on the page dimension over the axis, so device d of n holds the global page
+ids `[d * P / n, (d + 1) * P / n)`; page tables keep global ids (the unsharded reference reads the same arrays).
+
+Per call, inside `jax.shard_map` over the axis:
+
+    local ids  : a page id this device owns becomes its local index, any other id becomes -1, which every paged
+                 kernel already treats as a page that is not there (masked, never read)
+    forward    : (o_d, lse_d) = the kernel over this device's pages only: o_d normalised over them, lse_d = -inf
+                 for a row that sees none of them
+    merge      : m = pmax(lse_d); w_d = exp(lse_d - m) (0 for -inf); one psum of [T, N, Hv + 1] (o_d * w_d, w_d)
+                 gives o = sum_d o_d w_d / sum_d w_d and lse = m + log(sum_d w_d): exact, and 0 / -inf for a row
+                 that sees nothing on any device (no NaN)
+    backward   : the kernel's backward over this device's pages with the *merged* lse and delta (the block
+                 contract: exp(s - lse) are then the true probabilities), so dK / dV land in this device's
+                 pages and dq is this device's share, summed over the axis
+
+The sinks, applied by `flash` to the merged rows, enter once.  Memory per device: 1 / n of the pages and one
+[T, N, Hv + 1] buffer; the q rows, the metadata and the output are replicated over the axis.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+def owned_page_ids(page_indices, axis_name, local_pages: int):
+  """The page table in this device's local ids: an id it owns -> id - first, any other -> -1 (not there)."""
+  first = jax.lax.axis_index(axis_name) * local_pages
+  mine = (page_indices >= first) & (page_indices < first + local_pages)
+  return jnp.where(mine, page_indices - first, -1).astype(page_indices.dtype)
+
+
+def local_operands(operands, axis_name):
+  """The paged operands (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale) with
+  the page table in this device's ids (the pages and per-page scales are already its shards)."""
+  q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale = operands
+  table = owned_page_ids(page_indices, axis_name, k_pages.shape[0])
+  return q, k_pages, v_pages, kv_lens, table, cu_q_lens, num_seqs, k_scale, v_scale
+
+
+def merge_partials(o, lse, axis_name):
+  """The exact merge of the devices' partials o [T, N, Hv] (normalised over each device's keys) and lse [T, N]
+  (-inf where a device saw no key): (o, lse) of the whole cache, identical on every device."""
+  m = jax.lax.pmax(lse, axis_name)
+  m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+  w = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - m_safe))  # this device's share of each row's mass
+  both = jnp.concatenate([o.astype(F32) * w[..., None], w[..., None]], axis=-1)
+  both = jax.lax.psum(both, axis_name)  # the one [T, N, Hv + 1] collective
+  total = both[..., -1]
+  empty = total == 0.0
+  safe = jnp.where(empty, 1.0, total)
+  out = both[..., :-1] / safe[..., None]
+  return out, jnp.where(empty, -jnp.inf, m_safe + jnp.log(safe))
