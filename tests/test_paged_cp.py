@@ -226,6 +226,23 @@ def test_merge_is_one_psum_of_the_output_and_its_weight():
 
 
 @pytest.mark.parametrize(
+  "shape,names,axes",
+  [((4, 2), ("sp", "tp"), dict(seq_axis="sp", head_axis="tp")), ((2,), ("tp",), dict(head_axis="tp"))],
+  ids=["pages_and_heads", "heads_only"],
+)
+def test_heads_split_with_or_without_the_pages(shape, names, axes):
+  """kv heads (with their q heads, sinks and per-token scales) on 'tp', pages on 'sp' or not split: the op's
+  shard_map over both axes, against the reference; the output comes back split on its heads."""
+  rng = np.random.default_rng(120)
+  b = make_batch(rng, scenario("mixed", rng), page_dtype=jnp.int8, scale_shape="token", sinks=1 + rng.normal(size=8))
+  mesh = make_mesh(shape, names)
+  f = jax.jit(lambda *a, **k: fr.paged_attention(*a, mesh=mesh, block_sizes=SMALL, implementation="xla", **axes, **k))
+  out = f(*b.args, **b.operands)
+  assert out.sharding.spec == PartitionSpec(None, "tp", None)
+  assert_close(out, fr.paged_reference_attention(*b.args, **b.operands), F32)
+
+
+@pytest.mark.parametrize(
   "kwargs,error,match",
   [
     (dict(seq_axis="sp"), ValueError, r"seq_axis='sp' needs mesh=\.\.\."),
@@ -234,11 +251,18 @@ def test_merge_is_one_psum_of_the_output_and_its_weight():
     (dict(mesh="mesh3"), ValueError, r"P=40 pages, which must be a multiple of the 'sp' axis size 3"),
     (dict(mesh="mesh", axis_name="sp"), ValueError, r"not both"),
     (dict(mesh=object()), TypeError, r"mesh must be a jax.sharding.Mesh"),
+    (dict(head_axis="tp"), ValueError, r"head_axis='tp' needs mesh=\.\.\."),
+    (dict(mesh="mesh", head_axis="sp", seq_axis="sp"), ValueError, r"must be different mesh axes"),
+    (
+      dict(mesh="mesh_tp3", head_axis="tp"),
+      ValueError,
+      r"kv heads K=2 must be a multiple of the 'tp' mesh axis size 3",
+    ),
   ],
 )
 def test_errors(kwargs, error, match):
   b = make_batch(np.random.default_rng(0), [(1, 5)])
-  meshes = {"mesh": make_mesh((4,), ("sp",)), "mesh3": make_mesh((3,), ("sp",))}
+  meshes = {"mesh": make_mesh((4,), ("sp",)), "mesh3": make_mesh((3,), ("sp",)), "mesh_tp3": make_mesh((3,), ("tp",))}
   kwargs = {k: meshes.get(v, v) if isinstance(v, str) and k == "mesh" else v for k, v in kwargs.items()}
   with pytest.raises(error, match=match):
     fr.paged_attention(*b.args, implementation="xla", **kwargs)

@@ -44,6 +44,7 @@ def paged_attention(
   mesh=None,
   seq_axis=None,
   axis_name=None,
+  head_axis=None,
 ):
   """Attention of a ragged batch of new tokens over their sequences' paged KV cache.
 
@@ -106,6 +107,9 @@ def paged_attention(
     axis_name: the same inside your own `jax.shard_map` over that (bound) axis:
       k_pages / v_pages (and per-page scales) are then this device's shards,
       everything else replicated.
+    head_axis: with `mesh`, a second mesh axis the kv heads are split over
+      (with their q heads, sinks and per-head scales); with or without
+      `seq_axis`.
 
   Returns:
     [T, N, Hv] in q.dtype.  Differentiable in q, k_pages, v_pages and sinks
@@ -131,16 +135,16 @@ def paged_attention(
   )
   validation.check_bool("checked", checked)
   sinks = validation.check_sinks(sinks, q.shape[1])
-  seq_axis, shards = _context_parallel(mesh, seq_axis, axis_name, k_pages.shape[0])
+  seq_axis, shards = _context_parallel(mesh, seq_axis, axis_name, k_pages.shape[0], head_axis, k_pages.shape[2])
   # Inside the caller's shard_map the pages are this device's shard: the ids in the table are global.
   num_pages = k_pages.shape[0] * (shards if axis_name is not None else 1)
   check_metadata(*call.metadata, q.shape[0], num_pages, k_pages.shape[1], checked=checked)
   args = (q, k_pages, v_pages, *call.metadata, call.k_scale, call.v_scale)
   if axis_name is not None:
     return flash.flash(PagedKernel(spec=call.spec, backend=call.backend, axis_name=axis_name), sinks, *args)
-  if seq_axis is not None:
+  if seq_axis is not None or head_axis is not None:
     kernel = PagedKernel(spec=call.spec, backend=call.backend, axis_name=seq_axis)
-    return _on_mesh(kernel, mesh, seq_axis, sinks, args)
+    return _on_mesh(kernel, mesh, seq_axis, head_axis, sinks, args)
   kernel = PagedKernel(spec=call.spec, backend=call.backend)
   mesh = _explicit_mesh((*args, sinks))
   if mesh is None:
@@ -156,9 +160,12 @@ def paged_attention(
   )(sinks, *args)
 
 
-def _context_parallel(mesh, seq_axis, axis_name, pages: int):
+def _context_parallel(mesh, seq_axis, axis_name, pages: int, head_axis=None, kv_heads: int = 1):
   """(seq_axis, n): the mesh axis (or axes) the pages are spread over and its size; (None, 1) without context
-  parallelism.  With `axis_name` (inside the caller's shard_map) seq_axis stays None and n is the bound size."""
+  parallelism.  With `axis_name` (inside the caller's shard_map) seq_axis stays None and n is the bound size.
+  Also checks `head_axis` (kv heads split over it, with `mesh`)."""
+  if head_axis is not None and mesh is None:
+    raise ValueError(f"head_axis={head_axis!r} needs mesh=... (inside your own shard_map the heads are yours)")
   if axis_name is not None:
     if mesh is not None or seq_axis is not None:
       raise ValueError(
@@ -177,10 +184,23 @@ def _context_parallel(mesh, seq_axis, axis_name, pages: int):
     return None, 1
   if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-  seq_axis = sharding.sequence_axis(mesh, seq_axis, arg="seq_axis")
+  if head_axis is None or seq_axis is not None:
+    seq_axis = sharding.sequence_axis(mesh, seq_axis, arg="seq_axis")
   if isinstance(seq_axis, list):
     seq_axis = tuple(seq_axis)
-  sharding.check_mesh_axes(mesh, where="paged_attention", seq_axis=seq_axis)
+  sharding.check_mesh_axes(mesh, where="paged_attention", seq_axis=seq_axis, head_axis=head_axis)
+  if head_axis is not None:
+    seq_axes = () if seq_axis is None else seq_axis if isinstance(seq_axis, tuple) else (seq_axis,)
+    if head_axis in seq_axes:
+      raise ValueError(f"seq_axis={seq_axis!r} and head_axis={head_axis!r} must be different mesh axes")
+    tp = sharding.axes_size(mesh, head_axis)
+    if kv_heads % tp:
+      raise ValueError(
+        f"kv heads K={kv_heads} must be a multiple of the {head_axis!r} mesh axis size {tp}: heads are split so "
+        "every device keeps whole GQA groups"
+      )
+  if seq_axis is None:
+    return None, 1
   n = sharding.axes_size(mesh, seq_axis)
   if pages % n:
     raise ValueError(
@@ -190,25 +210,32 @@ def _context_parallel(mesh, seq_axis, axis_name, pages: int):
   return seq_axis, n
 
 
-def _on_mesh(kernel, mesh, seq_axis, sinks, args):
-  """`kernel` (its pages spread over `seq_axis`) as a shard_map over `mesh`: the pages and per-page scales split on
-  their page dimension, everything else replicated."""
+def _on_mesh(kernel, mesh, seq_axis, head_axis, sinks, args):
+  """`kernel` as a shard_map over `mesh`: the pages and per-page scales split on their page dimension over
+  `seq_axis` (context parallelism) and on their kv heads over `head_axis`, q, the output and the sinks on their
+  heads; the metadata replicated."""
   q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale = args
+  h = head_axis
 
-  def spec(x, paged):
+  def scale_spec(x):
     if x is None:
       return None
-    return PartitionSpec(seq_axis) if paged and x.ndim > 0 else PartitionSpec()
+    return PartitionSpec() if x.ndim == 0 else PartitionSpec(seq_axis, *(None,) * (x.ndim - 2), h)
 
+  rep = PartitionSpec()
+  pages = PartitionSpec(seq_axis, None, h, None)
   specs = (
-    spec(q, False),
-    spec(k_pages, True),
-    spec(v_pages, True),
-    *(spec(x, False) for x in (kv_lens, page_indices, cu_q_lens, num_seqs)),
-    spec(k_scale, True),
-    spec(v_scale, True),
+    PartitionSpec(None, h, None),  # q [T, N, H]: a kv head's q heads are consecutive (K-major)
+    pages,
+    pages,
+    rep,
+    rep,
+    rep,
+    rep,
+    scale_spec(k_scale),
+    scale_spec(v_scale),
   )
-  sinks_spec = spec(sinks, False)
+  sinks_spec = None if sinks is None else PartitionSpec(h)
   placed = [x if s is None else sharding.constrain(x, mesh, s) for x, s in zip(args, specs, strict=True)]
   if sinks is not None:
     sinks = sharding.constrain(sinks, mesh, sinks_spec)
@@ -216,7 +243,7 @@ def _on_mesh(kernel, mesh, seq_axis, sinks, args):
     lambda sinks, *a: flash.flash(kernel, sinks, *a),
     mesh=mesh,
     in_specs=(sinks_spec, *specs),
-    out_specs=PartitionSpec(),
+    out_specs=PartitionSpec(None, h, None),
   )
   return fn(sinks, *placed)
 
