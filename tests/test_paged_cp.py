@@ -22,11 +22,11 @@ from conftest import make_mesh
 from jax.sharding import PartitionSpec
 from paged_cases import (
   F32,
-  P,
   PPS,
   PS,
   SMALL,
   WINDOW_CAP,
+  P,
   case_batch,
   features,
   make_batch,
@@ -188,7 +188,9 @@ def test_inside_a_user_shard_map():
 
   specs = (rep, pages, pages, rep, rep, rep, rep, rep)
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=rep))
-  args = [jax.device_put(x, jax.sharding.NamedSharding(mesh, s)) for x, s in zip((*b.args, b.sinks), specs)]
+  args = [
+    jax.device_put(x, jax.sharding.NamedSharding(mesh, s)) for x, s in zip((*b.args, b.sinks), specs, strict=True)
+  ]
   assert_close(f(*args), fr.paged_reference_attention(*b.args, sinks=b.sinks), F32)
 
 
