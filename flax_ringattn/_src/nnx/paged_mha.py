@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from flax_ringattn._src import sharding, validation
-from flax_ringattn._src.nnx.common import build_head_options, check_keywords, head_sharding_metadata
+from flax_ringattn._src.nnx.common import build_head_options, check_keywords, head_sharding_metadata, place_params
 from flax_ringattn._src.paged import common as paged_common
 from flax_ringattn._src.paged.cache import PagedKVCache
 from flax_ringattn._src.paged.op import paged_attention, paged_attention_with_cache_write, uses_fused_cache_write
@@ -24,7 +24,10 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
   Same constructor and parameter tree as `nnx.MultiHeadAttention` (weights of an
   existing layer or of a `RingMultiHeadAttention` load with `nnx.update`), plus
   keyword-only `mesh` / `head_axis` (kv heads sharded over a tensor axis: the op
-  then runs under `shard_map` over it), `local_window_size` (jax.nn's meaning, as
+  then runs under `shard_map` over it) / `seq_axis` (context parallelism: the
+  cache's pages spread over that mesh axis, each device holding 1/n of every
+  long sequence, the partials merged exactly; combines with `head_axis`; see
+  `paged_attention`), `local_window_size` (jax.nn's meaning, as
   for `RingMultiHeadAttention`; the deprecated `sliding_window=w` is converted to
   `(w - 1, 0)`), `logits_soft_cap`, `implementation`, `block_sizes` and
   `interpret` (as for `paged_attention`), `checked`, and `use_sinks` / `v_head_dim` (a learnable `sinks` parameter
@@ -43,7 +46,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
   run too.
 
   On pallas_tpu (a TPU with implementation=None, or interpret=...), without
-  `head_axis`, a step writes the new tokens' K/V into their pages inside the
+  `head_axis` or `seq_axis`, a step writes the new tokens' K/V into their pages inside the
   attention kernel (fused cache write; the page buffers are aliased to its
   results) after reserving pages (copy-on-write included) in XLA; sinks
   rescale its finished rows.
@@ -71,6 +74,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     *,
     mesh=None,
     head_axis=None,
+    seq_axis=None,
     local_window_size=None,
     logits_soft_cap: float | None = None,
     implementation: str | None = None,
@@ -96,7 +100,13 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       )
     if dropout_rate:
       raise NotImplementedError(f"PagedMultiHeadAttention does not implement dropout ({dropout_rate=})")
-    sharding.check_mesh_axes(mesh, where=type(self).__name__, head_axis=head_axis)
+    if seq_axis is not None and mesh is None:
+      raise ValueError(f"{type(self).__name__}: seq_axis={seq_axis!r} needs mesh=... (the mesh the pages spread over)")
+    if isinstance(seq_axis, list):
+      seq_axis = tuple(seq_axis)
+    sharding.check_mesh_axes(mesh, where=type(self).__name__, head_axis=head_axis, seq_axis=seq_axis)
+    if head_axis is not None and head_axis in (seq_axis if isinstance(seq_axis, tuple) else (seq_axis,)):
+      raise ValueError(f"{type(self).__name__}: seq_axis={seq_axis!r} and head_axis={head_axis!r} must differ")
     metadata = head_sharding_metadata(
       head_axis,
       mesh,
@@ -127,6 +137,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     )
     self.mesh = mesh
     self.head_axis = head_axis
+    self.seq_axis = seq_axis
     self.local_window_size = local_window_size  # (left, right) or None
     self.logits_soft_cap = logits_soft_cap
     self.implementation = implementation
@@ -139,7 +150,9 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     self, *, num_pages: int, page_size: int, max_num_seqs: int, pages_per_seq: int, dtype=None
   ):
     """Creates the paged cache (`nnx.Cache` state); int8/float8 dtypes quantize per token.  v pages have the
-    layer's `v_head_dim`."""
+    layer's `v_head_dim`; with `seq_axis` the pages spread over it (num_pages a multiple of its size).  With a
+    mesh, the parameters are placed on it too (weights loaded with `nnx.update` before this call then need no
+    move, and no second compile, at the first step)."""
     cache = PagedKVCache.create(
       num_pages=num_pages,
       page_size=page_size,
@@ -149,22 +162,27 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       head_dim=self.head_dim,
       v_head_dim=self.v_head_dim,
       dtype=dtype if dtype is not None else (self.dtype or self.param_dtype),
+      **({} if self.seq_axis is None else dict(mesh=self.mesh, seq_axis=self.seq_axis)),
     )
-    if self.mesh is not None:
-      # Pages split over the kv-head axis, the page table replicated: placed once
-      # here so the first jitted step does not see them move (and recompile).
-      h = self.head_axis
+    if self.mesh is not None and (self.head_axis is not None or self.seq_axis is None):
+      # Pages split over the kv-head axis (and the page dimension over seq_axis), the page table replicated:
+      # placed once here so the first jitted step does not see them move (and recompile).
+      h, s = self.head_axis, self.seq_axis
 
       def place(path, x):
         if x is None:
           return None
         name = path[0].name
-        spec = (
-          P(None, None, h, None) if name in ("k_pages", "v_pages") else P(None, None, h) if "scale" in name else P()
-        )
+        if name in ("k_pages", "v_pages"):
+          spec = P(s, None, h, None)
+        elif "scale" in name:
+          spec = P(s, None, h)
+        else:
+          spec = P(s) if name == "ref_counts" else P()
         return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, spec))
 
       cache = jax.tree_util.tree_map_with_path(place, cache)
+    place_params(self, self.mesh, self.head_axis)
     self.kv_cache = nnx.Cache(cache)
 
   def free(self, slots):
@@ -260,46 +278,31 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       interpret=self.interpret,
     )
     sinks = None if self.sinks is None else self.sinks[...]
-    if self.mesh is None or self.head_axis is None:
+    split = self.mesh is not None and (self.head_axis is not None or self.seq_axis is not None)
+    if not split:
       fused = self._fused_step(query, key, value, cu_q_lens, num_seqs, options, sinks)
       if fused is not None:
         return self.out(fused)
     cache = self._cache().append(key, value, cu_q_lens, num_seqs, checked=self.checked)
     self.kv_cache.set_value(cache)
-
-    def attend(q, k_pages, v_pages, k_scale, v_scale, sinks, kv_lens, table, cu, n):
-      return paged_attention(
-        q,
-        k_pages,
-        v_pages,
-        kv_lens,
-        table,
-        cu,
-        n,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        sinks=sinks,
-        checked=self.checked,
-        **options,
-      )
-
     kv_lens, table = cache.attention_view()
-    args = (query, cache.k_pages, cache.v_pages, cache.k_scale, cache.v_scale, sinks, kv_lens, table)
-    meta = (jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(num_seqs, jnp.int32))
-    if self.mesh is not None and self.head_axis is not None:
-      h = self.head_axis
-      scale_spec = None if cache.k_scale is None else P(None, None, h)
-      sinks_spec = None if sinks is None else P(h)  # q heads are kv-head major: a device's slice is its heads'
-      specs = (P(None, h, None), P(None, None, h, None), P(None, None, h, None), scale_spec, scale_spec, sinks_spec)
-      specs = specs + (P(),) * 4
-      attend = jax.shard_map(attend, mesh=self.mesh, in_specs=specs, out_specs=P(None, h, None), check_vma=False)
-      # Explicit axes: shard_map wants its inputs already laid out as in_specs.
-      args = tuple(
-        x if x is None else sharding.constrain(x, self.mesh, spec)
-        for x, spec in zip((*args, *meta), specs, strict=True)
-      )
-      meta = ()
-    x = attend(*args, *meta)
+    # Heads over head_axis and / or pages over seq_axis: the op's own shard_map over both.
+    layout = dict(mesh=self.mesh, seq_axis=self.seq_axis, head_axis=self.head_axis) if split else {}
+    x = paged_attention(
+      query,
+      cache.k_pages,
+      cache.v_pages,
+      kv_lens,
+      table,
+      jnp.asarray(cu_q_lens, jnp.int32),
+      jnp.asarray(num_seqs, jnp.int32),
+      k_scale=cache.k_scale,
+      v_scale=cache.v_scale,
+      sinks=sinks,
+      checked=self.checked,
+      **layout,
+      **options,
+    )
     out_sharding = None
     if (
       self.mesh is not None and self.head_axis is not None and sharding.has_explicit_axes(self.mesh, P(self.head_axis))

@@ -16,22 +16,34 @@ Invariants:
   `pages_per_seq * page_size` tokens, or more pages than are free) stores none
   of them and is marked in `overflowed` until `free` (see `reserve`).  Called
   on concrete arrays, the write raises `CacheOverflowError` instead.
+
+Spread over a mesh axis (`create(mesh=, seq_axis=)`, n devices), device d owns
+the page ids d * P/n .. (d + 1) * P/n - 1 and column j of every page table is
+allocated on owner (s + j) % n (`_src/paged/allocator.py` has the layout).  The
+invariants then hold per owner: a write needing more pages on some owner than
+it has free is refused whole, a copy-on-write copies into a page of the same
+owner, and a freed page goes back to its owner's free list, zeroed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from flax_ringattn._src.paged import common, metadata
+from flax_ringattn._src import sharding
+from flax_ringattn._src.paged import allocator, common, metadata
 from flax_ringattn._src.validation import all_concrete, check_bool
 
 
 class CacheOverflowError(ValueError):
-  """A write to a `PagedKVCache` slot does not fit: past its pages, or more pages than are free."""
+  """A write to a `PagedKVCache` slot does not fit: past its pages, or more pages than are free (on some owner,
+  for a cache spread over a mesh axis)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +53,24 @@ class _Admission:
   new_lens: jax.Array
   wants: jax.Array  # new_lens > 0
   within: jax.Array  # kv_lens + new_lens <= pages_per_seq * page_size
-  extra: jax.Array  # pages it needs beyond those it holds (copy-on-write included)
-  free_before: jax.Array  # free pages left after the slots before it were served
-  accepted: jax.Array  # served (wants, within, not overflowed, enough pages)
+  extra: jax.Array  # [S, n] pages it needs on each owner beyond those it holds (copy-on-write included)
+  free_before: jax.Array  # [S, n] each owner's free pages left after the slots before it were served
+  accepted: jax.Array  # served (wants, within, not overflowed, enough pages on every owner)
+
+
+def _eager_on_mesh(method):
+  """An eager call (concrete arrays) on a cache spread over Explicit mesh axes runs inside that mesh (see
+  `allocator.eager_mesh`); under jit, or without a mesh, it is the plain method."""
+
+  @functools.wraps(method)
+  def call(self, *args, **kwargs):
+    mesh = allocator.eager_mesh(self.k_pages)
+    if mesh is None:
+      return method(self, *args, **kwargs)
+    with jax.set_mesh(mesh):
+      return method(self, *args, **kwargs)
+
+  return call
 
 
 @jax.tree_util.register_dataclass
@@ -58,6 +85,9 @@ class PagedKVCache:
   v_scale: jax.Array | None = None
   # [S] bool: a write to the slot did not fit; the slot stores nothing more until `free` (None: all False).
   overflowed: jax.Array | None = None
+  # n, the devices the pages are spread over (see the module docstring).  Static: part of the pytree's structure,
+  # so a jitted step is compiled per n; the mesh itself stays out (the arrays carry their sharding).
+  num_shards: int = dataclasses.field(default=1, metadata=dict(static=True))
 
   @classmethod
   def create(
@@ -71,10 +101,18 @@ class PagedKVCache:
     head_dim: int,
     v_head_dim: int | None = None,
     dtype=jnp.float32,
+    mesh=None,
+    seq_axis=None,
   ) -> PagedKVCache:
     """An empty cache; int8 / float8 dtypes store per-token, per-head scales.
 
     k pages hold `head_dim` H per kv head, v pages `v_head_dim` Hv (None: H; MLA stores e.g. H = 192, Hv = 128).
+
+    With `mesh` and `seq_axis` (a mesh axis, or a tuple of them, with n devices along it; default: the mesh's
+    only axis), the pages, their scales and `ref_counts` are sharded on the page dimension over `seq_axis`:
+    device d owns the page ids d * P/n .. (d + 1) * P/n - 1 (num_pages must be a multiple of n).  The page
+    table, lengths and flags are replicated.  Every slot's pages are striped over the devices, its page j on
+    device (s + j) % n for slot s, so each device holds 1/n of a long sequence, plus at most one page.
     """
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
     for name, value in (
@@ -88,17 +126,33 @@ class PagedKVCache:
     ):
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"PagedKVCache.create: {name} must be a positive int, got {name}={value!r}")
+    seq_axis, n = _seq_axis(num_pages, mesh, seq_axis)
+    explicit = mesh is not None and sharding.has_explicit_axes(mesh, P(seq_axis))
+
+    def full(shape, value, dtype, *, by_page=False):
+      if mesh is None:
+        return jnp.full(shape, value, dtype)
+      # Made in place on the mesh, each device its part: the whole cache need not fit on one device.  The specs
+      # are spelled as a jitted step returns them (a jit's cache compares specs as written: P() is not
+      # P(None, None)), so the second step does not compile again: in full on Explicit axes, where the spec is
+      # part of the type; trimmed on Auto axes, as jit converts XLA's output shardings back.
+      spec = (seq_axis,) if by_page else ()
+      if explicit:
+        spec += (None,) * (len(shape) - len(spec))
+      return jnp.full(shape, value, dtype, device=NamedSharding(mesh, P(*spec)))
+
     quantized = jnp.dtype(dtype).name in common.QUANTIZED_MAX
-    scale = jnp.zeros((num_pages, page_size, num_kv_heads), jnp.float32) if quantized else None
+    scale = full((num_pages, page_size, num_kv_heads), 0, jnp.float32, by_page=True) if quantized else None
     return cls(
-      k_pages=jnp.zeros((num_pages, page_size, num_kv_heads, head_dim), dtype),
-      v_pages=jnp.zeros((num_pages, page_size, num_kv_heads, v_head_dim), dtype),
-      page_indices=jnp.full((max_num_seqs, pages_per_seq), -1, jnp.int32),
-      kv_lens=jnp.zeros((max_num_seqs,), jnp.int32),
-      ref_counts=jnp.zeros((num_pages,), jnp.int32),
+      k_pages=full((num_pages, page_size, num_kv_heads, head_dim), 0, dtype, by_page=True),
+      v_pages=full((num_pages, page_size, num_kv_heads, v_head_dim), 0, dtype, by_page=True),
+      page_indices=full((max_num_seqs, pages_per_seq), -1, jnp.int32),
+      kv_lens=full((max_num_seqs,), 0, jnp.int32),
+      ref_counts=full((num_pages,), 0, jnp.int32, by_page=True),
       k_scale=scale,
       v_scale=scale,
-      overflowed=jnp.zeros((max_num_seqs,), bool),
+      overflowed=full((max_num_seqs,), False, bool),
+      num_shards=n,
     )
 
   # -- shapes -----------------------------------------------------------------
@@ -130,6 +184,17 @@ class PagedKVCache:
   def v_head_dim(self) -> int:
     return self.v_pages.shape[3]
 
+  @property
+  def pages_per_owner(self) -> int:
+    """P / n: the page ids each device along `seq_axis` owns (all of them when the cache is not spread)."""
+    return self.num_pages // self.num_shards
+
+  @_eager_on_mesh
+  def page_owner(self, page_ids):
+    """The owner (device along `seq_axis`) of each page id (-1 for a negative id: no page)."""
+    page_ids = jnp.asarray(page_ids)
+    return jnp.where(page_ids >= 0, page_ids // self.pages_per_owner, -1)
+
   def _check_new(self, k, v, where: str):
     """The new tokens' k [T, K, H] and v [T, K, Hv] must match the pages: the scatter would broadcast a size-1
     head dim silently, and fail deep inside for other mismatches."""
@@ -147,16 +212,29 @@ class PagedKVCache:
       raise ValueError(f"PagedKVCache.{where}: k and v must have the same T, got k.shape={k.shape}, v.shape={v.shape}")
 
   # -- queries ----------------------------------------------------------------
+  @_eager_on_mesh
   def num_free_pages(self):
     return jnp.sum(self.ref_counts == 0)
+
+  @_eager_on_mesh
+  def num_free_pages_per_owner(self):
+    """[n] int32: the free pages of each owner (device along `seq_axis`); [num_free_pages()] when n = 1."""
+    return allocator.free_per_owner(allocator.replicated(self.ref_counts), self.num_shards)
 
   def _overflowed(self):
     return jnp.zeros((self.max_num_seqs,), bool) if self.overflowed is None else self.overflowed
 
+  @_eager_on_mesh
   def pages_needed(self, new_lens):
     """Pages the slots need beyond what they hold to store `new_lens` [S] more tokens (copy-on-write included)."""
     return jnp.sum(self._admission(new_lens).extra)
 
+  @_eager_on_mesh
+  def pages_needed_per_owner(self, new_lens):
+    """[n]: `pages_needed` per owner (device along `seq_axis`); compare with `num_free_pages_per_owner()`."""
+    return jnp.sum(self._admission(new_lens).extra, axis=0)
+
+  @_eager_on_mesh
   def fits(self, new_lens):
     """[S] bool: the slots whose `new_lens` [S] more tokens `reserve` would store (served in slot order).
 
@@ -166,6 +244,7 @@ class PagedKVCache:
     a = self._admission(new_lens)
     return a.accepted | ~a.wants
 
+  @_eager_on_mesh
   def utilization(self):
     """Token slots holding data / token slots of allocated pages (shared pages counted once)."""
     ps = self.page_size
@@ -173,9 +252,10 @@ class PagedKVCache:
     filled = jnp.clip(self.kv_lens[:, None] - j[None] * ps, 0, ps)
     ids = jnp.where(self.page_indices >= 0, self.page_indices, self.num_pages)
     per_page = jnp.zeros((self.num_pages,), jnp.int32).at[ids].max(filled, mode="drop")
-    allocated = jnp.sum(self.ref_counts > 0) * ps
+    allocated = jnp.sum(allocator.replicated(self.ref_counts) > 0) * ps
     return jnp.where(allocated > 0, jnp.sum(per_page) / jnp.maximum(allocated, 1), 1.0)
 
+  @_eager_on_mesh
   def attention_view(self):
     """(kv_lens, page_indices) as attention reads them: `overflowed` slots have length 0 and no pages, so their
     rows see nothing (they return 0) and a fused cache write stores nothing for them."""
@@ -183,31 +263,40 @@ class PagedKVCache:
     return jnp.where(over, 0, self.kv_lens), jnp.where(over[:, None], -1, self.page_indices)
 
   # -- allocation ---------------------------------------------------------------
-  def _copy_on_write_mask(self, new_lens):
+  def _copy_on_write_mask(self, new_lens, refs):
+    """[S] int32 1 where the slot writes into its partial page and that page is shared (refs: `ref_counts`,
+    replicated)."""
     ps = self.page_size
     j0 = self.kv_lens // ps
     partial = (self.kv_lens % ps != 0) & (new_lens > 0)
     page = jnp.take_along_axis(self.page_indices, jnp.clip(j0, 0, self.pages_per_seq - 1)[:, None], 1)[:, 0]
-    shared = self.ref_counts[jnp.clip(page, 0, self.num_pages - 1)] > 1
+    shared = refs[jnp.clip(page, 0, self.num_pages - 1)] > 1
     return (partial & (page >= 0) & shared).astype(jnp.int32)
 
+  def _extra(self, new_lens, refs):
+    """(extra [S, n] pages per owner beyond those held, have [S], need [S], cow [S], j0 [S]) for `new_lens` [S]
+    more tokens: the new columns have .. need - 1 and the copy of the shared partial page, column j0."""
+    ps = self.page_size
+    have = -(-self.kv_lens // ps)
+    need = jnp.maximum(-(-(self.kv_lens + new_lens) // ps), have)
+    cow = self._copy_on_write_mask(new_lens, refs)
+    j0 = jnp.clip(self.kv_lens // ps, 0, self.pages_per_seq - 1)
+    old = jnp.take_along_axis(self.page_indices, j0[:, None], 1)[:, 0]
+    cow_owner = jnp.maximum(old, 0) // self.pages_per_owner
+    return allocator.extra_per_owner(have, need, cow, cow_owner, self.num_shards), have, need, cow, cow_owner
+
   def _admission(self, new_lens) -> _Admission:
-    """Which slots' writes of `new_lens` [S] tokens fit, served greedily in slot order (all or nothing each)."""
+    """Which slots' writes of `new_lens` [S] tokens fit, served greedily in slot order (all or nothing each, on
+    every owner at once)."""
     ps, pps = self.page_size, self.pages_per_seq
     new_lens = jnp.asarray(new_lens, jnp.int32)
     wants = new_lens > 0
     within = self.kv_lens + new_lens <= pps * ps
-    have = -(-self.kv_lens // ps)
-    extra = jnp.maximum(-(-(self.kv_lens + new_lens) // ps) - have, 0) + self._copy_on_write_mask(new_lens)
-    free = self.num_free_pages().astype(jnp.int32)
+    refs = allocator.replicated(self.ref_counts)
+    extra = self._extra(new_lens, refs)[0]
+    free = allocator.free_per_owner(refs, self.num_shards)
     candidate = wants & within & ~self._overflowed()
-
-    def serve(used, x):
-      pages, ok = x
-      take = ok & (used + pages <= free)
-      return used + jnp.where(take, pages, 0), (take, free - used)
-
-    _, (accepted, free_before) = jax.lax.scan(serve, jnp.int32(0), (extra, candidate))
+    accepted, free_before = allocator.serve(extra, candidate, free)
     return _Admission(new_lens, wants, within, extra, free_before, accepted)
 
   def _overflow_problems(self, a: _Admission):
@@ -217,6 +306,39 @@ class PagedKVCache:
     was = self._overflowed()
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     pps, ps = self.pages_per_seq, self.page_size
+    # The first owner short of pages for slot s (the only one when n = 1).
+    short = lambda s: jnp.argmax(a.extra[s] > a.free_before[s]).astype(jnp.int32)  # noqa: E731
+    if self.num_shards == 1:
+      no_pages = (
+        "PagedKVCache: slot {s} needs {need} more pages for {n} new tokens (it holds {kv}), but only {free} of "
+        "num_pages={P} are free after the slots before it (free finished slots, or refuse the work: check "
+        "fits(new_lens) before the step)"
+      )
+    else:
+      no_pages = (
+        "PagedKVCache: slot {s} needs {need} more pages on owner {d} (device {d} of the n={nd} along seq_axis, "
+        "page ids {lo} .. {hi}; page j of slot s lives on device (s + j) % n) for {n} new tokens (it holds {kv}), but "
+        "only {free} of that device's {q} pages are free after the slots before it (free finished slots, create "
+        "the cache with more pages, or refuse the work: check fits(new_lens) before the step)"
+      )
+    q = self.pages_per_owner
+
+    def no_pages_values(s):
+      d = short(s)
+      return dict(
+        s=s,
+        need=a.extra[s, d],
+        n=a.new_lens[s],
+        kv=self.kv_lens[s],
+        free=a.free_before[s, d],
+        P=i32(self.num_pages),
+        d=d,
+        nd=i32(self.num_shards),
+        lo=d * q,
+        hi=d * q + q - 1,
+        q=i32(q),
+      )
+
     return [
       (
         refused & ~a.within & ~was,
@@ -225,15 +347,7 @@ class PagedKVCache:
         "split the request)",
         lambda s: dict(s=s, n=a.new_lens[s], kv=self.kv_lens[s], pps=i32(pps), ps=i32(ps), cap=i32(pps * ps)),
       ),
-      (
-        refused & a.within & ~was,
-        "PagedKVCache: slot {s} needs {need} more pages for {n} new tokens (it holds {kv}), but only {free} of "
-        "num_pages={P} are free after the slots before it (free finished slots, or refuse the work: check "
-        "fits(new_lens) before the step)",
-        lambda s: dict(
-          s=s, need=a.extra[s], n=a.new_lens[s], kv=self.kv_lens[s], free=a.free_before[s], P=i32(self.num_pages)
-        ),
-      ),
+      (refused & a.within & ~was, no_pages, no_pages_values),
       (
         refused & was,
         "PagedKVCache: slot {s} overflowed in an earlier step and stores nothing more ({n} new tokens refused): "
@@ -253,15 +367,20 @@ class PagedKVCache:
         if bool(jnp.any(slots)):
           raise CacheOverflowError(message.format(**{k: int(v) for k, v in values(s).items()}))
       else:
-        checkify.check(~jnp.any(slots), message, **values(s))
+        # checkify formats only the names the message uses.
+        used = {k: v for k, v in values(s).items() if "{" + k + "}" in message}
+        checkify.check(~jnp.any(slots), message, **used)
 
+  @_eager_on_mesh
   def reserve(self, new_lens, *, checked: bool = False) -> PagedKVCache:
     """Gives every slot the pages it needs for `new_lens` [S] more tokens.
 
-    Pages come from the free list in slot order.  A shared page about to be
-    written is first copied.  A slot whose tokens do not fit (more than
-    `pages_per_seq * page_size` in all, or more pages than are free after the
-    slots before it) gets nothing: its write is refused whole, never cut short.
+    Pages come from the free list in slot order (page j of a slot from the
+    free list of owner (s + j) % n).  A shared page about to be written is first
+    copied, into a page of the same owner.  A slot whose tokens do not fit
+    (more than `pages_per_seq * page_size` in all, or more pages than are free
+    on some owner after the slots before it) gets nothing: its write is
+    refused whole, never cut short.
     On concrete arrays that raises `CacheOverflowError` (naming the slot, the
     tokens and the capacity).  Under `jit` the slot is marked in
     `overflowed` (it then stores nothing more until `free`): check that flag
@@ -277,51 +396,50 @@ class PagedKVCache:
 
   def _grow(self, new_lens) -> PagedKVCache:
     """The page moves of `reserve` for `new_lens` [S] that fit (all of them, by `_admission`)."""
-    ps, P, S, pps = self.page_size, self.num_pages, self.max_num_seqs, self.pages_per_seq
-    have = -(-self.kv_lens // ps)
-    need = jnp.minimum(-(-(self.kv_lens + new_lens) // ps), pps)
-    cow = self._copy_on_write_mask(new_lens)
-    extra = jnp.maximum(need - have, 0) + cow
-    offset = jnp.cumsum(extra) - extra
-    free_ids = jnp.nonzero(self.ref_counts == 0, size=P, fill_value=P)[0].astype(jnp.int32)
-    take = lambda rank: jnp.where(rank < P, free_ids[jnp.clip(rank, 0, P - 1)], P)
+    P, S, pps, n = self.num_pages, self.max_num_seqs, self.pages_per_seq, self.num_shards
+    refs_in = allocator.replicated(self.ref_counts)
+    extra, have, need, cow, cow_owner = self._extra(new_lens, refs_in)
+    j0 = jnp.clip(self.kv_lens // self.page_size, 0, pps - 1)
+    need = jnp.minimum(need, pps)
+    fresh, ids = allocator.allocate(allocator.free_lists(refs_in, n), extra, have, need, cow, cow_owner, pps)
 
-    # Copy-on-write of the partially filled, shared page of each slot.
-    j0 = jnp.clip(self.kv_lens // ps, 0, pps - 1)
+    # Copy-on-write of the partially filled, shared page of each slot (fresh is on the same owner as old).
     old = jnp.take_along_axis(self.page_indices, j0[:, None], 1)[:, 0]
-    fresh = jnp.where(cow > 0, take(offset), P)
     ok_copy = fresh < P
-    k_pages = self.k_pages.at[fresh].set(self.k_pages[jnp.clip(old, 0, P - 1)], mode="drop")
-    v_pages = self.v_pages.at[fresh].set(self.v_pages[jnp.clip(old, 0, P - 1)], mode="drop")
-    k_scale, v_scale = self.k_scale, self.v_scale
-    if k_scale is not None:
-      k_scale = k_scale.at[fresh].set(k_scale[jnp.clip(old, 0, P - 1)], mode="drop")
-      v_scale = v_scale.at[fresh].set(v_scale[jnp.clip(old, 0, P - 1)], mode="drop")
+    k_pages, v_pages, k_scale, v_scale = (
+      allocator.copy_pages(x, old, fresh, n) for x in (self.k_pages, self.v_pages, self.k_scale, self.v_scale)
+    )
     # Admission leaves every served slot its pages, so a copy always finds one; were it not to, the slot
     # must still not write into the shared page: it lets go of it.
     lost = (cow > 0) & ~ok_copy
-    refs = self.ref_counts.at[jnp.where(cow > 0, old, P)].add(-1, mode="drop")
+    refs = refs_in.at[jnp.where(cow > 0, old, P)].add(-1, mode="drop")
     # Two slots sharing a page may both copy it in the same step; the original
     # then loses its last reference and, like any released page, is zeroed.
-    released = (refs <= 0) & (self.ref_counts > 0)
+    released = (refs <= 0) & (refs_in > 0)
     k_pages, v_pages, k_scale, v_scale = (_zero_pages(x, released) for x in (k_pages, v_pages, k_scale, v_scale))
     table = self.page_indices.at[jnp.arange(S), j0].set(jnp.where(ok_copy, fresh, jnp.where(lost, -1, old)))
 
     # New pages for the tokens beyond what each slot holds.
     j = jnp.arange(pps)[None]
     grow = (j >= have[:, None]) & (j < need[:, None])
-    ids = jnp.where(grow, take(offset[:, None] + cow[:, None] + j - have[:, None]), P)
     table = jnp.where(grow, jnp.where(ids < P, ids, -1), table)
     refs = refs.at[jnp.where(ok_copy, fresh, P)].set(1, mode="drop")
     refs = refs.at[ids.reshape(-1)].set(1, mode="drop")
     return dataclasses.replace(
-      self, k_pages=k_pages, v_pages=v_pages, page_indices=table, ref_counts=refs, k_scale=k_scale, v_scale=v_scale
+      self,
+      k_pages=k_pages,
+      v_pages=v_pages,
+      page_indices=table,
+      ref_counts=allocator.placed_like(refs, self.ref_counts),
+      k_scale=k_scale,
+      v_scale=v_scale,
     )
 
   def _stored_lens(self, q_lens):
     """[S] new tokens each slot stores this step: its q_lens, or 0 where its write was refused (`overflowed`)."""
     return jnp.where(self._overflowed(), 0, q_lens)
 
+  @_eager_on_mesh
   def append(self, k, v, cu_q_lens, num_seqs, *, checked: bool = False) -> PagedKVCache:
     """Reserves pages and writes the new k [T, K, H] and v [T, K, Hv] of a ragged batch; kv_lens grows (see
     `reserve` for a write that does not fit)."""
@@ -331,6 +449,7 @@ class PagedKVCache:
     cache = self.reserve(q_lens, checked=checked)
     return cache._write(k, v, cu_q_lens, num_seqs, cache._stored_lens(q_lens), T)
 
+  @_eager_on_mesh
   def reserve_append(self, k, v, cu_q_lens, num_seqs, *, checked: bool = False):
     """`append` without the page writes, for a kernel that writes the new tokens itself (the fused write).
 
@@ -365,15 +484,17 @@ class PagedKVCache:
       cache, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale, kv_lens=cache.kv_lens + q_lens
     )
 
+  @_eager_on_mesh
   def free(self, slots) -> PagedKVCache:
     """Releases the pages of the slots where `slots` [S] is True; pages nobody
     references any more are zeroed."""
     slots = jnp.asarray(slots, bool)
     P = self.num_pages
     ids = jnp.where(slots[:, None] & (self.page_indices >= 0), self.page_indices, P)
-    refs = self.ref_counts.at[ids.reshape(-1)].add(-1, mode="drop")
-    released = (refs <= 0) & (self.ref_counts > 0)
-    refs = jnp.maximum(refs, 0)
+    refs_in = allocator.replicated(self.ref_counts)
+    refs = refs_in.at[ids.reshape(-1)].add(-1, mode="drop")
+    released = (refs <= 0) & (refs_in > 0)
+    refs = allocator.placed_like(jnp.maximum(refs, 0), self.ref_counts)
     return dataclasses.replace(
       self,
       k_pages=_zero_pages(self.k_pages, released),
@@ -386,6 +507,7 @@ class PagedKVCache:
       overflowed=None if self.overflowed is None else self.overflowed & ~slots,
     )
 
+  @_eager_on_mesh
   def share_prefix(self, src, dst, num_tokens) -> PagedKVCache:
     """Slot `dst` (empty) starts with the first `num_tokens` tokens of slot `src`,
     referencing the same pages (no copy; a later write into the last, partial
@@ -400,7 +522,9 @@ class PagedKVCache:
       self,
       page_indices=self.page_indices.at[dst].set(row),
       kv_lens=self.kv_lens.at[dst].set(jnp.minimum(num_tokens, self.kv_lens[src])),
-      ref_counts=self.ref_counts.at[ids].add(1, mode="drop"),
+      ref_counts=allocator.placed_like(
+        allocator.replicated(self.ref_counts).at[ids].add(1, mode="drop"), self.ref_counts
+      ),
     )
 
 
@@ -425,7 +549,26 @@ def _quantize(dtype, scaled: bool, x):
 
 
 def _store(pages, scale, page, slot, x):
-  """Writes x [T, K, H | Hv] at (page, slot); quantizes per token and head when `scale` is kept."""
+  """Writes x [T, K, H | Hv] at (page, slot); quantizes per token and head when `scale` is kept.  Spread over a
+  mesh axis, each device stores the tokens whose pages it owns."""
   stored, s = _quantize(pages.dtype, scale is not None, x)
-  pages = pages.at[page, slot].set(stored, mode="drop")
-  return pages, None if scale is None else scale.at[page, slot].set(s, mode="drop")
+  return allocator.scatter_set(pages, (page, slot), stored), allocator.scatter_set(scale, (page, slot), s)
+
+
+def _seq_axis(num_pages: int, mesh, seq_axis):
+  """(seq_axis, n): the mesh axis (or tuple of axes) the pages are spread over, by default the mesh's only axis,
+  and the devices along it; (None, 1) without a mesh."""
+  if mesh is None:
+    if seq_axis is not None:
+      raise ValueError(f"PagedKVCache.create: seq_axis={seq_axis!r} needs mesh=... (the mesh that has the axis)")
+    return None, 1
+  seq_axis = sharding.sequence_axis(mesh, seq_axis, arg="seq_axis")
+  seq_axis = tuple(seq_axis) if isinstance(seq_axis, list) else seq_axis
+  sharding.check_mesh_axes(mesh, where="PagedKVCache.create", seq_axis=seq_axis)
+  n = sharding.axes_size(mesh, seq_axis)
+  if num_pages % n:
+    raise ValueError(
+      f"PagedKVCache.create: num_pages={num_pages} must be a multiple of the {n} devices along "
+      f"seq_axis={seq_axis!r} (each device owns num_pages / n pages)"
+    )
+  return seq_axis, n
