@@ -244,6 +244,15 @@ def test_heads_split_with_or_without_the_pages(shape, names, axes):
   assert_close(out, fr.paged_reference_attention(*b.args, **b.operands), F32)
 
 
+def test_spread_pages_without_seq_axis_say_what_to_pass():
+  """Pages sharded over an Explicit axis handed to the op without mesh / seq_axis: the error says what to pass."""
+  b = make_batch(np.random.default_rng(0), [(1, 5)])
+  mesh = make_mesh((4,), ("sp",))
+  spread = jax.device_put(b.k_pages, jax.sharding.NamedSharding(mesh, PartitionSpec("sp")))
+  with pytest.raises(ValueError, match=r"pass mesh=\.\.\. with seq_axis=\.\.\."):
+    fr.paged_attention(b.q, spread, spread, *b.args[3:], implementation="xla")
+
+
 @pytest.mark.parametrize(
   "kwargs,error,match",
   [

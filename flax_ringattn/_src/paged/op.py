@@ -479,8 +479,9 @@ def _explicit_mesh(args):
       continue
     if any(e is not None for e in sharding.spec):
       raise ValueError(
-        f"paged_attention works per device: an input sharded as {sharding.spec} over Explicit mesh axes must be "
-        "split with jax.shard_map first (PagedMultiHeadAttention does this for kv heads with head_axis=...)"
+        f"paged_attention got an input sharded as {sharding.spec} over Explicit mesh axes: pass mesh=... with "
+        "seq_axis=... (pages spread over a sequence axis, as PagedKVCache.create(mesh=, seq_axis=) lays them out) "
+        "and / or head_axis=... (kv heads split), or call it inside your own jax.shard_map"
       )
     mesh = m
   return mesh
