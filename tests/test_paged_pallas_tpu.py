@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cases import pick
+from conftest import make_mesh
 from flax import nnx
 from jax import export
 from paged_cases import (
@@ -568,17 +569,22 @@ def test_fused_write_equals_separate_append_int8_copy_on_write():
 
 
 @interpret
-@pytest.mark.parametrize("use_sinks", [False, True], ids=["plain", "sinks"])
-def test_layer_uses_fused_write(use_sinks):
+@pytest.mark.parametrize(
+  "use_sinks,spread", [(False, False), (True, False), (True, True)], ids=["plain", "sinks", "sinks-spread"]
+)
+def test_layer_uses_fused_write(use_sinks, spread):
   """The layer on pallas_tpu (interpret=True) takes the fused path and matches the XLA layer step by step (with
-  sinks too: the fused write's finished rows are rescaled by them)."""
+  sinks too: the fused write's finished rows are rescaled by them; and with the cache spread over 4 devices, where
+  each device writes the rows of the pages it owns and the partials merge)."""
   kw = dict(num_kv_heads=KV, use_sinks=use_sinks)
+  if spread:
+    kw.update(mesh=make_mesh((4,), ("sp",)), seq_axis="sp")
   fused = fr.PagedMultiHeadAttention(8, 16, 64, implementation="pallas_tpu", interpret=True, rngs=nnx.Rngs(0), **kw)
   plain = fr.PagedMultiHeadAttention(8, 16, 64, implementation="xla", rngs=nnx.Rngs(0), **kw)
   for layer in (fused, plain):
-    layer.init_cache(**{k: v for k, v in CACHE.items() if k not in ("num_kv_heads", "head_dim")})
-    if use_sinks:  # learned values, not the zeros they start from
+    if use_sinks:  # learned values, not the zeros they start from (loaded before init_cache places them)
       layer.sinks.set_value(jnp.linspace(-1.0, 3.0, 8, dtype=F32))
+    layer.init_cache(**{k: v for k, v in CACHE.items() if k not in ("num_kv_heads", "head_dim")})
   calls = []
   real = paged_ops.paged_attention_with_cache_write
 

@@ -46,7 +46,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
   run too.
 
   On pallas_tpu (a TPU with implementation=None, or interpret=...), without
-  `head_axis` or `seq_axis`, a step writes the new tokens' K/V into their pages inside the
+  `head_axis` (with or without `seq_axis`), a step writes the new tokens' K/V into their pages inside the
   attention kernel (fused cache write; the page buffers are aliased to its
   results) after reserving pages (copy-on-write included) in XLA; sinks
   rescale its finished rows.
@@ -230,6 +230,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       v_new_scale=v_sc,
       checked=self.checked,
       sinks=sinks,
+      **({} if self.seq_axis is None else dict(mesh=self.mesh, seq_axis=self.seq_axis)),
       **options,
     )
     if result is None:
@@ -279,7 +280,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     )
     sinks = None if self.sinks is None else self.sinks[...]
     split = self.mesh is not None and (self.head_axis is not None or self.seq_axis is not None)
-    if not split:
+    if self.mesh is None or self.head_axis is None:  # the fused write also runs with the pages spread
       fused = self._fused_step(query, key, value, cu_q_lens, num_seqs, options, sinks)
       if fused is not None:
         return self.out(fused)

@@ -15,7 +15,7 @@ from jax.sharding import AxisType, PartitionSpec
 from flax_ringattn._src import flash, masks, sharding, validation, vma
 from flax_ringattn._src.block_sizes import BlockSizes
 from flax_ringattn._src.options import AttentionSpec
-from flax_ringattn._src.paged import common
+from flax_ringattn._src.paged import allocator, common
 from flax_ringattn._src.paged import context_parallel as cp
 from flax_ringattn._src.paged.checks import check_metadata
 from flax_ringattn._src.paged.implementations import PAGED
@@ -374,6 +374,8 @@ def paged_attention_with_cache_write(
   checked: bool = False,
   interpret=None,
   sinks=None,
+  mesh=None,
+  seq_axis=None,
 ):
   """Attention with the fused cache write, when the call runs on pallas_tpu; else None (append separately).
 
@@ -381,8 +383,9 @@ def paged_attention_with_cache_write(
   scaled cache; k_pages .. v_scale: the cache after `PagedKVCache.reserve_append` (pages reserved,
   copy-on-write done, kv_lens grown).  Returns (out [T, N, Hv], k_pages, v_pages, k_scale, v_scale), the pages
   with the new tokens written in the same launch (buffers aliased: donate them to update in place).  Serving
-  only: not differentiable.  `checked` and `sinks` as for `paged_attention` (the sinks rescale the kernel's
-  finished rows, as `flash` does).
+  only: not differentiable.  `checked`, `sinks`, `mesh` and `seq_axis` as for `paged_attention` (the sinks
+  rescale the finished rows, as `flash` does; with the pages spread over `seq_axis`, each device writes the new
+  rows of the pages it owns and attends over them, and the partials merge exactly).
   """
   call = _prepare(
     q,
@@ -404,12 +407,41 @@ def paged_attention_with_cache_write(
   )
   if not _fused_write_runs(call):
     return None
+  seq_axis, _ = _context_parallel(mesh, seq_axis, None, k_pages.shape[0])
   check_metadata(*call.metadata, q.shape[0], k_pages.shape[0], k_pages.shape[1], checked=checked)
   sinks = validation.check_sinks(sinks, q.shape[1])
+  kernel = PagedKernel(spec=call.spec, backend=call.backend, axis_name=seq_axis)
   new = (k_new, v_new, k_pages, v_pages, *call.metadata, call.k_scale, call.v_scale, k_new_scale, v_new_scale)
-  out, lse, *cache = call.backend.fwd_write(q, *new, spec=call.spec)
-  out, _ = flash.apply_sinks(PagedKernel(spec=call.spec, backend=call.backend), out, lse, sinks)
-  return (out.astype(q.dtype), *cache)
+
+  def write_and_attend(sinks, q, k_new, v_new, k_pages, v_pages, kv_lens, table, *rest):
+    if seq_axis is not None:  # write and read only this device's pages, then merge
+      table = cp.owned_page_ids(table, seq_axis, k_pages.shape[0])
+    out, lse, *cache = call.backend.fwd_write(q, k_new, v_new, k_pages, v_pages, kv_lens, table, *rest, spec=call.spec)
+    if seq_axis is not None:
+      out, lse = cp.merge_partials(out, lse, seq_axis)
+    out, _ = flash.apply_sinks(kernel, out, lse, sinks)
+    return (out.astype(q.dtype), *cache)
+
+  if seq_axis is None:
+    return write_and_attend(sinks, q, *new)
+  rep, paged = PartitionSpec(), PartitionSpec(seq_axis)
+  page_spec = lambda x: None if x is None else paged  # noqa: E731  (per-token scales [P, page_size, K])
+  specs = (rep, rep, rep, paged, paged, rep, rep, rep, rep, page_spec(call.k_scale), page_spec(call.v_scale))
+  specs += (None if k_new_scale is None else rep, None if v_new_scale is None else rep)
+  args = (q, *new)
+  placed = [x if sp is None else sharding.constrain(x, mesh, sp) for x, sp in zip(args, specs, strict=True)]
+  fn = jax.shard_map(
+    write_and_attend,
+    mesh=mesh,
+    in_specs=(None if sinks is None else rep, *specs),
+    out_specs=(rep, paged, paged, page_spec(call.k_scale), page_spec(call.v_scale)),
+  )
+  out, *cache = fn(None if sinks is None else sharding.constrain(sinks, mesh, rep), *placed)
+  # The updated pages typed exactly as they came in (an Explicit mesh's spec spelling is part of a jit's key).
+  return (
+    out,
+    *(x if x is None else allocator.placed_like(x, y) for x, y in zip(cache, placed[3:5] + placed[9:11], strict=True)),
+  )
 
 
 @dataclasses.dataclass(frozen=True)
