@@ -22,6 +22,11 @@ What it prints
 * MLA (`mla_table`): DeepSeek-V3's attention (128 q heads and kv heads, q/k
   head dim 192, v 128, bf16) through the same walk, beside the same call with v
   at 192: tiles, time and the share v's narrower head saves.
+* context-parallel decode (`cp_decode_table`): one decode step of a 1M-token
+  context (GQA K=8, H=128, N=64, bf16) with the pages spread over n = 8..64
+  devices of v5e, v5p, v6e: each device's 1/n of the K/V at HBM bandwidth,
+  then the exact merge (an all-reduce of [T_q, N, H + 1] f32 and a pmax of
+  [T_q, N]) over one ICI link; per-device KV GiB, step time, merge share.
 
 Hardware figures are the package's table (`flax_ringattn.benchmarking.hardware`:
 JAX's per-TensorCore numbers times the cores of one JAX device, ICI from the
@@ -463,6 +468,88 @@ def paged_table(report: Report, gens: Sequence[str], p: Problem, args, tiled: bo
 
 
 # ------------------------------------------------------------------------------------------
+# Context-parallel decode (`paged_attention(..., mesh=, seq_axis=)`): the cache's pages spread over n devices.
+
+# One decode step of one layer: a 1M-token context of a GQA model (8 kv heads of 128, 64 q heads, bf16), merged
+# over T_q decode rows (e.g. 64 sequences).
+CP_DECODE = dict(S=2**20, T_q=64, N=64, K=8, H=128, dtype="bfloat16")
+CP_DEVICES = (8, 16, 32, 64)
+CP_GENERATIONS = ("v5e", "v5p", "v6e")
+
+
+@dataclasses.dataclass(frozen=True)
+class CPDecode:
+  """One device's share of a context-parallel decode step (model): read its 1/n of the KV pages from HBM, then the
+  exact merge over the axis, a ring all-reduce (psum of [T_q, N, H + 1] f32) and a pmax of [T_q, N] f32."""
+
+  gen: str
+  n: int
+  kv_bytes: float  # K and V bytes this device reads (its 1/n of the pages)
+  t_kv: float  # kv_bytes / HBM bandwidth
+  merge_bytes: float  # the psum's and the pmax's payloads together
+  link: float | None  # one ICI link, one way; None where the table has none
+  t_merge_bw: float | None  # what each device sends in the two all-reduces, over `link`
+  latency: float | None  # the table's assumed seconds per collective step (None where it gives none)
+
+  @property
+  def t_step(self) -> float:
+    """HBM read, then the merge at link bandwidth (no latency: the table gives it for some generations only)."""
+    return self.t_kv + (self.t_merge_bw or 0.0)
+
+  @property
+  def merge_share(self) -> float | None:
+    return None if self.t_merge_bw is None else self.t_merge_bw / self.t_step
+
+  @property
+  def t_merge_lat(self) -> float | None:
+    """The merge with the table's assumed latency per step: a ring all-reduce is 2 (n - 1) steps, two of them."""
+    if self.t_merge_bw is None or self.latency is None:
+      return None
+    return self.t_merge_bw + 4 * (self.n - 1) * self.latency
+
+
+def cp_decode_model(gen: str, n: int, *, S: int, T_q: int, N: int, K: int, H: int, dtype: str) -> CPDecode:
+  """The step on device of `gen` in a slice of n: its KV bytes S K (H + H) itemsize / n at HBM speed, then the
+  merge: a ring all-reduce sends 2 (n - 1) / n of its payload per device over one link (the pmax likewise)."""
+  chip = hardware.tpu(gen)
+  kv = S * K * 2 * H * cost.itemsize(dtype) / n
+  f32 = cost.itemsize("float32")
+  merge = T_q * N * (H + 1) * f32 + T_q * N * f32
+  link = chip.ici_link
+  t_bw = None if link is None else 2 * (n - 1) / n * merge / link
+  return CPDecode(gen, n, kv, kv / chip.memory_bandwidth, merge, link, t_bw, chip.latency)
+
+
+def cp_decode_table(report: Report, gens: Sequence[str], devices: Sequence[int] = CP_DEVICES) -> None:
+  c = CP_DECODE
+  rows = []
+  for g in gens:
+    for n in devices:
+      m = cp_decode_model(g, n, **c)
+      rows.append([g, n, m.kv_bytes / GIB, m.t_kv * 1e3, m.merge_bytes / MB, m.link and m.link / GB,
+                   m.t_merge_bw and m.t_merge_bw * 1e6, m.t_step * 1e3, m.merge_share and 100 * m.merge_share,
+                   m.t_merge_lat and m.t_merge_lat * 1e6])  # fmt: skip
+  kv_total = c["S"] * c["K"] * 2 * c["H"] * cost.itemsize(c["dtype"])
+  report.table(
+    f"Context-parallel decode (MODEL): one layer's step, {c['S']:,}-token context ({kv_total / GIB:.0f} GiB of K/V), "
+    f"K={c['K']} H={c['H']} N={c['N']} {c['dtype']}, merge over T_q={c['T_q']} rows",
+    ["gen", "n", "KV GiB/dev", "HBM ms", "merge MB", "link GB/s", "merge us", "step ms", "merge %", "merge+lat us"],
+    rows,
+    formats={"KV GiB/dev": ".3f", "HBM ms": ".3f", "merge MB": ".2f", "link GB/s": ".0f", "merge us": ".1f"}
+    | {"step ms": ".3f", "merge %": ".1f", "merge+lat us": ".0f"},
+    notes=[
+      "Model-derived, not measured.  Each device reads its 1/n of the K/V pages at HBM bandwidth; then the exact",
+      "merge: a psum of [T_q, N, H + 1] f32 and a pmax of [T_q, N] f32, each a ring all-reduce sending 2 (n - 1) / n",
+      "of its payload over one ICI link (one direction; a torus's other links would shorten it).  step = HBM +",
+      "merge, merge % = merge / step, both at link bandwidth only; 'merge+lat' adds 2 (n - 1) steps per all-reduce",
+      "at the hardware table's assumed per-step latency where it gives one (v5e, v5p: 10 us, an assumption of the",
+      "advisor's model); where 'merge+lat' exceeds 'HBM ms' the latency of the collective, not the read, bounds",
+      "the step.  Ignores q, compute and overlap.  Per layer: a 32-layer model reads 32x the K/V.",
+    ],
+  )
+
+
+# ------------------------------------------------------------------------------------------
 # Timing on an attached TPU.
 
 
@@ -613,6 +700,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   mla_table(report, args.generations, args.seq_lens, p, tiled)
   kernel_ring_table(report, args.generations, p)
   kernel_ring_hbm_table(report, args.generations, p, tiled)
+  cp_decode_table(report, [g for g in CP_GENERATIONS if g in args.generations])
   time_on_tpu(report, args, p, tiled)
   report.progress(f"(model run took {time.perf_counter() - t0:.1f} s)")
   return report.finish()

@@ -19,35 +19,25 @@ What it shows
   admission wait for pages.
 * It prints each request's answers (generated value vs. the truth), the
   retrieval accuracy, tokens/s and the page-cache utilisation.
+* `--context-parallel N`: every layer's KV cache is spread over N devices
+  (mesh axis 'sp', `PagedMultiHeadAttention(mesh=, seq_axis=)`): each device
+  holds about 1/N of every sequence's pages and the attention partials merge
+  exactly.  The same stream is served on one device first, and the answers
+  must be equal token for token (exit status 1 if not).  On a CPU the script
+  asks for N host devices itself (unless XLA_FLAGS already sets a count).
 
 Run it after training (`make demo` runs both)::
 
   python examples/train_long_context.py
-  python examples/serve_paged.py [--run-dir runs/train_long_context] [--requests 6]
+  python examples/serve_paged.py [--run-dir runs/train_long_context] [--requests 6] [--context-parallel 8]
 """
 
+# ruff: noqa: E402 -- XLA_FLAGS must be set before jax is imported.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import pathlib
+import os
 import sys
-import time
-
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-
-try:
-  import flax_ringattn
-except ImportError:  # running from a source checkout without `pip install -e .`
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-  import flax_ringattn
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import _model  # noqa: E402
-from train_long_context import KVRetrievalTask  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -60,14 +50,67 @@ def parse_args(argv=None):
   p.add_argument("--max-batched-tokens", type=int, default=1024, help="rows of one ragged batch")
   p.add_argument("--page-size", type=int, default=16)
   p.add_argument("--num-pages", type=int, default=None, help="pages of the cache (default: every slot full)")
-  p.add_argument("--seed", type=int, default=1)
-  return p.parse_args(argv)
-
-
-def paged_attention_factory(config, rngs):
-  return flax_ringattn.PagedMultiHeadAttention(
-    config.num_heads, config.d_model, num_kv_heads=config.num_kv_heads, rngs=rngs
+  p.add_argument(
+    "--context-parallel",
+    type=int,
+    default=1,
+    metavar="N",
+    help="spread the KV cache over N devices; also serves on one device and checks the answers are equal",
   )
+  p.add_argument("--seed", type=int, default=1)
+  args = p.parse_args(argv)
+  if args.context_parallel < 1:
+    p.error(f"--context-parallel must be >= 1, got {args.context_parallel}")
+  return args
+
+
+def request_host_devices(n: int) -> None:
+  """N simulated CPU devices for --context-parallel N; must run before jax is imported.  Skipped when
+  XLA_FLAGS already sets a device count or JAX_PLATFORMS asks for another platform."""
+  flags, platforms = os.environ.get("XLA_FLAGS", ""), os.environ.get("JAX_PLATFORMS", "")
+  if n <= 1 or "xla_force_host_platform_device_count" in flags:
+    return
+  if platforms and "cpu" not in platforms.lower().split(","):
+    return
+  os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+if __name__ == "__main__":
+  ARGS = parse_args()
+  request_host_devices(ARGS.context_parallel)
+
+import dataclasses
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+try:
+  import flax_ringattn
+except ImportError:  # running from a source checkout without `pip install -e .`
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+  import flax_ringattn
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _model  # noqa: E402
+from train_long_context import KVRetrievalTask  # noqa: E402
+
+
+def paged_attention_factory(mesh=None):
+  """The Transformer's attention layer: paged, its cache spread over the mesh's 'sp' axis when given one."""
+  spread = {} if mesh is None else dict(mesh=mesh, seq_axis="sp")
+
+  def factory(config, rngs):
+    return flax_ringattn.PagedMultiHeadAttention(
+      config.num_heads, config.d_model, num_kv_heads=config.num_kv_heads, rngs=rngs, **spread
+    )
+
+  return factory
 
 
 def forward(model: _model.Transformer, tokens, positions, prev_tokens, cu_q_lens, num_seqs):
@@ -83,8 +126,9 @@ def forward(model: _model.Transformer, tokens, positions, prev_tokens, cu_q_lens
 
 @nnx.jit
 def serve_step(model, tokens, positions, prev_tokens, cu_q_lens, num_seqs):
+  """The predicted next token of every row and its logit (the logit lets two runs be compared numerically)."""
   logits = forward(model, tokens, positions, prev_tokens, cu_q_lens, num_seqs)
-  return jnp.argmax(logits, axis=-1)
+  return jnp.argmax(logits, axis=-1), jnp.max(logits, axis=-1)
 
 
 @nnx.jit
@@ -135,20 +179,30 @@ def make_requests(args, vocab_size, rng):
   return requests
 
 
-def main(args):
-  run_dir = pathlib.Path(args.run_dir)
-  if not (run_dir / _model.CONFIG_NAME).exists():
-    raise SystemExit(f"no trained model in {run_dir}: run examples/train_long_context.py first")
-  model = _model.load_model(run_dir, paged_attention_factory)
-  config = model.config
-  rng = np.random.default_rng(args.seed)
-  queue = make_requests(args, config.vocab_size, rng)
+def plan_pages(args, queue, n: int):
+  """(pages_per_seq, num_pages, pages_of).  Spread over n devices, the default gives every device room for its
+  share of every slot full (page j of slot s lives on device (s + j) % n: at most ceil(pages_per_seq / n) of a
+  slot's pages per device), so the pool is a multiple of n and the same one serves both runs."""
   longest = max(len(r.prompt) + 2 * len(r.keys) for r in queue)
   pages_per_seq = -(-longest // args.page_size)
-  num_pages = args.num_pages or args.max_seqs * pages_per_seq
+  num_pages = args.num_pages or n * args.max_seqs * -(-pages_per_seq // n)
+  if num_pages % n:
+    raise SystemExit(f"--num-pages={num_pages} must be a multiple of --context-parallel={n} (pages per device)")
   pages_of = lambda req: -(-(len(req.prompt) + 2 * len(req.keys)) // args.page_size)  # noqa: E731
   if max(pages_of(r) for r in queue) > num_pages:
     raise SystemExit(f"--num-pages={num_pages} cannot hold the longest request ({max(map(pages_of, queue))} pages)")
+  return pages_per_seq, num_pages, pages_of
+
+
+def serve(args, queue, mesh=None):
+  """Serves the requests of `queue` (consumed) on one device, or with the caches spread over `mesh`'s 'sp' axis;
+  returns the finished requests (by id), every step's (predictions, their logits) over its real rows, and the
+  run's numbers."""
+  n = 1 if mesh is None else mesh.shape["sp"]
+  pages_per_seq, num_pages, pages_of = plan_pages(args, queue, args.context_parallel)
+  # Spread: every parameter restored replicated on the mesh (the cache's pages go over 'sp' in init_cache).
+  placement = None if mesh is None else NamedSharding(mesh, P())
+  model = _model.load_model(pathlib.Path(args.run_dir), paged_attention_factory(mesh), sharding=placement)
   for block in model.blocks:
     block.attn.init_cache(
       num_pages=num_pages,
@@ -156,15 +210,17 @@ def main(args):
       max_num_seqs=args.max_seqs,
       pages_per_seq=pages_per_seq,
     )
+  where = "one device" if mesh is None else f"{n} devices (each holds {num_pages // n} of the pages)"
   print(
     f"serving {len(queue)} requests (prompts {sorted({len(r.prompt) for r in queue})} tokens, {args.queries} answers each) "
-    f"with {args.max_seqs} slots x {pages_per_seq} pages of {args.page_size} tokens ({num_pages} pages), "
+    f"with {args.max_seqs} slots x {pages_per_seq} pages of {args.page_size} tokens ({num_pages} pages) on {where}, "
     f"<= {args.max_batched_tokens} tokens per step"
   )
 
   T, S = args.max_batched_tokens, args.max_seqs
   slots: list[Request | None] = [None] * S
   finished, steps, tokens_done, utils = [], 0, 0, []
+  trace = []  # every step's predictions and their logits over its real rows
   mixed_steps = evictions = 0
   start = None
   while queue or any(slots):
@@ -208,7 +264,9 @@ def main(args):
       )
       free_slots(model, jnp.ones((S,), bool))
       start = time.perf_counter()
-    out = np.asarray(serve_step(model, *map(jnp.asarray, (tokens, positions, prev, cu, np.array([S], np.int32)))))
+    out, top = serve_step(model, *map(jnp.asarray, (tokens, positions, prev, cu, np.array([S], np.int32))))
+    out, top = np.asarray(out), np.asarray(top)
+    trace.append((out[: cu[-1]], top[: cu[-1]]))
     steps += 1
     tokens_done += int(cu[-1])
     utils.append(cache_utilization(model))
@@ -243,7 +301,8 @@ def main(args):
   elapsed = time.perf_counter() - start
 
   correct = total = 0
-  for req in sorted(finished, key=lambda r: r.rid):
+  finished = sorted(finished, key=lambda r: r.rid)
+  for req in finished:
     ok = [int(a) == int(v) for a, v in zip(req.answers, req.values, strict=True)]
     correct, total = correct + sum(ok), total + len(ok)
     shown = " ".join(
@@ -257,8 +316,43 @@ def main(args):
     f"{tokens_done / elapsed:,.0f} tokens/s; page-cache utilisation mean {np.mean(utils):.1%}, "
     f"min {np.min(utils):.1%}; {evictions} evictions"
   )
-  return {"accuracy": correct / max(total, 1), "steps": steps, "tokens_per_second": tokens_done / elapsed}
+  stats = {"accuracy": correct / max(total, 1), "steps": steps, "tokens_per_second": tokens_done / elapsed}
+  return finished, trace, stats
+
+
+def main(args):
+  run_dir = pathlib.Path(args.run_dir)
+  if not (run_dir / _model.CONFIG_NAME).exists():
+    raise SystemExit(f"no trained model in {run_dir}: run examples/train_long_context.py first")
+  config = _model.ModelConfig.load(run_dir / _model.CONFIG_NAME)
+  requests = lambda: make_requests(args, config.vocab_size, np.random.default_rng(args.seed))  # noqa: E731
+  n = args.context_parallel
+  if n == 1:
+    return serve(args, requests())[2]
+  if len(jax.devices()) < n:
+    raise SystemExit(f"--context-parallel {n} needs {n} devices, JAX sees {len(jax.devices())}")
+  print("single device (the reference answers):")
+  want, want_trace, _ = serve(args, requests())
+  mesh = jax.make_mesh((n,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+  print(f"context parallel: the KV cache spread over {n} devices:")
+  got, trace, stats = serve(args, requests(), mesh)
+  answers = lambda reqs: [[int(a) for a in r.answers] for r in reqs]  # noqa: E731
+  if answers(got) != answers(want):
+    raise SystemExit(f"context parallel over {n} devices changed the answers: {answers(got)} != {answers(want)}")
+  # Not only the answers: every step's prediction at every fed token, and its logit.
+  if len(trace) != len(want_trace):
+    raise SystemExit(f"context parallel over {n} devices took {len(trace)} steps, one device {len(want_trace)}")
+  rows = sum(len(t) for t, _ in trace)
+  same = sum(int((t == w).sum()) for (t, _), (w, _) in zip(trace, want_trace, strict=True))
+  err = max(float(np.abs(v - w).max(initial=0.0)) for (_, v), (_, w) in zip(trace, want_trace, strict=True))
+  print(
+    f"context parallel over {n} devices: the {sum(map(len, answers(got)))} answers equal the single-device run's; "
+    f"{same}/{rows} predictions equal, max |top logit - single device| = {err:.2e}"
+  )
+  if same != rows or not err <= 1e-4:
+    raise SystemExit(f"context parallel over {n} devices: {rows - same} predictions differ or {err=:.2e} > 1e-4")
+  return stats
 
 
 if __name__ == "__main__":
-  main(parse_args())
+  main(ARGS)

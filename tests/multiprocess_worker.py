@@ -2,6 +2,7 @@
 
     python tests/multiprocess_worker.py strategies   # every strategy: fwd + grads vs the reference, own shards
     python tests/multiprocess_worker.py train        # 5 demo-model steps vs the single-process run
+    python tests/multiprocess_worker.py paged_cp     # a paged cache spread over 8 devices vs one device
     python tests/multiprocess_worker.py die SECONDS  # loop on collectives until a peer dies (heartbeat SECONDS)
 
 Each process computes the single-process reference itself, on one of its own
@@ -12,6 +13,7 @@ failure prints `WORKER FAILED` with the reason and exits 1.
 # ruff: noqa: E402 -- the runtime must be initialised before JAX's devices are used.
 from __future__ import annotations
 
+import functools
 import pathlib
 import sys
 import time
@@ -183,6 +185,72 @@ def run_train(steps=5):
   log(f"OK train: {steps} steps, losses {np.round(losses, 5).tolist()} match the single-process run")
 
 
+def run_paged_cp():
+  """A paged KV cache spread over the 8 devices of both processes (seq_axis), two ragged steps (prefill, then
+  decode and chunked prefill mixed) appended and attended with the partials merged across processes, against
+  the same steps on one device of this process with an unspread cache."""
+  from flax_ringattn._src.paged.cache import PagedKVCache
+
+  n, N, K, H, ps = 8, 4, 2, 16, 4
+  shape = dict(num_pages=4 * n, page_size=ps, max_num_seqs=4, pages_per_seq=8, num_kv_heads=K, head_dim=H)
+  steps = [(11, 3, 0, 6), (1, 5, 1, 2)]  # new tokens per slot; slot 2 joins at the second step
+  T = max(sum(q) for q in steps)
+  rng = np.random.default_rng(0)
+  batches = []
+  for q_lens in steps:
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q, k, v = (rng.standard_normal((T, h, H), np.float32) for h in (N, K, K))
+    batches.append((q, k, v, cu, np.array([len(q_lens)], np.int32)))
+
+  def step(cache, q, k, v, cu, num_seqs, **layout):
+    cache = cache.append(k, v, cu, num_seqs)
+    kv_lens, table = cache.attention_view()
+    out = fr.paged_attention(
+      q, cache.k_pages, cache.v_pages, kv_lens, table, cu, num_seqs, implementation="xla", **layout
+    )
+    return cache, out
+
+  with jax.default_device(LOCAL):
+    ref_cache = jax.jit(lambda: PagedKVCache.create(**shape))()
+    want = []
+    for batch in batches:
+      ref_cache, out = jax.jit(step)(ref_cache, *(jax.device_put(x, LOCAL) for x in batch))
+      want.append(jax.device_get(out))
+
+  mesh = global_mesh((n,), ("sp",))
+  cache = PagedKVCache.create(**shape, mesh=mesh, seq_axis="sp")  # eager: jit would drop the placement
+  assert cache.num_shards == n and cache.k_pages.sharding.spec[0] == "sp", (cache.num_shards, cache.k_pages.sharding)
+  spread = jax.jit(functools.partial(step, mesh=mesh, seq_axis="sp"))
+  for i, batch in enumerate(batches):
+    cache, out = spread(cache, *(to_global(x, mesh, P()) for x in batch))
+    check_shards(f"paged step {i} out", out, want[i], 1e-5)
+
+  # Each of my page shards holds the page ids its device owns: device d (position along 'sp') pages
+  # [d P/n, (d+1) P/n), and in them the k rows of exactly the tokens whose table entries point there.
+  q_per = shape["num_pages"] // n
+  table = np.asarray(cache.page_indices.addressable_shards[0].data)  # replicated
+  kv_lens = np.asarray(cache.kv_lens.addressable_shards[0].data)
+  np.testing.assert_array_equal(kv_lens, np.sum(steps, axis=0))
+  tokens = [np.concatenate([b[1][b[3][s] : b[3][s + 1]] for b in batches]) for s in range(len(steps[0]))]
+  position = {d: i for i, d in enumerate(mesh.devices.flat)}
+  mine = 0
+  for shard in cache.k_pages.addressable_shards:
+    d = position[shard.device]
+    ids = range(shard.index[0].start or 0, shard.index[0].stop or shape["num_pages"])
+    assert ids == range(d * q_per, (d + 1) * q_per), (d, ids)
+    data = np.asarray(shard.data)
+    for s, k_s in enumerate(tokens):
+      for j in range(-(-len(k_s) // ps)):
+        page = int(table[s, j])
+        assert page // q_per == (s + j) % n, f"slot {s} page {j} = id {page}: owner {page // q_per}, want {(s + j) % n}"
+        if page in ids:
+          rows = k_s[j * ps : (j + 1) * ps]
+          np.testing.assert_allclose(data[page - ids.start, : len(rows)], rows, err_msg=f"slot {s} page {j}")
+          mine += 1
+  assert mine > 0, "none of the written pages is on this process"
+  log(f"OK paged cp: 2 ragged steps match the single-process run; my {mine} written pages sit on their owners")
+
+
 def run_die():
   mesh = global_mesh((8,), ("sp",))
   x = to_global(np.ones((1, 64, 4, 8), np.float32), mesh, P(None, "sp"))
@@ -199,7 +267,7 @@ def run_die():
 
 if __name__ == "__main__":
   try:
-    {"strategies": run_strategies, "train": run_train, "die": run_die}[MODE]()
+    {"strategies": run_strategies, "train": run_train, "paged_cp": run_paged_cp, "die": run_die}[MODE]()
   except BaseException as e:  # noqa: BLE001 -- report everything, exit non-zero
     traceback.print_exc()
     log(f"WORKER FAILED: {type(e).__name__}: {e}")

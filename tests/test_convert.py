@@ -130,15 +130,56 @@ def test_convert_report_skips_with_reasons_and_paged_target():
   "kwargs,error,match",
   [
     (dict(to="flash"), ValueError, "to='flash' must be 'ring' or 'paged'"),
-    (dict(to="paged", seq_axis="sp"), ValueError, "seq_axis='sp' applies to to='ring' only"),
+    (dict(to="paged", seq_axis="sp"), ValueError, r"convert\(to='paged'\): seq_axis='sp' needs mesh=\.\.\."),
     (dict(bogus_option=1), TypeError, "does not take these options"),
   ],
-  ids=["to", "paged-seq-axis", "unknown-option"],
+  ids=["to", "paged-seq-axis-without-mesh", "unknown-option"],
 )
 def test_convert_errors(kwargs, error, match):
   model = LM(rngs=nnx.Rngs(0), layers=1)
   with pytest.raises(error, match=match):
     fr.convert(model, **kwargs)
+
+
+@pytest.mark.parametrize(
+  "shape,names,axes",
+  [((8,), ("sp",), dict(seq_axis="sp")), ((4, 2), ("sp", "tp"), dict(seq_axis="sp", head_axis="tp"))],
+  ids=["sp8", "sp4-tp2"],
+)
+def test_convert_to_paged_spreads_the_cache_over_seq_axis(shape, names, axes):
+  """convert(to="paged", mesh=, seq_axis=): the layers' caches spread their pages over the axis, and one ragged
+  prefill step of two sequences gives the unconverted layer's causal outputs."""
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.attn = nnx.MultiHeadAttention(4, 32, num_kv_heads=2, decode=False, rngs=rngs)
+
+  mesh = make_mesh(shape, names)
+  model = Model(nnx.Rngs(0))
+  ref = nnx.clone(model.attn)
+  report = fr.convert(model, to="paged", mesh=mesh, **axes)
+  assert report.replaced == ["attn"], report
+  layer = model.attn
+  assert isinstance(layer, fr.PagedMultiHeadAttention)
+  assert layer.seq_axis == "sp" and layer.head_axis == axes.get("head_axis")
+  page_size, lengths = 4, (13, 7)
+  layer.init_cache(num_pages=16, page_size=page_size, max_num_seqs=2, pages_per_seq=4)
+  cache = layer.kv_cache.get_value()
+  assert cache.num_shards == shape[0]
+  assert tuple(cache.k_pages.sharding.spec)[:3] == ("sp", None, axes.get("head_axis"))
+
+  x = jax.random.normal(jax.random.PRNGKey(1), (len(lengths), max(lengths), 32))
+  rows = jnp.concatenate([x[b, :n] for b, n in enumerate(lengths)])
+  cu_q_lens = jnp.array(np.cumsum((0, *lengths)), jnp.int32)
+  y = nnx.jit(lambda m, x: m(x, cu_q_lens=cu_q_lens, num_seqs=jnp.array([2], jnp.int32)))(layer, rows)
+  want = ref(x, mask=nnx.make_causal_mask(jnp.ones(x.shape[:2])))
+  assert_close(y, jnp.concatenate([want[b, :n] for b, n in enumerate(lengths)]), jnp.float32)
+  # No more pages per sequence than devices here: each of its pages sits on a device of its own.
+  cache = layer.kv_cache.get_value()
+  table, owners_per_device = np.asarray(cache.page_indices), cache.pages_per_owner
+  for s, n in enumerate(lengths):
+    owners = np.bincount(table[s, : -(-n // page_size)] // owners_per_device, minlength=cache.num_shards)
+    assert owners.max() - owners.min() <= 1 and owners.max() == 1, (s, owners)
 
 
 def test_convert_needs_a_module():

@@ -79,6 +79,17 @@ def test_train_long_context_layer_then_load_and_serve(tmp_path):
   assert float(summary.group(2)) > 50.0, served
   assert "; 0 evictions" in served, served  # the cache fits every request: nothing overflowed
 
+  # The same stream with every layer's cache spread over 8 devices: the example serves it on one device too and
+  # exits non-zero unless every prediction (answers included) and its logit (1e-4) equal the single-device run's.
+  spread = _run(EXAMPLES / "serve_paged.py", "--run-dir", str(tmp_path), *args, "--context-parallel", "8")
+  assert "on 8 devices (each holds" in spread, spread
+  check = re.search(
+    r"^context parallel over 8 devices: the 6 answers equal .*?; (\d+)/(\d+) predictions equal", spread, re.M
+  )
+  assert check and check.group(1) == check.group(2) and int(check.group(2)) > 0, spread
+  answers = lambda out: re.findall(r"^request \d+: .*$", out, re.M)  # noqa: E731
+  assert len(answers(served)) == 3 and answers(spread) == 2 * answers(served), (served, spread)
+
 
 @pytest.mark.slow
 def test_train_long_context_attention_fn_with_head_axis(tmp_path):

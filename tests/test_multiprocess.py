@@ -74,6 +74,12 @@ def test_five_training_steps_match_the_single_process_run(tmp_path):
     assert "OK train: 5 steps" in log, log[-3000:]
 
 
+@pytest.mark.slow
+def test_paged_cache_spread_over_both_processes_matches_the_single_process_run(tmp_path):
+  for log in _run(tmp_path, "paged_cp"):
+    assert "OK paged cp: 2 ragged steps match" in log, log[-3000:]
+
+
 HEARTBEAT_S = 5
 # The survivor must fail within the heartbeat timeout plus a margin for detection, error propagation and
 # process teardown on a loaded machine; JAX's default heartbeat (100 s) would be the bound without the setting.

@@ -555,3 +555,14 @@ def test_replace_keeps_num_shards():
   c = _create(4)
   assert dataclasses.replace(c, overflowed=None).num_shards == 4
   assert _free(c, jnp.zeros((4,), bool)).num_shards == 4
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "auto"])
+def test_create_under_jit_keeps_the_spread(explicit):
+  """`create` traced inside a jit places its arrays as the eager call does (`device=` alone places nothing
+  under a trace): the pages come out split over the axis, not on one device."""
+  mesh = make_mesh((4,), ("sp",), explicit=explicit)
+  dims = dict(num_pages=16, page_size=4, max_num_seqs=2, pages_per_seq=4, num_kv_heads=2, head_dim=8)
+  cache = jax.jit(lambda: fr.PagedKVCache.create(**dims, mesh=mesh, seq_axis="sp"))()
+  assert cache.num_shards == 4
+  _assert_placed(cache)

@@ -141,9 +141,9 @@ def _new_layer(old, to: str, mesh, seq_axis, layer_options):
       return RingMultiHeadAttention(
         old.num_heads, old.in_features, seq_axis=seq_axis, decode=False, **common, **layer_options
       )
-    # Sampling is deterministic: the paged layer has no dropout.
+    # Sampling is deterministic: the paged layer has no dropout.  seq_axis spreads its cache's pages.
     common.update(dropout_rate=0.0, keep_rngs=False)
-    return PagedMultiHeadAttention(old.num_heads, old.in_features, **common, **layer_options)
+    return PagedMultiHeadAttention(old.num_heads, old.in_features, seq_axis=seq_axis, **common, **layer_options)
   except TypeError as e:
     layer = "RingMultiHeadAttention" if to == "ring" else "PagedMultiHeadAttention"
     raise TypeError(f"convert(..., **layer_options): {layer} does not take these options ({e})") from e
@@ -209,8 +209,10 @@ def convert(
     mesh: the `jax.sharding.Mesh` the layers run on (parameters are placed on
       it: replicated, or over `head_axis`; the model's other arrays still on
       one device are replicated on it).
-    seq_axis: mesh axis of the sequence (ring only; default: the mesh's only
-      axis).
+    seq_axis: mesh axis of the sequence.  Ring: the activations' sequence
+      axis (default: the mesh's only axis).  Paged: the axis the KV cache's
+      pages spread over (context parallelism, see "Serving long contexts";
+      default: none, the pages are not spread; combines with `head_axis`).
     handwritten: (ring only) also convert attention written by hand in the
       model's own modules (einsum or matmul logits, scale, tanh cap,
       `where` mask or additive bias, softmax, einsum with v; MHA, grouped or
@@ -242,8 +244,8 @@ def convert(
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
   if to not in ("ring", "paged"):
     raise ValueError(f"{to=} must be 'ring' or 'paged'")
-  if to == "paged" and seq_axis is not None:
-    raise ValueError(f"{seq_axis=} applies to to='ring' only: paged layers shard heads (head_axis), not the sequence")
+  if to == "paged" and seq_axis is not None and mesh is None:
+    raise ValueError(f"convert(to='paged'): {seq_axis=} needs mesh=... (the mesh the cache's pages spread over)")
   # Checked before anything is replaced, so a wrong axis leaves the model as it was.
   sharding.check_mesh_axes(
     mesh,

@@ -139,7 +139,9 @@ class PagedKVCache:
       spec = (seq_axis,) if by_page else ()
       if explicit:
         spec += (None,) * (len(shape) - len(spec))
-      return jnp.full(shape, value, dtype, device=NamedSharding(mesh, P(*spec)))
+      x = jnp.full(shape, value, dtype, device=NamedSharding(mesh, P(*spec)))
+      # Under a trace (create inside jit) `device=` places nothing: say it as a sharding of the traced value.
+      return sharding.constrain(x, mesh, P(*spec)) if isinstance(x, jax.core.Tracer) else x
 
     quantized = jnp.dtype(dtype).name in common.QUANTIZED_MAX
     scale = full((num_pages, page_size, num_kv_heads), 0, jnp.float32, by_page=True) if quantized else None

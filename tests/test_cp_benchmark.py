@@ -1,0 +1,117 @@
+"""benchmarks/context_parallel_serving.py and tpu_roofline.py's context-parallel decode table: the script's JSON
+report (its check passed, its sections and targets are there), a sharded op 1% off exits 1 before anything is
+timed, and the roofline's model by hand."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from flax_ringattn import benchmarking as bench
+from flax_ringattn.benchmarking import hardware
+
+_BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name):
+  spec = importlib.util.spec_from_file_location(f"_bench_{name}", _BENCHMARKS / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope="module")
+def cp():
+  return _load("context_parallel_serving")
+
+
+@pytest.fixture(scope="module")
+def roofline():
+  return _load("tpu_roofline")
+
+
+def _never(*args, **kwargs):
+  raise AssertionError("timed although the check failed")
+
+
+def test_quick_json_report(cp):
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    code = cp.main(["--quick", "--json"])
+  doc = json.loads(out.getvalue())
+  assert code == doc["exit_code"] == bench.EXIT_OK
+  assert [c["name"].split(":")[0] for c in doc["checks"]] == ["decode", "prefill"]
+  assert all(c["ok"] for c in doc["checks"]), doc["checks"]
+  tables = {s["table"].split(" (")[0].split(":")[0]: s for s in doc["sections"] if "table" in s}
+  assert {"Cache bytes per device", "Decode step", "Prefill"} <= set(tables), set(tables)
+  rows = tables["Cache bytes per device"]["rows"]
+  assert len(rows) == 8 and all(abs(r["share of one device"] - 1 / 8) < 0.01 for r in rows), rows
+  for name in ("Decode step", "Prefill"):
+    calls = [r["call"] for r in tables[name]["rows"]]
+    assert calls == ["one device", "8 devices (mesh=, seq_axis=)"]
+    assert all(r["median ms"] > 0 for r in tables[name]["rows"])
+  targets = {t["target"].split(" over")[0]: t for t in doc["targets"]}
+  assert set(targets) == {"per-device cache bytes", "compiles"}, targets
+  assert all(t["met"] is True for t in targets.values()), targets
+  assert targets["compiles"]["value"].startswith("1 ")
+  notes = " ".join(s["note"] for s in doc["sections"] if "note" in s)
+  assert "ring prefill" in notes and "not implemented" in notes and "load average" in notes
+
+
+def test_sharded_op_one_percent_off_exits_1_before_timing(cp, monkeypatch):
+  real = cp.make_sharded
+
+  def off(mesh):
+    f = real(mesh)
+    return lambda *a: f(*a) * 1.01
+
+  monkeypatch.setattr(cp, "make_sharded", off)
+  monkeypatch.setattr(cp, "time_interleaved", _never)
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+    cp.main(["--quick", "--json"])
+  assert exit_info.value.code == cp.EXIT_WRONG_RESULT == 1
+  doc = json.loads(out.getvalue())
+  assert doc["exit_code"] == 1 and not any(c["ok"] for c in doc["checks"]), doc["checks"]
+  assert not any("table" in s for s in doc["sections"])  # nothing measured
+
+
+def test_roofline_cp_decode_by_hand(roofline):
+  c = roofline.CP_DECODE
+  models = {n: roofline.cp_decode_model("v5e", n, **c) for n in (8, 16, 32, 64)}
+  for n in (8, 16, 32):  # each device's K/V halves when n doubles, and so does its HBM time
+    assert models[2 * n].kv_bytes == models[n].kv_bytes / 2
+    assert models[2 * n].t_kv == pytest.approx(models[n].t_kv / 2)
+  chip = hardware.tpu("v5e")
+  m = models[8]
+  kv = 2**20 * 8 * (128 + 128) * 2 / 8  # S K (H + Hv) bf16 / n
+  assert m.kv_bytes == kv == 2**29  # 0.5 GiB a device
+  assert m.t_kv == pytest.approx(kv / chip.memory_bandwidth)
+  merge = 64 * 64 * 129 * 4 + 64 * 64 * 4  # psum [T_q, N, H + 1] f32 + pmax [T_q, N] f32
+  assert m.merge_bytes == merge
+  assert m.t_merge_bw == pytest.approx(2 * 7 / 8 * merge / chip.ici_link)
+  assert m.t_step == pytest.approx(kv / chip.memory_bandwidth + 2 * 7 / 8 * merge / chip.ici_link)
+  assert m.merge_share == pytest.approx(m.t_merge_bw / m.t_step)
+  assert m.t_merge_lat == pytest.approx(m.t_merge_bw + 4 * 7 * chip.latency)
+
+
+def test_roofline_prints_the_cp_decode_table(roofline):
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    code = roofline.main(["--quick", "--generations", "v5e,v6e", "--masks", "causal-lb", "--json"])
+  doc = json.loads(out.getvalue())
+  assert code == doc["exit_code"] == bench.EXIT_OK
+  (table,) = [s for s in doc["sections"] if s.get("table", "").startswith("Context-parallel decode (MODEL)")]
+  rows = table["rows"]
+  assert [(r["gen"], r["n"]) for r in rows] == [(g, n) for g in ("v5e", "v6e") for n in (8, 16, 32, 64)]
+  (row,) = [r for r in rows if r["gen"] == "v5e" and r["n"] == 8]
+  assert row["KV GiB/dev"] == 0.5
+  assert row["HBM ms"] == pytest.approx(2**29 / hardware.tpu("v5e").memory_bandwidth * 1e3)
+  assert all(r["merge %"] is not None and 0 < r["merge %"] < 100 for r in rows)
