@@ -151,13 +151,7 @@ def paged_attention(
     return flash.flash(kernel, sinks, *args)
   # Arrays typed on an Explicit mesh (e.g. replicated parameters' outputs): the
   # op works per device, so run it as a replicated shard_map over that mesh.
-  return jax.shard_map(
-    lambda sinks, *a: flash.flash(kernel, sinks, *a),
-    mesh=mesh,
-    in_specs=PartitionSpec(),
-    out_specs=PartitionSpec(),
-    check_vma=False,
-  )(sinks, *args)
+  return _on_mesh(kernel, mesh, None, None, sinks, args)
 
 
 def _context_parallel(mesh, seq_axis, axis_name, pages: int, head_axis=None, kv_heads: int = 1):
@@ -210,21 +204,29 @@ def _context_parallel(mesh, seq_axis, axis_name, pages: int, head_axis=None, kv_
   return seq_axis, n
 
 
+def _scale_spec(x, seq_axis, head_axis):
+  """The partition of a k/v scale: () replicated; [P, K] and [P, page_size, K] split with their pages."""
+  if x is None:
+    return None
+  return PartitionSpec() if x.ndim == 0 else PartitionSpec(seq_axis, *(None,) * (x.ndim - 2), head_axis)
+
+
+def _shard_mapped(fn, mesh, args, in_specs, out_specs):
+  """fn(*args) as a shard_map over `mesh`, the arrays first laid out as `in_specs` (None: an absent operand);
+  returns (its result, the laid-out arguments)."""
+  placed = [x if s is None else sharding.constrain(x, mesh, s) for x, s in zip(args, in_specs, strict=True)]
+  return jax.shard_map(fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs)(*placed), placed
+
+
 def _on_mesh(kernel, mesh, seq_axis, head_axis, sinks, args):
   """`kernel` as a shard_map over `mesh`: the pages and per-page scales split on their page dimension over
   `seq_axis` (context parallelism) and on their kv heads over `head_axis`, q, the output and the sinks on their
-  heads; the metadata replicated."""
-  q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale = args
-  h = head_axis
-
-  def scale_spec(x):
-    if x is None:
-      return None
-    return PartitionSpec() if x.ndim == 0 else PartitionSpec(seq_axis, *(None,) * (x.ndim - 2), h)
-
-  rep = PartitionSpec()
+  heads; the metadata replicated (neither axis: everything replicated)."""
+  k_scale, v_scale = args[-2:]
+  h, rep = head_axis, PartitionSpec()
   pages = PartitionSpec(seq_axis, None, h, None)
   specs = (
+    None if sinks is None else PartitionSpec(h),
     PartitionSpec(None, h, None),  # q [T, N, H]: a kv head's q heads are consecutive (K-major)
     pages,
     pages,
@@ -232,20 +234,11 @@ def _on_mesh(kernel, mesh, seq_axis, head_axis, sinks, args):
     rep,
     rep,
     rep,
-    scale_spec(k_scale),
-    scale_spec(v_scale),
+    _scale_spec(k_scale, seq_axis, h),
+    _scale_spec(v_scale, seq_axis, h),
   )
-  sinks_spec = None if sinks is None else PartitionSpec(h)
-  placed = [x if s is None else sharding.constrain(x, mesh, s) for x, s in zip(args, specs, strict=True)]
-  if sinks is not None:
-    sinks = sharding.constrain(sinks, mesh, sinks_spec)
-  fn = jax.shard_map(
-    lambda sinks, *a: flash.flash(kernel, sinks, *a),
-    mesh=mesh,
-    in_specs=(sinks_spec, *specs),
-    out_specs=PartitionSpec(None, h, None),
-  )
-  return fn(sinks, *placed)
+  fn = lambda sinks, *a: flash.flash(kernel, sinks, *a)  # noqa: E731
+  return _shard_mapped(fn, mesh, (sinks, *args), specs, PartitionSpec(None, h, None))[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,23 +418,13 @@ def paged_attention_with_cache_write(
   if seq_axis is None:
     return write_and_attend(sinks, q, *new)
   rep, paged = PartitionSpec(), PartitionSpec(seq_axis)
-  page_spec = lambda x: None if x is None else paged  # noqa: E731  (per-token scales [P, page_size, K])
-  specs = (rep, rep, rep, paged, paged, rep, rep, rep, rep, page_spec(call.k_scale), page_spec(call.v_scale))
-  specs += (None if k_new_scale is None else rep, None if v_new_scale is None else rep)
-  args = (q, *new)
-  placed = [x if sp is None else sharding.constrain(x, mesh, sp) for x, sp in zip(args, specs, strict=True)]
-  fn = jax.shard_map(
-    write_and_attend,
-    mesh=mesh,
-    in_specs=(None if sinks is None else rep, *specs),
-    out_specs=(rep, paged, paged, page_spec(call.k_scale), page_spec(call.v_scale)),
-  )
-  out, *cache = fn(None if sinks is None else sharding.constrain(sinks, mesh, rep), *placed)
+  scales = tuple(_scale_spec(x, seq_axis, None) for x in (call.k_scale, call.v_scale))  # per token: with the pages
+  new_scales = tuple(None if x is None else rep for x in (k_new_scale, v_new_scale))
+  specs = (None if sinks is None else rep, rep, rep, rep, paged, paged, rep, rep, rep, rep, *scales, *new_scales)
+  (out, *cache), placed = _shard_mapped(write_and_attend, mesh, (sinks, q, *new), specs, (rep, paged, paged, *scales))
   # The updated pages typed exactly as they came in (an Explicit mesh's spec spelling is part of a jit's key).
-  return (
-    out,
-    *(x if x is None else allocator.placed_like(x, y) for x, y in zip(cache, placed[3:5] + placed[9:11], strict=True)),
-  )
+  before = (*placed[4:6], *placed[10:12])  # k_pages, v_pages, k_scale, v_scale
+  return (out, *(x if x is None else allocator.placed_like(x, y) for x, y in zip(cache, before, strict=True)))
 
 
 @dataclasses.dataclass(frozen=True)
