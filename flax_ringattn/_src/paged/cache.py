@@ -268,23 +268,26 @@ class PagedKVCache:
   def _copy_on_write_mask(self, new_lens, refs):
     """[S] int32 1 where the slot writes into its partial page and that page is shared (refs: `ref_counts`,
     replicated)."""
-    ps = self.page_size
-    j0 = self.kv_lens // ps
-    partial = (self.kv_lens % ps != 0) & (new_lens > 0)
-    page = jnp.take_along_axis(self.page_indices, jnp.clip(j0, 0, self.pages_per_seq - 1)[:, None], 1)[:, 0]
+    _, page = self._partial_page()
+    partial = (self.kv_lens % self.page_size != 0) & (new_lens > 0)
     shared = refs[jnp.clip(page, 0, self.num_pages - 1)] > 1
     return (partial & (page >= 0) & shared).astype(jnp.int32)
 
+  def _partial_page(self):
+    """(j0 [S], page [S]): each slot's column that its next token goes to, and the page id there (its partially
+    filled page, the one a write copies first when it is shared; -1 for none)."""
+    j0 = jnp.clip(self.kv_lens // self.page_size, 0, self.pages_per_seq - 1)
+    return j0, jnp.take_along_axis(self.page_indices, j0[:, None], 1)[:, 0]
+
   def _extra(self, new_lens, refs):
-    """(extra [S, n] pages per owner beyond those held, have [S], need [S], cow [S], j0 [S]) for `new_lens` [S]
-    more tokens: the new columns have .. need - 1 and the copy of the shared partial page, column j0."""
+    """(extra [S, n] pages per owner beyond those held, have [S], need [S], cow [S], cow_owner [S]) for
+    `new_lens` [S] more tokens: the new columns have .. need - 1 and the copy of the shared partial page, on that
+    page's owner (`_partial_page`)."""
     ps = self.page_size
     have = -(-self.kv_lens // ps)
     need = jnp.maximum(-(-(self.kv_lens + new_lens) // ps), have)
     cow = self._copy_on_write_mask(new_lens, refs)
-    j0 = jnp.clip(self.kv_lens // ps, 0, self.pages_per_seq - 1)
-    old = jnp.take_along_axis(self.page_indices, j0[:, None], 1)[:, 0]
-    cow_owner = jnp.maximum(old, 0) // self.pages_per_owner
+    cow_owner = jnp.maximum(self._partial_page()[1], 0) // self.pages_per_owner
     return allocator.extra_per_owner(have, need, cow, cow_owner, self.num_shards), have, need, cow, cow_owner
 
   def _admission(self, new_lens) -> _Admission:
@@ -401,12 +404,11 @@ class PagedKVCache:
     P, S, pps, n = self.num_pages, self.max_num_seqs, self.pages_per_seq, self.num_shards
     refs_in = allocator.replicated(self.ref_counts)
     extra, have, need, cow, cow_owner = self._extra(new_lens, refs_in)
-    j0 = jnp.clip(self.kv_lens // self.page_size, 0, pps - 1)
+    j0, old = self._partial_page()
     need = jnp.minimum(need, pps)
     fresh, ids = allocator.allocate(allocator.free_lists(refs_in, n), extra, have, need, cow, cow_owner, pps)
 
     # Copy-on-write of the partially filled, shared page of each slot (fresh is on the same owner as old).
-    old = jnp.take_along_axis(self.page_indices, j0[:, None], 1)[:, 0]
     ok_copy = fresh < P
     k_pages, v_pages, k_scale, v_scale = (
       allocator.copy_pages(x, old, fresh, n) for x in (self.k_pages, self.v_pages, self.k_scale, self.v_scale)
