@@ -4,45 +4,29 @@ the JSON report, the hardware table against JAX's, the cost model by hand, and t
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import math
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bench_scripts import load, never
 
 import flax_ringattn as fr
 from flax_ringattn import benchmarking as bench
 from flax_ringattn.benchmarking import cost, hardware
 
-_BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load(name):
-  spec = importlib.util.spec_from_file_location(f"_bench_{name}", _BENCHMARKS / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  return module
-
 
 @pytest.fixture(scope="module")
 def paged():
-  return _load("paged_throughput")
+  return load("paged_throughput")
 
 
 @pytest.fixture(scope="module")
 def ring():
-  return _load("ring_scaling")
-
-
-def _never(*args, **kwargs):
-  raise AssertionError("timed although the reference check failed")
+  return load("ring_scaling")
 
 
 def _paged_setup(paged):
@@ -63,7 +47,7 @@ def test_paged_reference_check_fails_on_a_wrong_op(paged):
 
 def test_paged_wrong_result_exits_1_before_timing(paged, monkeypatch):
   monkeypatch.setattr(paged, "reference_check", lambda *a: float("nan"))
-  monkeypatch.setattr(paged, "time_interleaved", _never)
+  monkeypatch.setattr(paged, "time_interleaved", never)
   with pytest.raises(SystemExit) as exit_info:
     paged.main(["--quick"])
   assert exit_info.value.code == paged.EXIT_WRONG_RESULT == 1
@@ -85,7 +69,7 @@ def test_ring_reference_check_passes_and_fails(ring, monkeypatch):
 def test_ring_wrong_result_exits_1_before_timing(ring, monkeypatch):
   monkeypatch.setattr(ring, "measure_matmul_flops", lambda *a, **k: 1e9)
   monkeypatch.setattr(ring, "check_against_reference", lambda *a: [bench.Check("ring causal=True T=1024", 0.1, 2e-4)])
-  monkeypatch.setattr(ring, "measure_seq_len", _never)
+  monkeypatch.setattr(ring, "measure_seq_len", never)
   with pytest.raises(SystemExit) as exit_info:
     ring.main(["--quick", "--impls", "ring"])
   assert exit_info.value.code == ring.EXIT_WRONG_RESULT == 1
@@ -93,7 +77,7 @@ def test_ring_wrong_result_exits_1_before_timing(ring, monkeypatch):
 
 @pytest.fixture(scope="module")
 def roofline():
-  return _load("tpu_roofline")
+  return load("tpu_roofline")
 
 
 KIB = 1024

@@ -5,40 +5,24 @@ timed, and the roofline's model by hand."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from bench_scripts import load, never
 
 from flax_ringattn import benchmarking as bench
 from flax_ringattn.benchmarking import hardware
 
-_BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load(name):
-  spec = importlib.util.spec_from_file_location(f"_bench_{name}", _BENCHMARKS / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module
-  spec.loader.exec_module(module)
-  return module
-
 
 @pytest.fixture(scope="module")
 def cp():
-  return _load("context_parallel_serving")
+  return load("context_parallel_serving")
 
 
 @pytest.fixture(scope="module")
 def roofline():
-  return _load("tpu_roofline")
-
-
-def _never(*args, **kwargs):
-  raise AssertionError("timed although the check failed")
+  return load("tpu_roofline")
 
 
 def test_quick_json_report(cp):
@@ -73,7 +57,7 @@ def test_sharded_op_one_percent_off_exits_1_before_timing(cp, monkeypatch):
     return lambda *a: f(*a) * 1.01
 
   monkeypatch.setattr(cp, "make_sharded", off)
-  monkeypatch.setattr(cp, "time_interleaved", _never)
+  monkeypatch.setattr(cp, "time_interleaved", never)
   out = io.StringIO()
   with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
     cp.main(["--quick", "--json"])
