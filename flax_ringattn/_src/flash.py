@@ -65,6 +65,19 @@ def _sink_rows(sinks, rows):
   return vma.like(jnp.broadcast_to(sinks.astype(F32), rows.shape), rows)
 
 
+def merge_rows(o, rows, o_b, rows_b):
+  """The online-softmax merge of two normalised partials o [..., Hv] with their lse `rows` (o.shape[:-1]):
+  (o, lse) of the union of their keys.  A row empty in both (lse -inf) stays 0 / -inf, never NaN."""
+  m = jnp.maximum(rows, rows_b)
+  m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
+  w, w_b = jnp.exp(rows - m_safe), jnp.exp(rows_b - m_safe)
+  total = w + w_b
+  empty = total == 0.0
+  total = jnp.where(empty, 1.0, total)
+  merged = jnp.where(empty, -jnp.inf, m_safe + jnp.log(total))
+  return o * (w / total)[..., None] + o_b * (w_b / total)[..., None], merged
+
+
 def apply_sinks(kernel, o, lse, sinks):
   """(o', lse') of finished rows (o, lse in `kernel`'s layouts) with the [N] sinks in their softmax:
   lse' = logaddexp(lse, s_h), o' = o * exp(lse - lse').  Also for serving paths outside `flash` (the paged

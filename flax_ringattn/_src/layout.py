@@ -191,3 +191,10 @@ def ring_geometry(axis_name):
   for s in sizes:
     n *= s
   return n, sizes, linear_index(coords, sizes), snake_member(coords, sizes)
+
+
+def rotate(tree, axis_name, n: int):
+  """Ring member m's values to member m + 1 (ppermute indices are row-major shard indices over the axes)."""
+  sizes = tuple(jax.lax.axis_size(a) for a in ring_axes(axis_name))
+  perm = [(ring_shard(m, sizes), ring_shard((m + 1) % n, sizes)) for m in range(n)]
+  return jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), tree)

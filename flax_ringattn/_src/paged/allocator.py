@@ -86,15 +86,44 @@ def pages_on(m, d, n: int):
   return (m + n - 1 - d) // n
 
 
-def extra_per_owner(have, need, cow, cow_owner, n: int):
+def extra_per_owner(have, need, cow, cow_owner, n: int, owners=None):
   """[S, n] pages each slot needs on each owner: its new columns have .. need - 1 ([S] each, need >= have), plus
   a fresh page for the copy-on-write (cow [S] 0 or 1) of its partial page, on that page's owner cow_owner [S]
-  (a shared prefix keeps the owners of the slot it came from)."""
-  slot = jnp.arange(have.shape[0])[:, None]
+  (a shared prefix keeps the owners of the slot it came from).  `owners` [S, pages_per_seq]: each column's owner
+  when the columns are not striped (`prefill_owners`); None: the stripe (s + j) % n."""
   d = jnp.arange(n)[None]
-  rel = (d - slot) % n  # the slot-0 owner whose columns lie on owner d for this slot
-  grow = pages_on(need[:, None], rel, n) - pages_on(have[:, None], rel, n)
+  if owners is None:
+    slot = jnp.arange(have.shape[0])[:, None]
+    rel = (d - slot) % n  # the slot-0 owner whose columns lie on owner d for this slot
+    grow = pages_on(need[:, None], rel, n) - pages_on(have[:, None], rel, n)
+  else:
+    grow = _owner_counts(owners, have, need, n)[0]
   return grow + cow[:, None] * (cow_owner[:, None] == d)
+
+
+def _owner_counts(owners, have, need, n: int):
+  """For explicit column owners [S, pps]: (new columns per owner [S, n], before [S, pps]: the new columns of the
+  same slot and owner left of each column)."""
+  j = jnp.arange(owners.shape[1])[None]
+  grow = (j >= have[:, None]) & (j < need[:, None])
+  one_hot = ((owners[..., None] == jnp.arange(n)) & grow[..., None]).astype(jnp.int32)  # [S, pps, n]
+  count = jnp.cumsum(one_hot, axis=1)
+  before = jnp.take_along_axis(count - one_hot, jnp.clip(owners, 0, n - 1)[..., None], axis=2)[..., 0]
+  return count[:, -1], before
+
+
+def prefill_owners(kv_lens, slot, padded_len: int, page_size: int, pages_per_seq: int, n: int):
+  """[S, pps] column owners for a ring prefill of slot `slot` (the ring prefill layout): the stripe everywhere,
+  except the prompt's columns, from kv_lens[slot] / page_size on (a page boundary), which are cut into 2n chunks
+  of padded_len / (2n) tokens each, chunk c on owner c for c < n and 2n - 1 - c after: the zigzag layout of
+  `zigzag_order`, so prefill shard d (chunks d and 2n - 1 - d) writes only into its own device's pages."""
+  S = kv_lens.shape[0]
+  j = jnp.arange(pages_per_seq)[None]
+  rows = jnp.arange(S)[:, None]
+  chunk_pages = padded_len // (2 * n * page_size)
+  c = (j - kv_lens[slot] // page_size) // chunk_pages
+  prompt = (rows == slot) & (c >= 0) & (c < 2 * n)
+  return jnp.where(prompt, jnp.where(c < n, c, 2 * n - 1 - c), column_owner(j, rows, n))
 
 
 def free_per_owner(refs, n: int):
@@ -129,13 +158,14 @@ def take(free, owner, rank):
   return jnp.where(rank < q, free[owner, jnp.clip(rank, 0, q - 1)], n * q)
 
 
-def allocate(free, extra, have, need, cow, cow_owner, pages_per_seq: int):
+def allocate(free, extra, have, need, cow, cow_owner, pages_per_seq: int, owners=None):
   """The page ids a reservation takes: (fresh [S], ids [S, pages_per_seq]).
 
   fresh[s] is the copy-on-write page of slot s (on cow_owner[s], the copied page's owner; P: none); ids[s, j] the new page of column j
   (owner (s + j) % n) for have[s] <= j < need[s], P elsewhere.  Slots are served in order from each owner's free list:
   the exclusive prefix sum of extra [S, n] is where a slot starts on each owner; there its copy comes first, then
-  its new columns on that owner in order (n apart, so column j has (j - have) // n of them before it).
+  its new columns on that owner in order (n apart, so column j has (j - have) // n of them before it; with
+  explicit `owners` [S, pps] the count of the same owner's new columns left of it).
   """
   n = free.shape[0]
   rows = jnp.arange(extra.shape[0])
@@ -143,8 +173,11 @@ def allocate(free, extra, have, need, cow, cow_owner, pages_per_seq: int):
   d0 = cow_owner
   fresh = jnp.where(cow > 0, take(free, d0, offset[rows, d0]), n * free.shape[1])
   j = jnp.arange(pages_per_seq)[None]
-  d = column_owner(j, rows[:, None], n)
-  rank = offset[rows[:, None], d] + cow[:, None] * (d == d0[:, None]) + (j - have[:, None]) // n
+  if owners is None:
+    d, before = column_owner(j, rows[:, None], n), (j - have[:, None]) // n
+  else:
+    d, before = owners, _owner_counts(owners, have, need, n)[1]
+  rank = offset[rows[:, None], d] + cow[:, None] * (d == d0[:, None]) + before
   grow = (j >= have[:, None]) & (j < need[:, None])
   return fresh, jnp.where(grow, take(free, d, rank), n * free.shape[1])
 

@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from flax_ringattn._src import sharding
-from flax_ringattn._src.paged import allocator, common, metadata
+from flax_ringattn._src.paged import allocator, common, metadata, storage
 from flax_ringattn._src.validation import all_concrete, check_bool
 
 
@@ -279,7 +279,7 @@ class PagedKVCache:
     j0 = jnp.clip(self.kv_lens // self.page_size, 0, self.pages_per_seq - 1)
     return j0, jnp.take_along_axis(self.page_indices, j0[:, None], 1)[:, 0]
 
-  def _extra(self, new_lens, refs):
+  def _extra(self, new_lens, refs, owners=None):
     """(extra [S, n] pages per owner beyond those held, have [S], need [S], cow [S], cow_owner [S]) for
     `new_lens` [S] more tokens: the new columns have .. need - 1 and the copy of the shared partial page, on that
     page's owner (`_partial_page`)."""
@@ -288,9 +288,10 @@ class PagedKVCache:
     need = jnp.maximum(-(-(self.kv_lens + new_lens) // ps), have)
     cow = self._copy_on_write_mask(new_lens, refs)
     cow_owner = jnp.maximum(self._partial_page()[1], 0) // self.pages_per_owner
-    return allocator.extra_per_owner(have, need, cow, cow_owner, self.num_shards), have, need, cow, cow_owner
+    extra = allocator.extra_per_owner(have, need, cow, cow_owner, self.num_shards, owners)
+    return extra, have, need, cow, cow_owner
 
-  def _admission(self, new_lens) -> _Admission:
+  def _admission(self, new_lens, owners=None) -> _Admission:
     """Which slots' writes of `new_lens` [S] tokens fit, served greedily in slot order (all or nothing each, on
     every owner at once)."""
     ps, pps = self.page_size, self.pages_per_seq
@@ -298,7 +299,7 @@ class PagedKVCache:
     wants = new_lens > 0
     within = self.kv_lens + new_lens <= pps * ps
     refs = allocator.replicated(self.ref_counts)
-    extra = self._extra(new_lens, refs)[0]
+    extra = self._extra(new_lens, refs, owners)[0]
     free = allocator.free_per_owner(refs, self.num_shards)
     candidate = wants & within & ~self._overflowed()
     accepted, free_before = allocator.serve(extra, candidate, free)
@@ -392,21 +393,24 @@ class PagedKVCache:
     after a step, or `fits(new_lens)` before it, or pass `checked=True` and
     run under `jax.experimental.checkify.checkify` to raise instead.
     """
-    a = self._admission(new_lens)
-    self._check_admission(a, check_bool("checked", checked))
+    return self._reserve(new_lens, check_bool("checked", checked))
+
+  def _reserve(self, new_lens, checked: bool, owners=None) -> PagedKVCache:
+    a = self._admission(new_lens, owners)
+    self._check_admission(a, checked)
     refused = a.wants & ~a.accepted
     new_lens = jnp.where(a.accepted, a.new_lens, 0)
     cache = dataclasses.replace(self, overflowed=self._overflowed() | refused)
-    return cache._grow(new_lens)
+    return cache._grow(new_lens, owners)
 
-  def _grow(self, new_lens) -> PagedKVCache:
+  def _grow(self, new_lens, owners=None) -> PagedKVCache:
     """The page moves of `reserve` for `new_lens` [S] that fit (all of them, by `_admission`)."""
     P, S, pps, n = self.num_pages, self.max_num_seqs, self.pages_per_seq, self.num_shards
     refs_in = allocator.replicated(self.ref_counts)
-    extra, have, need, cow, cow_owner = self._extra(new_lens, refs_in)
+    extra, have, need, cow, cow_owner = self._extra(new_lens, refs_in, owners)
     j0, old = self._partial_page()
     need = jnp.minimum(need, pps)
-    fresh, ids = allocator.allocate(allocator.free_lists(refs_in, n), extra, have, need, cow, cow_owner, pps)
+    fresh, ids = allocator.allocate(allocator.free_lists(refs_in, n), extra, have, need, cow, cow_owner, pps, owners)
 
     # Copy-on-write of the partially filled, shared page of each slot (fresh is on the same owner as old).
     ok_copy = fresh < P
@@ -420,7 +424,7 @@ class PagedKVCache:
     # Two slots sharing a page may both copy it in the same step; the original
     # then loses its last reference and, like any released page, is zeroed.
     released = (refs <= 0) & (refs_in > 0)
-    k_pages, v_pages, k_scale, v_scale = (_zero_pages(x, released) for x in (k_pages, v_pages, k_scale, v_scale))
+    k_pages, v_pages, k_scale, v_scale = (storage.zero_pages(x, released) for x in (k_pages, v_pages, k_scale, v_scale))
     table = self.page_indices.at[jnp.arange(S), j0].set(jnp.where(ok_copy, fresh, jnp.where(lost, -1, old)))
 
     # New pages for the tokens beyond what each slot holds.
@@ -466,10 +470,55 @@ class PagedKVCache:
     self._check_new(k, v, "reserve_append")
     q_lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
     cache = self.reserve(q_lens, checked=checked)
-    k_store, k_sc = _quantize(cache.k_pages.dtype, cache.k_scale is not None, k)
-    v_store, v_sc = _quantize(cache.v_pages.dtype, cache.v_scale is not None, v)
+    k_store, k_sc = storage.quantize(cache.k_pages.dtype, cache.k_scale is not None, k)
+    v_store, v_sc = storage.quantize(cache.v_pages.dtype, cache.v_scale is not None, v)
     cache = dataclasses.replace(cache, kv_lens=cache.kv_lens + cache._stored_lens(q_lens))
     return cache, k_store, v_store, k_sc, v_sc
+
+  def ring_prefill_len(self, num_tokens: int) -> int:
+    """The prompt length a ring prefill of `num_tokens` tokens runs at: the next multiple of 2 n page_size (its
+    2n zigzag chunks are whole pages).  Pad the prompt to it (`paged_ring_prefill`)."""
+    unit = 2 * self.num_shards * self.page_size
+    return max(unit, -(-int(num_tokens) // unit) * unit)
+
+  @_eager_on_mesh
+  def reserve_prefill(self, slot, num_tokens, *, padded_len: int, checked: bool = False) -> PagedKVCache:
+    """`reserve` for a ring prefill (`paged_ring_prefill`) of `num_tokens` tokens of slot `slot`, laid out as a
+    prompt of `padded_len` tokens (`ring_prefill_len`): the prompt's pages are placed in the ring prefill layout
+    (chunk c of its 2n zigzag chunks on device c, or 2n - 1 - c, so each device's prompt shard lands in its own
+    pages; `allocator.prefill_owners`), and kv_lens grows by num_tokens.
+
+    The prompt must start on a page boundary (kv_lens[slot] a multiple of page_size: a new slot, or one whose
+    earlier chunks filled whole pages) and num_tokens <= padded_len.  A write that does not fit, or breaks those
+    rules, is refused whole as in `reserve`: eagerly with `CacheOverflowError` / `ValueError`, under jit by
+    flagging the slot in `overflowed` (its prefill then stores and sees nothing).
+    """
+    n, ps, S = self.num_shards, self.page_size, self.max_num_seqs
+    if not isinstance(padded_len, int) or padded_len < 1 or padded_len % (2 * n * ps):
+      raise ValueError(
+        f"PagedKVCache.reserve_prefill: padded_len={padded_len!r} must be a positive multiple of 2 * n * page_size "
+        f"= 2 * {n} * {ps} = {2 * n * ps} (the prompt's 2n zigzag chunks are whole pages; see ring_prefill_len)"
+      )
+    checked = check_bool("checked", checked)
+    slot, num_tokens = jnp.asarray(slot, jnp.int32), jnp.asarray(num_tokens, jnp.int32)
+    start = self.kv_lens[slot]
+    misfit = (start % ps != 0) | (num_tokens > padded_len) | (num_tokens < 0)
+    message = (
+      "PagedKVCache.reserve_prefill: slot {s} cannot take a ring prefill of num_tokens={t} laid out as "
+      f"padded_len={padded_len}: it holds {{kv}} tokens, and a ring prefill starts on a page boundary (a multiple of "
+      f"page_size={ps}) with 0 <= num_tokens <= padded_len (prefill the first tokens with paged_attention until the "
+      "slot's length is a multiple of page_size)"
+    )
+    if all_concrete(start, num_tokens, slot):
+      if bool(misfit):
+        raise ValueError(message.format(s=int(slot), t=int(num_tokens), kv=int(start)))
+    elif checked:
+      checkify.check(~misfit, message, s=slot, t=num_tokens, kv=start)
+    new_lens = jnp.zeros((S,), jnp.int32).at[slot].set(jnp.where(misfit, 0, num_tokens))
+    owners = allocator.prefill_owners(self.kv_lens, slot, padded_len, ps, self.pages_per_seq, n)
+    cache = self._reserve(new_lens, checked, owners)
+    cache = dataclasses.replace(cache, overflowed=cache._overflowed().at[slot].set(cache._overflowed()[slot] | misfit))
+    return dataclasses.replace(cache, kv_lens=cache.kv_lens + cache._stored_lens(new_lens))
 
   def _write(self, k, v, cu_q_lens, num_seqs, q_lens, T) -> PagedKVCache:
     """Stores the rows of the slots with q_lens [S] > 0 (the others' rows are refused, or padding)."""
@@ -482,8 +531,8 @@ class PagedKVCache:
     ok = valid & (q_lens[seq] > 0) & (pos // ps < cache.pages_per_seq) & (page >= 0)
     page = jnp.where(ok, page, P)
     slot = pos % ps
-    k_pages, k_scale = _store(cache.k_pages, cache.k_scale, page, slot, k)
-    v_pages, v_scale = _store(cache.v_pages, cache.v_scale, page, slot, v)
+    k_pages, k_scale = storage.store(cache.k_pages, cache.k_scale, page, slot, k)
+    v_pages, v_scale = storage.store(cache.v_pages, cache.v_scale, page, slot, v)
     return dataclasses.replace(
       cache, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale, kv_lens=cache.kv_lens + q_lens
     )
@@ -501,10 +550,10 @@ class PagedKVCache:
     refs = allocator.placed_like(jnp.maximum(refs, 0), self.ref_counts)
     return dataclasses.replace(
       self,
-      k_pages=_zero_pages(self.k_pages, released),
-      v_pages=_zero_pages(self.v_pages, released),
-      k_scale=_zero_pages(self.k_scale, released),
-      v_scale=_zero_pages(self.v_scale, released),
+      k_pages=storage.zero_pages(self.k_pages, released),
+      v_pages=storage.zero_pages(self.v_pages, released),
+      k_scale=storage.zero_pages(self.k_scale, released),
+      v_scale=storage.zero_pages(self.v_scale, released),
       page_indices=jnp.where(slots[:, None], -1, self.page_indices),
       kv_lens=jnp.where(slots, 0, self.kv_lens),
       ref_counts=refs,
@@ -530,33 +579,6 @@ class PagedKVCache:
         allocator.replicated(self.ref_counts).at[ids].add(1, mode="drop"), self.ref_counts
       ),
     )
-
-
-def _zero_pages(x, released):
-  if x is None:
-    return None
-  return jnp.where(released.reshape((x.shape[0],) + (1,) * (x.ndim - 1)), jnp.zeros((), x.dtype), x)
-
-
-def _quantize(dtype, scaled: bool, x):
-  """x [T, K, H | Hv] as pages of `dtype` store it, and its per-token scales [T, K] (None without scales)."""
-  if not scaled:
-    return x.astype(dtype), None
-  qmax = common.QUANTIZED_MAX[jnp.dtype(dtype).name]
-  xf = x.astype(jnp.float32)
-  s = jnp.max(jnp.abs(xf), axis=-1) / qmax  # [T, K]
-  s = jnp.where(s == 0, 1.0, s)
-  stored = xf / s[..., None]
-  if jnp.issubdtype(dtype, jnp.integer):
-    stored = jnp.round(stored)
-  return stored.astype(dtype), s
-
-
-def _store(pages, scale, page, slot, x):
-  """Writes x [T, K, H | Hv] at (page, slot); quantizes per token and head when `scale` is kept.  Spread over a
-  mesh axis, each device stores the tokens whose pages it owns."""
-  stored, s = _quantize(pages.dtype, scale is not None, x)
-  return allocator.scatter_set(pages, (page, slot), stored), allocator.scatter_set(scale, (page, slot), s)
 
 
 def _seq_axis(num_pages: int, mesh, seq_axis):

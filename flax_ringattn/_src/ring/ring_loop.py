@@ -85,25 +85,10 @@ def _unless_empty(backend, kind, compute, skip):
   return jax.lax.cond(kind != masks.EMPTY, compute, skip)
 
 
-def _rotate(tree, axis_name, n):
-  """Member m's values to member m + 1 (ppermute indices are row-major shard indices over the axes)."""
-  sizes = tuple(jax.lax.axis_size(a) for a in layout.ring_axes(axis_name))
-  perm = [(layout.ring_shard(m, sizes), layout.ring_shard((m + 1) % n, sizes)) for m in range(n)]
-  return jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), tree)
-
-
 def _merge(o, lse, o_b, lse_b):
-  """Online-softmax merge of two normalised partials; rows empty in both stay 0 / -inf."""
-  m = jnp.maximum(lse, lse_b)
-  m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
-  w, w_b = jnp.exp(lse - m_safe), jnp.exp(lse_b - m_safe)
-  total = w + w_b
-  empty = total == 0.0
-  total = jnp.where(empty, 1.0, total)
-  new_lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(total))
-  a = jnp.swapaxes(w / total, 1, 2)[..., None]  # [B, N, T] -> [B, T, N, 1]
-  b = jnp.swapaxes(w_b / total, 1, 2)[..., None]
-  return o * a + o_b * b, new_lse
+  """Online-softmax merge of two normalised partials (lse [B, N, T]); rows empty in both stay 0 / -inf."""
+  o, rows = flash.merge_rows(o, jnp.swapaxes(lse, 1, 2), o_b, jnp.swapaxes(lse_b, 1, 2))
+  return o, jnp.swapaxes(rows, 1, 2)
 
 
 def block_kwargs(drop):
@@ -145,12 +130,12 @@ def _ring_forward(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig):
     return part(0, kv)
   # Hop 0 works on the local shard while it is already on its way to r + 1;
   # hops 1 .. n-2 do the same with what arrived; hop n-1 sends nothing.
-  kv_next = _rotate(kv, cfg.axis_name, n)
+  kv_next = layout.rotate(kv, cfg.axis_name, n)
   acc = part(0, kv)
 
   def body(t, carry):
     kv, acc = carry
-    kv_next = _rotate(kv, cfg.axis_name, n)
+    kv_next = layout.rotate(kv, cfg.axis_name, n)
     return kv_next, hop(t, kv, acc)
 
   kv, acc = jax.lax.fori_loop(1, n - 1, body, (kv_next, acc))
@@ -191,7 +176,7 @@ def _ring_backward(operands, lse, do, delta, cfg: RingConfig):
   if n == 1:
     dq, dk, dv = part(0, kv)
   else:
-    kv_next = _rotate(kv, cfg.axis_name, n)
+    kv_next = layout.rotate(kv, cfg.axis_name, n)
     dq, dk, dv = part(0, kv)
     pending = (dk, dv)
 
@@ -200,15 +185,15 @@ def _ring_backward(operands, lse, do, delta, cfg: RingConfig):
     # contribution for that same shard, then adds the two.
     def body(t, carry):
       kv, dq, pending = carry
-      kv_next = _rotate(kv, cfg.axis_name, n)
-      arrived = _rotate(pending, cfg.axis_name, n)
+      kv_next = layout.rotate(kv, cfg.axis_name, n)
+      arrived = layout.rotate(pending, cfg.axis_name, n)
       dq, pending = hop(t, kv, dq, arrived)
       return kv_next, dq, pending
 
     kv, dq, pending = jax.lax.fori_loop(1, n - 1, body, (kv_next, dq, pending))
-    dq, pending = hop(n - 1, kv, dq, _rotate(pending, cfg.axis_name, n))
+    dq, pending = hop(n - 1, kv, dq, layout.rotate(pending, cfg.axis_name, n))
     # The n-th send brings every accumulator home.
-    dk, dv = _rotate(pending, cfg.axis_name, n)
+    dk, dv = layout.rotate(pending, cfg.axis_name, n)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 

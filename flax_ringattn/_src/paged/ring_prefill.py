@@ -1,0 +1,265 @@
+"""`paged_ring_prefill`: one long prompt prefilled sequence-parallel into a paged cache spread over a mesh axis.
+
+Layout (the ring prefill layout).  The prompt's T tokens, padded to Tp (a multiple of 2 n page_size:
+`PagedKVCache.ring_prefill_len`), are cut into 2n chunks of c = Tp / (2n) tokens, whole pages, and dealt in the
+zigzag order of `zigzag_order`: shard d holds chunks d and 2n - 1 - d.  `PagedKVCache.reserve_prefill` puts the
+pages of chunk c on the device that holds it, so each device writes its prompt rows into its own pages and no
+prefilled K/V crosses a link.  Rows past the T real tokens are padding: stored nowhere, output 0.
+
+Worked example, n = 2, page_size 4, a 13-token prompt into an empty slot: Tp = 16, four chunks of one page each
+
+    positions     0-3 | 4-7 | 8-11 | 12-15            chunks c0 c1 c2 c3
+    shard 0       c0 c3: positions 0-3, 12 (13-15 padding), in pages of device 0
+    shard 1       c1 c2: positions 4-11,                    in pages of device 1
+
+Schedule (pass-Q), inside `jax.shard_map` over the axis, on device e of n:
+
+    write  : e's rows of K/V into e's own pages (the prompt's chunks e and 2n - 1 - e)
+    hop h  : the q shard of device e - h attends over e's pages: its two chunks are two sequences of the paged
+             kernel over a *compacted* page table (e's pages before the chunk, in order, then the chunk's own
+             pages if e holds it), so the kernel reads and computes over 1/n of the context and the causal mask
+             stays exact; (o, lse) merges into the accumulator travelling with that q
+    rotate : q to e + 1 (n - 1 times) and the accumulator with it (n times: it comes home)
+
+Compaction relies on every earlier token being visible to a prompt row, which a causal mask without a window
+gives; with `local_window_size` the tables keep global columns (pages not on e masked), exact but with
+compute over the whole context on every device.  Each device holds Tp / n rows of q, k, v and the output, so
+activations are O(T / n) and the model's MLP runs on its shard.  A hop moves q [Tp / n, N, H] and the
+accumulator [Tp / n, N, Hv + 1] in f32: independent of the cached context, so a prompt extending a long context
+(chunked prefill) costs the same per hop as a fresh one (pass-KV would move the cache).  The sinks, applied
+to the merged rows, enter once.  Serving only: not differentiable.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import checkify
+from jax.sharding import PartitionSpec
+
+from flax_ringattn._src import flash, layout, sharding, validation
+from flax_ringattn._src.paged import allocator, storage
+from flax_ringattn._src.paged import op as paged_op
+from flax_ringattn._src.paged.context_parallel import owned_page_ids
+
+F32 = jnp.float32
+
+
+def paged_ring_prefill(
+  q,
+  k,
+  v,
+  k_pages,
+  v_pages,
+  kv_lens,
+  page_indices,
+  *,
+  slot,
+  num_tokens,
+  k_scale=None,
+  v_scale=None,
+  local_window_size=None,
+  logits_soft_cap: float | None = None,
+  scale: float | None = None,
+  sinks=None,
+  implementation: str | None = None,
+  block_sizes=None,
+  interpret=None,
+  checked: bool = False,
+  mesh=None,
+  seq_axis=None,
+  axis_name=None,
+  head_axis=None,
+):
+  """Prefills one prompt of slot `slot` sequence-parallel: its K/V into the cache, its attention out.
+
+  Args:
+    q: [Tp, N, H] the prompt's queries in the ring prefill layout (`zigzag_order(x, n, axis=0)` of the prompt
+      padded to Tp = `cache.ring_prefill_len(T)` tokens), sharded over `seq_axis`; RoPE positions are
+      `start + zigzag_positions(Tp, n)` with start = the slot's length before the prompt.
+    k, v: [Tp, K, H] / [Tp, K, Hv] the prompt's keys and values, same layout (stored as the pages store them).
+    k_pages, v_pages, k_scale, v_scale, kv_lens, page_indices: the cache after
+      `PagedKVCache.reserve_prefill(slot, num_tokens, padded_len=Tp)` (its `attention_view()` lengths and
+      table), pages spread over `seq_axis`; scales per token ([P, page_size, K]) as the cache keeps them.
+    slot, num_tokens: the slot and the prompt's real tokens (<= Tp; the rest of the Tp rows is padding).
+    local_window_size, logits_soft_cap, scale, sinks, implementation, block_sizes, interpret, checked: as for
+      `paged_attention`.
+    mesh, seq_axis, head_axis: the mesh, its axis the pages and the prompt are spread over, and optionally an
+      axis the kv heads are split over; or `axis_name` inside your own `jax.shard_map` (q, k, v then this
+      device's Tp / n rows, the pages its shard).
+
+  Returns:
+    (out [Tp, N, Hv] in q.dtype and in the prompt's layout (padding rows 0), k_pages, v_pages, k_scale,
+    v_scale) with the prompt's K/V stored in its pages.
+  """
+  if axis_name is None and mesh is None:
+    raise ValueError("paged_ring_prefill needs mesh=... with seq_axis=..., or axis_name=... inside your shard_map")
+  if any(x is not None and getattr(x, "ndim", 0) != 3 for x in (k_scale, v_scale)):
+    raise NotImplementedError(
+      "paged_ring_prefill stores the prompt with per-token scales [P, page_size, K], as PagedKVCache keeps them; "
+      f"got k_scale.shape={getattr(k_scale, 'shape', None)}, v_scale.shape={getattr(v_scale, 'shape', None)}"
+    )
+  seq_axis, n = paged_op._context_parallel(mesh, seq_axis, axis_name, k_pages.shape[0], head_axis, k_pages.shape[2])
+  axis = axis_name if axis_name is not None else seq_axis
+  rows = q.shape[0] // n if axis_name is None else q.shape[0]  # this device's rows
+  _check_prompt(q, k, v, k_pages, v_pages, rows * n, n)
+  S, pps = page_indices.shape
+  i32 = jnp.int32
+  # The paged call each hop makes on a device: its q rows as two sequences over its pages.
+  heads = 1 if head_axis is None else sharding.axes_size(mesh, head_axis)
+  local_q = jax.ShapeDtypeStruct((rows, q.shape[1] // heads, q.shape[2]), q.dtype)
+  call = paged_op._prepare(
+    local_q,
+    k_pages,
+    v_pages,
+    jnp.zeros((2,), i32),
+    jnp.zeros((2, pps), i32),
+    jnp.zeros((3,), i32),
+    jnp.ones((1,), i32),
+    k_scale,
+    v_scale,
+    local_window_size=local_window_size,
+    sliding_window=None,
+    logits_soft_cap=logits_soft_cap,
+    scale=scale,
+    implementation=implementation,
+    block_sizes=block_sizes,
+    interpret=interpret,
+  )
+  sinks = validation.check_sinks(sinks, q.shape[1])
+  validation.check_bool("checked", checked)
+  kv_lens, page_indices = jnp.asarray(kv_lens, i32), jnp.asarray(page_indices, i32)
+  slot, num_tokens = jnp.asarray(slot, i32), jnp.asarray(num_tokens, i32)
+  num_pages = k_pages.shape[0] * (n if axis_name is not None else 1)
+  _check_placement(kv_lens, page_indices, slot, num_tokens, rows * n, n, k_pages.shape[1], num_pages, checked)
+  kernel = paged_op.PagedKernel(spec=call.spec, backend=call.backend)
+  compact = call.spec.mask.window is None
+
+  def prefill(sinks, q, k, v, k_pages, v_pages, kv_lens, table, slot, num_tokens, k_scale, v_scale):
+    ring_n, sizes, _, member = layout.ring_geometry(axis)
+    row = owned_page_ids(table[slot], axis, k_pages.shape[0])  # [pps] this device's local ids, -1 elsewhere
+    start = kv_lens[slot] - num_tokens  # < 0: the slot was refused (overflowed): nothing stored, nothing seen
+    ps, c = k_pages.shape[1], q.shape[0] // 2
+    chunks = _chunks(start, num_tokens, c, ring_n)
+    k_pages, v_pages, k_scale, v_scale = _write(
+      k, v, k_pages, v_pages, k_scale, v_scale, row, chunks(layout.ring_shard(member, sizes)), ps
+    )
+    o = jnp.zeros((*q.shape[:2], v_pages.shape[3]), F32)
+    lse = jnp.full(q.shape[:2], -jnp.inf, F32)
+    q_visit = q
+    for h in range(ring_n):
+      st, ql = chunks(layout.ring_shard((member - h) % ring_n, sizes))
+      lens, tables = zip(*(_view(row, st[i], ql[i], c // ps, ps, compact) for i in range(2)), strict=True)
+      meta = (jnp.stack(lens), jnp.stack(tables), jnp.stack([0, ql[0], ql[0] + ql[1]]).astype(i32), jnp.full((1,), 2, i32))
+      o_h, lse_h = call.backend.fwd(q_visit, k_pages, v_pages, *meta, k_scale, v_scale, spec=call.spec)
+      o, lse = flash.merge_rows(o, lse, o_h.astype(F32), lse_h)
+      if h + 1 < ring_n:
+        q_visit = layout.rotate(q_visit, axis, ring_n)
+      o, lse = layout.rotate((o, lse), axis, ring_n)
+    o, _ = flash.apply_sinks(kernel, o, lse, sinks)
+    return o.astype(q.dtype), k_pages, v_pages, k_scale, v_scale
+
+  args = (sinks, q, k, v, k_pages, v_pages, kv_lens, page_indices, slot, num_tokens, call.k_scale, call.v_scale)
+  if axis_name is not None:
+    return prefill(*args)
+  h, rep = head_axis, PartitionSpec()
+  pages, heads = PartitionSpec(seq_axis, None, h, None), PartitionSpec(seq_axis, h, None)
+  scales = tuple(paged_op._scale_spec(x, seq_axis, h) for x in (call.k_scale, call.v_scale))
+  specs = (None if sinks is None else PartitionSpec(h), heads, heads, heads, pages, pages, rep, rep, rep, rep, *scales)
+  result, placed = paged_op._shard_mapped(prefill, mesh, args, specs, (heads, pages, pages, *scales))
+  out, *cache = result
+  before = (*placed[4:6], *placed[10:12])  # the pages and scales typed exactly as they came in
+  return (out, *(x if x is None else allocator.placed_like(x, y) for x, y in zip(cache, before, strict=True)))
+
+
+def _chunks(start, num_tokens, c: int, n: int):
+  """chunks(shard) -> (first positions [2], real rows [2]) of a shard's two zigzag chunks of c tokens."""
+
+  def of(shard):
+    first = start + jnp.stack([shard, 2 * n - 1 - shard]) * c
+    real = jnp.where(start >= 0, jnp.clip(start + num_tokens - first, 0, c), 0)
+    return first.astype(jnp.int32), real.astype(jnp.int32)
+
+  return of
+
+
+def _view(row, first, real, chunk_pages: int, ps: int, compact: bool):
+  """(kv_len, table [pps]) of one q chunk (positions first .. first + real - 1) over this device's pages `row`.
+
+  Compacted: the device's pages before the chunk in order (all full, all visible), then the chunk's own pages
+  when the device holds it (else nothing: -1), so the chunk's row i sits at local position kv_len - real + i
+  exactly as the paged kernel's causal mask expects.  Not compacted (windows): global columns, global positions.
+  """
+  pps = row.shape[0]
+  j = jnp.arange(pps)
+  col = first // ps
+  if not compact:
+    return first + real, jnp.where(j < col + chunk_pages, row, -1)
+  before = (row >= 0) & (j < col)
+  cb = jnp.sum(before).astype(jnp.int32)
+  earlier = row[jnp.argsort(~before, stable=True)]
+  own = row[jnp.clip(col + j - cb, 0, pps - 1)]
+  table = jnp.where(j < cb, earlier, jnp.where(j - cb < chunk_pages, own, -1))
+  return cb * ps + real, table
+
+
+def _write(k, v, k_pages, v_pages, k_scale, v_scale, row, chunk, ps: int):
+  """This device's prompt rows (its two chunks) into its own pages; padding and refused rows go nowhere."""
+  first, real = chunk
+  c = k.shape[0] // 2
+  i = jnp.arange(2 * c)
+  half = i // c
+  pos = first[half] + i % c
+  ok = (i % c < real[half]) & (pos >= 0)
+  page = row[jnp.clip(pos // ps, 0, row.shape[0] - 1)]
+  page = jnp.where(ok & (page >= 0), page, k_pages.shape[0])
+  k_pages, k_scale = storage.store(k_pages, k_scale, page, pos % ps, k)
+  v_pages, v_scale = storage.store(v_pages, v_scale, page, pos % ps, v)
+  return k_pages, v_pages, k_scale, v_scale
+
+
+def _check_prompt(q, k, v, k_pages, v_pages, Tp: int, n: int):
+  """Static shapes: q [Tp, N, H], k [Tp, K, H], v [Tp, K, Hv] as the pages store them, Tp whole zigzag pages."""
+  _, ps, K, H = k_pages.shape
+  Hv = v_pages.shape[3]
+  if q.ndim != 3 or q.shape[2] != H:
+    raise ValueError(f"q must be [Tp, N, H] with H={H} as k_pages stores it, got q.shape={tuple(q.shape)}")
+  for name, x, want in (("k", k, (q.shape[0], K, H)), ("v", v, (q.shape[0], K, Hv))):
+    if tuple(x.shape) != want:
+      raise ValueError(
+        f"{name} must be [Tp, K, {'H' if name == 'k' else 'Hv'}] = {list(want)} like q and the pages, got "
+        f"{name}.shape={tuple(x.shape)}"
+      )
+  if Tp % (2 * n * ps):
+    raise ValueError(
+      f"the prompt's padded length Tp={Tp} must be a multiple of 2 * n * page_size = 2 * {n} * {ps} = {2 * n * ps} "
+      "(2n zigzag chunks of whole pages; pad it to PagedKVCache.ring_prefill_len(num_tokens))"
+    )
+
+
+def _check_placement(kv_lens, table, slot, num_tokens, Tp: int, n: int, ps: int, num_pages: int, checked: bool):
+  """Every page of the prompt's real tokens must lie on the device whose shard holds its chunk (as
+  `PagedKVCache.reserve_prefill` places them): otherwise its K/V could not be stored.  Raises on concrete
+  arrays, adds a `checkify` check under jit with `checked`."""
+  concrete = validation.all_concrete(kv_lens, table, slot, num_tokens)
+  if not concrete and not checked:
+    return
+  start = kv_lens[slot] - num_tokens
+  j = jnp.arange(table.shape[1])
+  c = (j - start // ps) // (Tp // (2 * n * ps))
+  used = (start >= 0) & (j * ps >= start) & (j * ps < start + num_tokens)
+  want = jnp.where(c < n, c, 2 * n - 1 - c)
+  ids = table[slot]
+  bad = used & ((ids < 0) | (ids // (num_pages // n) != want))
+  col = jnp.argmax(bad).astype(jnp.int32)
+  message = (
+    "paged_ring_prefill: page column {col} of slot {s} (page id {pid}) must lie on device {want} of n={n}, whose "
+    "prompt shard holds its tokens: reserve the prompt's pages with PagedKVCache.reserve_prefill(slot, num_tokens, "
+    "padded_len=Tp) (the ring prefill layout), which places them so"
+  )
+  values = dict(col=col, s=slot, pid=ids[col], want=want[col], n=jnp.int32(n))
+  if concrete:
+    if bool(jnp.any(bad)):
+      raise ValueError(message.format(**{k: int(x) for k, x in values.items()}))
+  else:
+    checkify.check(~jnp.any(bad), message, **values)

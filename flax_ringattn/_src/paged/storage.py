@@ -1,0 +1,38 @@
+"""Where a `PagedKVCache`'s tokens are stored: quantization, the page writes, the zeroing of freed pages.
+
+Shared by the cache (`cache.py`) and the ring prefill (`ring_prefill.py`), which writes each device's prompt
+rows into that device's own pages.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from flax_ringattn._src.paged import allocator, common
+
+
+def zero_pages(x, released):
+  if x is None:
+    return None
+  return jnp.where(released.reshape((x.shape[0],) + (1,) * (x.ndim - 1)), jnp.zeros((), x.dtype), x)
+
+
+def quantize(dtype, scaled: bool, x):
+  """x [T, K, H | Hv] as pages of `dtype` store it, and its per-token scales [T, K] (None without scales)."""
+  if not scaled:
+    return x.astype(dtype), None
+  qmax = common.QUANTIZED_MAX[jnp.dtype(dtype).name]
+  xf = x.astype(jnp.float32)
+  s = jnp.max(jnp.abs(xf), axis=-1) / qmax  # [T, K]
+  s = jnp.where(s == 0, 1.0, s)
+  stored = xf / s[..., None]
+  if jnp.issubdtype(dtype, jnp.integer):
+    stored = jnp.round(stored)
+  return stored.astype(dtype), s
+
+
+def store(pages, scale, page, slot, x):
+  """Writes x [T, K, H | Hv] at (page, slot); quantizes per token and head when `scale` is kept.  Spread over a
+  mesh axis, each device stores the tokens whose pages it owns."""
+  stored, s = quantize(pages.dtype, scale is not None, x)
+  return allocator.scatter_set(pages, (page, slot), stored), allocator.scatter_set(scale, (page, slot), s)
