@@ -33,6 +33,7 @@ from flax_ringattn._src.nnx.ring_mha import RingMultiHeadAttention, make_ring_at
 from flax_ringattn._src.paged.cache import CacheOverflowError, PagedKVCache
 from flax_ringattn._src.paged.op import paged_attention
 from flax_ringattn._src.paged.reference import paged_reference_attention
+from flax_ringattn._src.paged.ring_prefill import paged_ring_prefill
 from flax_ringattn._src.reference import reference_attention
 from flax_ringattn._src.ring.dense import dot_product_attention
 from flax_ringattn._src.ring.op import ring_attention
@@ -55,6 +56,7 @@ __all__ = [
   "padded_segment_ids",
   "paged_attention",
   "paged_reference_attention",
+  "paged_ring_prefill",
   "plan_block_sizes",
   "reference_attention",
   "ring_attention",

@@ -46,7 +46,8 @@ def test_paged_floors_import_downward_only():
   for path in helpers:
     up = {m for m in _imports(path) if m.startswith(("flax_ringattn._src.backends", "flax_ringattn._src.nnx"))}
     assert not up, f"{path.relative_to(SRC)} imports a floor above it: {sorted(up)}"
-  # The op's folder: its API, registry, checks, cache (and its allocator), context parallelism, oracle and floor.
+  # The op's folder: its API, registry, checks, cache (its allocator and storage), context parallelism and ring
+  # prefill, oracle and floor.
   assert sorted(p.name for p in (SRC / "paged").glob("*.py")) == [
     "__init__.py",
     "allocator.py",
@@ -58,6 +59,8 @@ def test_paged_floors_import_downward_only():
     "metadata.py",
     "op.py",
     "reference.py",
+    "ring_prefill.py",
+    "storage.py",
   ]
 
 

@@ -16,6 +16,7 @@ from flax_ringattn._src.nnx.common import build_head_options, check_keywords, he
 from flax_ringattn._src.paged import common as paged_common
 from flax_ringattn._src.paged.cache import PagedKVCache
 from flax_ringattn._src.paged.op import paged_attention, paged_attention_with_cache_write, uses_fused_cache_write
+from flax_ringattn._src.paged.ring_prefill import paged_ring_prefill
 
 
 class PagedMultiHeadAttention(nnx.MultiHeadAttention):
@@ -240,6 +241,71 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     self.kv_cache.set_value(cache)
     return out
 
+  def _project(self, inputs, rows: str):
+    """(q [T, N, H], k [T, K, H], v [T, K, Hv]) of `inputs` [T, features]."""
+    if inputs.ndim != 2:
+      raise ValueError(f"inputs must be [{rows}, features] (rank 2), got shape {tuple(inputs.shape)}")
+    if inputs.shape[-1] != self.in_features:
+      raise ValueError(f"inputs has {inputs.shape[-1]} features but the layer expects in_features={self.in_features}")
+    query, key, value = self.query(inputs), self.key(inputs), self.value(inputs)
+    if self.normalize_qk:
+      query, key = self.query_ln(query), self.key_ln(key)
+    return query, key, value
+
+  def _options(self) -> dict:
+    return dict(
+      local_window_size=self.local_window_size,
+      logits_soft_cap=self.logits_soft_cap,
+      implementation=self.implementation,
+      block_sizes=self.block_sizes,
+      interpret=self.interpret,
+    )
+
+  def prefill(self, inputs, *, slot, num_tokens):
+    """Ring prefill of one long prompt into slot `slot`, sequence-parallel over `seq_axis` (`paged_ring_prefill`).
+
+    `inputs` [Tp, features]: the prompt padded to Tp = `layer.kv_cache.get_value().ring_prefill_len(T)` tokens
+    and laid out with `zigzag_order(x, n, axis=0)`, sharded over `seq_axis` (so every layer of the model,
+    its MLP included, runs on Tp / n rows a device); num_tokens = T real tokens.  The slot's length must be a
+    multiple of page_size (a new slot, or earlier prefill chunks of whole pages).  Returns [Tp, out_features] in
+    the same layout; the prompt's K/V are in the cache and decoding continues with `__call__`.  A prompt that
+    does not fit is refused as in `__call__` (`overflowed`).
+    """
+    if self.seq_axis is None:
+      raise ValueError(
+        f"{type(self).__name__}.prefill is the ring prefill over a sequence axis: construct the layer with mesh=... "
+        "and seq_axis=... (a one-device cache prefills with __call__)"
+      )
+    query, key, value = self._project(inputs, "Tp")
+    cache = self._cache().reserve_prefill(slot, num_tokens, padded_len=inputs.shape[0], checked=self.checked)
+    kv_lens, table = cache.attention_view()
+    out, k_pages, v_pages, k_scale, v_scale = paged_ring_prefill(
+      query,
+      key,
+      value,
+      cache.k_pages,
+      cache.v_pages,
+      kv_lens,
+      table,
+      slot=slot,
+      num_tokens=num_tokens,
+      k_scale=cache.k_scale,
+      v_scale=cache.v_scale,
+      sinks=None if self.sinks is None else self.sinks[...],
+      checked=self.checked,
+      mesh=self.mesh,
+      seq_axis=self.seq_axis,
+      head_axis=self.head_axis,
+      **self._options(),
+    )
+    self.kv_cache.set_value(
+      dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale)
+    )
+    out_sharding = None
+    if self.head_axis is not None and sharding.has_explicit_axes(self.mesh, P(self.head_axis)):
+      out_sharding = sharding.named(self.mesh, P(self.seq_axis))  # the out projection sums the sharded heads
+    return self.out(out, out_sharding=out_sharding)
+
   def __call__(  # type: ignore[override]
     self,
     inputs,
@@ -264,20 +330,8 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       raise NotImplementedError("PagedMultiHeadAttention takes no dense mask: causality comes from the cache positions")
     if decode is False:
       raise ValueError("PagedMultiHeadAttention always decodes from its paged cache: decode=False is not supported")
-    if inputs.ndim != 2:
-      raise ValueError(f"inputs must be [max_num_batched_tokens, features] (rank 2), got shape {tuple(inputs.shape)}")
-    if inputs.shape[-1] != self.in_features:
-      raise ValueError(f"inputs has {inputs.shape[-1]} features but the layer expects in_features={self.in_features}")
-    query, key, value = self.query(inputs), self.key(inputs), self.value(inputs)
-    if self.normalize_qk:
-      query, key = self.query_ln(query), self.key_ln(key)
-    options = dict(
-      local_window_size=self.local_window_size,
-      logits_soft_cap=self.logits_soft_cap,
-      implementation=self.implementation,
-      block_sizes=self.block_sizes,
-      interpret=self.interpret,
-    )
+    query, key, value = self._project(inputs, "max_num_batched_tokens")
+    options = self._options()
     sinks = None if self.sinks is None else self.sinks[...]
     split = self.mesh is not None and (self.head_axis is not None or self.seq_axis is not None)
     if self.mesh is None or self.head_axis is None:  # the fused write also runs with the pages spread

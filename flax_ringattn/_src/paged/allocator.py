@@ -9,8 +9,11 @@ Layout (the sharded `paged_attention` relies on it):
   floor(m / n) or ceil(m / n) of them on each owner: 1/n of it, plus at most one page.  A slot that shares
   another's prefix (`share_prefix`) keeps that slot's owners for the shared pages, and its copy-on-write of the
   shared partial page stays on that page's owner (so no page crosses devices); its own new columns follow its
-  own stripe.  A prefill shard d of slot
-  s that holds the tokens of the pages j = d - s (mod n) writes only into its own device's pages.
+  own stripe;
+* a ring prefill (`PagedKVCache.reserve_prefill`, `paged_ring_prefill`) places its prompt's columns otherwise:
+  cut into 2n chunks of whole pages, chunk c on owner c for c < n and 2n - 1 - c after (`prefill_owners`), the
+  zigzag layout of the prompt's shards, so shard d writes only into its own device's pages.  Each owner then
+  holds exactly 1/n of the prompt; the columns after it follow the stripe again.
 
 Worked example, n = 4, P = 32, so P/n = 8: owner 2 holds ids 16 .. 23.  Slot 1 with 6 pages has its columns 0
 and 4 on owner 1, 1 and 5 on owner 2, 2 on owner 3, 3 on owner 0; its copy-on-write of a shared partial page in

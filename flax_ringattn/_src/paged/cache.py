@@ -19,7 +19,7 @@ Invariants:
 
 Spread over a mesh axis (`create(mesh=, seq_axis=)`, n devices), device d owns
 the page ids d * P/n .. (d + 1) * P/n - 1 and column j of every page table is
-allocated on owner (s + j) % n (`_src/paged/allocator.py` has the layout).  The
+allocated on owner (s + j) % n, a ring prefill's in zigzag chunks (`allocator.py`).  The
 invariants then hold per owner: a write needing more pages on some owner than
 it has free is refused whole, a copy-on-write copies into a page of the same
 owner, and a freed page goes back to its owner's free list, zeroed.

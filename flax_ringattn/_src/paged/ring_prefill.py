@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import checkify
 from jax.sharding import PartitionSpec
 
@@ -150,7 +151,12 @@ def paged_ring_prefill(
     for h in range(ring_n):
       st, ql = chunks(layout.ring_shard((member - h) % ring_n, sizes))
       lens, tables = zip(*(_view(row, st[i], ql[i], c // ps, ps, compact) for i in range(2)), strict=True)
-      meta = (jnp.stack(lens), jnp.stack(tables), jnp.stack([0, ql[0], ql[0] + ql[1]]).astype(i32), jnp.full((1,), 2, i32))
+      meta = (
+        jnp.stack(lens),
+        jnp.stack(tables),
+        jnp.stack([0, ql[0], ql[0] + ql[1]]).astype(i32),
+        jnp.full((1,), 2, i32),
+      )
       o_h, lse_h = call.backend.fwd(q_visit, k_pages, v_pages, *meta, k_scale, v_scale, spec=call.spec)
       o, lse = flash.merge_rows(o, lse, o_h.astype(F32), lse_h)
       if h + 1 < ring_n:
@@ -244,22 +250,24 @@ def _check_placement(kv_lens, table, slot, num_tokens, Tp: int, n: int, ps: int,
   concrete = validation.all_concrete(kv_lens, table, slot, num_tokens)
   if not concrete and not checked:
     return
+  xp = np if concrete else jnp  # numpy on concrete arrays: no mesh context needed for arrays typed on one
+  kv_lens, table, slot, num_tokens = (np.asarray(x) if concrete else x for x in (kv_lens, table, slot, num_tokens))
   start = kv_lens[slot] - num_tokens
-  j = jnp.arange(table.shape[1])
+  j = xp.arange(table.shape[1])
   c = (j - start // ps) // (Tp // (2 * n * ps))
   used = (start >= 0) & (j * ps >= start) & (j * ps < start + num_tokens)
-  want = jnp.where(c < n, c, 2 * n - 1 - c)
+  want = xp.where(c < n, c, 2 * n - 1 - c)
   ids = table[slot]
   bad = used & ((ids < 0) | (ids // (num_pages // n) != want))
-  col = jnp.argmax(bad).astype(jnp.int32)
+  col = xp.argmax(bad)
   message = (
     "paged_ring_prefill: page column {col} of slot {s} (page id {pid}) must lie on device {want} of n={n}, whose "
     "prompt shard holds its tokens: reserve the prompt's pages with PagedKVCache.reserve_prefill(slot, num_tokens, "
     "padded_len=Tp) (the ring prefill layout), which places them so"
   )
-  values = dict(col=col, s=slot, pid=ids[col], want=want[col], n=jnp.int32(n))
+  values = dict(col=col, s=slot, pid=ids[col], want=want[col], n=n)
   if concrete:
-    if bool(jnp.any(bad)):
+    if bad.any():
       raise ValueError(message.format(**{k: int(x) for k, x in values.items()}))
   else:
-    checkify.check(~jnp.any(bad), message, **values)
+    checkify.check(~jnp.any(bad), message, **{k: jnp.asarray(x, jnp.int32) for k, x in values.items()})
