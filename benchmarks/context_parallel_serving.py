@@ -17,9 +17,11 @@ head_dim 64, page_size 16, float32, all written by the cache's own jitted
   spread cache against the single-device op (``implementation="xla"``) on the
   same pages gathered onto one device; interleaved rounds, paired-median ratio.
 * **prefill**: the prompt's rows (causal over its own pages) through the same
-  two calls.  Ring prefill (the prompt's q sharded over the axis, activations
-  O(T / n)) is not implemented yet: the sharded op replicates q over the axis,
-  each device attends over the pages it owns, the partials are merged.
+  two calls, and through the ring prefill (``paged_ring_prefill``: the prompt
+  sharded over the axis in the ring prefill layout, activations O(T / n), its
+  K/V written into each device's own pages, q passed around the ring) into a
+  cache of its own reserved with ``reserve_prefill``; the ring prefill's time
+  includes that write.
 * **compile count**: ``--compile-steps`` (20) changing batch compositions
   (which slots, decode or chunk, how much history) through one jitted sharded
   step with fixed shapes; a Python counter in the jitted function counts
@@ -74,7 +76,7 @@ try:
   import flax_ringattn  # noqa: F401 -- installed, or this checkout (below)
 except ImportError:  # running from a checkout that is not installed
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from flax_ringattn import PagedKVCache, paged_attention
+from flax_ringattn import PagedKVCache, paged_attention, paged_ring_prefill, zigzag_inverse, zigzag_order
 from flax_ringattn import benchmarking as bench
 from flax_ringattn.benchmarking import median, paired_ratio, time_interleaved
 
@@ -198,6 +200,64 @@ def make_single() -> Callable:
   return jax.jit(functools.partial(paged_attention, implementation=IMPLEMENTATION))
 
 
+@dataclasses.dataclass
+class RingPrefill:
+  """The prompt of `Setup` prefilled by the ring into a cache of its own (reserved with `reserve_prefill`)."""
+
+  call: Callable  # () -> (out in the ring prefill layout, pages ...)
+  num_tokens: int
+  padded_len: int
+  n: int
+
+  def natural(self, out) -> np.ndarray:
+    return zigzag_inverse(np.asarray(out), self.n, axis=0)[: self.num_tokens]
+
+
+def make_ring_prefill(s: Setup, b: Batch) -> RingPrefill:
+  """The prompt's q of batch `b` and its K/V (read back from the one-device pages) in the ring prefill layout,
+  sharded over the mesh; the call writes them into a fresh spread cache and attends."""
+  T, n = int(s.lens[-1]), s.n
+  probe = PagedKVCache.create(
+    num_pages=n,
+    page_size=PAGE_SIZE,
+    max_num_seqs=1,
+    pages_per_seq=1,
+    num_kv_heads=1,
+    head_dim=1,
+    mesh=s.mesh,
+    seq_axis=AXIS,
+  )
+  Tp = probe.ring_prefill_len(T)
+  cache = PagedKVCache.create(
+    num_pages=Tp // PAGE_SIZE,  # each device owns exactly its shard's pages
+    page_size=PAGE_SIZE,
+    max_num_seqs=1,
+    pages_per_seq=Tp // PAGE_SIZE,
+    num_kv_heads=NUM_KV_HEADS,
+    head_dim=HEAD_DIM,
+    mesh=s.mesh,
+    seq_axis=AXIS,
+  )
+  cache = jax.jit(lambda c: c.reserve_prefill(0, T, padded_len=Tp))(cache)
+  kv_lens, table = jax.jit(lambda c: c.attention_view())(cache)
+  ids = s.table[-1, : pages_for(T)]
+  sharded = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(AXIS))
+
+  def layout(x):
+    x = np.asarray(x)[:T]
+    x = np.concatenate([x, np.zeros((Tp - T, *x.shape[1:]), x.dtype)])
+    return jax.device_put(zigzag_order(x, n, axis=0), sharded)
+
+  k, v = (np.asarray(pages)[ids].reshape(-1, NUM_KV_HEADS, HEAD_DIM) for pages in (s.k_one, s.v_one))
+  fn = jax.jit(
+    functools.partial(
+      paged_ring_prefill, slot=0, num_tokens=T, mesh=s.mesh, seq_axis=AXIS, implementation=IMPLEMENTATION
+    )
+  )
+  args = (layout(b.q), layout(k), layout(v), cache.k_pages, cache.v_pages, kv_lens, table)
+  return RingPrefill(functools.partial(fn, *args), T, Tp, n)
+
+
 def check(s: Setup, sharded: Callable, single: Callable, batches: dict[str, Batch]) -> list[bench.Check]:
   """The sharded op against the single-device op on the same pages, every batch."""
   checks = []
@@ -304,18 +364,23 @@ def compile_count(s: Setup, sharded: Callable, steps: int, seed: int) -> tuple[i
 # Report.
 
 
-def report_times(report, title: str, times: dict[str, list[float]], one: str, spread: str, rows: int) -> None:
-  pr = paired_ratio(times[one], times[spread])
-  t1, tn = median(times[one]), median(times[spread])
+def report_times(report, title: str, times: dict[str, list[float]], one: str, rows: int) -> None:
+  """One row per call (`one` first, the baseline), and each other call's paired ratio against it."""
+  notes = []
+  for name in times:
+    if name == one:
+      continue
+    pr = paired_ratio(times[one], times[name])
+    notes.append(
+      f"one device / {name} (paired median of {len(pr.ratios)} interleaved rounds): {pr.ratio:.2f}x; it was the "
+      f"slower one in {pr.losses}/{len(pr.ratios)} rounds."
+    )
   report.table(
     title,
     ["call", "median ms", "q rows/s"],
-    [[one, t1 * 1e3, rows / t1], [spread, tn * 1e3, rows / tn]],
+    [[name, median(t) * 1e3, rows / median(t)] for name, t in times.items()],
     formats={"median ms": ".2f", "q rows/s": ",.0f"},
-    notes=[
-      f"one device / {spread.split(' ')[0]} devices (paired median of {len(pr.ratios)} interleaved rounds): "
-      f"{pr.ratio:.2f}x; the spread op was the slower one in {pr.losses}/{len(pr.ratios)} rounds."
-    ],
+    notes=notes,
   )
 
 
@@ -363,7 +428,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   rng = np.random.default_rng(args.seed + 2)
   batches = {"decode": decode_batch(s, rng), "prefill": prefill_batch(s, rng)}
   sharded, single = make_sharded(s.mesh), make_single()
-  report.require(check(s, sharded, single, batches))
+  ring = make_ring_prefill(s, batches["prefill"])
+  checks = check(s, sharded, single, batches)
+  b = batches["prefill"]
+  want = single(b.q, s.k_one, s.v_one, *b.meta())
+  got = ring.natural(ring.call()[0])
+  checks.append(bench.compare(f"ring prefill: {s.n} devices vs one device", got, want, tol=TOL))
+  report.require(checks)
 
   report_bytes(report, s, cache_bytes(s))
 
@@ -374,13 +445,15 @@ def main(argv: Sequence[str] | None = None) -> int:
       one: functools.partial(single, b.q, s.k_one, s.v_one, *b.meta()),
       spread: functools.partial(sharded, b.q, s.cache.k_pages, s.cache.v_pages, *b.meta()),
     }
+    if name == "prefill":
+      calls[f"{s.n} devices, ring prefill (q sharded)"] = ring.call
     times = time_interleaved(calls, args.repeats)
     report.progress(f"{name} timed in {time.perf_counter() - t0:.1f} s")
     if name == "decode":
       title = f"Decode step: {args.decodes} x {args.context:,}-token contexts, 1 new token each"
     else:
-      title = f"Prefill: one {args.prefill_len:,}-token prompt (sharded op on the prompt's rows; not ring prefill)"
-    report_times(report, title, times, one, spread, b.q.shape[0])
+      title = f"Prefill: one {args.prefill_len:,}-token prompt (q replicated, or sharded by the ring prefill)"
+    report_times(report, title, times, one, b.q.shape[0])
 
   t0 = time.perf_counter()
   traces, step_s = compile_count(s, sharded, args.compile_steps, args.seed)
@@ -394,8 +467,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     f"- The {s.n} devices are simulated on this host's {os.cpu_count()} cores (load average {end_load} at the end): "
     "they share the cores, so the spread op cannot run n times faster here; the ratios show what the per-device "
     "work and the merge (one psum of [T, N, H + 1], one pmax of [T, N]) cost on CPU.\n"
-    "- Prefill: ring prefill (the prompt's q sharded over the axis, activations O(T / n)) is not implemented yet; "
-    "the prefill row times the sharded op with q replicated over the devices, each attending over its own pages.\n"
+    f"- Prefill: the ring prefill holds {ring.padded_len // s.n:,} of the prompt's {ring.padded_len:,} padded rows "
+    f"(q, k, v, out) on each device, where the spread op with q replicated holds all {ring.num_tokens:,}; its time "
+    "includes writing the prompt's K/V into the pages (the other two rows read pages written beforehand).\n"
     "- The TPU model of a 1M-token decode step is tpu_roofline.py's 'context-parallel decode' table."
   )
   if args.quick:

@@ -31,22 +31,22 @@ def test_quick_json_report(cp):
     code = cp.main(["--quick", "--json"])
   doc = json.loads(out.getvalue())
   assert code == doc["exit_code"] == bench.EXIT_OK
-  assert [c["name"].split(":")[0] for c in doc["checks"]] == ["decode", "prefill"]
+  assert [c["name"].split(":")[0] for c in doc["checks"]] == ["decode", "prefill", "ring prefill"]
   assert all(c["ok"] for c in doc["checks"]), doc["checks"]
   tables = {s["table"].split(" (")[0].split(":")[0]: s for s in doc["sections"] if "table" in s}
   assert {"Cache bytes per device", "Decode step", "Prefill"} <= set(tables), set(tables)
   rows = tables["Cache bytes per device"]["rows"]
   assert len(rows) == 8 and all(abs(r["share of one device"] - 1 / 8) < 0.01 for r in rows), rows
-  for name in ("Decode step", "Prefill"):
-    calls = [r["call"] for r in tables[name]["rows"]]
-    assert calls == ["one device", "8 devices (mesh=, seq_axis=)"]
+  spread = ["one device", "8 devices (mesh=, seq_axis=)"]
+  for name, calls in (("Decode step", spread), ("Prefill", [*spread, "8 devices, ring prefill (q sharded)"])):
+    assert [r["call"] for r in tables[name]["rows"]] == calls
     assert all(r["median ms"] > 0 for r in tables[name]["rows"])
   targets = {t["target"].split(" over")[0]: t for t in doc["targets"]}
   assert set(targets) == {"per-device cache bytes", "compiles"}, targets
   assert all(t["met"] is True for t in targets.values()), targets
   assert targets["compiles"]["value"].startswith("1 ")
   notes = " ".join(s["note"] for s in doc["sections"] if "note" in s)
-  assert "ring prefill" in notes and "not implemented" in notes and "load average" in notes
+  assert "ring prefill holds 32 of the prompt's 256 padded rows" in notes and "load average" in notes
 
 
 def test_sharded_op_one_percent_off_exits_1_before_timing(cp, monkeypatch):
@@ -63,8 +63,27 @@ def test_sharded_op_one_percent_off_exits_1_before_timing(cp, monkeypatch):
     cp.main(["--quick", "--json"])
   assert exit_info.value.code == cp.EXIT_WRONG_RESULT == 1
   doc = json.loads(out.getvalue())
-  assert doc["exit_code"] == 1 and not any(c["ok"] for c in doc["checks"]), doc["checks"]
+  ok = {c["name"].split(":")[0]: c["ok"] for c in doc["checks"]}
+  assert doc["exit_code"] == 1 and ok == {"decode": False, "prefill": False, "ring prefill": True}, doc["checks"]
   assert not any("table" in s for s in doc["sections"])  # nothing measured
+
+
+def test_ring_prefill_one_percent_off_exits_1_before_timing(cp, monkeypatch):
+  real = cp.make_ring_prefill
+
+  def off(s, b):
+    ring = real(s, b)
+    call = ring.call
+    return cp.dataclasses.replace(ring, call=lambda: (call()[0] * 1.01,))
+
+  monkeypatch.setattr(cp, "make_ring_prefill", off)
+  monkeypatch.setattr(cp, "time_interleaved", never)
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+    cp.main(["--quick", "--json"])
+  assert exit_info.value.code == cp.EXIT_WRONG_RESULT == 1
+  ok = {c["name"].split(":")[0]: c["ok"] for c in json.loads(out.getvalue())["checks"]}
+  assert ok == {"decode": True, "prefill": True, "ring prefill": False}, ok
 
 
 def test_roofline_cp_decode_by_hand(roofline):
