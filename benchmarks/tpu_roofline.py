@@ -27,6 +27,10 @@ What it prints
   devices of v5e, v5p, v6e: each device's 1/n of the K/V at HBM bandwidth,
   then the exact merge (an all-reduce of [T_q, N, H + 1] f32 and a pmax of
   [T_q, N]) over one ICI link; per-device KV GiB, step time, merge share.
+* ring prefill (`cp_prefill_table`): one hop of `paged_ring_prefill` for a
+  32k-token prompt chunk after 0, 512k or ~1M cached tokens on n = 8..64
+  devices: the hop's compute against what it sends, pass-Q (q and the
+  accumulator, what the op does) beside pass-KV (the device's K/V).
 
 Hardware figures are the package's table (`flax_ringattn.benchmarking.hardware`:
 JAX's per-TensorCore numbers times the cores of one JAX device, ICI from the
@@ -550,6 +554,78 @@ def cp_decode_table(report: Report, gens: Sequence[str], devices: Sequence[int] 
 
 
 # ------------------------------------------------------------------------------------------
+# Ring prefill (`paged_ring_prefill`): a prompt chunk sharded over n devices, q passed around the ring (pass-Q).
+
+# One layer's prefill of a T-token prompt chunk that extends C cached tokens of the same GQA model (chunked
+# prefill of a 1M-token context: the last chunk sees the most), bf16.
+CP_PREFILL = dict(T=2**15, N=64, K=8, H=128, dtype="bfloat16")
+CP_PREFILL_CONTEXTS = (0, 2**19, 2**20 - 2**15)
+
+
+@dataclasses.dataclass(frozen=True)
+class CPPrefillHop:
+  """One hop of the ring prefill on one device (model): the visiting q shard [T / n, N, H] against this device's
+  1/n of the context (compute), and what a hop sends: pass-Q (q and the f32 accumulator [T / n, N, H + 1], what
+  `paged_ring_prefill` does) against pass-KV (this device's K/V of the context and of the chunk)."""
+
+  gen: str
+  n: int
+  C: int
+  flops: float  # one hop's useful FLOPs on one device: the call's total / n^2 (a balanced layout)
+  t_compute: float  # at the working (bf16) peak
+  q_bytes: float  # pass-Q: q [T / n, N, H] + accumulator [T / n, N, H + 1] f32
+  kv_bytes: float  # pass-KV: K and V of (C + T) / n tokens
+  link: float | None
+
+  @property
+  def t_q(self) -> float | None:
+    return None if self.link is None else self.q_bytes / self.link
+
+  @property
+  def t_kv(self) -> float | None:
+    return None if self.link is None else self.kv_bytes / self.link
+
+
+def cp_prefill_model(gen: str, n: int, C: int, *, T: int, N: int, K: int, H: int, dtype: str) -> CPPrefillHop:
+  """Useful FLOPs of the chunk: 4 N H T (C + (T + 1) / 2) (its rows see the C cached tokens and the causal half
+  of the chunk, two matmuls of 2 FLOPs per pair), spread evenly over n devices and n hops."""
+  chip = hardware.tpu(gen)
+  pairs = T * C + T * (T + 1) / 2
+  flops = 4.0 * N * H * pairs / (n * n)
+  item, f32 = cost.itemsize(dtype), cost.itemsize("float32")
+  q_bytes = T / n * N * (H * item + (H + 1) * f32)
+  kv_bytes = (C + T) / n * K * 2 * H * item
+  return CPPrefillHop(gen, n, C, flops, flops / chip.peak_flops(), q_bytes, kv_bytes, chip.ici_link)
+
+
+def cp_prefill_table(report: Report, gens: Sequence[str], devices: Sequence[int] = CP_DEVICES) -> None:
+  c = CP_PREFILL
+  rows = []
+  for g in gens:
+    for n in devices:
+      for C in CP_PREFILL_CONTEXTS:
+        m = cp_prefill_model(g, n, C, **c)
+        rows.append([g, n, C, m.flops / 1e9, m.t_compute * 1e6, m.q_bytes / MB, m.t_q and m.t_q * 1e6,
+                     m.kv_bytes / MB, m.t_kv and m.t_kv * 1e6])  # fmt: skip
+  report.table(
+    f"Ring prefill (MODEL): one hop of one layer, a {c['T']:,}-token prompt chunk after C cached tokens, "
+    f"K={c['K']} H={c['H']} N={c['N']} {c['dtype']}",
+    ["gen", "n", "C", "GFLOP/hop", "compute us", "pass-Q MB", "pass-Q us", "pass-KV MB", "pass-KV us"],
+    rows,
+    formats={"GFLOP/hop": ".1f", "compute us": ".0f", "pass-Q MB": ".1f", "pass-Q us": ".0f"}
+    | {"pass-KV MB": ".1f", "pass-KV us": ".0f"},
+    notes=[
+      "Model-derived, not measured.  A hop: each device's q shard (T / n rows) against the visited device's 1/n of",
+      "the C + T tokens, the call's useful FLOPs / n^2 at the bf16 peak.  pass-Q (what paged_ring_prefill sends):",
+      "q [T / n, N, H] and the f32 accumulator [T / n, N, H + 1]; pass-KV: that device's K and V of (C + T) / n",
+      "tokens; both over one ICI link one way.  A hop's send hides behind its compute when 'us' <= 'compute us'.",
+      "pass-Q's traffic does not grow with C; pass-KV's does: it wins for a fresh GQA prompt (C = 0) and loses",
+      "once the cached context is long.  Ignores HBM traffic, latency and the compaction's page-table work.",
+    ],
+  )
+
+
+# ------------------------------------------------------------------------------------------
 # Timing on an attached TPU.
 
 
@@ -701,6 +777,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   kernel_ring_table(report, args.generations, p)
   kernel_ring_hbm_table(report, args.generations, p, tiled)
   cp_decode_table(report, [g for g in CP_GENERATIONS if g in args.generations])
+  cp_prefill_table(report, [g for g in CP_GENERATIONS if g in args.generations])
   time_on_tpu(report, args, p, tiled)
   report.progress(f"(model run took {time.perf_counter() - t0:.1f} s)")
   return report.finish()

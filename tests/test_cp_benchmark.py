@@ -118,3 +118,21 @@ def test_roofline_prints_the_cp_decode_table(roofline):
   assert row["KV GiB/dev"] == 0.5
   assert row["HBM ms"] == pytest.approx(2**29 / hardware.tpu("v5e").memory_bandwidth * 1e3)
   assert all(r["merge %"] is not None and 0 < r["merge %"] < 100 for r in rows)
+
+
+def test_roofline_ring_prefill_hop_by_hand(roofline):
+  c = roofline.CP_PREFILL
+  chip = hardware.tpu("v5e")
+  T, N, K, H = 2**15, 64, 8, 128
+  assert c == dict(T=T, N=N, K=K, H=H, dtype="bfloat16")
+  m = roofline.cp_prefill_model("v5e", 8, 2**19, **c)
+  pairs = T * 2**19 + T * (T + 1) / 2  # the chunk sees the cache and the causal half of itself
+  assert m.flops == pytest.approx(4 * N * H * pairs / 64)
+  assert m.t_compute == pytest.approx(m.flops / chip.peak_flops())
+  assert m.q_bytes == T / 8 * N * (H * 2 + (H + 1) * 4)  # q in bf16, accumulator in f32
+  assert m.kv_bytes == (2**19 + T) / 8 * K * 2 * H * 2
+  assert m.t_q == pytest.approx(m.q_bytes / chip.ici_link)
+  # pass-Q's hop does not depend on the cached context; pass-KV's grows with it.
+  fresh, long = (roofline.cp_prefill_model("v5e", 8, C, **c) for C in (0, 2**20 - T))
+  assert fresh.q_bytes == long.q_bytes and fresh.kv_bytes < m.kv_bytes < long.kv_bytes
+  assert fresh.t_kv < fresh.t_q and long.t_q < long.t_kv < long.t_compute
