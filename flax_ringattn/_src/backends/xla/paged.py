@@ -3,7 +3,8 @@
 Loop nest (both passes): a `fori_loop` over the chunks of the schedule
 (`paged/metadata.py`: at most `block_q` rows of one sequence), and inside it a
 `while_loop` over the blocks of `pages_per_block` pages that the chunk can see
-(its causal and sliding-window range only).  Each step gathers one block of
+(its causal and sliding-window range only, jumping over blocks with no page
+of the sequence there).  Each step gathers one block of
 pages of every kv head (page-major layout: one contiguous copy per page), so
 the q heads of a GQA group share the K/V reads and nothing is repeated.
 
@@ -38,6 +39,15 @@ def _kv_block_range(first_pos, last_pos, spec, block_tokens, max_blocks):
   hi = jnp.clip(last_pos // block_tokens + 1, 0, max_blocks)
   lo = 0 if spec.window_left is None else jnp.maximum(first_pos - spec.window_left, 0) // block_tokens
   return jnp.minimum(lo, hi), hi
+
+
+def _next_blocks(row_ids, pb: int, num_pages: int):
+  """[max_blocks + 1]: the first kv block >= b that holds a page of the sequence (max_blocks: none).  The kv loops
+  jump over blocks with no page there, e.g. the other devices' pages of a cache spread over a sequence axis
+  (`owned_page_ids` makes them -1): their compute would be masked anyway."""
+  has = jnp.any(((row_ids >= 0) & (row_ids < num_pages)).reshape(-1, pb), axis=1)
+  blocks = jnp.where(has, jnp.arange(has.shape[0]), has.shape[0])
+  return jnp.append(jax.lax.cummin(blocks, reverse=True), has.shape[0])
 
 
 def _load_block(k_pages, v_pages, k_scale, v_scale, row_ids, kb, spec, page_size, kv_len_s, num_pages):
@@ -115,6 +125,7 @@ def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
     seq, pos, row_ok, first, last = _chunk_rows(ch, c, lens, kv_lens, bq)
     q_c = jax.lax.dynamic_slice_in_dim(q_pad, ch.q_start[c], bq)
     lo, hi = _kv_block_range(first, last, spec, block_tokens, max_blocks)
+    nxt = _next_blocks(table[seq], pb, P)
 
     def kv_step(state):
       kb, m, l, acc = state
@@ -127,10 +138,10 @@ def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
       alpha = jnp.exp(m - m_safe)
       p = jnp.exp(s - m_safe[..., None])
       acc = alpha[..., None] * acc + jnp.einsum("kgql,lkh->kgqh", p, v_blk, preferred_element_type=F32)
-      return kb + 1, m_new, alpha * l + p.sum(-1), acc
+      return nxt[kb + 1], m_new, alpha * l + p.sum(-1), acc
 
     init = (lo, jnp.full((K, G, bq), -jnp.inf, F32), jnp.zeros((K, G, bq), F32), jnp.zeros((K, G, bq, Hv), F32))
-    init = (lo, *(vma.like(x, q, k_pages, v_pages) for x in init[1:]))
+    init = (nxt[lo], *(vma.like(x, q, k_pages, v_pages) for x in init[1:]))
     _, m, l, acc = jax.lax.while_loop(lambda st: st[0] < hi, kv_step, init)
     empty = l == 0.0
     o = (acc / jnp.where(empty, 1.0, l)[..., None]).transpose(2, 0, 1, 3).reshape(bq, N, Hv)
@@ -195,6 +206,7 @@ def paged_bwd(
     delta_c = jax.lax.dynamic_slice_in_dim(delta_pad, start, bq).transpose(1, 2, 0)
     lse_c = jnp.where(jnp.isneginf(lse_c), 0.0, lse_c)
     lo, hi = _kv_block_range(first, last, spec, block_tokens, max_blocks)
+    nxt = _next_blocks(table[seq], pb, P)
 
     def kv_step(state):
       kb, dq_c, dk_pages, dv_pages = state
@@ -220,9 +232,9 @@ def paged_bwd(
       dv_pages = dv_pages.at[target].add(
         jnp.where(keep, dv_blk, 0.0).reshape(pb, ps, *dv_blk.shape[1:]) * page_grad_scale(v_scale, ids), mode="drop"
       )
-      return kb + 1, dq_c, dk_pages, dv_pages
+      return nxt[kb + 1], dq_c, dk_pages, dv_pages
 
-    init = (lo, vma.like(jnp.zeros((bq, K, G, H), F32), q, k_pages, v_pages, do), dk_pages, dv_pages)
+    init = (nxt[lo], vma.like(jnp.zeros((bq, K, G, H), F32), q, k_pages, v_pages, do), dk_pages, dv_pages)
     _, dq_c, dk_pages, dv_pages = jax.lax.while_loop(lambda st: st[0] < hi, kv_step, init)
     dq_c = jnp.where(row_ok[:, None, None, None], dq_c, 0.0)
     window = jax.lax.dynamic_slice_in_dim(dq, start, bq)
