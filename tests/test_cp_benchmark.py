@@ -49,6 +49,18 @@ def test_quick_json_report(cp):
   assert "ring prefill holds 32 of the prompt's 256 padded rows" in notes and "load average" in notes
 
 
+def _wrong_run(cp, monkeypatch) -> dict:
+  """The quick run, nothing to be timed: it must exit 1 after the checks; returns its JSON report."""
+  monkeypatch.setattr(cp, "time_interleaved", never)
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+    cp.main(["--quick", "--json"])
+  assert exit_info.value.code == cp.EXIT_WRONG_RESULT == 1
+  doc = json.loads(out.getvalue())
+  assert doc["exit_code"] == 1 and not any("table" in s for s in doc["sections"])  # nothing measured
+  return {c["name"].split(":")[0]: c["ok"] for c in doc["checks"]}
+
+
 def test_sharded_op_one_percent_off_exits_1_before_timing(cp, monkeypatch):
   real = cp.make_sharded
 
@@ -57,15 +69,7 @@ def test_sharded_op_one_percent_off_exits_1_before_timing(cp, monkeypatch):
     return lambda *a: f(*a) * 1.01
 
   monkeypatch.setattr(cp, "make_sharded", off)
-  monkeypatch.setattr(cp, "time_interleaved", never)
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
-    cp.main(["--quick", "--json"])
-  assert exit_info.value.code == cp.EXIT_WRONG_RESULT == 1
-  doc = json.loads(out.getvalue())
-  ok = {c["name"].split(":")[0]: c["ok"] for c in doc["checks"]}
-  assert doc["exit_code"] == 1 and ok == {"decode": False, "prefill": False, "ring prefill": True}, doc["checks"]
-  assert not any("table" in s for s in doc["sections"])  # nothing measured
+  assert _wrong_run(cp, monkeypatch) == {"decode": False, "prefill": False, "ring prefill": True}
 
 
 def test_ring_prefill_one_percent_off_exits_1_before_timing(cp, monkeypatch):
@@ -77,13 +81,7 @@ def test_ring_prefill_one_percent_off_exits_1_before_timing(cp, monkeypatch):
     return cp.dataclasses.replace(ring, call=lambda: (call()[0] * 1.01,))
 
   monkeypatch.setattr(cp, "make_ring_prefill", off)
-  monkeypatch.setattr(cp, "time_interleaved", never)
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
-    cp.main(["--quick", "--json"])
-  assert exit_info.value.code == cp.EXIT_WRONG_RESULT == 1
-  ok = {c["name"].split(":")[0]: c["ok"] for c in json.loads(out.getvalue())["checks"]}
-  assert ok == {"decode": True, "prefill": True, "ring prefill": False}, ok
+  assert _wrong_run(cp, monkeypatch) == {"decode": True, "prefill": True, "ring prefill": False}
 
 
 def test_roofline_cp_decode_by_hand(roofline):
