@@ -104,7 +104,7 @@ def paged_ring_prefill(
   axis = axis_name if axis_name is not None else seq_axis
   rows = q.shape[0] // n if axis_name is None else q.shape[0]  # this device's rows
   _check_prompt(q, k, v, k_pages, v_pages, rows * n, n)
-  S, pps = page_indices.shape
+  pps = page_indices.shape[1]
   i32 = jnp.int32
   # The paged call each hop makes on a device: its q rows as two sequences over its pages.
   heads = 1 if head_axis is None else sharding.axes_size(mesh, head_axis)
