@@ -25,11 +25,18 @@ What it shows
   exactly.  The same stream is served on one device first, and the answers
   must be equal token for token (exit status 1 if not).  On a CPU the script
   asks for N host devices itself (unless XLA_FLAGS already sets a count).
+* `--ring-prefill` (with `--context-parallel N`): the spread run prefills each
+  admitted prompt in one sequence-parallel step (`layer.prefill`: the prompt
+  padded and laid out with `zigzag_order`, sharded over the N devices, so the
+  embedding, every MLP and the attention hold 1/N of its rows; sinusoidal
+  positions from `zigzag_positions`), then decodes as before.  Its answers,
+  and each answer's logit, must equal the single-device run's.
 
 Run it after training (`make demo` runs both)::
 
   python examples/train_long_context.py
   python examples/serve_paged.py [--run-dir runs/train_long_context] [--requests 6] [--context-parallel 8]
+  python examples/serve_paged.py --context-parallel 8 --ring-prefill
 """
 
 # ruff: noqa: E402 -- XLA_FLAGS must be set before jax is imported.
@@ -57,10 +64,17 @@ def parse_args(argv=None):
     metavar="N",
     help="spread the KV cache over N devices; also serves on one device and checks the answers are equal",
   )
+  p.add_argument(
+    "--ring-prefill",
+    action="store_true",
+    help="with --context-parallel N: prefill each prompt sequence-parallel in one step (layer.prefill)",
+  )
   p.add_argument("--seed", type=int, default=1)
   args = p.parse_args(argv)
   if args.context_parallel < 1:
     p.error(f"--context-parallel must be >= 1, got {args.context_parallel}")
+  if args.ring_prefill and args.context_parallel < 2:
+    p.error("--ring-prefill needs --context-parallel N >= 2 (the prompt is sharded over the N devices)")
   return args
 
 
@@ -125,6 +139,37 @@ def forward(model: _model.Transformer, tokens, positions, prev_tokens, cu_q_lens
 
 
 @nnx.jit
+def ring_prefill_step(model, tokens, positions, prev_tokens, slot, num_tokens):
+  """One prompt through the Transformer sequence-parallel: tokens [Tp] in the ring prefill layout, sharded over
+  'sp' (so is every activation); each layer's `prefill` writes the prompt's K/V into its spread cache."""
+  x = model.embed(tokens) + _model.sinusoidal_encoding(positions, model.config.d_model)
+  if model.shift is not None:
+    x = x + model.shift(model.embed(prev_tokens))
+  for block in model.blocks:
+    x = x + block.attn.prefill(block.norm1(x), slot=slot, num_tokens=num_tokens)
+    x = x + block.mlp_out(jax.nn.gelu(block.mlp_in(block.norm2(x))))
+  logits = model.head(model.norm(x))
+  return jnp.argmax(logits, axis=-1), jnp.max(logits, axis=-1)
+
+
+def ring_prefill(model, req, slot: int, mesh):
+  """Prefills `req`'s whole prompt into `slot` by the ring; returns (prediction, its logit) after its last token."""
+  n, T = mesh.shape["sp"], len(req.prompt)
+  Tp = model.blocks[0].attn.kv_cache.get_value().ring_prefill_len(T)
+  pad = lambda x: np.concatenate([x, np.zeros(Tp - T, np.int32)])  # noqa: E731
+  prompt = np.asarray(req.prompt, np.int32)
+  rows = NamedSharding(mesh, P("sp"))
+  tokens, prev = (
+    jax.device_put(flax_ringattn.zigzag_order(pad(x), n, axis=0), rows)
+    for x in (prompt, _model.previous_tokens(prompt))
+  )
+  positions = jax.device_put(flax_ringattn.zigzag_positions(Tp, n), rows)
+  out, top = ring_prefill_step(model, tokens, positions, prev, jnp.int32(slot), jnp.int32(T))
+  out, top = (flax_ringattn.zigzag_inverse(np.asarray(x), n, axis=0)[:T] for x in (out, top))
+  return int(out[T - 1]), float(top[T - 1])
+
+
+@nnx.jit
 def serve_step(model, tokens, positions, prev_tokens, cu_q_lens, num_seqs):
   """The predicted next token of every row and its logit (the logit lets two runs be compared numerically)."""
   logits = forward(model, tokens, positions, prev_tokens, cu_q_lens, num_seqs)
@@ -152,6 +197,7 @@ class Request:
   fed: int = 0  # tokens of the sequence already in the cache
   last: int = 0  # the last token fed (BOS before the first)
   answers: list = dataclasses.field(default_factory=list)
+  logits: list = dataclasses.field(default_factory=list)  # each answer's logit (to compare two runs)
   tail: list = dataclasses.field(default_factory=list)  # tokens to feed next while answering
 
   @property
@@ -222,12 +268,31 @@ def serve(args, queue, mesh=None):
   finished, steps, tokens_done, utils = [], 0, 0, []
   trace = []  # every step's predictions and their logits over its real rows
   mixed_steps = evictions = 0
-  start = None
+  # Compile the step on its shapes (they never change) with an empty batch, which stores nothing; then the clock.
+  empty = (np.zeros(T, np.int32),) * 3 + (np.zeros(S + 1, np.int32), np.array([S], np.int32))
+  jax.block_until_ready(serve_step(model, *map(jnp.asarray, empty)))
+  start = time.perf_counter()
+  ring = args.ring_prefill and mesh is not None
   while queue or any(slots):
     for i in range(S):  # continuous batching: waiting requests take free slots
       promised = sum(pages_of(r) for r in slots if r is not None)
       if slots[i] is None and queue and promised + pages_of(queue[0]) <= num_pages:  # else refuse for now
         slots[i] = queue.pop(0)
+        if ring:  # the whole prompt in one sequence-parallel step; the request then answers
+          req = slots[i]
+          answer, logit = ring_prefill(model, req, i, mesh)
+          if model.blocks[0].attn.overflowed()[i]:
+            raise SystemExit(f"request {req.rid}: its prompt did not fit the cache (see plan_pages)")
+          tokens_done += len(req.prompt)
+          req.fed, req.last = len(req.prompt), int(req.prompt[-1])
+          req.answers.append(answer)
+          req.logits.append(logit)
+          if req.done:
+            free_slots(model, jnp.arange(S) == i)
+            finished.append(req)
+            slots[i] = None
+          else:
+            req.tail = [answer, req.keys[1]]
     budget = T
     rows = {}
     for i, req in enumerate(slots):
@@ -257,13 +322,6 @@ def serve(args, queue, mesh=None):
         prev[a : a + len(feed)] = [req.last, *feed[:-1]]  # token before each one (BOS=0 first)
     kinds = {("prefill" if slots[i].prefilling else "decode") for i in rows}
     mixed_steps += kinds == {"prefill", "decode"}
-    if start is None:
-      # Compile on the first step's shapes (they never change), then start the clock.
-      jax.block_until_ready(
-        serve_step(model, *map(jnp.asarray, (tokens, positions, prev, cu, np.array([S], np.int32))))
-      )
-      free_slots(model, jnp.ones((S,), bool))
-      start = time.perf_counter()
     out, top = serve_step(model, *map(jnp.asarray, (tokens, positions, prev, cu, np.array([S], np.int32))))
     out, top = np.asarray(out), np.asarray(top)
     trace.append((out[: cu[-1]], top[: cu[-1]]))
@@ -289,6 +347,7 @@ def serve(args, queue, mesh=None):
         continue
       answer = int(out[cu[i + 1] - 1])  # prediction after the last fed token: a query key
       req.answers.append(answer)
+      req.logits.append(float(top[cu[i + 1] - 1]))
       if req.done:
         done_mask[i] = True
       else:
@@ -339,6 +398,16 @@ def main(args):
   answers = lambda reqs: [[int(a) for a in r.answers] for r in reqs]  # noqa: E731
   if answers(got) != answers(want):
     raise SystemExit(f"context parallel over {n} devices changed the answers: {answers(got)} != {answers(want)}")
+  err = max(abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g.logits, w.logits, strict=True))
+  if args.ring_prefill:
+    # Its steps differ (one ring step per prompt): compare every answer and its logit.
+    print(
+      f"ring prefill over {n} devices: the {sum(map(len, answers(got)))} answers equal the single-device run's; "
+      f"max |answer logit - single device| = {err:.2e}"
+    )
+    if not err <= 1e-4:
+      raise SystemExit(f"ring prefill over {n} devices: answer logits differ by {err:.2e} > 1e-4")
+    return stats
   # Not only the answers: every step's prediction at every fed token, and its logit.
   if len(trace) != len(want_trace):
     raise SystemExit(f"context parallel over {n} devices took {len(trace)} steps, one device {len(want_trace)}")

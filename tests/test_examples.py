@@ -90,6 +90,15 @@ def test_train_long_context_layer_then_load_and_serve(tmp_path):
   answers = lambda out: re.findall(r"^request \d+: .*$", out, re.M)  # noqa: E731
   assert len(answers(served)) == 3 and answers(spread) == 2 * answers(served), (served, spread)
 
+  # Every prompt prefilled sequence-parallel by the ring (layer.prefill), then decoded: the answers and each
+  # answer's logit (1e-4) must equal the single-device run's, or the example exits non-zero.
+  ring = _run(
+    EXAMPLES / "serve_paged.py", "--run-dir", str(tmp_path), *args, "--context-parallel", "8", "--ring-prefill"
+  )
+  check = re.search(r"^ring prefill over 8 devices: the 6 answers equal .*? = ([\d.e+-]+)$", ring, re.M)
+  assert check and float(check.group(1)) <= 1e-4, ring
+  assert answers(ring) == 2 * answers(served), (served, ring)
+
 
 @pytest.mark.slow
 def test_train_long_context_attention_fn_with_head_axis(tmp_path):
