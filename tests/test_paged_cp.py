@@ -280,3 +280,21 @@ def test_errors(kwargs, error, match):
 
 
 assert P % 8 == 0 and PPS * PS >= 24  # the ring sizes and the placement test's sequences fit the shared geometry
+
+
+def test_decode_rows_are_compacted_to_the_device_pages():
+  """A decode row's sequence is rewritten over this device's pages (in column order, its length their tokens);
+  a prefill row keeps its global columns.  Worked by hand: page_size 4; slot 0 decodes over 10 tokens in
+  columns 0..2 (the last holds 2 tokens), of which this device holds columns 1 and 2 (local ids 5 and 7);
+  slot 1 prefills 3 tokens and keeps its table."""
+  from flax_ringattn._src.paged.context_parallel import compact_decode_rows
+
+  table = jnp.array([[-1, 5, 7, -1], [3, -1, 2, -1]], jnp.int32)
+  kv_lens = jnp.array([10, 11], jnp.int32)
+  cu = jnp.array([0, 1, 4], jnp.int32)
+  lens, out = compact_decode_rows(kv_lens, table, cu, jnp.array([2], jnp.int32), 4)
+  np.testing.assert_array_equal(lens, [4 + 2, 11])
+  np.testing.assert_array_equal(out, [[5, 7, -1, -1], [3, -1, 2, -1]])
+  # A device holding none of a decode row's pages: length 0 (the row sees nothing there, lse -inf).
+  lens, out = compact_decode_rows(kv_lens, jnp.full((2, 4), -1, jnp.int32), cu, jnp.array([2], jnp.int32), 4)
+  np.testing.assert_array_equal(lens, [0, 11])

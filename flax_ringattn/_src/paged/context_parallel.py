@@ -8,6 +8,10 @@ Per call, inside `jax.shard_map` over the axis:
 
     local ids  : a page id this device owns becomes its local index, any other id becomes -1, which every paged
                  kernel already treats as a page that is not there (masked, never read)
+    compaction : a decode row (q_len 1) sees every earlier token, so without a window its sequence's table is
+                 compacted to the device's own pages in order, with their token count as its length: the kernel
+                 walks 1/n of the context instead of every block with n - 1 of n pages masked.  Prefill and
+                 chunked rows keep global columns (their causal mask needs global positions)
     forward    : (o_d, lse_d) = the kernel over this device's pages only: o_d normalised over them, lse_d = -inf
                  for a row that sees none of them
     merge      : m = pmax(lse_d); w_d = exp(lse_d - m) (0 for -inf); one psum of [T, N, Hv + 1] (o_d * w_d, w_d)
@@ -26,6 +30,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from flax_ringattn._src.paged import metadata
+
 F32 = jnp.float32
 
 
@@ -36,12 +42,30 @@ def owned_page_ids(page_indices, axis_name, local_pages: int):
   return jnp.where(mine, page_indices - first, -1).astype(page_indices.dtype)
 
 
-def local_operands(operands, axis_name):
+def local_operands(operands, axis_name, compact: bool = False):
   """The paged operands (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale) with
-  the page table in this device's ids (the pages and per-page scales are already its shards)."""
+  the page table in this device's ids (the pages and per-page scales are already its shards); with `compact`
+  (no window), decode rows' sequences compacted to this device's pages (`compact_decode_rows`)."""
   q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale = operands
   table = owned_page_ids(page_indices, axis_name, k_pages.shape[0])
+  if compact:
+    kv_lens, table = compact_decode_rows(kv_lens, table, cu_q_lens, num_seqs, k_pages.shape[1])
   return q, k_pages, v_pages, kv_lens, table, cu_q_lens, num_seqs, k_scale, v_scale
+
+
+def compact_decode_rows(kv_lens, table, cu_q_lens, num_seqs, page_size: int):
+  """(kv_lens, table) with every sequence of one new token (q_len 1) rewritten over this device's pages only:
+  its pages (local ids, -1 elsewhere in `table`) moved to the front in column order, its length their tokens.
+  Every page but a sequence's last is full, so the local positions stay dense and the decode row, at the last
+  local position, still sees every key it saw.  Other sequences are returned unchanged."""
+  S, pps = table.shape
+  j = jnp.arange(pps)[None]
+  used = (table >= 0) & (j * page_size < kv_lens[:, None])
+  tokens = jnp.sum(jnp.where(used, jnp.clip(kv_lens[:, None] - j * page_size, 0, page_size), 0), axis=1)
+  to = jnp.where(used, jnp.cumsum(used, axis=1) - 1, pps)  # where each used page goes; pps: dropped
+  compacted = jnp.full_like(table, -1).at[jnp.arange(S)[:, None], to].set(table, mode="drop")
+  decode = metadata.seq_q_lens(cu_q_lens, num_seqs) == 1
+  return jnp.where(decode, tokens.astype(kv_lens.dtype), kv_lens), jnp.where(decode[:, None], compacted, table)
 
 
 def merge_partials(o, lse, axis_name):

@@ -447,12 +447,15 @@ class PagedKernel:
   def forward(self, *operands):
     if self.axis_name is None:
       return self.backend.fwd(*operands, spec=self.spec)
-    o, lse = self.backend.fwd(*cp.local_operands(operands, self.axis_name), spec=self.spec)
+    o, lse = self.backend.fwd(*self._local(operands), spec=self.spec)
     return cp.merge_partials(o, lse, self.axis_name)
+
+  def _local(self, operands):
+    return cp.local_operands(operands, self.axis_name, compact=self.spec.mask.window is None)
 
   def backward(self, operands, lse, do, delta):
     q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale = operands
-    local = operands if self.axis_name is None else cp.local_operands(operands, self.axis_name)
+    local = operands if self.axis_name is None else self._local(operands)
     dq, dk, dv = self.backend.bwd(*local, lse, do, delta, spec=self.spec)
     # Each device's dq covers its own pages' keys: the whole dq is their sum (q is replicated over the axis).
     dq = vma.sum_to(dq, q)
