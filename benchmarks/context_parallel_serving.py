@@ -19,9 +19,11 @@ head_dim 64, page_size 16, float32, all written by the cache's own jitted
 * **prefill**: the prompt's rows (causal over its own pages) through the same
   two calls, and through the ring prefill (``paged_ring_prefill``: the prompt
   sharded over the axis in the ring prefill layout, activations O(T / n), its
-  K/V written into each device's own pages, q passed around the ring) into a
-  cache of its own reserved with ``reserve_prefill``; the ring prefill's time
-  includes that write.
+  K/V written into each device's own pages) into a cache of its own reserved
+  with ``reserve_prefill``, with both schedules: pass-KV (the default for a
+  fresh slot: the K/V shards travel the ring) and pass-Q (``schedule="pass_q"``:
+  q travels, each device attends its own pages); their times include that
+  write.
 * **compile count**: ``--compile-steps`` (20) changing batch compositions
   (which slots, decode or chunk, how much history) through one jitted sharded
   step with fixed shapes; a Python counter in the jitted function counts
@@ -204,7 +206,8 @@ def make_single() -> Callable:
 class RingPrefill:
   """The prompt of `Setup` prefilled by the ring into a cache of its own (reserved with `reserve_prefill`)."""
 
-  call: Callable  # () -> (out in the ring prefill layout, pages ...)
+  call: Callable  # () -> (out in the ring prefill layout, pages ...): schedule "auto" (pass-KV here)
+  pass_q: Callable  # the same with schedule="pass_q"
   num_tokens: int
   padded_len: int
   n: int
@@ -249,13 +252,12 @@ def make_ring_prefill(s: Setup, b: Batch) -> RingPrefill:
     return jax.device_put(zigzag_order(x, n, axis=0), sharded)
 
   k, v = (np.asarray(pages)[ids].reshape(-1, NUM_KV_HEADS, HEAD_DIM) for pages in (s.k_one, s.v_one))
-  fn = jax.jit(
-    functools.partial(
-      paged_ring_prefill, slot=0, num_tokens=T, mesh=s.mesh, seq_axis=AXIS, implementation=IMPLEMENTATION
-    )
+  fn = functools.partial(
+    paged_ring_prefill, slot=0, num_tokens=T, mesh=s.mesh, seq_axis=AXIS, implementation=IMPLEMENTATION
   )
   args = (layout(b.q), layout(k), layout(v), cache.k_pages, cache.v_pages, kv_lens, table)
-  return RingPrefill(functools.partial(fn, *args), T, Tp, n)
+  calls = (jax.jit(functools.partial(fn, schedule=x)) for x in ("auto", "pass_q"))
+  return RingPrefill(*(functools.partial(f, *args) for f in calls), T, Tp, n)
 
 
 def check(s: Setup, sharded: Callable, single: Callable, batches: dict[str, Batch]) -> list[bench.Check]:
@@ -434,6 +436,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   want = single(b.q, s.k_one, s.v_one, *b.meta())
   got = ring.natural(ring.call()[0])
   checks.append(bench.compare(f"ring prefill: {s.n} devices vs one device", got, want, tol=TOL))
+  got = ring.natural(ring.pass_q()[0])
+  checks.append(bench.compare(f"ring prefill pass-Q: {s.n} devices vs one device", got, want, tol=TOL))
   report.require(checks)
 
   report_bytes(report, s, cache_bytes(s))
@@ -446,7 +450,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       spread: functools.partial(sharded, b.q, s.cache.k_pages, s.cache.v_pages, *b.meta()),
     }
     if name == "prefill":
-      calls[f"{s.n} devices, ring prefill (q sharded)"] = ring.call
+      calls[f"{s.n} devices, ring prefill, pass-KV (q sharded)"] = ring.call
+      calls[f"{s.n} devices, ring prefill, pass-Q (q sharded)"] = ring.pass_q
     times = time_interleaved(calls, args.repeats)
     report.progress(f"{name} timed in {time.perf_counter() - t0:.1f} s")
     if name == "decode":

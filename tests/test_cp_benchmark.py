@@ -31,14 +31,20 @@ def test_quick_json_report(cp):
     code = cp.main(["--quick", "--json"])
   doc = json.loads(out.getvalue())
   assert code == doc["exit_code"] == bench.EXIT_OK
-  assert [c["name"].split(":")[0] for c in doc["checks"]] == ["decode", "prefill", "ring prefill"]
+  assert [c["name"].split(":")[0] for c in doc["checks"]] == [
+    "decode",
+    "prefill",
+    "ring prefill",
+    "ring prefill pass-Q",
+  ]
   assert all(c["ok"] for c in doc["checks"]), doc["checks"]
   tables = {s["table"].split(" (")[0].split(":")[0]: s for s in doc["sections"] if "table" in s}
   assert {"Cache bytes per device", "Decode step", "Prefill"} <= set(tables), set(tables)
   rows = tables["Cache bytes per device"]["rows"]
   assert len(rows) == 8 and all(abs(r["share of one device"] - 1 / 8) < 0.01 for r in rows), rows
   spread = ["one device", "8 devices (mesh=, seq_axis=)"]
-  for name, calls in (("Decode step", spread), ("Prefill", [*spread, "8 devices, ring prefill (q sharded)"])):
+  ring = [f"8 devices, ring prefill, pass-{x} (q sharded)" for x in ("KV", "Q")]
+  for name, calls in (("Decode step", spread), ("Prefill", [*spread, *ring])):
     assert [r["call"] for r in tables[name]["rows"]] == calls
     assert all(r["median ms"] > 0 for r in tables[name]["rows"])
   targets = {t["target"].split(" over")[0]: t for t in doc["targets"]}
@@ -69,7 +75,12 @@ def test_sharded_op_one_percent_off_exits_1_before_timing(cp, monkeypatch):
     return lambda *a: f(*a) * 1.01
 
   monkeypatch.setattr(cp, "make_sharded", off)
-  assert _wrong_run(cp, monkeypatch) == {"decode": False, "prefill": False, "ring prefill": True}
+  assert _wrong_run(cp, monkeypatch) == {
+    "decode": False,
+    "prefill": False,
+    "ring prefill": True,
+    "ring prefill pass-Q": True,
+  }
 
 
 def test_ring_prefill_one_percent_off_exits_1_before_timing(cp, monkeypatch):
@@ -77,11 +88,16 @@ def test_ring_prefill_one_percent_off_exits_1_before_timing(cp, monkeypatch):
 
   def off(s, b):
     ring = real(s, b)
-    call = ring.call
+    call = ring.call  # pass-KV off, pass-Q right
     return cp.dataclasses.replace(ring, call=lambda: (call()[0] * 1.01,))
 
   monkeypatch.setattr(cp, "make_ring_prefill", off)
-  assert _wrong_run(cp, monkeypatch) == {"decode": True, "prefill": True, "ring prefill": False}
+  assert _wrong_run(cp, monkeypatch) == {
+    "decode": True,
+    "prefill": True,
+    "ring prefill": False,
+    "ring prefill pass-Q": True,
+  }
 
 
 def test_roofline_cp_decode_by_hand(roofline):

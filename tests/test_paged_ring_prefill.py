@@ -187,10 +187,19 @@ def test_matches_one_device(n, prefix):
     ("bf16", dict(dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16), {}),
   ],
 )
-def test_features(name, setup_kw, op_kw):
-  s = setup(4, T=29, seed=len(name), **setup_kw)
+@pytest.mark.parametrize("prefix", [0, 8])  # 0: a fresh slot, pass-KV (schedule="auto"); 8: pass-Q
+def test_features(name, setup_kw, op_kw, prefix):
+  s = setup(4, T=29, seed=len(name), prefix=prefix, **setup_kw)
   dtype = setup_kw.get("dtype", F32)
   check(s, run(s, **op_kw), dtype, **op_kw)
+
+
+def test_pass_q_on_a_fresh_slot():
+  """schedule="pass_q" on a fresh slot (where "auto" takes pass-KV): the same answers."""
+  s = setup(4, prefix=0, T=29, seed=11)
+  check(s, run(s, schedule="pass_q"))
+  with pytest.raises(ValueError, match="schedule='pass_kv' must be 'auto' or 'pass_q'"):
+    run(s, schedule="pass_kv")
 
 
 def test_window_shorter_than_a_chunk():
@@ -200,10 +209,11 @@ def test_window_shorter_than_a_chunk():
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("n", [2, 4])
-def test_pallas_tpu_kernel_in_interpret_mode(n):
-  """The ragged paged Pallas kernel on every hop (interpret mode, race detector on), pages of 8 tokens."""
-  s = setup(n, T=37, ps=8, prefix=16, seed=20 + n)
+@pytest.mark.parametrize("n,prefix", [(2, 16), (4, 16), (2, 0)])
+def test_pallas_tpu_kernel_in_interpret_mode(n, prefix):
+  """The ragged paged Pallas kernel on every hop (pass-Q, after a prefix), or the Pallas ring over the prompt's
+  K/V (pass-KV, a fresh slot); interpret mode, race detector on, pages of 8 tokens."""
+  s = setup(n, T=37, ps=8, prefix=prefix, seed=20 + n)
   sinks = jnp.array([0.5, -1.0, 2.0, 0.0])
   with no_races():
     result = run(

@@ -32,6 +32,8 @@ to the merged rows, enter once.  Serving only: not differentiable.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,9 +41,10 @@ from jax.experimental import checkify
 from jax.sharding import PartitionSpec
 
 from flax_ringattn._src import flash, layout, sharding, validation
-from flax_ringattn._src.paged import allocator, storage
+from flax_ringattn._src.paged import allocator, common, storage
 from flax_ringattn._src.paged import op as paged_op
 from flax_ringattn._src.paged.context_parallel import owned_page_ids
+from flax_ringattn._src.ring.op import ring_attention
 
 F32 = jnp.float32
 
@@ -67,6 +70,7 @@ def paged_ring_prefill(
   block_sizes=None,
   interpret=None,
   checked: bool = False,
+  schedule: str = "auto",
   mesh=None,
   seq_axis=None,
   axis_name=None,
@@ -84,7 +88,10 @@ def paged_ring_prefill(
       table), pages spread over `seq_axis`; scales per token ([P, page_size, K]) as the cache keeps them.
     slot, num_tokens: the slot and the prompt's real tokens (<= Tp; the rest of the Tp rows is padding).
     local_window_size, logits_soft_cap, scale, sinks, implementation, block_sizes, interpret, checked: as for
-      `paged_attention`.
+      `paged_attention` (block_sizes for the paged kernel; the ring of pass-KV plans its own tiles).
+    schedule: "auto" (default): pass-KV for a fresh slot (nothing cached before the prompt: the K/V shards
+      travel the ring of `ring_attention`, fewer bytes than q and its accumulator for GQA), pass-Q otherwise
+      (q travels, each device attends its own pages, cached prefix included); "pass_q": always pass-Q.
     mesh, seq_axis, head_axis: the mesh, its axis the pages and the prompt are spread over, and optionally an
       axis the kv heads are split over; or `axis_name` inside your own `jax.shard_map` (q, k, v then this
       device's Tp / n rows, the pages its shard).
@@ -93,6 +100,8 @@ def paged_ring_prefill(
     (out [Tp, N, Hv] in q.dtype and in the prompt's layout (padding rows 0), k_pages, v_pages, k_scale,
     v_scale) with the prompt's K/V stored in its pages.
   """
+  if schedule not in ("auto", "pass_q"):
+    raise ValueError(f"schedule={schedule!r} must be 'auto' or 'pass_q'")
   if axis_name is None and mesh is None:
     raise ValueError("paged_ring_prefill needs mesh=... with seq_axis=..., or axis_name=... inside your shard_map")
   if any(x is not None and getattr(x, "ndim", 0) != 3 for x in (k_scale, v_scale)):
@@ -135,6 +144,16 @@ def paged_ring_prefill(
   _check_placement(kv_lens, page_indices, slot, num_tokens, rows * n, n, k_pages.shape[1], num_pages, checked)
   kernel = paged_op.PagedKernel(spec=call.spec, backend=call.backend)
   compact = call.spec.mask.window is None
+  ring = functools.partial(
+    ring_attention,
+    is_causal=True,
+    load_balance=True,
+    local_window_size=local_window_size,
+    logits_soft_cap=logits_soft_cap,
+    scale=call.spec.scale,
+    implementation=implementation,
+    interpret=interpret,
+  )
 
   def prefill(sinks, q, k, v, k_pages, v_pages, kv_lens, table, slot, num_tokens, k_scale, v_scale):
     ring_n, sizes, _, member = layout.ring_geometry(axis)
@@ -145,25 +164,38 @@ def paged_ring_prefill(
     k_pages, v_pages, k_scale, v_scale = _write(
       k, v, k_pages, v_pages, k_scale, v_scale, row, chunks(layout.ring_shard(member, sizes)), ps
     )
-    o = jnp.zeros((*q.shape[:2], v_pages.shape[3]), F32)
-    lse = jnp.full(q.shape[:2], -jnp.inf, F32)
-    q_visit = q
-    for h in range(ring_n):
-      st, ql = chunks(layout.ring_shard((member - h) % ring_n, sizes))
-      lens, tables = zip(*(_view(row, st[i], ql[i], c // ps, ps, compact) for i in range(2)), strict=True)
-      meta = (
-        jnp.stack(lens),
-        jnp.stack(tables),
-        jnp.stack([0, ql[0], ql[0] + ql[1]]).astype(i32),
-        jnp.full((1,), 2, i32),
-      )
-      o_h, lse_h = call.backend.fwd(q_visit, k_pages, v_pages, *meta, k_scale, v_scale, spec=call.spec)
-      o, lse = flash.merge_rows(o, lse, o_h.astype(F32), lse_h)
-      if h + 1 < ring_n:
-        q_visit = layout.rotate(q_visit, axis, ring_n)
-      o, lse = layout.rotate((o, lse), axis, ring_n)
-    o, _ = flash.apply_sinks(kernel, o, lse, sinks)
-    return o.astype(q.dtype), k_pages, v_pages, k_scale, v_scale
+
+    def pass_q():
+      o = jnp.zeros((*q.shape[:2], v_pages.shape[3]), F32)
+      lse = jnp.full(q.shape[:2], -jnp.inf, F32)
+      q_visit = q
+      for h in range(ring_n):
+        st, ql = chunks(layout.ring_shard((member - h) % ring_n, sizes))
+        lens, tables = zip(*(_view(row, st[i], ql[i], c // ps, ps, compact) for i in range(2)), strict=True)
+        meta = (
+          jnp.stack(lens),
+          jnp.stack(tables),
+          jnp.stack([0, ql[0], ql[0] + ql[1]]).astype(i32),
+          jnp.full((1,), 2, i32),
+        )
+        o_h, lse_h = call.backend.fwd(q_visit, k_pages, v_pages, *meta, k_scale, v_scale, spec=call.spec)
+        o, lse = flash.merge_rows(o, lse, o_h.astype(F32), lse_h)
+        if h + 1 < ring_n:
+          q_visit = layout.rotate(q_visit, axis, ring_n)
+        o, lse = layout.rotate((o, lse), axis, ring_n)
+      return flash.apply_sinks(kernel, o, lse, sinks)[0].astype(q.dtype)
+
+    def pass_kv():
+      # A fresh slot: the prompt is the whole context, so the K/V shards travel the ring instead (the ring of
+      # `ring_attention` on the zigzag layout), as the pages store them (quantized values dequantized).
+      kd, vd = (_as_stored(x, pages, scale) for x, pages, scale in ((k, k_pages, k_scale), (v, v_pages, v_scale)))
+      out = ring(q[None], kd.astype(q.dtype)[None], vd.astype(q.dtype)[None], sinks=sinks, axis_name=axis)[0]
+      real = chunks(layout.ring_shard(member, sizes))[1]
+      rows = jnp.arange(q.shape[0])
+      return jnp.where((rows % c < real[rows // c])[:, None, None], out, 0).astype(q.dtype)
+
+    out = jax.lax.cond(start == 0, pass_kv, pass_q) if schedule == "auto" else pass_q()
+    return out, k_pages, v_pages, k_scale, v_scale
 
   args = (sinks, q, k, v, k_pages, v_pages, kv_lens, page_indices, slot, num_tokens, call.k_scale, call.v_scale)
   if axis_name is not None:
@@ -207,6 +239,13 @@ def _view(row, first, real, chunk_pages: int, ps: int, compact: bool):
   own = row[jnp.clip(col + j - cb, 0, pps - 1)]
   table = jnp.where(j < cb, earlier, jnp.where(j - cb < chunk_pages, own, -1))
   return cb * ps + real, table
+
+
+def _as_stored(x, pages, scale):
+  """x [T, K, H | Hv] as the pages give it back: stored in their dtype (quantized per token with a scale),
+  dequantized to float32, so that pass-KV sees the values pass-Q reads from the pages."""
+  stored, s = storage.quantize(pages.dtype, scale is not None, x)
+  return common.dequantize(stored, s)
 
 
 def _write(k, v, k_pages, v_pages, k_scale, v_scale, row, chunk, ps: int):
