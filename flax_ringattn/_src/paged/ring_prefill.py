@@ -12,22 +12,28 @@ Worked example, n = 2, page_size 4, a 13-token prompt into an empty slot: Tp = 1
     shard 0       c0 c3: positions 0-3, 12 (13-15 padding), in pages of device 0
     shard 1       c1 c2: positions 4-11,                    in pages of device 1
 
-Schedule (pass-Q), inside `jax.shard_map` over the axis, on device e of n:
+Schedules, inside `jax.shard_map` over the axis, on device e of n (both start by writing e's rows of K/V into
+e's own pages, the prompt's chunks e and 2n - 1 - e):
 
-    write  : e's rows of K/V into e's own pages (the prompt's chunks e and 2n - 1 - e)
-    hop h  : the q shard of device e - h attends over e's pages: its two chunks are two sequences of the paged
-             kernel over a *compacted* page table (e's pages before the chunk, in order, then the chunk's own
-             pages if e holds it), so the kernel reads and computes over 1/n of the context and the causal mask
-             stays exact; (o, lse) merges into the accumulator travelling with that q
-    rotate : q to e + 1 (n - 1 times) and the accumulator with it (n times: it comes home)
+    pass-KV (a fresh slot: the prompt is the whole context; schedule "auto")
+             the ring of `ring_attention` on the zigzag layout over the prompt's K/V shards, as the pages store
+             them (quantized values dequantized): each hop moves K/V [Tp / n, K, H + Hv]
+    pass-Q  (a cached prefix, or schedule "pass_q")
+      hop h  : the q shard of device e - h attends over e's pages: its two chunks are two sequences of the paged
+               kernel over a *compacted* page table (e's pages before the chunk, in order, then the chunk's own
+               pages if e holds it), so the kernel reads and computes over 1/n of the context and the causal
+               mask stays exact; (o, lse) merges into the accumulator travelling with that q
+      rotate : q to e + 1 (n - 1 times) and the accumulator with it (n times: it comes home)
 
-Compaction relies on every earlier token being visible to a prompt row, which a causal mask without a window
-gives; with `local_window_size` the tables keep global columns (pages not on e masked), exact but with
+"auto" picks at run time (`lax.cond` on the slot's start, a replicated value, so every device takes the same
+branch).  Compaction relies on every earlier token being visible to a prompt row, which a causal mask without a
+window gives; with `local_window_size` the tables keep global columns (pages not on e masked), exact but with
 compute over the whole context on every device.  Each device holds Tp / n rows of q, k, v and the output, so
-activations are O(T / n) and the model's MLP runs on its shard.  A hop moves q [Tp / n, N, H] and the
+activations are O(T / n) and the model's MLP runs on its shard.  A pass-Q hop moves q [Tp / n, N, H] and the
 accumulator [Tp / n, N, Hv + 1] in f32: independent of the cached context, so a prompt extending a long context
-(chunked prefill) costs the same per hop as a fresh one (pass-KV would move the cache).  The sinks, applied
-to the merged rows, enter once.  Serving only: not differentiable.
+(chunked prefill) costs the same per hop as a fresh one, where pass-KV would move the cache; for a fresh GQA
+prompt pass-KV moves fewer bytes.  The sinks, applied to the merged rows, enter once.  Serving only: not
+differentiable.
 """
 
 from __future__ import annotations
