@@ -58,14 +58,21 @@ def compact_decode_rows(kv_lens, table, cu_q_lens, num_seqs, page_size: int):
   its pages (local ids, -1 elsewhere in `table`) moved to the front in column order, its length their tokens.
   Every page but a sequence's last is full, so the local positions stay dense and the decode row, at the last
   local position, still sees every key it saw.  Other sequences are returned unchanged."""
-  S, pps = table.shape
-  j = jnp.arange(pps)[None]
+  j = jnp.arange(table.shape[1])[None]
   used = (table >= 0) & (j * page_size < kv_lens[:, None])
   tokens = jnp.sum(jnp.where(used, jnp.clip(kv_lens[:, None] - j * page_size, 0, page_size), 0), axis=1)
-  to = jnp.where(used, jnp.cumsum(used, axis=1) - 1, pps)  # where each used page goes; pps: dropped
-  compacted = jnp.full_like(table, -1).at[jnp.arange(S)[:, None], to].set(table, mode="drop")
+  compacted, _ = compact(table, used)
   decode = metadata.seq_q_lens(cu_q_lens, num_seqs) == 1
   return jnp.where(decode, tokens.astype(kv_lens.dtype), kv_lens), jnp.where(decode[:, None], compacted, table)
+
+
+def compact(table, keep):
+  """(table [S, pps] with each row's entries where `keep` moved to its front in column order and -1 after them,
+  how many each row kept [S]): a device's own pages of a sequence as one dense local sequence."""
+  S, pps = table.shape
+  to = jnp.where(keep, jnp.cumsum(keep, axis=1) - 1, pps)  # where each kept entry goes; pps: dropped
+  out = jnp.full_like(table, -1).at[jnp.arange(S)[:, None], to].set(table, mode="drop")
+  return out, jnp.sum(keep, axis=1).astype(jnp.int32)
 
 
 def merge_partials(o, lse, axis_name):

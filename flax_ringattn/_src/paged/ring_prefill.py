@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec
 from flax_ringattn._src import flash, layout, sharding, validation
 from flax_ringattn._src.paged import allocator, common, storage
 from flax_ringattn._src.paged import op as paged_op
+from flax_ringattn._src.paged.context_parallel import compact as compact_pages
 from flax_ringattn._src.paged.context_parallel import owned_page_ids
 from flax_ringattn._src.ring.op import ring_attention
 
@@ -162,14 +163,17 @@ def paged_ring_prefill(
   )
 
   def prefill(sinks, q, k, v, k_pages, v_pages, kv_lens, table, slot, num_tokens, k_scale, v_scale):
-    ring_n, sizes, _, member = layout.ring_geometry(axis)
+    ring_n, sizes, shard, member = layout.ring_geometry(axis)
     row = owned_page_ids(table[slot], axis, k_pages.shape[0])  # [pps] this device's local ids, -1 elsewhere
     start = kv_lens[slot] - num_tokens  # < 0: the slot was refused (overflowed): nothing stored, nothing seen
     ps, c = k_pages.shape[1], q.shape[0] // 2
     chunks = _chunks(start, num_tokens, c, ring_n)
-    k_pages, v_pages, k_scale, v_scale = _write(
-      k, v, k_pages, v_pages, k_scale, v_scale, row, chunks(layout.ring_shard(member, sizes)), ps
+    own = chunks(shard)
+    # The prompt's K/V as the pages store them (quantized once: written here, read back by pass-KV).
+    k_st, v_st = (
+      storage.quantize(p.dtype, sc is not None, x) for p, sc, x in ((k_pages, k_scale, k), (v_pages, v_scale, v))
     )
+    k_pages, v_pages, k_scale, v_scale = _write(k_st, v_st, k_pages, v_pages, k_scale, v_scale, row, own, ps)
 
     def pass_q():
       o = jnp.zeros((*q.shape[:2], v_pages.shape[3]), F32)
@@ -194,11 +198,10 @@ def paged_ring_prefill(
     def pass_kv():
       # A fresh slot: the prompt is the whole context, so the K/V shards travel the ring instead (the ring of
       # `ring_attention` on the zigzag layout), as the pages store them (quantized values dequantized).
-      kd, vd = (_as_stored(x, pages, scale) for x, pages, scale in ((k, k_pages, k_scale), (v, v_pages, v_scale)))
-      out = ring(q[None], kd.astype(q.dtype)[None], vd.astype(q.dtype)[None], sinks=sinks, axis_name=axis)[0]
-      real = chunks(layout.ring_shard(member, sizes))[1]
+      kd, vd = (common.dequantize(*x).astype(q.dtype)[None] for x in (k_st, v_st))
+      out = ring(q[None], kd, vd, sinks=sinks, axis_name=axis)[0]
       rows = jnp.arange(q.shape[0])
-      return jnp.where((rows % c < real[rows // c])[:, None, None], out, 0).astype(q.dtype)
+      return jnp.where((rows % c < own[1][rows // c])[:, None, None], out, 0).astype(q.dtype)
 
     out = jax.lax.cond(start == 0, pass_kv, pass_q) if schedule == "auto" else pass_q()
     return out, k_pages, v_pages, k_scale, v_scale
@@ -239,33 +242,25 @@ def _view(row, first, real, chunk_pages: int, ps: int, compact: bool):
   col = first // ps
   if not compact:
     return first + real, jnp.where(j < col + chunk_pages, row, -1)
-  before = (row >= 0) & (j < col)
-  cb = jnp.sum(before).astype(jnp.int32)
-  earlier = row[jnp.argsort(~before, stable=True)]
+  earlier, cb = (x[0] for x in compact_pages(row[None], ((row >= 0) & (j < col))[None]))
   own = row[jnp.clip(col + j - cb, 0, pps - 1)]
   table = jnp.where(j < cb, earlier, jnp.where(j - cb < chunk_pages, own, -1))
   return cb * ps + real, table
 
 
-def _as_stored(x, pages, scale):
-  """x [T, K, H | Hv] as the pages give it back: stored in their dtype (quantized per token with a scale),
-  dequantized to float32, so that pass-KV sees the values pass-Q reads from the pages."""
-  stored, s = storage.quantize(pages.dtype, scale is not None, x)
-  return common.dequantize(stored, s)
-
-
-def _write(k, v, k_pages, v_pages, k_scale, v_scale, row, chunk, ps: int):
-  """This device's prompt rows (its two chunks) into its own pages; padding and refused rows go nowhere."""
+def _write(k_st, v_st, k_pages, v_pages, k_scale, v_scale, row, chunk, ps: int):
+  """This device's prompt rows (its two chunks; k_st, v_st as `storage.quantize` gives them) into its own pages;
+  padding and refused rows go nowhere."""
   first, real = chunk
-  c = k.shape[0] // 2
+  c = k_st[0].shape[0] // 2
   i = jnp.arange(2 * c)
   half = i // c
   pos = first[half] + i % c
   ok = (i % c < real[half]) & (pos >= 0)
   page = row[jnp.clip(pos // ps, 0, row.shape[0] - 1)]
   page = jnp.where(ok & (page >= 0), page, k_pages.shape[0])
-  k_pages, k_scale = storage.store(k_pages, k_scale, page, pos % ps, k)
-  v_pages, v_scale = storage.store(v_pages, v_scale, page, pos % ps, v)
+  k_pages, k_scale = storage.write(k_pages, k_scale, page, pos % ps, *k_st)
+  v_pages, v_scale = storage.write(v_pages, v_scale, page, pos % ps, *v_st)
   return k_pages, v_pages, k_scale, v_scale
 
 
@@ -295,16 +290,16 @@ def _check_placement(kv_lens, table, slot, num_tokens, Tp: int, n: int, ps: int,
   concrete = validation.all_concrete(kv_lens, table, slot, num_tokens)
   if not concrete and not checked:
     return
-  xp = np if concrete else jnp  # numpy on concrete arrays: no mesh context needed for arrays typed on one
-  kv_lens, table, slot, num_tokens = (np.asarray(x) if concrete else x for x in (kv_lens, table, slot, num_tokens))
+  if concrete:  # on the host: arrays typed on a mesh need no mesh context there
+    kv_lens, table, slot, num_tokens = (np.asarray(x) for x in (kv_lens, table, slot, num_tokens))
   start = kv_lens[slot] - num_tokens
-  j = xp.arange(table.shape[1])
-  c = (j - start // ps) // (Tp // (2 * n * ps))
+  # The owner reserve_prefill gives each column (the prompt's from `start` on), and where its page lies.
+  want = allocator.prefill_owners(jnp.asarray(kv_lens).at[slot].set(start), slot, Tp, ps, table.shape[1], n)[slot]
+  j = jnp.arange(table.shape[1])
   used = (start >= 0) & (j * ps >= start) & (j * ps < start + num_tokens)
-  want = xp.where(c < n, c, 2 * n - 1 - c)
-  ids = table[slot]
+  ids = jnp.asarray(table)[slot]
   bad = used & ((ids < 0) | (ids // (num_pages // n) != want))
-  col = xp.argmax(bad)
+  col = jnp.argmax(bad)
   message = (
     "paged_ring_prefill: page column {col} of slot {s} (page id {pid}) must lie on device {want} of n={n}, whose "
     "prompt shard holds its tokens: reserve the prompt's pages with PagedKVCache.reserve_prefill(slot, num_tokens, "
@@ -312,7 +307,7 @@ def _check_placement(kv_lens, table, slot, num_tokens, Tp: int, n: int, ps: int,
   )
   values = dict(col=col, s=slot, pid=ids[col], want=want[col], n=n)
   if concrete:
-    if bad.any():
+    if bool(jnp.any(bad)):
       raise ValueError(message.format(**{k: int(x) for k, x in values.items()}))
   else:
     checkify.check(~jnp.any(bad), message, **{k: jnp.asarray(x, jnp.int32) for k, x in values.items()})

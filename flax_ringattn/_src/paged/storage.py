@@ -34,5 +34,9 @@ def quantize(dtype, scaled: bool, x):
 def store(pages, scale, page, slot, x):
   """Writes x [T, K, H | Hv] at (page, slot); quantizes per token and head when `scale` is kept.  Spread over a
   mesh axis, each device stores the tokens whose pages it owns."""
-  stored, s = quantize(pages.dtype, scale is not None, x)
+  return write(pages, scale, page, slot, *quantize(pages.dtype, scale is not None, x))
+
+
+def write(pages, scale, page, slot, stored, s):
+  """`store` of tokens already in the pages' form: `quantize`'s (stored, per-token scales or None)."""
   return allocator.scatter_set(pages, (page, slot), stored), allocator.scatter_set(scale, (page, slot), s)
