@@ -344,22 +344,12 @@ def random_step(rng, s: Setup, rows: int) -> tuple[np.ndarray, ...]:
 
 def compile_count(s: Setup, sharded: Callable, steps: int, seed: int) -> tuple[int, float]:
   """(traces of one jitted sharded step over `steps` random batch compositions, median step seconds)."""
-  traces = 0
-
-  def step(q, k, v, kv_lens, table, cu, num):
-    nonlocal traces
-    traces += 1
-    return sharded(q, k, v, kv_lens, table, cu, num)
-
-  jitted = jax.jit(step)
   rng = np.random.default_rng(seed + 1)
   rows = 8 * len(s.lens)
   q = jnp.asarray(rng.standard_normal((rows, NUM_Q_HEADS, HEAD_DIM), np.float32))
   metas = [[jnp.asarray(x, jnp.int32) for x in random_step(rng, s, rows)] for _ in range(steps)]
-  metas = iter(metas)
-  k, v = s.cache.k_pages, s.cache.v_pages
-  times = time_interleaved({"step": lambda: jitted(q, k, v, *next(metas))}, steps - 1)["step"]
-  return traces, median(times or [float("nan")])
+  traces, step_s = bench.count_compiles(sharded, [(q, s.cache.k_pages, s.cache.v_pages, *m) for m in metas])
+  return traces, float("nan") if step_s is None else step_s
 
 
 # ------------------------------------------------------------------------------------------

@@ -393,23 +393,15 @@ def random_step(rng, S, T, pps, num_pages, max_prefill) -> tuple[np.ndarray, ...
 
 def compile_count(attn_blocks: Callable, pool: Pool, work: Workload, steps: int, seed: int) -> tuple[int, float]:
   """(traces of the jitted ragged step over `steps` random batches, median step seconds)."""
-  traces = 0
-
-  def step(q, k, v, kv_lens, table, cu, n):
-    nonlocal traces
-    traces += 1
-    return attn_blocks(q, k, v, kv_lens, table, cu, n)
-
-  jitted = jax.jit(step)
   rng = np.random.default_rng(seed + 1)
   S, T = work.num_seqs, work.new_tokens
   pps = int(pages_for(work.kv_lens.max()))
   q = jnp.asarray(rng.standard_normal((T, NUM_Q_HEADS, HEAD_DIM), np.float32), pool.k.dtype)
   # Every round a new batch (drawn before timing); the first, untimed, compiles.
   metas = [random_step(rng, S, T, pps, pool.k.shape[0], max(work.prefill_lens, default=1)) for _ in range(steps)]
-  metas = iter([[jnp.asarray(x, jnp.int32) for x in meta] for meta in metas])
-  times = time_interleaved({"step": lambda: jitted(q, pool.k, pool.v, *next(metas))}, steps - 1)["step"]
-  return traces, median(times or [float("nan")])
+  calls = [(q, pool.k, pool.v, *(jnp.asarray(x, jnp.int32) for x in meta)) for meta in metas]
+  traces, step_s = bench.count_compiles(attn_blocks, calls)
+  return traces, float("nan") if step_s is None else step_s
 
 
 # ------------------------------------------------------------------------------------------

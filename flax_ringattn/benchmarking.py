@@ -5,7 +5,8 @@
   `block_until_ready`'d; `paired_ratio(slow, fast)` gives the median of the
   per-round ratios (`Paired.ratio`) and the rounds the faster one lost;
   `measure_matmul_flops` the rate of one device; `machine()` a line on the
-  host, JAX and its devices.
+  host, JAX and its devices; `count_compiles(fn, calls)` the traces of a jitted
+  step over changing arguments, and its median time.
 * checks before timing: `compare(name, got, want, *, tol, metric)` makes a
   `Check`; `Report.require(checks)` exits with `EXIT_WRONG_RESULT` (1) before
   anything is timed when one fails.
@@ -33,6 +34,7 @@ from flax_ringattn._src.perf.harness import (
   Report,
   add_report_args,
   compare,
+  count_compiles,
   error,
   machine,
   markdown_table,
@@ -61,6 +63,7 @@ __all__ = [
   "compare",
   "compiled_stats",
   "cost",
+  "count_compiles",
   "error",
   "fwd_bwd",
   "hardware",

@@ -223,6 +223,16 @@ def test_time_interleaved_rotates_warms_up_and_drops_a_failing_candidate():
     bench.time_interleaved({"d": lambda: 1 / 0}, 1, warmup=0)
 
 
+def test_count_compiles_counts_traces_and_times_the_calls_after_the_first():
+  seen = []
+  fn = lambda x, n: (seen.append(1), x * n)[1]  # noqa: E731 -- appends once per trace
+  same = [(jnp.ones(3), i) for i in range(4)]
+  traces, step_s = bench.count_compiles(fn, same)
+  assert traces == 1 == len(seen) and step_s > 0
+  traces, _ = bench.count_compiles(fn, [(jnp.ones(3), 1), (jnp.ones(4), 1)])  # a new shape traces again
+  assert traces == 2
+
+
 def test_paired_ratio_is_the_median_of_per_round_ratios():
   slow, fast = [2.0, 9.0, 4.0, 1.0], [1.0, 3.0, 2.0, 2.0]
   paired = bench.paired_ratio(slow, fast)

@@ -76,6 +76,23 @@ def time_interleaved(
   return times
 
 
+def count_compiles(fn: Callable, calls: Sequence[tuple]) -> tuple[int, float | None]:
+  """(traces of `jax.jit(fn)` over the argument tuples `calls`, run in order, and the median seconds of every
+  call after the first, which compiles): the compile count of a step whose shapes never change (1 is right)."""
+  import jax
+
+  traces = 0
+
+  def counted(*args):
+    nonlocal traces
+    traces += 1  # runs once per trace, not per call
+    return fn(*args)
+
+  jitted, args = jax.jit(counted), iter(calls)
+  times = time_interleaved({"step": lambda: jitted(*next(args))}, len(calls) - 1)["step"]
+  return traces, median(times)
+
+
 def median(xs: Sequence[float]) -> float | None:
   return statistics.median(xs) if len(xs) else None
 
