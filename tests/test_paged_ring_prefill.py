@@ -416,14 +416,15 @@ def test_one_compile_across_prompts():
     num_pages=64, page_size=4, max_num_seqs=3, pages_per_seq=48, num_kv_heads=2, head_dim=8, mesh=mesh, seq_axis="sp"
   )
   rng = np.random.default_rng(7)
-  for slot, t in [(0, 64), (1, 5), (2, 33), (1, 64), (0, 17)]:  # slot 1's second prompt starts at 8 (aligned)
+  # Fresh slots (pass-KV) and prompts after a cached prefix (pass-Q: slots 1 and 0 again, from 8 and 64 tokens).
+  for slot, t in [(0, 64), (1, 8), (2, 33), (1, 64), (0, 17)]:
     q = _tokens(rng, Tp, 4, 8)
     k, v = _tokens(rng, Tp, 2, 8), _tokens(rng, Tp, 2, 8)
-    if slot == 1 and int(cache.kv_lens[1]) % 4:
-      continue
     cache, out = step(cache, q, k, v, slot, t)
     assert not np.any(np.isnan(np.asarray(out)))
   assert len(traces) == 1
+  np.testing.assert_array_equal(cache.kv_lens, [81, 72, 33])
+  assert not np.any(cache.overflowed)
 
 
 def test_layer_prefill_then_decode_matches_one_device():
