@@ -27,6 +27,8 @@ local batch / head indices into global ones.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -61,9 +63,12 @@ def threshold(rate: float) -> int:
 
 def check_rate(dropout_rate) -> float:
   if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float)):
-    raise TypeError(f"dropout_rate must be a Python float, got {type(dropout_rate).__name__}")
+    raise TypeError(
+      f"dropout_rate must be a Python float, got {type(dropout_rate).__name__} {dropout_rate!r} (a probability in "
+      "[0, 1))"
+    )
   if not 0.0 <= dropout_rate < 1.0:
-    raise ValueError(f"{dropout_rate=} must be in [0, 1)")
+    raise ValueError(f"{dropout_rate=} must be in [0, 1) (the probability of dropping an attention weight)")
   return float(dropout_rate)
 
 
@@ -87,10 +92,35 @@ def keep_scale(kept, rate: float):
   return jnp.where(kept, jnp.float32(1.0 / (1.0 - rate)), jnp.float32(0.0))
 
 
+@functools.cache
+def _raw_key_shape() -> tuple[int, ...]:
+  """The shape of a legacy uint32 key (`jax.random.PRNGKey`) of the default PRNG implementation: (2,) for
+  threefry."""
+  return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape)
+
+
+def check_rng(rng):
+  """`dropout_rng` must be one JAX PRNG key: a typed key array of shape () (`jax.random.key(seed)`) or a legacy
+  uint32 key (`jax.random.PRNGKey(seed)`, uint32[2] for threefry).  Anything else (an int seed, a float array, a
+  batch of keys) is a TypeError here instead of JAX's "invalid PRNG key data" deep in the call."""
+  if rng is None:
+    raise ValueError("dropout_rate > 0 needs dropout_rng=... (a jax.random key: pass jax.random.key(seed))")
+  shape, dtype = getattr(rng, "shape", None), getattr(rng, "dtype", None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if tuple(shape) == ():
+      return rng
+  elif dtype == jnp.uint32 and tuple(shape) == _raw_key_shape():
+    return rng
+  what = f"{type(rng).__name__} {rng!r}" if shape is None else f"an array of shape {tuple(shape)} and dtype {dtype}"
+  raise TypeError(
+    f"dropout_rng must be one jax.random key, got {what}: pass jax.random.key(seed) (or a legacy "
+    f"jax.random.PRNGKey(seed), uint32{list(_raw_key_shape())})"
+  )
+
+
 def seed_operand(rng):
   """int32[4] (seed0, seed1, 0, 0) from a JAX PRNG key (typed or raw uint32)."""
-  if rng is None:
-    raise ValueError("dropout_rate > 0 needs dropout_rng=... (a jax.random key)")
+  rng = check_rng(rng)
   bits = jax.random.bits(rng, (2,), jnp.uint32)
   seed = jax.lax.bitcast_convert_type(bits, jnp.int32)
   return jnp.concatenate([seed, jnp.zeros((2,), jnp.int32)])

@@ -23,6 +23,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from flax_ringattn._src import validation
+
 # Tile classes shared by the ring loop and every backend.
 EMPTY = 0  # no pair is visible: skip all work
 PARTIAL = 1  # some pairs are visible: apply the elementwise mask
@@ -240,12 +242,17 @@ def structure_from_dense_mask(mask, *, local_window_size=None):
     equals `mask` in every entry (every head included).  Costs a few
     elementwise passes and reductions over the mask (no matmul).
   """
+  window = validation.normalize_window(local_window_size)
   m = jnp.asarray(mask)
   if m.dtype != jnp.bool_:
     m = m != 0  # a [B, T, S] bool copy; a bool mask is read in place by every reduction below
   if m.ndim == 3:
     m = m[:, None]
   B, _, T, S = m.shape
+  if 0 in m.shape:
+    # No entry to recover from: every query sees nothing, which the padding ids say exactly.
+    q_ids, kv_ids = jnp.full((B, T), PAD_Q_ID, jnp.int32), jnp.full((B, S), PAD_KV_ID, jnp.int32)
+    return jnp.asarray(True), q_ids, kv_ids, jnp.asarray(True)
   m0 = m[:, 0]  # [B, T, S]
   sees = jnp.any(m0, axis=-1)  # [B, T]
   first = jnp.argmax(m0, axis=-1).astype(jnp.int32)
@@ -261,7 +268,7 @@ def structure_from_dense_mask(mask, *, local_window_size=None):
   kv_ids = jnp.where(seen, label, PAD_KV_ID)
   q_ids = jnp.where(sees, jnp.take_along_axis(label, first, axis=1), PAD_Q_ID)
   is_causal = ~_any_pair(m, lambda mv, i, j, qid, kid: mv & (j > i), q_ids, kv_ids)
-  rule = _structure_rule(is_causal, local_window_size)
+  rule = _structure_rule(is_causal, window)
   exact = ~_any_pair(m, lambda mv, i, j, qid, kid: mv != rule(i, j, qid, kid), q_ids, kv_ids)
   return is_causal, q_ids, kv_ids, exact
 
@@ -287,22 +294,20 @@ def dense_mask_from_structure(is_causal, q_ids, kv_ids, *, local_window_size=Non
 
   `local_window_size` is None, w or (left, right), as in `ring_attention`.
   """
+  window = validation.normalize_window(local_window_size)
   T, S = q_ids.shape[1], kv_ids.shape[1]
   pos_q = jnp.arange(T, dtype=jnp.int32)[None, :, None]
   pos_kv = jnp.arange(S, dtype=jnp.int32)[None, None, :]
-  rule = _structure_rule(is_causal, local_window_size)
+  rule = _structure_rule(is_causal, window)
   return rule(pos_q, pos_kv, q_ids[:, :, None], kv_ids[:, None, :])[:, None]
 
 
-def _structure_rule(is_causal, local_window_size):
+def _structure_rule(is_causal, window):
   """visible(i, j, q_id, kv_id), elementwise over broadcastable arrays: [causal] & [window] & (q_id == kv_id).
 
   The one rule `dense_mask_from_structure` builds and `structure_from_dense_mask` verifies against;
   `is_causal` may be traced.
   """
-  window = local_window_size
-  if window is not None and not isinstance(window, tuple | list):
-    window = (int(window), int(window))
-  spec = MaskSpec(window=None if window is None else tuple(window), has_segments=True)
+  spec = MaskSpec(window=window, has_segments=True)
   causal = jnp.asarray(is_causal)
   return lambda i, j, qid, kid: pair_visible(spec, i, j, qid, kid) & ((j <= i) | ~causal)

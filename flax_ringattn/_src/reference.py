@@ -51,7 +51,8 @@ def reference_attention(
 
   Returns:
     [B, T, N, Hv] in q.dtype.  Rows with no visible key are 0 (and get 0
-    gradient), never NaN; with sinks their mass is all in the sink.
+    gradient), never NaN; with sinks their mass is all in the sink.  Empty
+    inputs (B, T, N or S = 0) give zeros of that shape, as in `ring_attention`.
   """
   B, T, S, N, K, H = validation.check_qkv(q, k, v)
   scale = validation.check_scale(scale, H)
@@ -64,6 +65,11 @@ def reference_attention(
   sinks = validation.check_sinks(sinks, N)
   q_pos = validation.check_positions("q_positions", q_positions, T, "T")
   kv_pos = validation.check_positions("kv_positions", kv_positions, S, "S")
+  rate = dropout_lib.check_rate(dropout_rate)
+  validation.check_bool("broadcast_dropout", broadcast_dropout)
+  drop = dropout_lib.seed_operand(dropout_rng) if rate else None
+  if validation.is_empty(q, k):
+    return jnp.zeros((B, T, N, v.shape[3]), q.dtype)
 
   G = N // K
   qf = q.astype(jnp.float32).reshape(B, T, K, G, H)
@@ -85,9 +91,7 @@ def reference_attention(
   if sinks is not None:
     l = l + jnp.exp(sink - m)  # the sink's share of the denominator; it carries no value
   p = p / jnp.where(l == 0.0, 1.0, l)
-  rate = dropout_lib.check_rate(dropout_rate)
   if rate:
-    drop = dropout_lib.seed_operand(dropout_rng)
     keep = dropout_lib.keep_grouped(drop, q_pos, kv_pos, rate=rate, broadcast=broadcast_dropout, B=B, K=K, G=G)
     p = jnp.where(keep, p / (1.0 - rate), 0.0)
   o = jnp.einsum("bkgts,bskh->btkgh", p, vf, precision=hi)

@@ -52,14 +52,30 @@ def check_qkv(q, k, v):
     raise ValueError(f"batch sizes differ: q.shape[0]={B} but k.shape[0]={Bk}")
   if Hk != H:
     raise ValueError(f"head_dim differs: q.shape[3]={H} but k.shape[3]={Hk} (q and k share a head dim)")
+  if H == 0:
+    raise ValueError(f"q and k's head dim H must be positive, got q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}")
   if v.shape[3] == 0:
     raise ValueError(f"v's head dim must be positive, got v.shape={tuple(v.shape)}")
+  if max(T, S) > MAX_WINDOW:
+    raise NotImplementedError(
+      f"sequences of more than 2**30 = {MAX_WINDOW} tokens are not supported (token positions are int32 and a "
+      f"window side is at most 2**30), got q_len T={T}, kv_len S={S}"
+    )
   if K == 0 or N % K:
     raise ValueError(
       f"the number of q heads N={N} must be a multiple of the number of kv heads K={K} "
       f"(GQA/MQA: q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)})"
     )
   return B, T, S, N, K, H
+
+
+def is_empty(q, k) -> bool:
+  """Whether the attention output is all zeros by shape alone: q [B, T, N, H] holds no row (B, T or N is 0), or k
+  [B, S, K, H] no key (S = 0: every row sees no key, and such rows are 0).  The ops then return
+  `jnp.zeros((B, T, N, Hv))` after their checks (as `jax.nn.dot_product_attention` returns its empty output), and
+  its gradients are zeros of the inputs' shapes."""
+  B, T, N, _ = q.shape
+  return 0 in (B, T, N, k.shape[1])
 
 
 def check_sinks(sinks, N: int, *, what: str = "q heads N"):
@@ -75,8 +91,18 @@ def check_sinks(sinks, N: int, *, what: str = "q heads N"):
   return sinks
 
 
+# The widest window side the library hands down.  Positions are int32 and every sequence the library can address
+# has at most 2**30 tokens (`check_qkv`), so a side of 2**30 or more already covers the whole sequence; clamping
+# keeps `pos + right` and `pos - left` (positions < 2**30) inside int32 in every kernel, strategy and reference.
+MAX_WINDOW = 2**30
+
+
 def normalize_window(local_window_size):
-  """int w -> (w, w); (left, right) -> itself; None -> None (jax.nn semantics)."""
+  """int w -> (w, w); (left, right) -> itself; None -> None (jax.nn semantics).
+
+  Each side is clamped to `MAX_WINDOW`: a wider one sees the same keys (there are fewer than 2**30 positions),
+  and the clamp keeps the int32 mask arithmetic from overflowing.  Every entry point that takes a window calls
+  this, so every kernel, strategy, the reference and the dense-mask recovery see the clamped value."""
   if local_window_size is None:
     return None
   if isinstance(local_window_size, numbers.Integral) and not isinstance(local_window_size, bool):
@@ -91,7 +117,7 @@ def normalize_window(local_window_size):
     raise TypeError(f"local_window_size must be an int or a (left, right) pair of ints, got {local_window_size!r}")
   if left < 0 or right < 0:
     raise ValueError(f"local_window_size must be non-negative, got {local_window_size=}")
-  return (left, right)
+  return (min(left, MAX_WINDOW), min(right, MAX_WINDOW))
 
 
 def normalize_segment_ids(segment_ids, B: int, T: int, S: int):

@@ -36,6 +36,46 @@ def check_keywords(cls, kwargs):
   )
 
 
+def check_layer_arguments(
+  cls_name: str, *, num_heads, in_features, qkv_features, out_features, num_kv_heads, in_kv_features
+):
+  """The sizes of an attention layer's constructor, checked before flax builds anything.
+
+  Every one is a positive int (the optional ones may be None: flax then takes in_features, or num_heads for
+  num_kv_heads); qkv_features (default in_features) splits into num_heads heads and num_heads into num_kv_heads
+  groups (GQA).  TypeError for a non-int, ValueError for a bad value, each naming `cls_name`, the argument and
+  its value (flax's own checks would divide by zero, or fail at the first call).
+  """
+  sizes = dict(
+    num_heads=(num_heads, False),
+    in_features=(in_features, False),
+    qkv_features=(qkv_features, True),
+    out_features=(out_features, True),
+    num_kv_heads=(num_kv_heads, True),
+    in_kv_features=(in_kv_features, True),
+  )
+  for name, (value, optional) in sizes.items():
+    if value is None and optional:
+      continue
+    expected = "a positive int" + (" or None" if optional else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+      raise TypeError(f"{cls_name}: {name} must be {expected}, got {name}={value!r} ({type(value).__name__})")
+    if value < 1:
+      raise ValueError(f"{cls_name}: {name} must be {expected}, got {name}={value}")
+  qkv = in_features if qkv_features is None else qkv_features
+  if qkv % num_heads:
+    which = f"qkv_features={qkv}" if qkv_features is not None else f"qkv_features (default in_features={qkv})"
+    raise ValueError(
+      f"{cls_name}: {which} must be a multiple of num_heads={num_heads}: each head gets qkv_features // num_heads "
+      "features"
+    )
+  if num_kv_heads is not None and num_heads % num_kv_heads:
+    raise ValueError(
+      f"{cls_name}: num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads} (GQA: each kv head "
+      "serves num_heads // num_kv_heads q heads)"
+    )
+
+
 def head_sharding_metadata(head_axis, mesh, *, kernel_metadata, bias_metadata, out_kernel_metadata, out_bias_metadata):
   """Parameter metadata of nnx.MultiHeadAttention with the heads on `head_axis`.
 

@@ -12,9 +12,17 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from flax_ringattn._src import sharding, validation
-from flax_ringattn._src.nnx.common import build_head_options, check_keywords, head_sharding_metadata, place_params
+from flax_ringattn._src.nnx.common import (
+  build_head_options,
+  check_keywords,
+  check_layer_arguments,
+  head_sharding_metadata,
+  place_params,
+)
 from flax_ringattn._src.paged import common as paged_common
+from flax_ringattn._src.paged import contracts
 from flax_ringattn._src.paged.cache import PagedKVCache
+from flax_ringattn._src.paged.implementations import check_implementation
 from flax_ringattn._src.paged.op import paged_attention, paged_attention_with_cache_write, uses_fused_cache_write
 from flax_ringattn._src.paged.ring_prefill import paged_ring_prefill
 
@@ -93,7 +101,21 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     **kwargs,
   ):
     check_keywords(type(self), kwargs)
+    check_layer_arguments(
+      type(self).__name__,
+      num_heads=num_heads,
+      in_features=in_features,
+      qkv_features=qkv_features,
+      out_features=out_features,
+      num_kv_heads=num_kv_heads,
+      in_kv_features=in_kv_features,
+    )
+    # The op's options are checked here, as the op checks them: a bad one fails at construction, not at the first
+    # step.
     local_window_size = paged_common.paged_window(local_window_size, sliding_window)
+    logits_soft_cap = validation.check_soft_cap(logits_soft_cap)
+    implementation = check_implementation(implementation)
+    paged_common.check_block_sizes(block_sizes)
     if kwargs.pop("decode", None) is False:
       raise ValueError(
         "PagedMultiHeadAttention always samples from its paged cache (init_cache(...)); decode=False asks for a "
@@ -187,9 +209,11 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     self.kv_cache = nnx.Cache(cache)
 
   def free(self, slots):
-    """Releases the pages of finished sequences (`slots` [max_num_seqs] bool); freed pages are zeroed."""
-    cache = self._cache().free(slots)
-    self.kv_cache.set_value(cache)
+    """Releases the pages of finished sequences (`slots` [max_num_seqs] bool: True frees the slot; an int array
+    raises `TypeError`); freed pages are zeroed."""
+    cache = self._cache()
+    slots = contracts.slot_mask(slots, cache.max_num_seqs, f"{type(self).__name__}.free")
+    self.kv_cache.set_value(cache.free(slots))
 
   def overflowed(self):
     """[max_num_seqs] bool: slots whose write did not fit; they store nothing more until `free` (see the class)."""
@@ -205,15 +229,14 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       raise ValueError("the paged cache is not initialised: call init_cache(...) first")
     return self.kv_cache.get_value()
 
-  def _fused_step(self, query, key, value, cu_q_lens, num_seqs, options, sinks=None):
-    """Reserve pages in XLA, then attend and write the new K/V in one kernel; None where that kernel does not
-    run (XLA backend, unsupported shapes): the caller appends and attends separately."""
-    cache = self._cache()
-    cu, n = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(num_seqs, jnp.int32)
-    state = (cache.k_pages, cache.v_pages, cache.kv_lens, cache.page_indices, cu, n)
+  def _fused_step(self, cache, query, key, value, cu_q_lens, num_seqs, options, sinks=None):
+    """Reserve pages in XLA, then attend and write the new K/V in one kernel: (out, the new cache); None where
+    that kernel does not run (XLA backend, unsupported shapes): the caller appends and attends separately."""
+    state = (cache.k_pages, cache.v_pages, cache.kv_lens, cache.page_indices, cu_q_lens, num_seqs)
     if not uses_fused_cache_write(query, *state, k_scale=cache.k_scale, v_scale=cache.v_scale, **options):
       return None
-    cache, k_new, v_new, k_sc, v_sc = cache.reserve_append(key, value, cu, n, checked=self.checked)
+    cache, k_new, v_new, k_sc, v_sc = cache.reserve_append(key, value, cu_q_lens, num_seqs, checked=self.checked)
+    cu, n = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(num_seqs, jnp.int32)
     kv_lens, table = cache.attention_view()
     result = paged_attention_with_cache_write(
       query,
@@ -237,9 +260,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     if result is None:
       return None
     out, k_pages, v_pages, k_scale, v_scale = result
-    cache = dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale)
-    self.kv_cache.set_value(cache)
-    return out
+    return out, dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale)
 
   def _project(self, inputs, rows: str):
     """(q [T, N, H], k [T, K, H], v [T, K, Hv]) of `inputs` [T, features]."""
@@ -276,8 +297,10 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
         f"{type(self).__name__}.prefill is the ring prefill over a sequence axis: construct the layer with mesh=... "
         "and seq_axis=... (a one-device cache prefills with __call__)"
       )
+    cache = self._cache()
+    contracts.slot("slot", slot, cache.max_num_seqs, f"{type(self).__name__}.prefill")
     query, key, value = self._project(inputs, "Tp")
-    cache = self._cache().reserve_prefill(slot, num_tokens, padded_len=inputs.shape[0], checked=self.checked)
+    cache = cache.reserve_prefill(slot, num_tokens, padded_len=inputs.shape[0], checked=self.checked)
     kv_lens, table = cache.attention_view()
     out, k_pages, v_pages, k_scale, v_scale = paged_ring_prefill(
       query,
@@ -298,13 +321,15 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       head_axis=self.head_axis,
       **self._options(),
     )
-    self.kv_cache.set_value(
-      dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale)
-    )
     out_sharding = None
     if self.head_axis is not None and sharding.has_explicit_axes(self.mesh, P(self.head_axis)):
       out_sharding = sharding.named(self.mesh, P(self.seq_axis))  # the out projection sums the sharded heads
-    return self.out(out, out_sharding=out_sharding)
+    y = self.out(out, out_sharding=out_sharding)
+    # Assigned last: a prefill that raises leaves the layer's cache as it was.
+    self.kv_cache.set_value(
+      dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale)
+    )
+    return y
 
   def __call__(  # type: ignore[override]
     self,
@@ -334,12 +359,17 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     options = self._options()
     sinks = None if self.sinks is None else self.sinks[...]
     split = self.mesh is not None and (self.head_axis is not None or self.seq_axis is not None)
-    if self.mesh is None or self.head_axis is None:  # the fused write also runs with the pages spread
-      fused = self._fused_step(query, key, value, cu_q_lens, num_seqs, options, sinks)
-      if fused is not None:
-        return self.out(fused)
-    cache = self._cache().append(key, value, cu_q_lens, num_seqs, checked=self.checked)
-    self.kv_cache.set_value(cache)
+    # The layer's cache is assigned only once the step has succeeded: a step that raises (bad metadata, a full
+    # cache, a bad option) leaves it exactly as it was.  The cache methods check the metadata before they write.
+    cache = self._cache()
+    if query.shape[0] > 0:  # an empty step stores nothing: the op checks it and returns [0, N, Hv]
+      if self.mesh is None or self.head_axis is None:  # the fused write also runs with the pages spread
+        fused = self._fused_step(cache, query, key, value, cu_q_lens, num_seqs, options, sinks)
+        if fused is not None:
+          y = self.out(fused[0])
+          self.kv_cache.set_value(fused[1])
+          return y
+      cache = cache.append(key, value, cu_q_lens, num_seqs, checked=self.checked)
     kv_lens, table = cache.attention_view()
     # Heads over head_axis and / or pages over seq_axis: the op's own shard_map over both.
     layout = dict(mesh=self.mesh, seq_axis=self.seq_axis, head_axis=self.head_axis) if split else {}
@@ -349,8 +379,8 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       cache.v_pages,
       kv_lens,
       table,
-      jnp.asarray(cu_q_lens, jnp.int32),
-      jnp.asarray(num_seqs, jnp.int32),
+      cu_q_lens,
+      num_seqs,
       k_scale=cache.k_scale,
       v_scale=cache.v_scale,
       sinks=sinks,
@@ -364,4 +394,6 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     ):
       # The out projection contracts the sharded heads: say where the sum lives.
       out_sharding = sharding.named(self.mesh, P())
-    return self.out(x, out_sharding=out_sharding)
+    y = self.out(x, out_sharding=out_sharding)
+    self.kv_cache.set_value(cache)
+    return y

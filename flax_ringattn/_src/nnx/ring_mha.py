@@ -16,10 +16,17 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from flax_ringattn._src import sharding
-from flax_ringattn._src.nnx.common import build_head_options, check_keywords, head_sharding_metadata, place_params
+from flax_ringattn._src.dropout import check_rate
+from flax_ringattn._src.nnx.common import (
+  build_head_options,
+  check_keywords,
+  check_layer_arguments,
+  head_sharding_metadata,
+  place_params,
+)
 from flax_ringattn._src.ring import strategies
 from flax_ringattn._src.ring.dense import masked_ring_attention
-from flax_ringattn._src.ring.op import check_mesh_lengths
+from flax_ringattn._src.ring.op import check_mesh_lengths, check_static_options
 from flax_ringattn._src.ring.options import RingOptions
 
 _NO_DECODE = (
@@ -143,8 +150,36 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     check_keywords(type(self), kwargs)
     if kwargs.get("decode"):
       raise NotImplementedError(_NO_DECODE)
+    check_layer_arguments(
+      type(self).__name__,
+      num_heads=num_heads,
+      in_features=in_features,
+      qkv_features=qkv_features,
+      out_features=out_features,
+      num_kv_heads=num_kv_heads,
+      in_kv_features=in_kv_features,
+    )
+    check_rate(kwargs.get("dropout_rate", 0.0))
     seq_axis = sharding.sequence_axis(mesh, seq_axis, arg="seq_axis")
     _check_layout_options(type(self).__name__, mesh, seq_axis, head_axis, batch_axis, strategy)
+    # Everything the layer hands the op, checked now and kept once (the attributes `mesh`, `seq_axis`, ... read
+    # it); precision and dropout join per call.
+    ring_options = RingOptions(
+      mesh=mesh,
+      axis_name=seq_axis,
+      head_axis=head_axis,
+      batch_axis=batch_axis,
+      load_balance=load_balance,
+      strategy=strategy,
+      implementation=implementation,
+      block_sizes=block_sizes,
+      interpret=interpret,
+      local_window_size=local_window_size,
+      logits_soft_cap=logits_soft_cap,
+      scale=scale,
+      check_mask=check_mask,
+    )
+    check_static_options(ring_options)
     metadata = head_sharding_metadata(
       head_axis,
       mesh,
@@ -160,23 +195,7 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     build_head_options(
       self, use_sinks=use_sinks, v_head_dim=v_head_dim, kwargs=kwargs, metadata=metadata, mesh=mesh, head_axis=head_axis
     )
-    # Everything the layer hands the op, built once and the one place the layer keeps it (the attributes
-    # `mesh`, `seq_axis`, ... read it); precision and dropout join per call.
-    self.ring_options = RingOptions(
-      mesh=mesh,
-      axis_name=seq_axis,
-      head_axis=head_axis,
-      batch_axis=batch_axis,
-      load_balance=load_balance,
-      strategy=strategy,
-      implementation=implementation,
-      block_sizes=block_sizes,
-      interpret=interpret,
-      local_window_size=local_window_size,
-      logits_soft_cap=logits_soft_cap,
-      scale=scale,
-      check_mask=check_mask,
-    )
+    self.ring_options = ring_options
 
   # The constructor's options, read-only: `ring_options` is where the layer keeps them.
   mesh = _option("mesh", "the mesh the layer runs on, or None")
@@ -236,6 +255,12 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       inputs_k = inputs_q
     if inputs_v is None:
       inputs_v = inputs_k
+    for name, x in (("inputs_q", inputs_q), ("inputs_k", inputs_k), ("inputs_v", inputs_v)):
+      if getattr(x, "ndim", 0) < 2:
+        raise ValueError(
+          f"{name} must be [..., T, features] (as for nnx.MultiHeadAttention: a length and a feature axis, usually "
+          f"[B, T, features]), got {name}.shape={tuple(getattr(x, 'shape', ()))}"
+        )
     if inputs_q.shape[-1] != self.in_features:
       raise ValueError(
         f"inputs_q has {inputs_q.shape[-1]} features but the layer expects in_features={self.in_features}"
@@ -247,6 +272,10 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       inputs_k.shape[-2],
       load_balance=self.load_balance,
       strategy=self.strategy,
+      shapes=(
+        f"got inputs_q.shape={tuple(inputs_q.shape)}, inputs_k.shape={tuple(inputs_k.shape)}: the layer's inputs "
+        "are [B, T, features]"
+      ),
     )
     dropout_rng = self._dropout_rng(deterministic, rngs)
 
@@ -327,6 +356,7 @@ def make_ring_attention_fn(
       check_mask=check_mask,
     )
   )
+  check_static_options(factory)
 
   def ring_attention_fn(
     query,

@@ -15,7 +15,10 @@ Invariants:
 * a write is all or nothing per slot: a slot whose new tokens do not fit (past
   `pages_per_seq * page_size` tokens, or more pages than are free) stores none
   of them and is marked in `overflowed` until `free` (see `reserve`).  Called
-  on concrete arrays, the write raises `CacheOverflowError` instead.
+  on concrete arrays, the write raises `CacheOverflowError` instead;
+* a method checks its arguments before it changes anything (`contracts.py`):
+  one that raises leaves the cache as it was, and under jit a call whose
+  values break its contract changes nothing it must not.
 
 Spread over a mesh axis (`create(mesh=, seq_axis=)`, n devices), device d owns
 the page ids d * P/n .. (d + 1) * P/n - 1 and column j of every page table is
@@ -32,30 +35,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import checkify
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flax_ringattn._src import sharding
-from flax_ringattn._src.paged import allocator, common, metadata, storage
-from flax_ringattn._src.validation import all_concrete, check_bool
+from flax_ringattn._src import sharding, validation
+from flax_ringattn._src.paged import admission, allocator, checks, common, contracts, metadata, storage
+from flax_ringattn._src.paged.admission import CacheOverflowError
+from flax_ringattn._src.validation import check_bool
 
-
-class CacheOverflowError(ValueError):
-  """A write to a `PagedKVCache` slot does not fit: past its pages, or more pages than are free (on some owner,
-  for a cache spread over a mesh axis)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Admission:
-  """Per slot [S], for a write of `new_lens` tokens: whether it fits, and why not."""
-
-  new_lens: jax.Array
-  wants: jax.Array  # new_lens > 0
-  within: jax.Array  # kv_lens + new_lens <= pages_per_seq * page_size
-  extra: jax.Array  # [S, n] pages it needs on each owner beyond those it holds (copy-on-write included)
-  free_before: jax.Array  # [S, n] each owner's free pages left after the slots before it were served
-  accepted: jax.Array  # served (wants, within, not overflowed, enough pages on every owner)
+__all__ = ["CacheOverflowError", "PagedKVCache"]
 
 
 def _eager_on_mesh(method):
@@ -126,6 +114,7 @@ class PagedKVCache:
     ):
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"PagedKVCache.create: {name} must be a positive int, got {name}={value!r}")
+    dtype = contracts.page_dtype(dtype)
     seq_axis, n = _seq_axis(num_pages, mesh, seq_axis)
     explicit = mesh is not None and sharding.has_explicit_axes(mesh, P(seq_axis))
 
@@ -226,15 +215,21 @@ class PagedKVCache:
   def _overflowed(self):
     return jnp.zeros((self.max_num_seqs,), bool) if self.overflowed is None else self.overflowed
 
+  def _new_lens(self, new_lens, where: str, checked: bool = False):
+    """`new_lens` checked ([S] ints, none negative: see `contracts.new_lens`) as int32."""
+    lens = contracts.new_lens(new_lens, self.max_num_seqs, f"PagedKVCache.{where}")
+    checks.enforce(lambda: contracts.new_lens_problems(lens), (lens,), where=f"PagedKVCache.{where}", checked=checked)
+    return lens
+
   @_eager_on_mesh
   def pages_needed(self, new_lens):
     """Pages the slots need beyond what they hold to store `new_lens` [S] more tokens (copy-on-write included)."""
-    return jnp.sum(self._admission(new_lens).extra)
+    return jnp.sum(admission.admit(self, self._new_lens(new_lens, "pages_needed")).extra)
 
   @_eager_on_mesh
   def pages_needed_per_owner(self, new_lens):
     """[n]: `pages_needed` per owner (device along `seq_axis`); compare with `num_free_pages_per_owner()`."""
-    return jnp.sum(self._admission(new_lens).extra, axis=0)
+    return jnp.sum(admission.admit(self, self._new_lens(new_lens, "pages_needed_per_owner")).extra, axis=0)
 
   @_eager_on_mesh
   def fits(self, new_lens):
@@ -243,7 +238,7 @@ class PagedKVCache:
     A slot with no new tokens fits; a slot past its capacity, or already `overflowed`, fits no new token.
     Check this before a step to refuse work the cache cannot hold.
     """
-    a = self._admission(new_lens)
+    a = admission.admit(self, self._new_lens(new_lens, "fits"))
     return a.accepted | ~a.wants
 
   @_eager_on_mesh
@@ -273,6 +268,10 @@ class PagedKVCache:
     shared = refs[jnp.clip(page, 0, self.num_pages - 1)] > 1
     return (partial & (page >= 0) & shared).astype(jnp.int32)
 
+  def _held(self):
+    """[S] int32: the pages each slot holds (the leading entries of its row)."""
+    return jnp.sum(self.page_indices >= 0, axis=1).astype(jnp.int32)
+
   def _partial_page(self):
     """(j0 [S], page [S]): each slot's column that its next token goes to, and the page id there (its partially
     filled page, the one a write copies first when it is shared; -1 for none)."""
@@ -284,98 +283,14 @@ class PagedKVCache:
     `new_lens` [S] more tokens: the new columns have .. need - 1 and the copy of the shared partial page, on that
     page's owner (`_partial_page`)."""
     ps = self.page_size
-    have = -(-self.kv_lens // ps)
+    # The pages a slot holds: its tokens', and any `reserve` gave it beyond them (reused, not replaced: a second
+    # reserve before the write would otherwise leak the first one's pages).
+    have = jnp.maximum(-(-self.kv_lens // ps), self._held())
     need = jnp.maximum(-(-(self.kv_lens + new_lens) // ps), have)
     cow = self._copy_on_write_mask(new_lens, refs)
     cow_owner = jnp.maximum(self._partial_page()[1], 0) // self.pages_per_owner
     extra = allocator.extra_per_owner(have, need, cow, cow_owner, self.num_shards, owners)
     return extra, have, need, cow, cow_owner
-
-  def _admission(self, new_lens, owners=None) -> _Admission:
-    """Which slots' writes of `new_lens` [S] tokens fit, served greedily in slot order (all or nothing each, on
-    every owner at once)."""
-    ps, pps = self.page_size, self.pages_per_seq
-    new_lens = jnp.asarray(new_lens, jnp.int32)
-    wants = new_lens > 0
-    within = self.kv_lens + new_lens <= pps * ps
-    refs = allocator.replicated(self.ref_counts)
-    extra = self._extra(new_lens, refs, owners)[0]
-    free = allocator.free_per_owner(refs, self.num_shards)
-    candidate = wants & within & ~self._overflowed()
-    accepted, free_before = allocator.serve(extra, candidate, free)
-    return _Admission(new_lens, wants, within, extra, free_before, accepted)
-
-  def _overflow_problems(self, a: _Admission):
-    """[(slots [S] bool, message, values(slot) -> dict)] of the writes `_admission` refused, one per reason; the
-    same message serves the eager error and the `checkify` check."""
-    refused = a.wants & ~a.accepted
-    was = self._overflowed()
-    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
-    pps, ps = self.pages_per_seq, self.page_size
-    # The first owner short of pages for slot s (the only one when n = 1).
-    short = lambda s: jnp.argmax(a.extra[s] > a.free_before[s]).astype(jnp.int32)  # noqa: E731
-    if self.num_shards == 1:
-      no_pages = (
-        "PagedKVCache: slot {s} needs {need} more pages for {n} new tokens (it holds {kv}), but only {free} of "
-        "num_pages={P} are free after the slots before it (free finished slots, or refuse the work: check "
-        "fits(new_lens) before the step)"
-      )
-    else:
-      no_pages = (
-        "PagedKVCache: slot {s} needs {need} more pages on owner {d} (device {d} of the n={nd} along seq_axis, "
-        "page ids {lo} .. {hi}; page j of slot s lives on device (s + j) % n) for {n} new tokens (it holds {kv}), but "
-        "only {free} of that device's {q} pages are free after the slots before it (free finished slots, create "
-        "the cache with more pages, or refuse the work: check fits(new_lens) before the step)"
-      )
-    q = self.pages_per_owner
-
-    def no_pages_values(s):
-      d = short(s)
-      return dict(
-        s=s,
-        need=a.extra[s, d],
-        n=a.new_lens[s],
-        kv=self.kv_lens[s],
-        free=a.free_before[s, d],
-        P=i32(self.num_pages),
-        d=d,
-        nd=i32(self.num_shards),
-        lo=d * q,
-        hi=d * q + q - 1,
-        q=i32(q),
-      )
-
-    return [
-      (
-        refused & ~a.within & ~was,
-        "PagedKVCache: slot {s} cannot take {n} more tokens: it holds {kv} and a slot holds at most "
-        "pages_per_seq * page_size = {pps} * {ps} = {cap} tokens (create the cache with more pages_per_seq, or "
-        "split the request)",
-        lambda s: dict(s=s, n=a.new_lens[s], kv=self.kv_lens[s], pps=i32(pps), ps=i32(ps), cap=i32(pps * ps)),
-      ),
-      (refused & a.within & ~was, no_pages, no_pages_values),
-      (
-        refused & was,
-        "PagedKVCache: slot {s} overflowed in an earlier step and stores nothing more ({n} new tokens refused): "
-        "free it (free(slots)) and re-admit its request",
-        lambda s: dict(s=s, n=a.new_lens[s]),
-      ),
-    ]
-
-  def _check_admission(self, a: _Admission, checked: bool):
-    """Raises `CacheOverflowError` for a refused write on concrete arrays; adds checkify checks when `checked`."""
-    concrete = all_concrete(a.accepted, self.kv_lens, a.new_lens)
-    if not concrete and not checked:
-      return
-    for slots, message, values in self._overflow_problems(a):
-      s = jnp.argmax(slots).astype(jnp.int32)
-      if concrete:
-        if bool(jnp.any(slots)):
-          raise CacheOverflowError(message.format(**{k: int(v) for k, v in values(s).items()}))
-      else:
-        # checkify formats only the names the message uses.
-        used = {k: v for k, v in values(s).items() if "{" + k + "}" in message}
-        checkify.check(~jnp.any(slots), message, **used)
 
   @_eager_on_mesh
   def reserve(self, new_lens, *, checked: bool = False) -> PagedKVCache:
@@ -392,19 +307,22 @@ class PagedKVCache:
     `overflowed` (it then stores nothing more until `free`): check that flag
     after a step, or `fits(new_lens)` before it, or pass `checked=True` and
     run under `jax.experimental.checkify.checkify` to raise instead.
+
+    `new_lens` must be [max_num_seqs] ints >= 0 (a negative count raises eagerly; under jit it stores nothing).
     """
-    return self._reserve(new_lens, check_bool("checked", checked))
+    checked = check_bool("checked", checked)
+    return self._reserve(self._new_lens(new_lens, "reserve", checked), checked)
 
   def _reserve(self, new_lens, checked: bool, owners=None) -> PagedKVCache:
-    a = self._admission(new_lens, owners)
-    self._check_admission(a, checked)
+    a = admission.admit(self, new_lens, owners)
+    admission.check(self, a, checked)
     refused = a.wants & ~a.accepted
     new_lens = jnp.where(a.accepted, a.new_lens, 0)
     cache = dataclasses.replace(self, overflowed=self._overflowed() | refused)
     return cache._grow(new_lens, owners)
 
   def _grow(self, new_lens, owners=None) -> PagedKVCache:
-    """The page moves of `reserve` for `new_lens` [S] that fit (all of them, by `_admission`)."""
+    """The page moves of `reserve` for `new_lens` [S] that fit (all of them, by `admission.admit`)."""
     P, S, pps, n = self.num_pages, self.max_num_seqs, self.pages_per_seq, self.num_shards
     refs_in = allocator.replicated(self.ref_counts)
     extra, have, need, cow, cow_owner = self._extra(new_lens, refs_in, owners)
@@ -447,15 +365,27 @@ class PagedKVCache:
     """[S] new tokens each slot stores this step: its q_lens, or 0 where its write was refused (`overflowed`)."""
     return jnp.where(self._overflowed(), 0, q_lens)
 
+  def _ragged(self, k, v, cu_q_lens, num_seqs, where: str, checked: bool):
+    """The new k, v and their ragged batch checked before anything is written: k / v as the pages store them
+    (`_check_new`), and `paged_attention`'s rules of the batch's layout (`checks.check_ragged`: cu_q_lens from 0,
+    non-decreasing over its first num_seqs + 1 entries, at most T = k.shape[0] tokens, num_seqs in [0, S]).
+    Returns (cu_q_lens, num_seqs) as int32 and the new tokens per slot [S]."""
+    self._check_new(k, v, where)
+    where = f"PagedKVCache.{where}"
+    common.check_ragged_shapes(cu_q_lens, num_seqs, self.max_num_seqs, where=where)
+    checked = check_bool("checked", checked)
+    cu, n = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(num_seqs, jnp.int32)
+    checks.check_ragged(cu, n, self.max_num_seqs, k.shape[0], where=where, rows="k.shape[0]", checked=checked)
+    return cu, n, metadata.seq_q_lens(cu, n)
+
   @_eager_on_mesh
   def append(self, k, v, cu_q_lens, num_seqs, *, checked: bool = False) -> PagedKVCache:
     """Reserves pages and writes the new k [T, K, H] and v [T, K, Hv] of a ragged batch; kv_lens grows (see
-    `reserve` for a write that does not fit)."""
-    self._check_new(k, v, "append")
-    T = k.shape[0]
-    q_lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
-    cache = self.reserve(q_lens, checked=checked)
-    return cache._write(k, v, cu_q_lens, num_seqs, cache._stored_lens(q_lens), T)
+    `reserve` for a write that does not fit).  The batch's metadata follows `paged_attention`'s rules (`_ragged`):
+    eagerly a breach raises `ValueError`; under jit, `checked=True` reports it under checkify."""
+    cu, n, q_lens = self._ragged(k, v, cu_q_lens, num_seqs, "append", checked)
+    cache = self._reserve(q_lens, checked)
+    return cache._write(k, v, cu, n, cache._stored_lens(q_lens), k.shape[0])
 
   @_eager_on_mesh
   def reserve_append(self, k, v, cu_q_lens, num_seqs, *, checked: bool = False):
@@ -467,9 +397,8 @@ class PagedKVCache:
     kernel must read the lengths and page table of `cache.attention_view()`, so that a refused slot's tokens are
     stored nowhere.
     """
-    self._check_new(k, v, "reserve_append")
-    q_lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
-    cache = self.reserve(q_lens, checked=checked)
+    _, _, q_lens = self._ragged(k, v, cu_q_lens, num_seqs, "reserve_append", checked)
+    cache = self._reserve(q_lens, checked)
     k_store, k_sc = storage.quantize(cache.k_pages.dtype, cache.k_scale is not None, k)
     v_store, v_sc = storage.quantize(cache.v_pages.dtype, cache.v_scale is not None, v)
     cache = dataclasses.replace(cache, kv_lens=cache.kv_lens + cache._stored_lens(q_lens))
@@ -499,22 +428,33 @@ class PagedKVCache:
         f"PagedKVCache.reserve_prefill: padded_len={padded_len!r} must be a positive multiple of 2 * n * page_size "
         f"= 2 * {n} * {ps} = {2 * n * ps} (the prompt's 2n zigzag chunks are whole pages; see ring_prefill_len)"
       )
+    where = "PagedKVCache.reserve_prefill"
     checked = check_bool("checked", checked)
-    slot, num_tokens = jnp.asarray(slot, jnp.int32), jnp.asarray(num_tokens, jnp.int32)
-    start = self.kv_lens[slot]
-    misfit = (start % ps != 0) | (num_tokens > padded_len) | (num_tokens < 0)
-    message = (
-      "PagedKVCache.reserve_prefill: slot {s} cannot take a ring prefill of num_tokens={t} laid out as "
-      f"padded_len={padded_len}: it holds {{kv}} tokens, and a ring prefill starts on a page boundary (a multiple of "
-      f"page_size={ps}) with 0 <= num_tokens <= padded_len (prefill the first tokens with paged_attention until the "
-      "slot's length is a multiple of page_size)"
+    index, slot, in_range = contracts.slot("slot", slot, S, where)
+    num_tokens = contracts.scalar_int("num_tokens", num_tokens, where)
+    # Pages `reserve` gave the slot past its tokens would sit where the prompt's pages go, on the wrong devices.
+    misfit = lambda: (  # noqa: E731
+      (self.kv_lens[slot] % ps != 0)
+      | (self._held()[slot] * ps != self.kv_lens[slot])
+      | (num_tokens > padded_len)
+      | (num_tokens < 0)
     )
-    if all_concrete(start, num_tokens, slot):
-      if bool(misfit):
-        raise ValueError(message.format(s=int(slot), t=int(num_tokens), kv=int(start)))
-    elif checked:
-      checkify.check(~misfit, message, s=slot, t=num_tokens, kv=start)
-    new_lens = jnp.zeros((S,), jnp.int32).at[slot].set(jnp.where(misfit, 0, num_tokens))
+    message = (
+      "slot {s} cannot take a ring prefill of num_tokens={t} laid out as "
+      f"padded_len={padded_len}: it holds {{kv}} tokens ({{p}} pages), and a ring prefill starts on a page boundary "
+      f"(a multiple of page_size={ps}, no page reserved past it) with 0 <= num_tokens <= padded_len (prefill the "
+      "first tokens with paged_attention until the slot's length is a multiple of page_size)"
+    )
+
+    def problems():
+      values = dict(s=slot, t=num_tokens, kv=self.kv_lens[slot], p=self._held()[slot])
+      return [*contracts.slot_problems("slot", index, S), (misfit(), message, values)]
+
+    checks.enforce(problems, (index, num_tokens, self.kv_lens, self.page_indices), where=where, checked=checked)
+    # A traced slot out of range is no slot: nothing is stored or flagged (the clipped index is another slot's).
+    in_range = jnp.asarray(in_range, bool)
+    misfit = misfit() & in_range
+    new_lens = jnp.zeros((S,), jnp.int32).at[slot].set(jnp.where(misfit | ~in_range, 0, num_tokens))
     owners = allocator.prefill_owners(self.kv_lens, slot, padded_len, ps, self.pages_per_seq, n)
     cache = self._reserve(new_lens, checked, owners)
     cache = dataclasses.replace(cache, overflowed=cache._overflowed().at[slot].set(cache._overflowed()[slot] | misfit))
@@ -540,8 +480,9 @@ class PagedKVCache:
   @_eager_on_mesh
   def free(self, slots) -> PagedKVCache:
     """Releases the pages of the slots where `slots` [S] is True; pages nobody
-    references any more are zeroed."""
-    slots = jnp.asarray(slots, bool)
+    references any more are zeroed.  `slots` must be a bool mask of shape [max_num_seqs] (an int array, which
+    would broadcast or read as truthy, raises `TypeError`, also under jit)."""
+    slots = contracts.slot_mask(slots, self.max_num_seqs, "PagedKVCache.free")
     P = self.num_pages
     ids = jnp.where(slots[:, None] & (self.page_indices >= 0), self.page_indices, P)
     refs_in = allocator.replicated(self.ref_counts)
@@ -561,23 +502,65 @@ class PagedKVCache:
     )
 
   @_eager_on_mesh
-  def share_prefix(self, src, dst, num_tokens) -> PagedKVCache:
-    """Slot `dst` (empty) starts with the first `num_tokens` tokens of slot `src`,
-    referencing the same pages (no copy; a later write into the last, partial
-    page copies it first)."""
-    ps = self.page_size
-    n_pages = -(-num_tokens // ps)
+  def share_prefix(self, src, dst, num_tokens, *, checked: bool = False) -> PagedKVCache:
+    """Slot `dst` starts with the first `num_tokens` tokens of slot `src`, referencing the same pages (no copy; a
+    later write into the last, partial page copies it first).
+
+    dst must be empty (no tokens, no pages, not `overflowed`: free it first) and another slot than src, with
+    0 <= num_tokens <= kv_lens[src].  A call that breaks this raises `ValueError` when its values are concrete
+    (slot indices as Python ints are checked inside jit too); under jit it changes nothing (pass `checked=True`
+    and run under `jax.experimental.checkify.checkify` to raise instead).
+    """
+    where = "PagedKVCache.share_prefix"
+    checked = check_bool("checked", checked)
+    S, ps = self.max_num_seqs, self.page_size
+    same = "src={s} and dst={d} must be different slots (a slot cannot share its own prefix)"
+    src_i, src_c, _ = contracts.slot("src", src, S, where)
+    dst_i, dst_c, _ = contracts.slot("dst", dst, S, where)
+    if validation.all_concrete(src, dst) and int(src) == int(dst):  # Python ints: checked inside jit too
+      raise ValueError(f"{where}: " + same.format(s=int(src), d=int(dst)))
+    src, dst = src_c, dst_c
+    num_tokens = contracts.scalar_int("num_tokens", num_tokens, where)
+
+    def problems():
+      kv_src, kv_dst, held = self.kv_lens[src], self.kv_lens[dst], jnp.sum(self.page_indices[dst] >= 0)
+      return [
+        *contracts.slot_problems("src", src_i, S),
+        *contracts.slot_problems("dst", dst_i, S),
+        (src_i == dst_i, same, dict(s=src_i, d=dst_i)),
+        (num_tokens < 0, "num_tokens={t} must be >= 0", dict(t=num_tokens)),
+        (
+          num_tokens > kv_src,
+          "num_tokens={t} is more than slot src={s} holds (kv_lens[{s}]={kv}): a shared prefix is at most the "
+          "source's length",
+          dict(t=num_tokens, s=src_i, kv=kv_src),
+        ),
+        (
+          (kv_dst != 0) | (held != 0),
+          "slot dst={d} must be empty, but it holds kv_lens[{d}]={kv} tokens and {p} page(s): free it first "
+          "(free(slots)), or share into an empty slot",
+          dict(d=dst_i, kv=kv_dst, p=held),
+        ),
+        (
+          self._overflowed()[dst],
+          "slot dst={d} is flagged overflowed (an earlier write to it was refused): free it first (free(slots))",
+          dict(d=dst_i),
+        ),
+      ]
+
+    operands = (src_i, dst_i, num_tokens, self.kv_lens, self.page_indices, self._overflowed())
+    ok = checks.enforce(problems, operands, where=where, checked=checked, need_ok=True)
+    # Under jit a refused share changes nothing: no reference is taken, dst keeps its row and length.
+    pick = (lambda new, old: new) if ok is True else (lambda new, old: jnp.where(ok, new, old))  # noqa: E731
     j = jnp.arange(self.pages_per_seq)
-    shared = j < n_pages
-    row = jnp.where(shared, self.page_indices[src], -1)
-    ids = jnp.where(shared & (row >= 0), row, self.num_pages)
+    row = jnp.where(j < -(-num_tokens // ps), self.page_indices[src], -1)
+    ids = jnp.where((row >= 0) & ok, row, self.num_pages)
+    refs = allocator.replicated(self.ref_counts).at[ids].add(1, mode="drop")
     return dataclasses.replace(
       self,
-      page_indices=self.page_indices.at[dst].set(row),
-      kv_lens=self.kv_lens.at[dst].set(jnp.minimum(num_tokens, self.kv_lens[src])),
-      ref_counts=allocator.placed_like(
-        allocator.replicated(self.ref_counts).at[ids].add(1, mode="drop"), self.ref_counts
-      ),
+      page_indices=pick(self.page_indices.at[dst].set(row), self.page_indices),
+      kv_lens=pick(self.kv_lens.at[dst].set(num_tokens), self.kv_lens),
+      ref_counts=allocator.placed_like(refs, self.ref_counts),
     )
 
 

@@ -1,7 +1,7 @@
 """Value checks of a ragged batch's metadata: eager `ValueError`s on concrete arrays, `checkify` checks under jit.
 
-Every message names the operand, the slot or position and the value; the cache (`cache.py`) and the op share
-them.
+Every message names the operand, the slot or position and the value; the op, the cache (`cache.py`) and the
+cache's argument contracts (`contracts.py`) share them, and `enforce` runs any list of them.
 """
 
 from __future__ import annotations
@@ -12,14 +12,17 @@ from jax.experimental import checkify
 
 from flax_ringattn._src import validation
 
+i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
 
-def _metadata_problems(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps):
-  """The value checks of the ragged batch's metadata: [(bad, message, values)], each `bad` a bool scalar and
-  `values` the scalars its message names (the first offending slot or position).  Only live entries count:
-  the first num_seqs + 1 of cu_q_lens, the first num_seqs slots, the pages a slot's kv_lens uses."""
-  S, pps = page_indices.shape
-  i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
-  first = lambda m: jnp.argmax(m.reshape(-1)).astype(jnp.int32)  # noqa: E731
+
+def first(m):
+  """The flat index of the first True of `m` (0 when none)."""
+  return jnp.argmax(m.reshape(-1)).astype(jnp.int32)
+
+
+def ragged_problems(cu_q_lens, num_seqs, S: int, T: int, rows: str = "q.shape[0]"):
+  """The checks of a ragged batch's layout alone: num_seqs in range, cu_q_lens from 0, non-decreasing over its
+  first num_seqs + 1 entries, and at most T (`rows`, the operand whose rows the batch packs) tokens in all."""
   n = num_seqs[0]
   live = jnp.arange(S) < n
   problems = [
@@ -43,10 +46,21 @@ def _metadata_problems(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps):
   problems.append(
     (
       total > T,
-      "the batch has {total} new tokens (cu_q_lens[num_seqs={n}]), more than max_num_batched_tokens={T} (q.shape[0])",
+      "the batch has {total} new tokens (cu_q_lens[num_seqs={n}]), more than max_num_batched_tokens={T} "
+      f"({rows})",
       dict(total=total, n=n, T=i32(T)),
     )
   )
+  return problems
+
+
+def _metadata_problems(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps):
+  """The value checks of the ragged batch's metadata: [(bad, message, values)], each `bad` a bool scalar and
+  `values` the scalars its message names (the first offending slot or position).  Only live entries count:
+  the first num_seqs + 1 of cu_q_lens, the first num_seqs slots, the pages a slot's kv_lens uses."""
+  S, pps = page_indices.shape
+  live = jnp.arange(S) < num_seqs[0]
+  problems = ragged_problems(cu_q_lens, num_seqs, S, T)
   negative = live & (kv_lens < 0)
   s = first(negative)
   problems.append((jnp.any(negative), "kv_lens[{s}]={kv} must be >= 0", dict(s=s, kv=kv_lens[s])))
@@ -85,20 +99,41 @@ def _metadata_problems(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps):
   return problems
 
 
+def enforce(make_problems, operands, *, where: str, checked: bool, need_ok: bool = False):
+  """Runs the checks `make_problems()` returns ([(bad, message, values)]): when every one of `operands` is
+  concrete, eagerly (the first bad one raises `ValueError`, "{where}: message" with its values); under a trace,
+  as `checkify` checks when `checked`.
+
+  Returns whether every check passed: True once the eager checks passed; under a trace a bool scalar when
+  `checked` or `need_ok` (for a method that makes a refused call a no-op), else True without tracing the checks.
+  """
+  if validation.all_concrete(*operands):
+    # Concrete arrays closed over by a jitted function are still values: evaluate the checks now, not as traced
+    # operations of the enclosing jit.
+    with jax.ensure_compile_time_eval():
+      for bad, message, values in make_problems():
+        if bool(bad):
+          raise ValueError(f"{where}: " + message.format(**{k: int(v) for k, v in values.items()}))
+    return True
+  if not checked and not need_ok:
+    return True
+  problems = make_problems()
+  if checked:
+    for bad, message, values in problems:
+      # checkify formats only the names the message uses.
+      used = {k: v for k, v in values.items() if "{" + k + "}" in message}
+      checkify.check(~bad, f"{where}: " + message, **used)
+  return ~jnp.any(jnp.stack([jnp.asarray(bad, bool) for bad, _, _ in problems]))
+
+
 def check_metadata(kv_lens, page_indices, cu_q_lens, num_seqs, T, P, ps, *, checked: bool):
   """Validates the metadata's values: eagerly (ValueError) when every array is concrete, which costs jitted
   calls nothing; under a trace, as `checkify` checks when `checked`."""
   arrays = (kv_lens, page_indices, cu_q_lens, num_seqs)
-  concrete = validation.all_concrete(*arrays)
-  if not concrete and not checked:
-    return
-  if concrete:
-    # Concrete arrays closed over by a jitted function are still values: evaluate the checks now, not as traced
-    # operations of the enclosing jit.
-    with jax.ensure_compile_time_eval():
-      for bad, message, values in _metadata_problems(*arrays, T, P, ps):
-        if bool(bad):
-          raise ValueError("paged_attention: " + message.format(**{k: int(v) for k, v in values.items()}))
-    return
-  for bad, message, values in _metadata_problems(*arrays, T, P, ps):
-    checkify.check(~bad, "paged_attention: " + message, **values)
+  enforce(lambda: _metadata_problems(*arrays, T, P, ps), arrays, where="paged_attention", checked=checked)
+
+
+def check_ragged(cu_q_lens, num_seqs, S: int, T: int, *, where: str, rows: str, checked: bool):
+  """`check_metadata`'s checks of the batch's layout alone (no cache yet: `PagedKVCache.append`)."""
+  arrays = (cu_q_lens, num_seqs)
+  enforce(lambda: ragged_problems(cu_q_lens, num_seqs, S, T, rows), arrays, where=where, checked=checked)

@@ -7,6 +7,7 @@ import numbers
 import jax.numpy as jnp
 
 from flax_ringattn._src import validation
+from flax_ringattn._src.block_sizes import BlockSizes
 
 # Quantized page dtypes and the largest value each stores (for absmax scaling).
 QUANTIZED_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
@@ -33,12 +34,40 @@ def paged_window(local_window_size, sliding_window):
       f"pass local_window_size={local_window_size!r} or the deprecated sliding_window={sliding_window!r}, not both"
     )
   w = check_sliding_window(sliding_window)
+  window = validation.normalize_window((w - 1, 0))  # clamped to validation.MAX_WINDOW like any window
   validation.warn_once(
     ("paged", "sliding_window"),
     f"sliding_window={w} is deprecated: pass local_window_size=({w - 1}, 0), jax.nn's meaning (a token sees the "
     f"{w - 1} tokens before it and itself), which every op and layer of flax_ringattn uses",
   )
-  return (w - 1, 0)
+  return window
+
+
+def is_page_dtype(dtype) -> bool:
+  """Whether pages of `dtype` store K/V faithfully: floating point, or quantized (`QUANTIZED_DTYPES`, with scales)."""
+  dtype = jnp.dtype(dtype)
+  return dtype.name in QUANTIZED_MAX or jnp.issubdtype(dtype, jnp.floating)
+
+
+def check_block_sizes(block_sizes):
+  """block_sizes: None or a `BlockSizes` (the op's and the paged layer's contract)."""
+  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+    raise TypeError(f"block_sizes must be a flax_ringattn.BlockSizes, got {type(block_sizes).__name__}")
+  return block_sizes
+
+
+def check_ragged_shapes(cu_q_lens, num_seqs, S: int, *, where: str = ""):
+  """cu_q_lens [S + 1] and num_seqs [1] must be integer arrays (static checks of a ragged batch's layout)."""
+  prefix = f"{where}: " if where else ""
+  for name, x in (("cu_q_lens", cu_q_lens), ("num_seqs", num_seqs)):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"{prefix}{name} must be an int32 array, got {type(x).__name__}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise TypeError(f"{prefix}{name} must be an integer array, got {name}.dtype={x.dtype}")
+  if tuple(cu_q_lens.shape) != (S + 1,):
+    raise ValueError(f"{prefix}cu_q_lens must be [max_num_seqs + 1]=({S + 1},), got {tuple(cu_q_lens.shape)}")
+  if tuple(num_seqs.shape) != (1,):
+    raise ValueError(f"{prefix}num_seqs must have shape (1,), got {tuple(num_seqs.shape)}")
 
 
 def normalize_scales(k_scale, v_scale):
@@ -80,14 +109,9 @@ def check_paged_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, nu
   if K == 0 or N % K:
     raise ValueError(f"the number of q heads N={N} must be a multiple of the number of kv heads K={K}")
   quantized = jnp.dtype(k_pages.dtype).name in QUANTIZED_DTYPES
-  if not quantized and not jnp.issubdtype(k_pages.dtype, jnp.floating):
+  if not is_page_dtype(k_pages.dtype):
     raise TypeError(f"k_pages/v_pages must be floating point or one of {QUANTIZED_DTYPES}, got {k_pages.dtype}")
-  for name, x in (
-    ("kv_lens", kv_lens),
-    ("page_indices", page_indices),
-    ("cu_q_lens", cu_q_lens),
-    ("num_seqs", num_seqs),
-  ):
+  for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices)):
     if not hasattr(x, "shape"):
       raise TypeError(f"{name} must be an int32 array, got {type(x).__name__}")
     if not jnp.issubdtype(x.dtype, jnp.integer):
@@ -97,10 +121,7 @@ def check_paged_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, nu
   S, pages_per_seq = page_indices.shape
   if tuple(kv_lens.shape) != (S,):
     raise ValueError(f"kv_lens must be [max_num_seqs]=({S},) like page_indices.shape[0], got {tuple(kv_lens.shape)}")
-  if tuple(cu_q_lens.shape) != (S + 1,):
-    raise ValueError(f"cu_q_lens must be [max_num_seqs + 1]=({S + 1},), got {tuple(cu_q_lens.shape)}")
-  if tuple(num_seqs.shape) != (1,):
-    raise ValueError(f"num_seqs must have shape (1,), got {tuple(num_seqs.shape)}")
+  check_ragged_shapes(cu_q_lens, num_seqs, S)
   for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
     if sc is None:
       if quantized:

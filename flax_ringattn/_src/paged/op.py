@@ -134,11 +134,14 @@ def paged_attention(
     interpret=interpret,
   )
   validation.check_bool("checked", checked)
-  sinks = validation.check_sinks(sinks, q.shape[1])
+  sinks = _as_array(validation.check_sinks(sinks, q.shape[1]))
+  q, k_pages, v_pages = (_as_array(x) for x in (q, k_pages, v_pages))  # numpy in: the kernels index with tracers
   seq_axis, shards = _context_parallel(mesh, seq_axis, axis_name, k_pages.shape[0], head_axis, k_pages.shape[2])
   # Inside the caller's shard_map the pages are this device's shard: the ids in the table are global.
   num_pages = k_pages.shape[0] * (shards if axis_name is not None else 1)
   check_metadata(*call.metadata, q.shape[0], num_pages, k_pages.shape[1], checked=checked)
+  if _is_empty(q):
+    return _empty_out(q, v_pages)
   args = (q, k_pages, v_pages, *call.metadata, call.k_scale, call.v_scale)
   if axis_name is not None:
     return flash.flash(PagedKernel(spec=call.spec, backend=call.backend, axis_name=axis_name), sinks, *args)
@@ -152,6 +155,17 @@ def paged_attention(
   # Arrays typed on an Explicit mesh (e.g. replicated parameters' outputs): the
   # op works per device, so run it as a replicated shard_map over that mesh.
   return _on_mesh(kernel, mesh, None, None, sinks, args)
+
+
+def _is_empty(q) -> bool:
+  """q [T, N, H] holds no row or no head: the output [T, N, Hv] is empty (T = 0 also for a layer step of 0 tokens)."""
+  return 0 in q.shape[:2]
+
+
+def _empty_out(q, v_pages):
+  """The empty output, as `jax.nn.dot_product_attention` returns one: no kernel runs, and the gradients are zeros
+  of the inputs' shapes."""
+  return jnp.zeros((*q.shape[:2], v_pages.shape[3]), q.dtype)
 
 
 def _context_parallel(mesh, seq_axis, axis_name, pages: int, head_axis=None, kv_heads: int = 1):
@@ -276,12 +290,14 @@ def _prepare(
   )
   window = common.paged_window(local_window_size, sliding_window)
   cap = validation.check_soft_cap(logits_soft_cap)
-  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-    raise TypeError(f"block_sizes must be a flax_ringattn.BlockSizes, got {type(block_sizes).__name__}")
+  common.check_block_sizes(block_sizes)
   if block_sizes is not None and block_sizes.block_kv % ps and ps % block_sizes.block_kv:
     raise ValueError(f"block_sizes.block_kv={block_sizes.block_kv} must be a multiple of page_size={ps}")
+  # An empty q (no row, or no head) runs no kernel (`_is_empty`); the implementation is still chosen, and the
+  # options checked, as for one row.
+  probe = jax.ShapeDtypeStruct((max(T, 1), N or K, H), q.dtype) if _is_empty(q) else q
   shape = dict(
-    q=q, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale, pages_per_seq=pps, logits_soft_cap=cap
+    q=probe, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale, pages_per_seq=pps, logits_soft_cap=cap
   )
   backend = PAGED.select(implementation, interpret=interpret, block_sizes=block_sizes, **shape).backend
   blocks = backend.blocks(block_sizes=block_sizes, **shape)
@@ -290,10 +306,15 @@ def _prepare(
     mask=masks.MaskSpec(is_causal=True, window=window),
     scale=validation.check_scale(scale, H),
     logits_soft_cap=cap,
-    block_sizes=BlockSizes(block_q=min(blocks.block_q, T), block_kv=pages_per_block * ps),
+    block_sizes=BlockSizes(block_q=min(blocks.block_q, max(T, 1)), block_kv=pages_per_block * ps),
   )
   metadata = tuple(jnp.asarray(x, jnp.int32) for x in (kv_lens, page_indices, cu_q_lens, num_seqs))
-  return _Call(spec, backend, k_scale, v_scale, metadata)
+  return _Call(spec, backend, _as_array(k_scale), _as_array(v_scale), metadata)
+
+
+def _as_array(x):
+  """A checked operand (numpy, or None) as a jax array: the kernels index it with traced ids."""
+  return x if x is None or isinstance(x, jax.Array) else jnp.asarray(x)
 
 
 def uses_fused_cache_write(
@@ -400,9 +421,12 @@ def paged_attention_with_cache_write(
   )
   if not _fused_write_runs(call):
     return None
+  q, k_new, v_new, k_pages, v_pages = (_as_array(x) for x in (q, k_new, v_new, k_pages, v_pages))
   seq_axis, _ = _context_parallel(mesh, seq_axis, None, k_pages.shape[0])
   check_metadata(*call.metadata, q.shape[0], k_pages.shape[0], k_pages.shape[1], checked=checked)
-  sinks = validation.check_sinks(sinks, q.shape[1])
+  sinks = _as_array(validation.check_sinks(sinks, q.shape[1]))
+  if _is_empty(q):  # no new token: the pages stay as they are
+    return _empty_out(q, v_pages), k_pages, v_pages, call.k_scale, call.v_scale
   kernel = PagedKernel(spec=call.spec, backend=call.backend, axis_name=seq_axis)
   new = (k_new, v_new, k_pages, v_pages, *call.metadata, call.k_scale, call.v_scale, k_new_scale, v_new_scale)
 

@@ -47,7 +47,7 @@ from jax.experimental import checkify
 from jax.sharding import PartitionSpec
 
 from flax_ringattn._src import flash, layout, sharding, validation
-from flax_ringattn._src.paged import allocator, common, storage
+from flax_ringattn._src.paged import allocator, checks, common, contracts, storage
 from flax_ringattn._src.paged import op as paged_op
 from flax_ringattn._src.paged.context_parallel import compact as compact_pages
 from flax_ringattn._src.paged.context_parallel import owned_page_ids
@@ -146,9 +146,23 @@ def paged_ring_prefill(
   sinks = validation.check_sinks(sinks, q.shape[1])
   validation.check_bool("checked", checked)
   kv_lens, page_indices = jnp.asarray(kv_lens, i32), jnp.asarray(page_indices, i32)
-  slot, num_tokens = jnp.asarray(slot, i32), jnp.asarray(num_tokens, i32)
+  Tp, S = rows * n, page_indices.shape[0]
+  slot, num_tokens, valid = _check_request(slot, num_tokens, S, Tp, checked)
   num_pages = k_pages.shape[0] * (n if axis_name is not None else 1)
-  _check_placement(kv_lens, page_indices, slot, num_tokens, rows * n, n, k_pages.shape[1], num_pages, checked)
+  # A refused request (traced slot out of range, num_tokens out of [0, Tp]) has no page to check.
+  _check_placement(
+    kv_lens,
+    page_indices,
+    jnp.clip(slot, 0, S - 1),
+    jnp.where(valid, num_tokens, 0),
+    Tp,
+    n,
+    k_pages.shape[1],
+    num_pages,
+    checked,
+  )
+  if q.shape[0] == 0:  # an empty prompt: empty out, the pages as they are
+    return paged_op._empty_out(q, v_pages), k_pages, v_pages, call.k_scale, call.v_scale
   kernel = paged_op.PagedKernel(spec=call.spec, backend=call.backend)
   compact = call.spec.mask.window is None
   ring = functools.partial(
@@ -164,8 +178,12 @@ def paged_ring_prefill(
 
   def prefill(sinks, q, k, v, k_pages, v_pages, kv_lens, table, slot, num_tokens, k_scale, v_scale):
     ring_n, sizes, shard, member = layout.ring_geometry(axis)
+    # A request `_check_request` refuses is no slot's: start < 0 as for a refused (overflowed) one.
+    valid = (slot >= 0) & (slot < S) & (num_tokens >= 0) & (num_tokens <= Tp)
+    slot = jnp.clip(slot, 0, S - 1)
     row = owned_page_ids(table[slot], axis, k_pages.shape[0])  # [pps] this device's local ids, -1 elsewhere
-    start = kv_lens[slot] - num_tokens  # < 0: the slot was refused (overflowed): nothing stored, nothing seen
+    # < 0: the slot was refused (overflowed): nothing stored, nothing seen
+    start = jnp.where(valid, kv_lens[slot] - num_tokens, -1)
     ps, c = k_pages.shape[1], q.shape[0] // 2
     chunks = _chunks(start, num_tokens, c, ring_n)
     own = chunks(shard)
@@ -281,6 +299,23 @@ def _check_prompt(q, k, v, k_pages, v_pages, Tp: int, n: int):
       f"the prompt's padded length Tp={Tp} must be a multiple of 2 * n * page_size = 2 * {n} * {ps} = {2 * n * ps} "
       "(2n zigzag chunks of whole pages; pad it to PagedKVCache.ring_prefill_len(num_tokens))"
     )
+
+
+def _check_request(slot, num_tokens, S: int, Tp: int, checked: bool):
+  """(slot, num_tokens, valid): a slot in [0, S) and 0 <= num_tokens <= Tp, raised eagerly on concrete values (a
+  negative slot would wrap to the last one); traced, `valid` says whether the request stands (else the prefill
+  stores and sees nothing), and `checked` adds checkify checks."""
+  where = "paged_ring_prefill"
+  slot, _, in_range = contracts.slot("slot", slot, S, where)
+  num_tokens = contracts.scalar_int("num_tokens", num_tokens, where)
+
+  def problems():
+    bad = (num_tokens < 0) | (num_tokens > Tp)
+    message = "num_tokens={t} must be in [0, Tp={Tp}] (the prompt's real tokens; the rest of its rows is padding)"
+    return [*contracts.slot_problems("slot", slot, S), (bad, message, dict(t=num_tokens, Tp=jnp.int32(Tp)))]
+
+  checks.enforce(problems, (slot, num_tokens), where=where, checked=checked)
+  return slot, num_tokens, in_range & (num_tokens >= 0) & (num_tokens <= Tp)
 
 
 def _check_placement(kv_lens, table, slot, num_tokens, Tp: int, n: int, ps: int, num_pages: int, checked: bool):

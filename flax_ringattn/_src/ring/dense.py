@@ -138,7 +138,11 @@ def context_mesh(mesh, axis_name):
     return mesh
   if axis_name is not None and all(sharding.axis_is_bound(a) for a in _axes(axis_name)):
     return None
-  for current in (jax.sharding.get_mesh(), jax.sharding.get_abstract_mesh()):
+  try:
+    concrete = jax.sharding.get_mesh()
+  except ValueError:  # under jax.jit only the abstract mesh of `jax.set_mesh` can be read
+    concrete = None
+  for current in (concrete, jax.sharding.get_abstract_mesh()):
     if current is not None and current.axis_names:
       return current  # the concrete mesh when there is one: eager calls place their arrays on it
   return None
@@ -209,6 +213,7 @@ def dot_product_attention(
   """
   if mask is not None and bias is not None:
     raise ValueError("pass either mask=... or bias=..., not both")
+  validation.check_bool("is_causal", is_causal)
   also_exact = None
   if bias is not None:
     mask, also_exact = bias_as_mask(as_four_dims(bias, "bias"))

@@ -37,3 +37,14 @@ def select(implementation, *, dtype, spec, shapes, interpret=None):
 def get_backend(implementation, *, dtype, spec, shapes, interpret=None):
   """The block backend `select` chooses."""
   return select(implementation, dtype=dtype, spec=spec, shapes=shapes, interpret=interpret).backend
+
+
+def check_name(implementation):
+  """What `select` checks of `implementation` before a call's shapes are known (the layers check it when they
+  are built): a string among `RING.names()`, or None."""
+  if implementation is None:
+    return
+  if not isinstance(implementation, str):
+    raise TypeError(f"implementation must be a string or None, got {implementation!r}")
+  if implementation not in RING.names():
+    raise ValueError(f"unknown {implementation=}; available implementations: {RING.names()} (of {RING.op})")

@@ -7,6 +7,9 @@ either runs the ring on an already bound mesh axis (inside the caller's
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 from jax.sharding import PartitionSpec as P
 
@@ -67,7 +70,8 @@ def ring_attention(
     segment_ids: [B, T] int ids of packed documents (self attention), or a
       (q_ids [B, T], kv_ids [B, S]) pair; tokens attend within equal ids.
     local_window_size: int w or (left, right): query i sees keys in
-      [i - left, i + right].
+      [i - left, i + right].  A side of 2**30 or more is no limit: it is
+      clamped to 2**30, which covers every sequence the library takes.
     logits_soft_cap: c > 0: logits become c * tanh(logits / c).
     scale: logit scale, default H ** -0.5.
     load_balance: the sequence is in zigzag order (see `zigzag_order`); every
@@ -109,6 +113,8 @@ def ring_attention(
 
   Returns:
     [B, T, N, Hv] in q.dtype, laid out like q.  Rows with no visible key are 0.
+    Empty inputs (B, T or N = 0) give an empty output and S = 0 an all-zero
+    one, as `jax.nn.dot_product_attention` does; their gradients are zeros.
   """
   B, T, S, N, K, H = validation.check_qkv(q, k, v)
   window = validation.normalize_window(local_window_size)
@@ -116,8 +122,7 @@ def ring_attention(
   scale = validation.check_scale(scale, H)
   q_seg, kv_seg = validation.normalize_segment_ids(segment_ids, B, T, S)
   sinks = validation.check_sinks(sinks, N)
-  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-    raise TypeError(f"block_sizes must be a flax_ringattn.BlockSizes, got {type(block_sizes).__name__}")
+  _check_block_sizes(block_sizes)
   validation.check_bool("load_balance", load_balance)
   validation.check_bool("is_causal", is_causal)
   strategy = strategies.check_strategy(strategy)
@@ -136,9 +141,11 @@ def ring_attention(
     dropout_broadcast=broadcast_dropout,
     debug=debug_lib.current(),
   )
-  # Resolve the backend now so that a bad name fails here, not deep in tracing.
+  # Resolve the backend now so that a bad name fails here, not deep in tracing.  A call without q heads runs no
+  # kernel: the backend is asked about one q head per kv head instead of none.
+  q_shape = q.shape if N else (B, T, K, H)
   choice = implementations.select(
-    implementation, dtype=q.dtype, spec=spec, shapes=(q.shape, k.shape), interpret=interpret
+    implementation, dtype=q.dtype, spec=spec, shapes=(q_shape, k.shape), interpret=interpret
   )
 
   if mesh is not None:
@@ -175,16 +182,39 @@ def ring_attention(
         f"with that axis, or pass mesh=... to let ring_attention shard the global arrays itself{which}"
       )
     n = jax.lax.axis_size(axes)
-    strategies.check_heads(strategy, axis_name, jax.lax.axis_size(axes[-1]), N, K)
+    strategies.check_heads(strategy, axis_name, jax.lax.axis_size(axes[-1]), N, K, shapes=_shapes(q, k))
   else:
     n = 1
-  _check_shard_lengths(T, S, n, load_balance, local=True, axis_name=axis_name, strategy=strategy)
+  _check_shard_lengths(T, S, n, load_balance, local=True, axis_name=axis_name, strategy=strategy, shapes=_shapes(q, k))
+  if validation.is_empty(q, k):
+    return _empty_output(q, v)  # the same static shapes on every device: none of them enters a collective
   # q, k are the local shards here: split by 1, on a ring of n
   fused = use_fused_ring(choice, spec, q, k, 1, strategy, ring_size=n, v=v)
   # Inside the caller's shard_map only the ring axis is known: batch and heads count as global here (shard
   # them yourself and dropout masks repeat).
   fn = _local_fn(axis_name, load_balance, spec, choice.backend, strategy, fused)
   return fn(q, k, v, q_seg, kv_seg, drop, sinks)
+
+
+def _check_block_sizes(block_sizes):
+  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+    raise TypeError(f"block_sizes must be a flax_ringattn.BlockSizes, got {type(block_sizes).__name__}")
+
+
+def check_static_options(options) -> None:
+  """What `ring_attention` checks of `options` (a `RingOptions`) before it sees an array, with its messages: the
+  layers and `make_ring_attention_fn` call it when they are built, so a bad option fails there and not at the
+  first call.  (The scale is checked for its type here; the head dim it defaults from comes with the arrays.)"""
+  implementations.check_name(options.implementation)
+  strategies.check_strategy(options.strategy)
+  validation.normalize_window(options.local_window_size)
+  validation.check_soft_cap(options.logits_soft_cap)
+  if options.scale is not None:
+    validation.check_scale(options.scale, 1)
+  _check_block_sizes(options.block_sizes)
+  validation.check_bool("load_balance", options.load_balance)
+  validation.check_bool("is_causal", options.is_causal)
+  validation.check_bool("check_mask", options.check_mask)
 
 
 def use_fused_ring(choice, spec, q, k, n, strategy="ring", *, ring_size=None, v=None) -> bool:
@@ -223,17 +253,33 @@ def _local_fn(axis_name, load_balance, spec, backend, strategy, fused):
   )
 
 
-def check_mesh_lengths(mesh, axis_name, T, S, *, load_balance=False, strategy="ring"):
+def check_mesh_lengths(mesh, axis_name, T, S, *, load_balance=False, strategy="ring", shapes=None):
   """The op's check of global q/kv lengths against the ring size of `axis_name` on `mesh`, for callers (the
   layers) that shard their inputs before calling `ring_attention`: they fail with the op's message, not JAX's
-  sharding error.  Axis names are checked by the caller."""
+  sharding error.  Axis names are checked by the caller; `shapes` (a line on the caller's shapes and layout)
+  ends the message."""
   if mesh is None or axis_name is None:
     return
   n = sharding.axes_size(mesh, axis_name)
-  _check_shard_lengths(T, S, n, load_balance, local=False, axis_name=axis_name, strategy=strategy)
+  _check_shard_lengths(T, S, n, load_balance, local=False, axis_name=axis_name, strategy=strategy, shapes=shapes)
 
 
-def _check_shard_lengths(T, S, n, load_balance, *, local, axis_name, strategy="ring"):
+def _shapes(q, k):
+  """The layout reminder of a length or head-count error: the shapes the op got and the layout it reads."""
+  return (
+    f"got q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}: q is [B, T, N, H] and k/v [B, S, K, H] "
+    "(if your arrays are [B, N, T, H], swap axes 1 and 2)"
+  )
+
+
+def _empty_output(q, v):
+  """The output of a call with no row or no key (`validation.is_empty`): [B, T, N, Hv] zeros in q.dtype.  A
+  constant, so the gradient of every input is zeros of its shape."""
+  return jax.numpy.zeros((*q.shape[:3], v.shape[3]), q.dtype)
+
+
+def _check_shard_lengths(T, S, n, load_balance, *, local, axis_name, strategy="ring", shapes=None):
+  """`shapes`: the op's `_shapes(q, k)` (a layer passes None: its inputs are [B, T, features])."""
   per = 2 if load_balance else 1
   what = "local shard" if local else "global"
   for name, L in (("q_len", T), ("kv_len", S)):
@@ -246,7 +292,9 @@ def _check_shard_lengths(T, S, n, load_balance, *, local, axis_name, strategy="r
       )
       raise ValueError(
         f"{what} {name}={L} must be a multiple of {need} (ring_size={n} over axis {axis_name!r}, "
-        f"load_balance={load_balance}): {why}" + (f" (strategy={strategy!r})" if strategy != "ring" else "")
+        f"load_balance={load_balance}): {why}"
+        + (f" (strategy={strategy!r})" if strategy != "ring" else "")
+        + (f"; {shapes}" if shapes else "")
       )
 
 
@@ -284,7 +332,8 @@ def _ring_on_mesh(
   n = sharding.axes_size(mesh, seq_axes)
   B, T, N, _ = q.shape
   S, K = k.shape[1], k.shape[2]
-  _check_shard_lengths(T, S, n, load_balance, local=False, axis_name=axis_name, strategy=strategy)
+  shapes = _shapes(q, k)
+  _check_shard_lengths(T, S, n, load_balance, local=False, axis_name=axis_name, strategy=strategy, shapes=shapes)
   if batch_axis is not None and B % sizes[batch_axis]:
     raise ValueError(f"batch size B={B} must be a multiple of the {batch_axis!r} mesh axis size {sizes[batch_axis]}")
   if head_axis is not None and K % sizes[head_axis]:
@@ -293,16 +342,83 @@ def _ring_on_mesh(
       f"{sizes[head_axis]}: heads are split so every device keeps whole GQA groups"
     )
   tp = sizes[head_axis] if head_axis is not None else 1
-  strategies.check_heads(strategy, axis_name, sizes[seq_axes[-1]], N // tp, K // tp, head_axis=head_axis)
+  strategies.check_heads(strategy, axis_name, sizes[seq_axes[-1]], N // tp, K // tp, head_axis=head_axis, shapes=shapes)
 
   x_spec = P(batch_axis, axis_name, head_axis, None)
+  if validation.is_empty(q, k):
+    out = _empty_output(q, v)
+    if validation.all_concrete(q, k, v) and isinstance(mesh, jax.sharding.Mesh):
+      # device_put, not jax.reshard: a program whose output is a zero-size sharded array hands every device a
+      # buffer of the whole (wrong) shape, which cannot be read back.
+      return jax.device_put(out, sharding.named(mesh, x_spec))
+    return sharding.constrain(out, mesh, x_spec)
   seg_spec = P(batch_axis, axis_name)
   fused = use_fused_ring(choice, spec, q, k, n, strategy, v=v)
-  local_fn = _local_fn(axis_name, load_balance, spec, choice.backend, strategy, fused)
   q, k, v = (sharding.constrain(x, mesh, x_spec) for x in (q, k, v))
   if q_seg is not None:
     q_seg, kv_seg = (sharding.constrain(x, mesh, seg_spec) for x in (q_seg, kv_seg))
-  seg_specs = (seg_spec, seg_spec) if q_seg is not None else (None, None)
+  if drop is not None:
+    drop = sharding.constrain(drop, mesh, P())
+  if sinks is not None:
+    sinks = sharding.constrain(sinks, mesh, P(head_axis))
+  config = _MeshCall(
+    mesh=mesh,
+    axis_name=axis_name,
+    batch_axis=batch_axis,
+    head_axis=head_axis,
+    load_balance=load_balance,
+    spec=spec,
+    choice=choice,
+    strategy=strategy,
+    fused=fused,
+    operands=(q_seg is not None, drop is not None, sinks is not None),
+  )
+  # Called eagerly: run one compiled program per configuration and shapes (about 25 s op by op for a small ring
+  # of 4 on CPU; and a fresh jit per call would compile again each time).  Under a trace (the caller's jit or
+  # grad) the shard_map is traced into the caller's program as is.
+  eager = validation.all_concrete(q, k, v)
+  fn = _mesh_fn(config, jit=eager) if _hashable(config) else _build_mesh_fn(config, jit=eager)
+  return fn(q, k, v, q_seg, kv_seg, drop, sinks)
+
+
+@dataclasses.dataclass(frozen=True)
+class _MeshCall:
+  """Everything static about one `ring_attention(mesh=...)` call: the key of its `jax.shard_map` (and its `jax.jit`
+  when called eagerly).  `operands`: whether the segment ids, the dropout operand and the sinks are present."""
+
+  mesh: object
+  axis_name: object
+  batch_axis: object
+  head_axis: object
+  load_balance: bool
+  spec: AttentionSpec
+  choice: object
+  strategy: str
+  fused: bool
+  operands: tuple
+
+
+def _hashable(config) -> bool:
+  try:
+    hash(config)
+  except TypeError:  # e.g. an unhashable interpret= setting: build the program afresh, as before
+    return False
+  return True
+
+
+@functools.lru_cache(maxsize=64)
+def _mesh_fn(config: _MeshCall, *, jit: bool):
+  return _build_mesh_fn(config, jit=jit)
+
+
+def _build_mesh_fn(config: _MeshCall, *, jit: bool):
+  batch_axis, head_axis = config.batch_axis, config.head_axis
+  local_fn = _local_fn(
+    config.axis_name, config.load_balance, config.spec, config.choice.backend, config.strategy, config.fused
+  )
+  x_spec = P(batch_axis, config.axis_name, head_axis, None)
+  seg_spec = P(batch_axis, config.axis_name)
+  has_seg, has_drop, has_sinks = config.operands
 
   def local(q, k, v, qs, ks, drop, sinks):
     if drop is not None:
@@ -313,25 +429,17 @@ def _ring_on_mesh(
       drop = dropout_lib.with_offsets(drop, b0, h0)
     return local_fn(q, k, v, qs, ks, drop, sinks)
 
-  if drop is not None:
-    drop = sharding.constrain(drop, mesh, P())
-  if sinks is not None:
-    sinks = sharding.constrain(sinks, mesh, P(head_axis))
   fn = jax.shard_map(
     local,
-    mesh=mesh,
+    mesh=config.mesh,
     in_specs=(
       x_spec,
       x_spec,
       x_spec,
-      *seg_specs,
-      None if drop is None else P(),
-      None if sinks is None else P(head_axis),
+      *((seg_spec, seg_spec) if has_seg else (None, None)),
+      P() if has_drop else None,
+      P(head_axis) if has_sinks else None,
     ),
     out_specs=x_spec,
   )
-  if validation.all_concrete(q, k, v):
-    # Called eagerly: compile the ring once instead of running its loops op by op (about 25 s for a small ring
-    # of 4 on CPU).  Under a trace (the caller's jit or grad) it is traced into the caller's program as is.
-    fn = jax.jit(fn)
-  return fn(q, k, v, q_seg, kv_seg, drop, sinks)
+  return jax.jit(fn) if jit else fn

@@ -98,8 +98,9 @@ def ulysses_kv_repeat(K: int, u: int) -> int:
   return u // math.gcd(K, u)
 
 
-def check_heads(strategy: str, axis_name, u: int, N: int, K: int, *, head_axis=None):
-  """q heads must split over the Ulysses axis of size u (kv heads are repeated as needed)."""
+def check_heads(strategy: str, axis_name, u: int, N: int, K: int, *, head_axis=None, shapes=None):
+  """q heads must split over the Ulysses axis of size u (kv heads are repeated as needed).  `shapes`: the op's
+  reminder of the shapes it got and the layout it reads, appended to the message (None: nothing)."""
   if strategy not in ("ulysses", "ulysses_ring") or N % u == 0:
     return
   ulysses_axis = axis_name[1] if strategy == "ulysses_ring" else axis_name
@@ -114,6 +115,7 @@ def check_heads(strategy: str, axis_name, u: int, N: int, K: int, *, head_axis=N
   raise ValueError(
     f"strategy={strategy!r} shards the q heads over ulysses axis {ulysses_axis!r} of size {u}: the number of q "
     f"heads N={N}{per} must be a multiple of {u} (kv heads K={K} are repeated as needed); what would work: {alt}"
+    + (f"; {shapes}" if shapes else "")
   )
 
 
