@@ -56,6 +56,18 @@ class Registry:
     order."""
     return (*self.aliases, *self.preference)
 
+  def check_name(self, implementation):
+    """`implementation` if it is None or a name `select` accepts; else the `TypeError` / `ValueError` that
+    `select` raises (the layers check the name when they are built, before a call's shapes are known)."""
+    if implementation is None:
+      return None
+    if not isinstance(implementation, str):
+      raise TypeError(f"implementation must be a string or None, got {implementation!r}")
+    name = self.aliases.get(implementation, (implementation, {}))[0]
+    if name not in self._impls:
+      raise ValueError(f"unknown {implementation=}; available implementations: {self.names()} (of {self.op})")
+    return implementation
+
   def select(self, implementation, *, interpret=None, **call) -> Choice:
     """The `Choice` for `implementation` (a name, an alias or None) under the rules of the module docstring."""
     interpreting = interpret is not None and interpret is not False
@@ -74,11 +86,8 @@ class Registry:
           continue
         return Choice(backend, None)
       raise NotImplementedError(f"no {self.op} implementation supports this call: " + "; ".join(errors))
-    if not isinstance(implementation, str):
-      raise TypeError(f"implementation must be a string or None, got {implementation!r}")
+    self.check_name(implementation)
     name, options = self.aliases.get(implementation, (implementation, {}))
-    if name not in self._impls:
-      raise ValueError(f"unknown {implementation=}; available implementations: {self.names()} (of {self.op})")
     backend = self._impls[name]
     if name != implementation and hasattr(backend, "label"):
       backend = dataclasses.replace(backend, label=implementation)

@@ -116,10 +116,4 @@ def check_implementation(implementation):
   """An `implementation=` the paged registry knows (or None), with the error `paged_attention` gives for it, for
   a caller that keeps the name for later (the paged layer checks it at construction).  Whether the named
   implementation supports a call is the call's business."""
-  if implementation is None:
-    return None
-  if not isinstance(implementation, str):
-    raise TypeError(f"implementation must be a string or None, got {implementation!r}")
-  if implementation not in PAGED.names():
-    raise ValueError(f"unknown {implementation=}; available implementations: {PAGED.names()} (of {PAGED.op})")
-  return implementation
+  return PAGED.check_name(implementation)

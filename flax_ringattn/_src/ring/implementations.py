@@ -42,9 +42,4 @@ def get_backend(implementation, *, dtype, spec, shapes, interpret=None):
 def check_name(implementation):
   """What `select` checks of `implementation` before a call's shapes are known (the layers check it when they
   are built): a string among `RING.names()`, or None."""
-  if implementation is None:
-    return
-  if not isinstance(implementation, str):
-    raise TypeError(f"implementation must be a string or None, got {implementation!r}")
-  if implementation not in RING.names():
-    raise ValueError(f"unknown {implementation=}; available implementations: {RING.names()} (of {RING.op})")
+  RING.check_name(implementation)
