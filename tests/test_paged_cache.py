@@ -577,3 +577,36 @@ def test_cache_through_jit_and_scan(dtype):
   scanned, _ = jax.jit(lambda c, xs: jax.lax.scan(body, c, xs))(got, steps)
   np.testing.assert_array_equal(scanned.kv_lens, np.asarray(got.kv_lens) + 4)
   _check_invariants(scanned)
+
+
+def test_eager_calls_compile_once_per_configuration():
+  """An eager method runs as one compiled program (`paged/eager.py`): the same shapes with other values trace it
+  once, a new geometry once more, and a call that breaks a contract still raises the method's own error (the
+  plain op-by-op path) and leaves the cache as it was."""
+  from flax_ringattn._src.paged import eager
+
+  rng = np.random.default_rng(5)
+  c = _create(num_pages=12)  # a geometry no other test uses: its first call traces
+  before = eager.TRACES["PagedKVCache.append"]
+  k, v, cu, n, _ = _batch(rng, [3, 5], max_num_seqs=4)
+  c1 = c.append(k, v, cu, n)
+  k2, v2, cu2, n2, _ = _batch(rng, [2, 1, 4], max_num_seqs=4)
+  c2 = c1.append(k2, v2, cu2, n2)
+  assert eager.TRACES["PagedKVCache.append"] == before + 1
+  np.testing.assert_array_equal(c2.kv_lens, [5, 6, 4, 0])
+  jitted = _append(c1, k2, v2, cu2, n2)  # the eager program's result is the jitted method's
+  for name in ("k_pages", "v_pages", "page_indices", "kv_lens", "ref_counts"):
+    np.testing.assert_array_equal(getattr(c2, name), getattr(jitted, name))
+  c3 = _create(num_pages=24, page_size=2)
+  c3.append(k, v, cu, n)
+  assert eager.TRACES["PagedKVCache.append"] == before + 2
+  # Python-int slots are traced, not baked in: other slots and lengths reuse the program.
+  traces = eager.TRACES["PagedKVCache.share_prefix"]
+  shared = c2.share_prefix(0, 3, 4).free(_slots(c2, 3)).share_prefix(1, 3, 2)
+  assert eager.TRACES["PagedKVCache.share_prefix"] == traces + 1
+  np.testing.assert_array_equal(shared.kv_lens, [5, 6, 4, 2])
+  with pytest.raises(ValueError, match=re.escape("slot dst=1 must be empty, but it holds kv_lens[1]=6 tokens")):
+    c2.share_prefix(0, 1, 4)
+  with pytest.raises(ValueError, match=re.escape("cu_q_lens[0]=1 must be 0")):
+    c2.append(k2, v2, cu2.at[0].set(1), n2)
+  np.testing.assert_array_equal(c2.kv_lens, [5, 6, 4, 0])

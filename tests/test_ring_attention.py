@@ -6,28 +6,32 @@ against `reference_attention` (f32 1e-5, bf16 2e-2, from tolerances.py).  A
 backend that cannot run a case must raise NotImplementedError, and that is
 asserted instead (capability flags).  What runs, per backend:
 
-* xla: every case at ring sizes 4 and 8 in f32, ring 1 (tile skipping in one
-  shard) and ring 2 (both neighbours are one device) on the cases each
-  exercises; bf16 at ring 4 (plus 8 for gqa, causal_lb and segments_lb); tiles
-  of 4 x 4 tokens, so every shard has many.
+* xla: every case at ring size 4 in f32, and at 8 the cases whose tiles see
+  other shards (ACROSS_SHARDS, segments with sinks, MLA with GQA); ring 1
+  (tile skipping in one shard) and ring 2 (both neighbours are one device) on
+  the cases each exercises; bf16 at ring 4 for the cases that change what a
+  tile computes or merge the most hops; tiles of 4 x 4 tokens, so every shard
+  has many.
 * pallas_tpu (TPU interpret mode on CPU, race detector read after every run):
-  every case at ring size 1 in f32; ring 4 in f32 for causal_lb, gqa,
-  segments_lb, cross_causal_lb, causal_window_lb and empty_rows (ACROSS_SHARDS:
+  every case at ring size 1 in f32; ring 2 in f32 for causal_lb, gqa,
+  segments_lb, cross_causal_lb, causal_window_lb, empty_rows (ACROSS_SHARDS:
   the cases whose tiles see other shards' positions in ways a ring of 1 cannot
-  show); bf16 at ring 1 for the cases that change what a tile computes
-  (BF16_TILE) and at ring 4 for gqa, causal_lb and segments_lb (the hop merging between
-  them is the ring loop's, shared with xla, which runs every case at rings 4
-  and 8).  Interpret mode pays about 50 ms per grid step, so this is sized to
-  keep `make test` short.  Batch 1 and one kv head (two for segments_lb; GQA
-  group sizes kept), on shards of 2 x 2 tiles: self attention
-  256-token shards in 128-row q tiles and 128-lane kv tiles; cross attention
-  64-row q shards (two 32-row tiles) against 256-token kv shards.  Several kv
-  tiles accumulate per shard, and masked tiles redirect their fetch.  Ring
-  size 2 runs in test_pallas_tpu.py.
+  show), MLA and sinks with GQA; ring 4 for causal_window_lb (a window over
+  several hops); bf16 at ring 1 for the cases that change what a tile computes
+  (BF16_TILE) and at ring 2 for gqa.  The hop loop around the kernel (offsets,
+  skipping, merging, bf16 carries) is the portable ring's, shared with xla,
+  which runs every case at ring 4.  Interpret mode pays about 50 ms per grid
+  step, so this is sized to keep `make test` short.  Batch 1 and one kv head
+  (two for segments_lb; GQA group sizes kept), on shards of 2 x 2 tiles: self
+  attention 256-token shards in 128-row q tiles and 128-lane kv tiles; cross
+  attention 64-row q shards (two 32-row tiles) against 256-token kv shards.
+  Several kv tiles accumulate per shard, and masked tiles redirect their fetch.
+  test_pallas_tpu.py runs shards of 2 x 4 tiles at ring 2.
 * pallas_gpu (Pallas's generic interpreter on CPU; it has no race detector):
-  f32 at ring sizes 1 and 4, bf16 at 2 (BF16_TILE, causal_lb and window) and 4
-  (gqa, causal_lb and segments_lb), 16 x 16 tiles; the S=32 cases have no legal kv tile at ring 4
-  and must raise NotImplementedError there.
+  f32 at ring 1 and at ring 4 for the cases with hop skipping, zigzag chunks
+  inside a tile, windows and segments across shards (GPU_RING4), bf16 at 1
+  (MLA) and 2 (BF16_TILE, causal_lb and window), 16 x 16 tiles; the S=32 cases
+  have no legal kv tile at ring 4 and must raise NotImplementedError there.
 """
 
 from __future__ import annotations
@@ -129,6 +133,12 @@ BF16_TILE = case_names("plain", "gqa", "soft_cap", "cross", "segments")
 # and GQA at once (the gpt-oss / DeepSeek mixes).
 FEATURES = case_names(*CASE_NAMES) - set(SINKS) - set(MLA)  # the mask, head-layout and cap cases
 SINKS_MLA_KERNEL = case_names("sinks_gqa", "sinks_empty_rows", "mla_gqa", "mla_sinks")
+# pallas_gpu at ring 4: the cases whose hops skip, split zigzag chunks inside a tile or carry a window or
+# segments across shards, and the three it must refuse there (no legal kv tile); the others' tile math runs at
+# ring 1 and their hop loop (shared with xla) at rings 4 and 8 there.
+GPU_RING4 = case_names(
+  "causal_lb", "gqa", "segments_lb", "window", "causal_window_lb", "cross", "cross_causal_lb", "empty_rows"
+)
 
 BACKENDS = [
   Backend(
@@ -139,16 +149,20 @@ BACKENDS = [
       (1, case_names("plain", "causal", "segments", "window", "soft_cap", "empty_rows")),
       (2, ACROSS_SHARDS - {"empty_rows"}),
       (4, None),
-      (8, None),
+      (8, ACROSS_SHARDS | {"sinks_segments_lb", "mla_gqa"}),
     ),
-    bf16_rings=((4, None), (8, BF16_RING)),
+    bf16_rings=((4, BF16_TILE | BF16_RING | {"causal_window_lb", "mla_sinks", "sinks_window_cap"}),),
   ),
   # TPU tiles (kv tiles of 128 lanes, q tiles a multiple of 16 rows for bf16): 2 x 2 tiles per shard.
   Backend(
     "pallas_tpu",
     extra=(("interpret", interpret_params()),),  # race detector on
-    f32_rings=((1, FEATURES | SINKS_MLA_KERNEL), (4, ACROSS_SHARDS | {"mla_gqa", "sinks_gqa"})),
-    bf16_rings=((1, BF16_TILE | {"mla_sinks"}), (4, BF16_RING)),
+    f32_rings=(
+      (1, FEATURES | SINKS_MLA_KERNEL),
+      (2, ACROSS_SHARDS | {"mla_gqa", "sinks_gqa"}),
+      (4, case_names("causal_window_lb")),  # a window reaching over several hops
+    ),
+    bf16_rings=((1, BF16_TILE | {"mla_sinks"}), (2, case_names("gqa"))),
     marks=(pytest.mark.interpret,),
     race_checked=True,
     tiled_shards=(256, 64, fr.BlockSizes(block_q=128, block_kv=128), fr.BlockSizes(block_q=32, block_kv=128)),
@@ -162,9 +176,9 @@ BACKENDS = [
     blocks=fr.BlockSizes(block_q=16, block_kv=16),
     # f32 at ring 1 (4 x 4 tiles per shard: in-block tile skipping) and ring 4 (hop skipping, zigzag chunks
     # inside a tile), bf16 at ring 2 (both at once); interpret-mode compiles cost ~10 s a test.
-    f32_rings=((1, FEATURES | SINKS_MLA_KERNEL), (4, FEATURES | {"mla_gqa", "sinks_gqa"})),
+    f32_rings=((1, FEATURES | SINKS_MLA_KERNEL), (4, GPU_RING4 | {"mla_gqa", "sinks_gqa"})),
     # bf16 MLA at ring 1 too: the row `benchmarks/gpu_check.sh` runs compiled.
-    bf16_rings=((1, {"mla_sinks"}), (2, BF16_TILE | {"causal_lb", "window", "mla_sinks"}), (4, BF16_RING)),
+    bf16_rings=((1, {"mla_sinks"}), (2, BF16_TILE | {"causal_lb", "window", "mla_sinks"})),
     marks=(pytest.mark.interpret, pytest.mark.races_not_read("Triton interpret mode: no race detector, no DMAs")),
   ),
 ]

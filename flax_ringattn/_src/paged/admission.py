@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from flax_ringattn._src.paged import allocator
+from flax_ringattn._src.paged import allocator, checks
 from flax_ringattn._src.validation import all_concrete
 
 
@@ -106,6 +106,7 @@ def _overflow_problems(cache, a: Admission):
 def check(cache, a: Admission, checked: bool):
   """Raises `CacheOverflowError` for a refused write on concrete arrays; adds checkify checks when `checked`."""
   concrete = all_concrete(a.accepted, cache.kv_lens, a.new_lens)
+  checked = checks.checking(checked)
   if not concrete and not checked:
     return
   for slots, message, values in _overflow_problems(cache, a):

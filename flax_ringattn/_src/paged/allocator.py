@@ -54,9 +54,14 @@ def eager_mesh(x):
   if isinstance(x, jax.core.Tracer) or explicit_sharding(x) is None:
     return None
   mesh = getattr(getattr(x, "sharding", None), "mesh", None)
-  if not isinstance(mesh, Mesh) or isinstance(jnp.zeros(()), jax.core.Tracer):  # the latter: inside a jit's trace
+  if not isinstance(mesh, Mesh) or under_trace():
     return None
   return mesh
+
+
+def under_trace() -> bool:
+  """True inside a jit's (or any transformation's) trace, where even closed-over concrete arrays meet tracers."""
+  return isinstance(jnp.zeros(()), jax.core.Tracer)
 
 
 def replicated(x):

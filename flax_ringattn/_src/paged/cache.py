@@ -31,7 +31,6 @@ owner, and a freed page goes back to its owner's free list, zeroed.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -39,26 +38,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from flax_ringattn._src import sharding, validation
-from flax_ringattn._src.paged import admission, allocator, checks, common, contracts, metadata, storage
+from flax_ringattn._src.paged import admission, allocator, checks, common, contracts, eager, metadata, storage
 from flax_ringattn._src.paged.admission import CacheOverflowError
 from flax_ringattn._src.validation import check_bool
 
 __all__ = ["CacheOverflowError", "PagedKVCache"]
-
-
-def _eager_on_mesh(method):
-  """An eager call (concrete arrays) on a cache spread over Explicit mesh axes runs inside that mesh (see
-  `allocator.eager_mesh`); under jit, or without a mesh, it is the plain method."""
-
-  @functools.wraps(method)
-  def call(self, *args, **kwargs):
-    mesh = allocator.eager_mesh(self.k_pages)
-    if mesh is None:
-      return method(self, *args, **kwargs)
-    with jax.set_mesh(mesh):
-      return method(self, *args, **kwargs)
-
-  return call
 
 
 @jax.tree_util.register_dataclass
@@ -180,7 +164,7 @@ class PagedKVCache:
     """P / n: the page ids each device along `seq_axis` owns (all of them when the cache is not spread)."""
     return self.num_pages // self.num_shards
 
-  @_eager_on_mesh
+  @eager.method
   def page_owner(self, page_ids):
     """The owner (device along `seq_axis`) of each page id (-1 for a negative id: no page)."""
     page_ids = jnp.asarray(page_ids)
@@ -203,11 +187,11 @@ class PagedKVCache:
       raise ValueError(f"PagedKVCache.{where}: k and v must have the same T, got k.shape={k.shape}, v.shape={v.shape}")
 
   # -- queries ----------------------------------------------------------------
-  @_eager_on_mesh
+  @eager.method
   def num_free_pages(self):
     return jnp.sum(self.ref_counts == 0)
 
-  @_eager_on_mesh
+  @eager.method
   def num_free_pages_per_owner(self):
     """[n] int32: the free pages of each owner (device along `seq_axis`); [num_free_pages()] when n = 1."""
     return allocator.free_per_owner(allocator.replicated(self.ref_counts), self.num_shards)
@@ -221,17 +205,17 @@ class PagedKVCache:
     checks.enforce(lambda: contracts.new_lens_problems(lens), (lens,), where=f"PagedKVCache.{where}", checked=checked)
     return lens
 
-  @_eager_on_mesh
+  @eager.method
   def pages_needed(self, new_lens):
     """Pages the slots need beyond what they hold to store `new_lens` [S] more tokens (copy-on-write included)."""
     return jnp.sum(admission.admit(self, self._new_lens(new_lens, "pages_needed")).extra)
 
-  @_eager_on_mesh
+  @eager.method
   def pages_needed_per_owner(self, new_lens):
     """[n]: `pages_needed` per owner (device along `seq_axis`); compare with `num_free_pages_per_owner()`."""
     return jnp.sum(admission.admit(self, self._new_lens(new_lens, "pages_needed_per_owner")).extra, axis=0)
 
-  @_eager_on_mesh
+  @eager.method
   def fits(self, new_lens):
     """[S] bool: the slots whose `new_lens` [S] more tokens `reserve` would store (served in slot order).
 
@@ -241,7 +225,7 @@ class PagedKVCache:
     a = admission.admit(self, self._new_lens(new_lens, "fits"))
     return a.accepted | ~a.wants
 
-  @_eager_on_mesh
+  @eager.method
   def utilization(self):
     """Token slots holding data / token slots of allocated pages (shared pages counted once)."""
     ps = self.page_size
@@ -252,7 +236,7 @@ class PagedKVCache:
     allocated = jnp.sum(allocator.replicated(self.ref_counts) > 0) * ps
     return jnp.where(allocated > 0, jnp.sum(per_page) / jnp.maximum(allocated, 1), 1.0)
 
-  @_eager_on_mesh
+  @eager.method
   def attention_view(self):
     """(kv_lens, page_indices) as attention reads them: `overflowed` slots have length 0 and no pages, so their
     rows see nothing (they return 0) and a fused cache write stores nothing for them."""
@@ -292,7 +276,7 @@ class PagedKVCache:
     extra = allocator.extra_per_owner(have, need, cow, cow_owner, self.num_shards, owners)
     return extra, have, need, cow, cow_owner
 
-  @_eager_on_mesh
+  @eager.method
   def reserve(self, new_lens, *, checked: bool = False) -> PagedKVCache:
     """Gives every slot the pages it needs for `new_lens` [S] more tokens.
 
@@ -378,7 +362,7 @@ class PagedKVCache:
     checks.check_ragged(cu, n, self.max_num_seqs, k.shape[0], where=where, rows="k.shape[0]", checked=checked)
     return cu, n, metadata.seq_q_lens(cu, n)
 
-  @_eager_on_mesh
+  @eager.method
   def append(self, k, v, cu_q_lens, num_seqs, *, checked: bool = False) -> PagedKVCache:
     """Reserves pages and writes the new k [T, K, H] and v [T, K, Hv] of a ragged batch; kv_lens grows (see
     `reserve` for a write that does not fit).  The batch's metadata follows `paged_attention`'s rules (`_ragged`):
@@ -387,7 +371,7 @@ class PagedKVCache:
     cache = self._reserve(q_lens, checked)
     return cache._write(k, v, cu, n, cache._stored_lens(q_lens), k.shape[0])
 
-  @_eager_on_mesh
+  @eager.method
   def reserve_append(self, k, v, cu_q_lens, num_seqs, *, checked: bool = False):
     """`append` without the page writes, for a kernel that writes the new tokens itself (the fused write).
 
@@ -410,7 +394,7 @@ class PagedKVCache:
     unit = 2 * self.num_shards * self.page_size
     return max(unit, -(-int(num_tokens) // unit) * unit)
 
-  @_eager_on_mesh
+  @eager.method
   def reserve_prefill(self, slot, num_tokens, *, padded_len: int, checked: bool = False) -> PagedKVCache:
     """`reserve` for a ring prefill (`paged_ring_prefill`) of `num_tokens` tokens of slot `slot`, laid out as a
     prompt of `padded_len` tokens (`ring_prefill_len`): the prompt's pages are placed in the ring prefill layout
@@ -477,7 +461,7 @@ class PagedKVCache:
       cache, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale, kv_lens=cache.kv_lens + q_lens
     )
 
-  @_eager_on_mesh
+  @eager.method
   def free(self, slots) -> PagedKVCache:
     """Releases the pages of the slots where `slots` [S] is True; pages nobody
     references any more are zeroed.  `slots` must be a bool mask of shape [max_num_seqs] (an int array, which
@@ -501,7 +485,7 @@ class PagedKVCache:
       overflowed=None if self.overflowed is None else self.overflowed & ~slots,
     )
 
-  @_eager_on_mesh
+  @eager.method
   def share_prefix(self, src, dst, num_tokens, *, checked: bool = False) -> PagedKVCache:
     """Slot `dst` starts with the first `num_tokens` tokens of slot `src`, referencing the same pages (no copy; a
     later write into the last, partial page copies it first).

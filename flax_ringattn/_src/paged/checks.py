@@ -6,6 +6,9 @@ cache's argument contracts (`contracts.py`) share them, and `enforce` runs any l
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
@@ -13,6 +16,25 @@ from jax.experimental import checkify
 from flax_ringattn._src import validation
 
 i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def all_checked():
+  """While active, every traced contract check is a checkify check whatever `checked` says (`eager.py` traces a
+  cache method's eager program so: a failed check sends the call back to the plain, raising path)."""
+  _state.depth = getattr(_state, "depth", 0) + 1
+  try:
+    yield
+  finally:
+    _state.depth -= 1
+
+
+def checking(checked: bool) -> bool:
+  """`checked`, or True inside `all_checked`."""
+  return checked or getattr(_state, "depth", 0) > 0
 
 
 def first(m):
@@ -115,6 +137,7 @@ def enforce(make_problems, operands, *, where: str, checked: bool, need_ok: bool
         if bool(bad):
           raise ValueError(f"{where}: " + message.format(**{k: int(v) for k, v in values.items()}))
     return True
+  checked = checking(checked)
   if not checked and not need_ok:
     return True
   problems = make_problems()
