@@ -129,9 +129,10 @@ def test_converted_style_matches_unconverted(style):
       assert got == pytest.approx(want) if isinstance(want, float) else got == want, (key, got, want, str(report))
   # Logits on every row that sees a key.
   got = nnx.jit(lambda m, *a: m(*a))(model, tokens, pos, third)
-  want = ref(tokens, pos, third)
+  want = nnx.jit(lambda m, *a: m(*a))(ref, tokens, pos, third)
   assert_close(np.asarray(got)[sees], np.asarray(want)[sees], F32)
-  # Loss and every parameter gradient; the ring really runs (a collective-permute in the compiled step).
+  # Loss and every parameter gradient; the ring really runs (a collective permute in the lowered step: reading the
+  # lowering costs no second compile of the step).
   step, params = _grads(model, tokens, pos, third, valid)
   ref_step, ref_params = _grads(ref, tokens, pos, third, valid)
   (loss, grads), (ref_loss, ref_grads) = step(params), ref_step(ref_params)
@@ -140,8 +141,7 @@ def test_converted_style_matches_unconverted(style):
     return
   assert_close(loss, ref_loss, F32)
   assert_close(grads, ref_grads, F32, "grad")
-  hlo = step.lower(params).compile().as_text()
-  assert "collective-permute" in hlo
+  assert "collective_permute" in step.lower(params).as_text()
 
 
 def test_report_before_the_first_call_and_after():

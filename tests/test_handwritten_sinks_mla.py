@@ -35,13 +35,14 @@ def _check_converted_matches(make, *, expected, sees):
     for key, value in want.items():
       assert site.details[key] == (pytest.approx(value) if isinstance(value, float) else value), (key, str(report))
   got = nnx.jit(lambda m, *a: m(*a))(model, tokens, pos, third)
-  assert_close(np.asarray(got)[sees], np.asarray(ref(tokens, pos, third))[sees], F32)
+  want = nnx.jit(lambda m, *a: m(*a))(ref, tokens, pos, third)
+  assert_close(np.asarray(got)[sees], np.asarray(want)[sees], F32)
   step, params = _grads(model, tokens, pos, third, valid)
   ref_step, ref_params = _grads(ref, tokens, pos, third, valid)
   (loss, grads), (ref_loss, ref_grads) = step(params), ref_step(ref_params)
   assert_close(loss, ref_loss, F32)
   assert_close(grads, ref_grads, F32, "grad")
-  assert "collective-permute" in step.lower(params).compile().as_text()  # the ring runs
+  assert "collective_permute" in step.lower(params).as_text()  # the ring runs (read without a second compile)
   return report, grads
 
 

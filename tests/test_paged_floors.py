@@ -46,7 +46,7 @@ def test_paged_floors_import_downward_only():
   for path in helpers:
     up = {m for m in _imports(path) if m.startswith(("flax_ringattn._src.backends", "flax_ringattn._src.nnx"))}
     assert not up, f"{path.relative_to(SRC)} imports a floor above it: {sorted(up)}"
-  # The op's folder: its API, registry, checks, cache (its admission, allocator, argument contracts and storage),
+  # The op's folder: its API, registry, checks, cache (its admission, allocator, argument contracts, eager programs and storage),
   # context parallelism and ring prefill, oracle and floor.
   assert sorted(p.name for p in (SRC / "paged").glob("*.py")) == [
     "__init__.py",
@@ -57,6 +57,7 @@ def test_paged_floors_import_downward_only():
     "common.py",
     "context_parallel.py",
     "contracts.py",
+    "eager.py",
     "implementations.py",
     "metadata.py",
     "op.py",
