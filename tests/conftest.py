@@ -52,6 +52,20 @@ def make_mesh(shape, names, *, explicit: bool = True):
   return jax.make_mesh(tuple(shape), tuple(names), axis_types=types, devices=jax.devices()[:n])
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _drop_compiled_programs():
+  """Each module's compiled programs go when it ends: an xdist worker runs about 900 tests, and the executables
+  its jit caches would otherwise hold (interpret-mode kernels are large) pile up for the whole run.  Two full
+  runs on a 2-core machine lost a worker late in the run (SIGSEGV / SIGABRT inside an XLA compile of an
+  interpret-mode backward) that the same tests alone did not; modules share few programs, so little is
+  recompiled."""
+  yield
+  import gc
+
+  jax.clear_caches()
+  gc.collect()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
   if jax.default_backend() == "cpu":  # on a GPU only the one-device tests are run (benchmarks/gpu_check.sh)

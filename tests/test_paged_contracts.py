@@ -535,3 +535,15 @@ def test_layer_checks_its_sizes_at_construction(kwargs, names):
     fr.PagedMultiHeadAttention(**kwargs, rngs=nnx.Rngs(0))
   for name in ("PagedMultiHeadAttention", *names):
     assert name in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("H,Hv", [(0, 0), (4, 0)], ids=["head_dim", "v_head_dim"])
+def test_paged_attention_refuses_empty_heads(H, Hv):
+  """A head dim of 0 is refused by name (H = 0 used to fail with a ZeroDivisionError in the scale, Hv = 0 ran)."""
+  q = jnp.zeros((4, 2, H), jnp.float32)
+  k_pages, v_pages = jnp.zeros((4, 2, 1, H), jnp.float32), jnp.zeros((4, 2, 1, Hv), jnp.float32)
+  lens, table = jnp.asarray([3], jnp.int32), jnp.asarray([[0, 1]], jnp.int32)
+  cu, n = jnp.asarray([0, 3], jnp.int32), jnp.asarray([1], jnp.int32)
+  for op in (fr.paged_attention, fr.paged_reference_attention):
+    with pytest.raises(ValueError, match=re.escape(f"q.shape[2]={H} (head_dim) and v_pages.shape[3]={Hv}")):
+      op(q, k_pages, v_pages, lens, table, cu, n)

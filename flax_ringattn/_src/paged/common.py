@@ -106,6 +106,10 @@ def check_paged_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, nu
   P, page_size, K, Hk = k_pages.shape
   if Hk != H:
     raise ValueError(f"head_dim differs: q.shape[2]={H} but k_pages.shape[3]={Hk} (q and k share a head dim)")
+  if H < 1 or v_pages.shape[3] < 1:
+    raise ValueError(
+      f"head dims must be positive, got q.shape[2]={H} (head_dim) and v_pages.shape[3]={v_pages.shape[3]} (v_head_dim)"
+    )
   if K == 0 or N % K:
     raise ValueError(f"the number of q heads N={N} must be a multiple of the number of kv heads K={K}")
   quantized = jnp.dtype(k_pages.dtype).name in QUANTIZED_DTYPES
