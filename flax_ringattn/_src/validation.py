@@ -21,6 +21,16 @@ import jax
 import jax.numpy as jnp
 
 
+def is_hashable(value) -> bool:
+  """Whether `value` can key a cache of compiled programs (an unhashable option, e.g. an `interpret=` setting,
+  means: build the program afresh)."""
+  try:
+    hash(value)
+  except TypeError:
+    return False
+  return True
+
+
 def all_concrete(*xs) -> bool:
   """True when no argument is a tracer: the values can be read now (eager checks cost jitted calls nothing)."""
   return not any(isinstance(x, jax.core.Tracer) for x in xs)

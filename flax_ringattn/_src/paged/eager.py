@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.experimental import checkify
 
+from flax_ringattn._src import validation
 from flax_ringattn._src.paged import allocator, checks
 
 # Traces of each method's eager program ("PagedKVCache.append": 2): a test reads it to see one compile per
@@ -38,14 +39,6 @@ def _jit_ready(leaf) -> bool:
   if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
     return True
   return isinstance(leaf, numbers.Integral) and not isinstance(leaf, (bool, np.bool_))
-
-
-def _hashable(value) -> bool:
-  try:
-    hash(value)
-  except TypeError:
-    return False
-  return True
 
 
 def method(fn):
@@ -74,7 +67,7 @@ def method(fn):
     static = tuple(sorted((k, v) for k, v in arguments.items() if k in static_names))
     dynamic = {k: v for k, v in arguments.items() if k not in static_names}
     leaves = jax.tree.leaves((cache, dynamic))
-    if not all(_jit_ready(x) for x in leaves) or not all(_hashable(v) for _, v in static):
+    if not all(_jit_ready(x) for x in leaves) or not all(validation.is_hashable(v) for _, v in static):
       return None
     try:
       err, out = program(cache, dynamic, static)

@@ -377,7 +377,7 @@ def _ring_on_mesh(
   # of 4 on CPU; and a fresh jit per call would compile again each time).  Under a trace (the caller's jit or
   # grad) the shard_map is traced into the caller's program as is.
   eager = validation.all_concrete(q, k, v)
-  fn = _mesh_fn(config, jit=eager) if _hashable(config) else _build_mesh_fn(config, jit=eager)
+  fn = _mesh_fn(config, jit=eager) if validation.is_hashable(config) else _build_mesh_fn(config, jit=eager)
   return fn(q, k, v, q_seg, kv_seg, drop, sinks)
 
 
@@ -396,14 +396,6 @@ class _MeshCall:
   strategy: str
   fused: bool
   operands: tuple
-
-
-def _hashable(config) -> bool:
-  try:
-    hash(config)
-  except TypeError:  # e.g. an unhashable interpret= setting: build the program afresh, as before
-    return False
-  return True
 
 
 @functools.lru_cache(maxsize=64)
