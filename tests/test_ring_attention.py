@@ -13,10 +13,11 @@ asserted instead (capability flags).  What runs, per backend:
   tile computes or merge the most hops; tiles of 4 x 4 tokens, so every shard
   has many.
 * pallas_tpu (TPU interpret mode on CPU, race detector read after every run):
-  every case at ring size 1 in f32; ring 2 in f32 for causal_lb, gqa,
-  segments_lb, cross_causal_lb, causal_window_lb, empty_rows (ACROSS_SHARDS:
-  the cases whose tiles see other shards' positions in ways a ring of 1 cannot
-  show), MLA and sinks with GQA; ring 4 for causal_window_lb (a window over
+  ring 2 in f32 for causal_lb, gqa, segments_lb, cross_causal_lb,
+  causal_window_lb, empty_rows (ACROSS_SHARDS: the cases whose tiles see other
+  shards' positions in ways a ring of 1 cannot show), MLA and sinks with GQA;
+  ring 1 for every other mask, head-layout, cap, sinks and MLA case (ring 2's
+  diagonal hop is ring 1's work); ring 4 for causal_window_lb (a window over
   several hops); bf16 at ring 1 for the cases that change what a tile computes
   (BF16_TILE) and at ring 2 for gqa.  The hop loop around the kernel (offsets,
   skipping, merging, bf16 carries) is the portable ring's, shared with xla,
@@ -136,6 +137,8 @@ SINKS_MLA_KERNEL = case_names("sinks_gqa", "sinks_empty_rows", "mla_gqa", "mla_s
 # pallas_gpu at ring 4: the cases whose hops skip, split zigzag chunks inside a tile or carry a window or
 # segments across shards, and the three it must refuse there (no legal kv tile); the others' tile math runs at
 # ring 1 and their hop loop (shared with xla) at rings 4 and 8 there.
+# pallas_tpu at ring 2, f32.
+TPU_RING2 = ACROSS_SHARDS | {"mla_gqa", "sinks_gqa"}
 GPU_RING4 = case_names(
   "causal_lb", "gqa", "segments_lb", "window", "causal_window_lb", "cross", "cross_causal_lb", "empty_rows"
 )
@@ -157,12 +160,14 @@ BACKENDS = [
   Backend(
     "pallas_tpu",
     extra=(("interpret", interpret_params()),),  # race detector on
+    # Ring 2's first hop is ring 1's work (the same shard geometry, the diagonal tiles classified and skipped),
+    # so ring 1 runs only the cases ring 2 does not (and not "causal": soft_cap is causal MHA with a cap).
     f32_rings=(
-      (1, FEATURES | SINKS_MLA_KERNEL),
-      (2, ACROSS_SHARDS | {"mla_gqa", "sinks_gqa"}),
+      (1, (FEATURES | SINKS_MLA_KERNEL) - TPU_RING2 - {"causal"}),
+      (2, TPU_RING2),
       (4, case_names("causal_window_lb")),  # a window reaching over several hops
     ),
-    bf16_rings=((1, BF16_TILE | {"mla_sinks"}), (2, case_names("gqa"))),
+    bf16_rings=((1, (BF16_TILE | {"mla_sinks"}) - {"gqa"}), (2, case_names("gqa"))),
     marks=(pytest.mark.interpret,),
     race_checked=True,
     tiled_shards=(256, 64, fr.BlockSizes(block_q=128, block_kv=128), fr.BlockSizes(block_q=32, block_kv=128)),
