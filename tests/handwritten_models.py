@@ -301,3 +301,39 @@ class MlaAttention(nnx.Module):
 
 def mla(heads=4, **kw):
   return lambda rngs: MlaAttention(heads, rngs=rngs, **kw)
+
+
+class RematGemmaAttention(GemmaAttention):
+  """Gemma-3-style attention that puts its own call under `nnx.remat` (google-tunix's `RematConfig.BLOCK` style):
+  the whole attention, logits to output projection, is inside a `jax.checkpoint` body of the module's call."""
+
+  def __init__(self, *args, policy: str | None = None, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.policy = policy  # a name in jax.checkpoint_policies, or None (save nothing)
+
+  def __call__(self, x, positions, mask, cache=None):
+    if cache is not None:
+      return super().__call__(x, positions, mask, cache)
+    policy = None if self.policy is None else getattr(jax.checkpoint_policies, self.policy)
+    body = nnx.remat(lambda m, x, p, mask: GemmaAttention.__call__(m, x, p, mask), policy=policy)
+    return body(self, x, positions, mask)
+
+
+class RematLlamaAttention(LlamaAttention):
+  """Llama-style attention whose logits-to-output core is a `jax.checkpoint`-ed function inside the call."""
+
+  def __call__(self, x, positions, mask):
+    B, T, _ = x.shape
+    K, G, H = self.kv_heads, self.heads // self.kv_heads, self.head_dim
+    q = rope(self.q_proj(x).reshape(B, T, self.heads, H), positions).reshape(B, T, K, G, H)
+    k = rope(self.k_proj(x).reshape(B, T, K, H), positions)
+    v = self.v_proj(x).reshape(B, T, K, H)
+
+    @jax.checkpoint
+    def core(q, k, v, mask):
+      logits = jnp.einsum("BTHGD,BSHD->BHGTS", q, k) * H**-0.5
+      logits = jnp.where(mask[:, None, None], logits, jnp.finfo(logits.dtype).min)
+      probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(x.dtype)
+      return jnp.einsum("BHGTS,BSHD->BTHGD", probs, v).reshape(B, T, -1)
+
+    return self.o_proj(core(q, k, v, mask))

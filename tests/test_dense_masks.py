@@ -79,12 +79,37 @@ def test_layer_with_dense_mask_matches_mha_at_real_tokens(name):
   assert_close(np.asarray(swapped(x, mask=mask))[keep], np.asarray(want)[keep], jnp.float32)
 
 
+def _flax_mask_forms():
+  """Masks nnx.MultiHeadAttention takes besides make_attention_mask's [B, 1, T, S]: they broadcast to
+  [B, N, T, S], and any dtype reads nonzero as visible."""
+  valid, _ = _inputs()
+  tril = jnp.tril(jnp.ones((T, T)))  # float, [T, T]: the JAX AI stack tutorial's causal mask
+  return {
+    "2d-float-causal": tril,
+    "3d-one-head-bool": tril[None] != 0,
+    "key-padding-b11s": valid[:, None, None, :],
+    "2d-int": tril.astype(jnp.int32),
+  }
+
+
+@pytest.mark.parametrize("name", list(_flax_mask_forms()))
+def test_layer_takes_every_mask_shape_flax_takes(name):
+  mask = _flax_mask_forms()[name]
+  mha = nnx.MultiHeadAttention(HEADS, F, decode=False, rngs=nnx.Rngs(0))
+  ring = fr.RingMultiHeadAttention(HEADS, F, decode=False, rngs=nnx.Rngs(1))
+  nnx.update(ring, nnx.state(mha, nnx.Param))
+  x = jax.random.normal(jax.random.PRNGKey(3), (B, T, F))
+  want = mha(x, mask=mask)
+  assert_close(ring(x, mask=mask), want, jnp.float32)
+  assert_close(nnx.jit(lambda m, x, mask: m(x, mask=mask))(ring, x, mask), want, jnp.float32)
+
+
 def _window_mask():
   i = jnp.arange(T)
   return ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 4))[None, None]
 
 
-def test_mask_outside_the_family_raises_naming_alternatives(capfd):
+def test_mask_outside_the_family_raises_naming_alternatives(capfd, caplog):
   ring = fr.RingMultiHeadAttention(HEADS, F, decode=False, rngs=nnx.Rngs(1))
   x = jnp.zeros((B, T, F))
   with pytest.raises(ValueError, match=r"not of the family .*padded_segment_ids.* local_window_size="):
@@ -93,7 +118,9 @@ def test_mask_outside_the_family_raises_naming_alternatives(capfd):
   # there would hang the other devices in the ring's collectives).
   out = jax.block_until_ready(nnx.jit(lambda m, x, mask: m(x, mask=mask))(ring, x, _window_mask()))
   assert np.isnan(np.asarray(out)).all()
-  assert "attention output set to NaN: the dense mask=... is not of the family" in capfd.readouterr().err
+  # Once: through logging where it has handlers (pytest's here), else on stderr.
+  said = capfd.readouterr().err + caplog.text
+  assert said.count("attention output set to NaN: the dense mask=... is not of the family") == 1, said
   # Declared, the window is part of the family.
   windowed = fr.RingMultiHeadAttention(HEADS, F, decode=False, rngs=nnx.Rngs(1), local_window_size=(3, 0))
   assert np.isfinite(np.asarray(nnx.jit(lambda m, x, mask: m(x, mask=mask))(windowed, x, _window_mask()))).all()
@@ -113,8 +140,9 @@ def test_check_mask_false_skips_the_jit_check():
 @pytest.mark.parametrize(
   "kwargs,error,match",
   [
-    (dict(mask=jnp.ones((B, T, T))), ValueError, r"mask must have shape \[B \| 1, N \| 1, T, S\]"),
-    (dict(mask=jnp.ones((3, 1, T, T))), ValueError, r"got \(3, 1, 32, 32\)"),
+    (dict(mask=jnp.ones((1, B, 1, T, T))), ValueError, r"mask must broadcast to \[B, N, T, S\] = \[2, 4, 32, 32\]"),
+    (dict(mask=jnp.ones((3, 1, T, T))), ValueError, r"got mask.shape=\(3, 1, 32, 32\)"),
+    (dict(mask=jnp.ones((B, T, T))), ValueError, r"got mask.shape=\(2, 32, 32\)"),  # 3-D is [N | 1, T, S]
     (dict(mask=jnp.ones((B, 1, T, T)), segment_ids=jnp.zeros((B, T), jnp.int32)), ValueError, "not both"),
     (
       dict(mask=jnp.ones((B, 1, T, 16)), inputs_k=jnp.zeros((B, 16, F))),
@@ -122,7 +150,7 @@ def test_check_mask_false_skips_the_jit_check():
       r"self attention only \(T == S\), got T=32, S=16",
     ),
   ],
-  ids=["rank", "batch", "with-segment-ids", "cross-attention"],
+  ids=["rank", "batch", "3d-is-heads", "with-segment-ids", "cross-attention"],
 )
 def test_dense_mask_errors(kwargs, error, match):
   ring = fr.RingMultiHeadAttention(HEADS, F, decode=False, rngs=nnx.Rngs(1))

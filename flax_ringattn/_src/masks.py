@@ -217,14 +217,23 @@ def padded_segment_ids(valid, segment_ids=_NO_SEGMENTS, *, mask_queries: bool = 
   return q_ids, jnp.where(valid, seg, low + PAD_KV_ID)
 
 
-def check_dense_mask_shape(mask, B: int, N: int, T: int, S: int):
-  """The dense mask must broadcast to [B, N, T, S] the way nnx.MultiHeadAttention's does."""
+def dense_mask_4d(mask, B: int, N: int, T: int, S: int):
+  """`mask` as a [B | 1, N | 1, T, S] array, broadcast the way nnx.MultiHeadAttention broadcasts it to
+  [B, N, T, S]: missing leading axes are added (a [T, S] mask is [1, 1, T, S], a 3-D one [1, N | 1, T, S]) and
+  size-1 query or key axes are broadcast (a [B, 1, 1, S] key-padding mask).  Any dtype: nonzero is visible."""
   shape = tuple(getattr(mask, "shape", ()))
-  if len(shape) != 4 or shape[0] not in (1, B) or shape[1] not in (1, N) or shape[2:] != (T, S):
+  target = (B, N, T, S)
+  full = (1,) * (4 - len(shape)) + shape
+  if not 2 <= len(shape) <= 4 or any(d not in (1, t) for d, t in zip(full, target, strict=True)):
     raise ValueError(
-      f"mask must have shape [B | 1, N | 1, T, S] = [{B} | 1, {N} | 1, {T}, {S}] (the layout of "
-      f"nnx.make_attention_mask), got {shape}"
+      f"mask must broadcast to [B, N, T, S] = {list(target)} as nnx.MultiHeadAttention's does ([T, S], "
+      f"[N | 1, T, S] or [B | 1, N | 1, T | 1, S | 1], e.g. nnx.make_attention_mask's [B, 1, T, S]), got mask.shape="
+      f"{shape}"
     )
+  mask = jnp.reshape(jnp.asarray(mask), full)
+  if full[2:] != (T, S):
+    mask = jnp.broadcast_to(mask, (*full[:2], T, S))
+  return mask
 
 
 def structure_from_dense_mask(mask, *, local_window_size=None):

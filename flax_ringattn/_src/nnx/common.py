@@ -116,6 +116,39 @@ def head_param_spec(projection: str, param: str, head_axis):
   return None
 
 
+# The metadata keys flax has used for a parameter's partitioning (`nnx.with_partitioning` writes `out_sharding`
+# in flax 0.12; older code and checkpoints carry `sharding` or `sharding_names`).
+_SHARDING_KEYS = ("out_sharding", "sharding", "sharding_names")
+
+
+def metadata_spec(var) -> tuple | None:
+  """The partition of an `nnx.Variable` from its metadata, whichever form flax allows there: a `NamedSharding`
+  (its spec), a `PartitionSpec` or a tuple of axis names; None when it has none."""
+  meta = var.get_metadata()
+  value = next((meta[key] for key in _SHARDING_KEYS if meta.get(key) is not None), None)
+  if value is None:
+    return None
+  if isinstance(value, jax.sharding.NamedSharding):
+    value = value.spec
+  if isinstance(value, (P, tuple, list)):
+    return tuple(value)
+  raise TypeError(
+    f"a parameter's partitioning metadata must be a NamedSharding, a PartitionSpec or a tuple of mesh axis names, "
+    f"got {value!r} ({type(value).__name__})"
+  )
+
+
+def spec_axes(spec) -> set:
+  """The mesh axis names a partition spec (tuple form) names."""
+  names = set()
+  for entry in spec:
+    if isinstance(entry, str):
+      names.add(entry)
+    elif isinstance(entry, (tuple, list)):
+      names.update(a for a in entry if isinstance(a, str))
+  return names
+
+
 def place_params(layer, mesh, head_axis=None):
   """Puts the layer's parameters on `mesh`: over `head_axis`, else their `out_sharding` metadata, else replicated.
 
@@ -132,7 +165,7 @@ def place_params(layer, mesh, head_axis=None):
     value = var.get_value()
     spec = head_param_spec(name, param, head_axis)
     if spec is None:
-      spec = var.get_metadata().get("out_sharding") or (None,) * value.ndim
+      spec = metadata_spec(var) or (None,) * value.ndim
     target = sharding.named(mesh, P(*spec))
     if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer):
       if value.sharding.is_equivalent_to(target, value.ndim):

@@ -20,6 +20,7 @@ on a mesh are left as they are.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 from flax import nnx
@@ -28,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from flax_ringattn._src import sharding
 from flax_ringattn._src.nnx import handwritten
-from flax_ringattn._src.nnx.common import _PROJECTIONS, head_param_spec, place_params
+from flax_ringattn._src.nnx.common import _PROJECTIONS, head_param_spec, metadata_spec, place_params, spec_axes
 from flax_ringattn._src.nnx.paged_mha import PagedMultiHeadAttention
 from flax_ringattn._src.nnx.ring_mha import RingMultiHeadAttention
 from flax_ringattn._src.ring.options import RingOptions
@@ -71,10 +72,18 @@ class ConversionReport:
   watched: list[str] = dataclasses.field(default_factory=list)
   sites: list = dataclasses.field(default_factory=list)
   untraceable: list[str] = dataclasses.field(default_factory=list)  # watched modules that only run eagerly
+  # (path, reason) of each watched module that ran its own code for a reason that can hide attention from the
+  # matcher: a cache argument, an NNX object argument it writes to, a call that cannot be traced.
+  own_code: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+  called: bool = False  # a watched module has been called (or `example=` ran)
 
   def add_site(self, site) -> None:
     if not any(s.path == site.path and s.converted == site.converted for s in self.sites):
       self.sites.append(site)
+
+  def add_own_code(self, path: str, reason: str) -> None:
+    if (path, reason) not in self.own_code:
+      self.own_code.append((path, reason))
 
   @property
   def converted(self):
@@ -91,10 +100,11 @@ class ConversionReport:
     if self.watched:
       lines.append(
         f"  hand-written attention: {len(self.converted)} converted, {len(self.left_alone)} left alone"
-        + ("" if self.sites else f" (found at the first call; {len(self.watched)} modules watched)")
+        + ("" if self.called else f" (found at the first call; {len(self.watched)} modules watched)")
       )
       lines += [f"  converted {s}" for s in self.converted]
       lines += [f"  left     {s}" for s in self.left_alone]
+      lines += [f"  own code {path}: {reason}" for path, reason in self.own_code]
     if self.placed:
       lines.append(f"  {len(self.placed)} other arrays of the model replicated on the mesh (they were on one device)")
     return "\n".join(lines)
@@ -164,13 +174,36 @@ def _take_over(new, old, head_axis, mesh):
     for path, var in nnx.iter_graph(module):
       if not isinstance(var, nnx.Param):
         continue
-      spec = head_param_spec(name, path[-1], head_axis)
-      if spec is not None:
-        var.set_metadata(out_sharding=spec)
-      elif var.get_metadata().get("out_sharding") is None:
-        var.set_metadata(out_sharding=(None,) * var.get_value().ndim)
-      var.set_metadata(mesh=mesh)
+      spec = head_param_spec(name, path[-1], head_axis) or metadata_spec(var) or (None,) * var.get_value().ndim
+      missing = spec_axes(spec) - set(mesh.axis_names)
+      if missing:
+        raise ValueError(
+          f"convert: the partitioning metadata of {name}.{_path_name(path)} names mesh axes {sorted(missing)} that "
+          f"mesh={dict(mesh.shape)} lacks (its spec {spec}); pass the mesh the model was partitioned for, or one "
+          "with those axes"
+        )
+      var.set_metadata(out_sharding=spec, mesh=mesh)
   place_params(new, mesh, head_axis)
+
+
+class _Undo:
+  """What `convert` changed, to put back when any step fails: every variable's value and metadata as they were
+  before (taken once, up front), and the module swaps and class changes in reverse order."""
+
+  def __init__(self, model):
+    self.variables = [
+      (var, var.get_raw_value(), dict(var.get_metadata()))
+      for _, var in nnx.iter_graph(model)
+      if isinstance(var, nnx.Variable)
+    ]
+    self.steps = []
+
+  def restore(self):
+    for step in reversed(self.steps):
+      step()
+    for var, value, metadata in self.variables:
+      var.set_raw_value(value)
+      var.set_metadata(metadata)
 
 
 def _replicate_the_rest(model, mesh) -> list[str]:
@@ -255,28 +288,43 @@ def convert(
     batch_axis=layer_options.get("batch_axis"),
   )
   report = ConversionReport(to=to)
-  found = [(path, node) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.MultiHeadAttention)]
-  for path, old in found:
-    why = _why_not(old, to)
-    if why is None and not path:
-      why = "the model itself is the attention layer: build the library's layer directly"
-    if why is not None:
-      report.skipped.append((_path_name(path), why))
-      continue
-    new = _new_layer(old, to, mesh, seq_axis, layer_options)
-    _take_over(new, old, layer_options.get("head_axis"), mesh)
-    parent = model
-    for key in path[:-1]:
-      parent = _child(parent, key)
-    _set_child(parent, path[-1], new)
-    report.replaced.append(_path_name(path))
-  if to == "ring" and handwritten:
-    _watch_handwritten(model, mesh, seq_axis, layer_options, report)
-  if mesh is not None and (report.replaced or report.watched):
-    report.placed = _replicate_the_rest(model, mesh)
-  if example is not None:
-    graphdef, state = nnx.split(model)
-    jax.eval_shape(lambda st: example(nnx.merge(graphdef, st)), state)
+  undo, stage = _Undo(model), "reading the model"
+  try:
+    found = [(path, node) for path, node in nnx.iter_graph(model) if isinstance(node, nnx.MultiHeadAttention)]
+    for path, old in found:
+      why = _why_not(old, to)
+      if why is None and not path:
+        why = "the model itself is the attention layer: build the library's layer directly"
+      if why is not None:
+        report.skipped.append((_path_name(path), why))
+        continue
+      stage = f"replacing {_path_name(path)}"
+      new = _new_layer(old, to, mesh, seq_axis, layer_options)
+      _take_over(new, old, layer_options.get("head_axis"), mesh)
+      parent = model
+      for key in path[:-1]:
+        parent = _child(parent, key)
+      _set_child(parent, path[-1], new)
+      undo.steps.append(lambda parent=parent, key=path[-1], old=old: _set_child(parent, key, old))
+      report.replaced.append(_path_name(path))
+    if to == "ring" and handwritten:
+      stage = "watching the model's own modules for hand-written attention"
+      _watch_handwritten(model, mesh, seq_axis, layer_options, report, undo)
+    if mesh is not None and (report.replaced or report.watched):
+      stage = "placing the model's other arrays on the mesh"
+      report.placed = _replicate_the_rest(model, mesh)
+    if example is not None:
+      stage = "running example=..."
+      graphdef, state = nnx.split(model)
+      jax.eval_shape(lambda st: example(nnx.merge(graphdef, st)), state)
+      report.called = True
+  except BaseException as e:
+    undo.restore()
+    e.add_note(
+      f"convert(to={to!r}) failed while {stage}; the model is as it was before convert (its modules, their classes, "
+      "every parameter's value and metadata)"
+    )
+    raise
   return report
 
 
@@ -292,7 +340,7 @@ _HANDWRITTEN_OPTIONS = (
 )
 
 
-def _watch_handwritten(model, mesh, seq_axis, layer_options, report):
+def _watch_handwritten(model, mesh, seq_axis, layer_options, report, undo):
   options = RingOptions(
     mesh=mesh,
     axis_name=sharding.sequence_axis(mesh, seq_axis, arg="seq_axis"),
@@ -301,5 +349,6 @@ def _watch_handwritten(model, mesh, seq_axis, layer_options, report):
   classes: dict = {}
   nodes = [(path, node) for path, node in nnx.iter_graph(model) if handwritten.is_user_module(node)]
   for path, node in nodes:
+    undo.steps.append(functools.partial(handwritten.unwatch, node, type(node)))
     handwritten.watch(node, _path_name(path), options, report, classes)
     report.watched.append(_path_name(path))

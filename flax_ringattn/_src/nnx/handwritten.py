@@ -38,6 +38,7 @@ from flax_ringattn._src.nnx import handwritten_sinks
 from flax_ringattn._src.ring import pattern
 from flax_ringattn._src.ring.dense import bias_as_mask, context_mesh, masked_ring_attention
 from flax_ringattn._src.ring.options import RingOptions
+from flax_ringattn._src.ring.pattern_program import OPAQUE_SCOPE
 
 
 @dataclasses.dataclass
@@ -119,6 +120,7 @@ class _Plan:
   delegated: bool = False
   total_sites: int = 0  # sites in this call's jaxpr, its watched children's included
   total_rejects: int = 0
+  own_code: bool = False  # the call writes to an NNX object argument: the model's code runs
 
 
 def _is_array(x) -> bool:
@@ -140,16 +142,21 @@ def _uses_cache(call, module, args, kwargs) -> bool:
   return any("cache" in name.lower() and value is not None for name, value in bound.arguments.items())
 
 
-def _plan(module, call, split, flat):
+_NODE = "<nnx object argument>"  # where an NNX object sits among a call's arguments (it travels in the split)
+
+
+def _plan(module, call, split, flat, node_index=()):
   """The traced and matched plan of this call (cached on the class); records the report.
 
-  split: `nnx.split(module)`; flat: `jax.tree.flatten((args, kwargs))` (both also serve `_run`).
+  split: `nnx.split((module, *nodes))`, the module with the NNX objects passed as arguments (at `node_index`
+  among the flattened arguments); flat: `jax.tree.flatten((args, kwargs))` with NNX objects as leaves (both also
+  serve `_run`).
   """
   cls = type(module)
   graphdef, state = split
   leaves, treedef = flat
   dyn_index = tuple(i for i, x in enumerate(leaves) if _is_array(x))
-  statics = tuple(None if i in dyn_index else x for i, x in enumerate(leaves))
+  statics = tuple(None if i in dyn_index else _NODE if i in node_index else x for i, x in enumerate(leaves))
   state_avals = tuple((tuple(np.shape(x)), str(x.dtype)) for x in jax.tree.leaves(state))
   dyn_avals = tuple((tuple(np.shape(leaves[i])), str(leaves[i].dtype)) for i in dyn_index)
   key = (graphdef, treedef, statics, state_avals, dyn_avals)
@@ -165,13 +172,16 @@ def _plan(module, call, split, flat):
 
   def original(state, dyn):
     full = list(leaves)
+    m, *nodes = nnx.merge(graphdef, state)
+    for i, node in zip(node_index, nodes, strict=True):
+      full[i] = node
     for i, x in zip(dyn_index, dyn, strict=True):
       full[i] = x
     a, kw = jax.tree.unflatten(treedef, full)
-    m = nnx.merge(graphdef, state)
     out = call(m, *a, **kw)
-    return out, nnx.state(m)
+    return out, nnx.state((m, *nodes))
 
+  path = getattr(module, "_fr_path", cls.__name__)
   with _Discovery() as found:
     try:
       closed, out_shape = jax.make_jaxpr(original, return_shape=True)(
@@ -179,13 +189,34 @@ def _plan(module, call, split, flat):
       )
     except Exception as e:  # noqa: BLE001 (a call that only runs eagerly, e.g. one reading values on the host)
       # Not traceable on abstract values: the module runs its own code, as before convert.
-      cls._fr_report.untraceable.append(f"{getattr(module, '_fr_path', cls.__name__)}: {type(e).__name__}: {e}")
+      cls._fr_report.untraceable.append(f"{path}: {type(e).__name__}: {e}")
+      cls._fr_report.add_own_code(path, f"its call cannot be traced on abstract values ({type(e).__name__}: {e})")
       plan = _Plan(None, [])
       if key is not None:
         cache[key] = plan
       return plan
-  program = pattern.Program.flatten(closed)
+  written = _written_arguments(closed, state, out_shape, len(node_index))
+  if written:
+    # The call writes to an NNX object it was given (rngs it draws from, a cache it fills): run the model's own
+    # code, which updates that object as before convert.
+    cls._fr_report.add_own_code(
+      path, f"writes to the NNX object passed as argument ({', '.join(written)}): runs its own code"
+    )
+    plan = _Plan(None, [], own_code=True)
+    if key is not None:
+      cache[key] = plan
+    return plan
+  program = pattern.Program.flatten(closed).dce()
   sites, rejected, sinks = handwritten_sinks.find_sites(program)
+  sites, rejected = _one_remat_body_each(program, sites, rejected)
+  if not sites and not rejected and not found.child_sites and not found.child_rejects:
+    hidden = _attention_in_loop_body(closed.jaxpr)
+    if hidden:
+      cls._fr_report.add_own_code(
+        path,
+        f"a contraction and an exp (attention?) inside a {hidden} body, which convert does not look into: runs its "
+        "own code (a module called in the body, as with nnx.scan over layers, converts)",
+      )
   # The children hold all of this call's sites: they convert them.  A site of this module's own code (attention
   # inline beside attention children) makes this module convert every site of its call itself.
   delegated = bool(sites) and len(sites) <= found.child_sites
@@ -206,6 +237,64 @@ def _plan(module, call, split, flat):
   return plan
 
 
+def _one_remat_body_each(program, sites, rejected):
+  """Sites whose equations all lie in one remat body (or in none): `run` evaluates each body inside its
+  `jax.checkpoint`, so an attention split across a body's edge is left alone with the reason."""
+  kept = []
+  for site in sites:
+    bodies = {id(program.eqns[j].region) for j in (*site.interior, site.g2)}
+    if len(bodies) > 1:
+      rejected = [*rejected, pattern.Rejected(site.g1, "the attention crosses the edge of a jax.checkpoint body")]
+    else:
+      kept.append(site)
+  return kept, rejected
+
+
+_LOOPS = {"scan": ("jaxpr",), "while": ("body_jaxpr", "cond_jaxpr"), "cond": ("branches",)}
+
+
+def _attention_in_loop_body(jaxpr, depth: int = 4) -> str | None:
+  """The first loop / cond primitive whose body holds a dot_general and an exp, else None."""
+  for e in jaxpr.eqns:
+    for key in _LOOPS.get(e.primitive.name, ()):
+      bodies = e.params[key]
+      for body in bodies if isinstance(bodies, (tuple, list)) else (bodies,):
+        inner = getattr(body, "jaxpr", body)
+        if _has_attention_ops(inner, depth):
+          return f"lax.{e.primitive.name}"
+  return None
+
+
+def _has_attention_ops(jaxpr, depth: int) -> bool:
+  names = set()
+
+  def scan(jx, d):
+    for e in jx.eqns:
+      names.add(e.primitive.name)
+      for value in e.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+          inner = getattr(sub, "jaxpr", sub)
+          if d and hasattr(inner, "eqns"):
+            scan(inner, d - 1)
+
+  scan(jaxpr, depth)
+  return "dot_general" in names and "exp" in names
+
+
+def _written_arguments(closed, state, out_shape, num_nodes: int) -> list[str]:
+  """The NNX objects passed as arguments (keys 1..num_nodes of `state`) whose variables the traced call writes:
+  an output state leaf that is not its input leaf passed through.  Their type names, or []."""
+  if not num_nodes:
+    return []
+  jaxpr = closed.jaxpr
+  n_out = len(jax.tree.leaves(out_shape[0]))
+  written = []
+  for n, (path, _) in enumerate(nnx.to_flat_state(state)):
+    if path[0] != 0 and jaxpr.outvars[n_out + n] is not jaxpr.invars[n]:
+      written.append(f"argument {path[0] - 1}: {'.'.join(map(str, path[1:]))}")
+  return written
+
+
 def _record(module, sites, rejected, sinks):
   report = type(module)._fr_report
   path = getattr(module, "_fr_path", type(module).__name__)
@@ -224,7 +313,10 @@ def _record(module, sites, rejected, sinks):
     report.add_site(SiteReport(where, name, False, reason=rej.reason))
 
 
-def _run(module, plan: _Plan, state, leaves):
+def _run(root, plan: _Plan, state, leaves):
+  """Runs the plan's program on (module, *nodes) `root` and writes back the variables the call changed (only
+  those: a variable merged at another trace level that the call only reads must not be written)."""
+  module = root[0]
   opts: RingOptions = type(module)._fr_options
   inputs = [*jax.tree.leaves(state), *(leaves[i] for i in plan.dyn_index)]
   replace = {}
@@ -234,7 +326,13 @@ def _run(module, plan: _Plan, state, leaves):
   skip = set().union(*(s.interior for s in plan.sites))
   outs = plan.program.run(inputs, replace=replace, skip=skip)
   out, new_state = jax.tree.unflatten(plan.out_tree, outs)
-  nnx.update(module, new_state)
+  changed = [
+    (path, new)
+    for (path, new), (_, old) in zip(nnx.to_flat_state(new_state), nnx.to_flat_state(state), strict=True)
+    if new.get_raw_value() is not old.get_raw_value()
+  ]
+  if changed:
+    nnx.update(root, nnx.from_flat_state(changed))
   return out
 
 
@@ -274,24 +372,39 @@ class _SiteFn:
     return pattern.site_output(site, out)
 
 
+def _own_code(call, module, args, kwargs):
+  """The model's own call, traced (inside a module's discovery) under the scope the matcher never converts, so
+  the calling module does not convert in its place what this one was left to run as written."""
+  if not _discovering():
+    return call(module, *args, **kwargs)
+  with jax.named_scope(OPAQUE_SCOPE):
+    return call(module, *args, **kwargs)
+
+
 def _watched_call(self, *args, **kwargs):
   cls = type(self)
   call = cls._fr_original.__call__
+  report = cls._fr_report
+  report.called = True
   if _uses_cache(call, self, args, kwargs):
-    return call(self, *args, **kwargs)
-  if any(nnx.graph.is_graph_node(x) for x in jax.tree.leaves((args, kwargs), is_leaf=nnx.graph.is_graph_node)):
-    # An NNX object passed in (rngs, a module) would be updated through the call: run the model's own code.
-    note = (
-      f"{getattr(self, '_fr_path', cls.__name__)}: called with an NNX object argument (e.g. rngs): runs its own code"
+    report.add_own_code(
+      getattr(self, "_fr_path", cls.__name__),
+      "called with a cache argument (a parameter named like *cache* not None: sampling): runs its own code; "
+      "calls without a cache (training, prefill) convert",
     )
-    if note not in cls._fr_report.untraceable:
-      cls._fr_report.untraceable.append(note)
-    return call(self, *args, **kwargs)
-  split, flat = nnx.split(self), jax.tree.flatten((args, kwargs))
-  plan = _plan(self, call, split, flat)
+    return _own_code(call, self, args, kwargs)
+  # NNX objects passed in (rngs, a module, a table of constants) travel in the split with the module; a call
+  # that writes to one runs the model's own code (`_plan`).
+  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=nnx.graph.is_graph_node)
+  node_index = tuple(i for i, x in enumerate(leaves) if nnx.graph.is_graph_node(x))
+  root = (self, *(leaves[i] for i in node_index))
+  split = nnx.split(root) if node_index else nnx.split((self,))
+  plan = _plan(self, call, split, (leaves, treedef), node_index)
+  if plan.own_code or plan.program is None:
+    return _own_code(call, self, args, kwargs)
   if _discovering() or not plan.sites:
     return call(self, *args, **kwargs)
-  return _run(self, plan, split[1], flat[0])
+  return _run(root, plan, split[1], leaves)
 
 
 def is_user_module(node) -> bool:
@@ -325,3 +438,9 @@ def watch(node, path: str, options: RingOptions, report, classes: dict):
     classes[cls] = sub
   node.__class__ = sub
   node._fr_path = path
+
+
+def unwatch(node, cls):
+  """Undoes `watch`: `node` is of its own class `cls` again."""
+  node.__class__ = cls
+  vars(node).pop("_fr_path", None)

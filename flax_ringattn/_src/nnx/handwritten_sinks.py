@@ -33,7 +33,7 @@ import math
 import jax.numpy as jnp
 
 from flax_ringattn._src.ring import pattern
-from flax_ringattn._src.ring.pattern_program import Eqn, Program, _is_literal
+from flax_ringattn._src.ring.pattern_program import Program, _is_literal
 from flax_ringattn._src.ring.pattern_site import _reshape_layout, to_atoms
 
 _CAST_OPS = ("convert_element_type", "copy")
@@ -236,11 +236,11 @@ def _view(prog, chains):
   for c in chains:
     swap[prog.eqns[c.concat].outs[0]] = c.logits
     swap[prog.eqns[c.drop].outs[0]] = prog.eqns[c.drop].ins[0]
-    eqns[c.concat] = Eqn(prog.eqns[c.concat].eqn, [c.column], prog.eqns[c.concat].outs)
-    eqns[c.drop] = Eqn(prog.eqns[c.drop].eqn, [], prog.eqns[c.drop].outs)
+    eqns[c.concat] = dataclasses.replace(prog.eqns[c.concat], ins=[c.column])
+    eqns[c.drop] = dataclasses.replace(prog.eqns[c.drop], ins=[])
   for i, e in enumerate(eqns):
     if any(not _is_literal(a) and a in swap for a in e.ins):
-      eqns[i] = Eqn(e.eqn, [swap.get(a, a) if not _is_literal(a) else a for a in e.ins], e.outs)
+      eqns[i] = dataclasses.replace(e, ins=[swap.get(a, a) if not _is_literal(a) else a for a in e.ins])
   return Program(prog.invars, prog.outvars, eqns)
 
 

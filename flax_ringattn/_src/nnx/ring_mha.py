@@ -109,8 +109,10 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
 
   `__call__` takes the arguments of `nnx.MultiHeadAttention.__call__` plus
   `is_causal` and `segment_ids` ([B, T] or a (q_ids, kv_ids) pair).  A dense
-  `mask` ([B | 1, N | 1, T, T], as `nnx.make_attention_mask` builds) is turned
-  into is_causal + segment ids (see `padded_segment_ids`); masks outside that
+  `mask` (any shape nnx.MultiHeadAttention takes: broadcastable to [B, N, T, T],
+  e.g. `nnx.make_attention_mask`'s [B, 1, T, T] or a [T, T] causal mask, bool
+  or any dtype with nonzero visible, as flax reads it) is turned into
+  is_causal + segment ids (see `padded_segment_ids`); masks outside that
   family raise.  Attention dropout follows `nnx.MultiHeadAttention`
   (`deterministic`, `model.train()` / `model.eval()`, `rngs`); its mask is a
   function of the key and the global (batch, head, q, kv) indices only.

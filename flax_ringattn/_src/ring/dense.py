@@ -49,9 +49,14 @@ def _raise_if_inexact(exact):
 def _report_if_inexact(exact):
   # Under jit the check runs in a host callback.  Raising there would stop one device's thread while the
   # others wait in the ring's collectives (a hang, then an abort), so it reports and the output is NaN.
+  # Once: through `logging` where the program has configured it, else on stderr (logging's own fallback would
+  # print it a second time).
   if not bool(exact):
-    logging.getLogger("flax_ringattn").error("attention output set to NaN: %s", _inexact_message())
-    print(f"flax_ringattn: attention output set to NaN: {_inexact_message()}", file=sys.stderr, flush=True)
+    logger = logging.getLogger("flax_ringattn")
+    if logger.hasHandlers():
+      logger.error("attention output set to NaN: %s", _inexact_message())
+    else:
+      print(f"flax_ringattn: attention output set to NaN: {_inexact_message()}", file=sys.stderr, flush=True)
 
 
 def dense_mask_options(
@@ -76,8 +81,7 @@ def dense_mask_options(
       f"a dense mask=... is recovered for self attention only (T == S), got T={T}, S={S}; for cross attention "
       "pass segment_ids=(q_ids, kv_ids) instead"
     )
-  masks.check_dense_mask_shape(mask, B, N, T, S)
-  mask = jnp.asarray(mask)
+  mask = masks.dense_mask_4d(mask, B, N, T, S)
   if mask.dtype != jnp.bool_:
     mask = mask != 0
   if is_causal:

@@ -32,16 +32,19 @@ site's second `dot_general` is computed by `dot_product_attention` on the
 model's own q, k, v and mask, and the site's interior is never computed.
 
 The matcher (`find_sites`, `_match`) is here; the flattened program and its constants are in
-`pattern_program.py`, the `Site` it builds and the code that runs one in `pattern_site.py` (both re-exported here).
+`pattern_program.py` (constants too big to build are read at points by `pattern_band.py`), the `Site` it builds
+and the code that runs one in `pattern_site.py` (both re-exported here).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
 from flax_ringattn._src.ring.dense import BIAS_MASKED
+from flax_ringattn._src.ring.pattern_band import const_sample, shape_of
 from flax_ringattn._src.ring.pattern_program import (
   _INLINE,
   MAX_CONST_ELEMENTS,
@@ -126,7 +129,7 @@ def find_sites(prog: Program):
   sites, rejected, taken = [], [], set()
   outputs = {a for a in prog.outvars if not _is_literal(a)}
   for i, e in enumerate(prog.eqns):
-    if e.name != "dot_general" or i in taken:
+    if e.name != "dot_general" or i in taken or e.opaque:
       continue
     try:
       site = _match(prog, i, producers, consumers, outputs)
@@ -295,6 +298,8 @@ def _match(prog: Program, g1: int, producers, consumers, outputs):
       other = others[0]
       c = scalar_value(prog, other, producers)
       val = None if c is not None else const_value(prog, other, producers)
+      if val is None and c is None and math.prod(shape_of(other)) > MAX_CONST_ELEMENTS:
+        val = const_sample(prog, other, producers)  # too big to build: its values at a sample of points
       if c == 0.0:
         tracks[out] = _Track(lay, "logits", x.dtype, x.form)
         continue

@@ -3,8 +3,8 @@
 `Site` (with `MaskRef`, `Rejected`) is what the matcher in `pattern.py` finds; `_finish` builds one at the second
 `dot_general` (assigning the roles B, T, S, K, G, H, tracing masks back to the model's arrays, undoing
 `jnp.repeat` of k and v), and `site_inputs` / `site_output` move values between the model's layouts and the
-ring's `[B, T, N, H]` through the atom layouts (`to_atoms` / `from_atoms`).  Builds on `pattern_program.py`;
-imported by `pattern.py`, never the other way round.
+ring's `[B, T, N, H]` through the atom layouts (`to_atoms` / `from_atoms`).  Builds on `pattern_program.py` and
+`pattern_band.py` (a constant band too big to build); imported by `pattern.py`, never the other way round.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from flax_ringattn._src.ring.pattern_band import band_extent, is_large_constant
 from flax_ringattn._src.ring.pattern_program import _is_literal, const_value, scalar_value
 
 # -- layouts --------------------------------------------------------------------------------------
@@ -180,13 +181,17 @@ def _is_zero(prog, atom, producers):
 
 def _constant_band(prog, atom, src_lay, producers, sizes):
   """A sliding window the model built from constants (`triu` / `tril` bands ANDed or multiplied into the
-  mask): the (left, right) of the constant factors' band, or None."""
-  consts = []
+  mask): the (left, right) of the constant factors' band, or None.  A factor too big for `const_value` (a
+  [B, T, T] band at large B * T * T) is read at points instead (`pattern_band.band_extent`)."""
+  consts, large = [], []
 
   def collect(a, depth=8):
     val = const_value(prog, a, producers)
     if val is not None:
       consts.append(val)
+      return
+    if not _is_literal(a) and is_large_constant(prog, a, producers):
+      large.append(a)
       return
     if depth == 0 or _is_literal(a) or a not in producers:
       return
@@ -200,13 +205,12 @@ def _constant_band(prog, atom, src_lay, producers, sizes):
       collect(e.ins[0], depth - 1)
 
   collect(atom)
+  slices = [v for v in map(_band_slice, consts) if v is not None]
+  if large:
+    extent = band_extent(prog, producers, slices, large)
+    return None if extent is None else _window(*extent)
   band = None
-  for val in consts:
-    v = np.asarray(val) != 0
-    while v.ndim > 2 and (v.shape[0] == 1 or bool(np.all(v == v[:1]))):
-      v = v[0]  # leading (batch, head) axes of a band built like the mask: the same band in each
-    if v.ndim != 2 or v.shape[0] != v.shape[1]:
-      continue
+  for v in slices:
     band = v if band is None else band & v
   if band is None:
     return None
@@ -214,10 +218,27 @@ def _constant_band(prog, atom, src_lay, producers, sizes):
   if i.size == 0:
     return None
   left, right = int(np.max(i - j)), int(np.max(j - i))
-  n = band.shape[0]
   rows, cols = np.indices(band.shape)
   if not np.array_equal(band, (cols >= rows - left) & (cols <= rows + right)):
     return None
+  return _window(left, right, band.shape[0])
+
+
+def _band_slice(val):
+  """A constant factor as one [n, n] bool band, or None (its leading axes hold different bands, or not square)."""
+  v = np.asarray(val) != 0
+  while v.ndim > 2 and (v.shape[0] == 1 or bool(np.all(v == v[:1]))):
+    v = v[0]  # leading (batch, head) axes of a band built like the mask: the same band in each
+  return v if v.ndim == 2 and v.shape[0] == v.shape[1] else None
+
+
+def _window(left, right, n):
+  if left < 0 or right < 0:
+    # A band off the diagonal (`tril(ones, -1)`: strictly earlier keys) leaves a row with no key: no window.
+    raise _Fail(
+      f"a constant band without the diagonal (window {(left, right)}: a query that cannot see its own key) is "
+      "outside the mask family"
+    )
   if left >= n - 1 and right >= n - 1:
     return None  # no band at all
   if right == 0 and left >= n - 1:
