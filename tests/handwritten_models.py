@@ -105,12 +105,18 @@ class LlamaAttention(nnx.Module):
     self.v_proj = nnx.Linear(D, kv_heads * head_dim, use_bias=False, rngs=rngs)
     self.o_proj = nnx.Linear(heads * head_dim, D, use_bias=False, rngs=rngs)
 
-  def __call__(self, x, positions, mask):
+  def project(self, x, positions):
+    """q [B, T, K, G, H] and k, v [B, T, K, H], rope applied."""
     B, T, _ = x.shape
     K, G, H = self.kv_heads, self.heads // self.kv_heads, self.head_dim
     q = rope(self.q_proj(x).reshape(B, T, self.heads, H), positions).reshape(B, T, K, G, H)
     k = rope(self.k_proj(x).reshape(B, T, K, H), positions)
-    v = self.v_proj(x).reshape(B, T, K, H)
+    return q, k, self.v_proj(x).reshape(B, T, K, H)
+
+  def __call__(self, x, positions, mask):
+    B, T, _ = x.shape
+    H = self.head_dim
+    q, k, v = self.project(x, positions)
     logits = jnp.einsum("BTHGD,BSHD->BHGTS", q, k) * H**-0.5
     logits = jnp.where(mask[:, None, None], logits, jnp.finfo(logits.dtype).min)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(x.dtype)
@@ -324,10 +330,8 @@ class RematLlamaAttention(LlamaAttention):
 
   def __call__(self, x, positions, mask):
     B, T, _ = x.shape
-    K, G, H = self.kv_heads, self.heads // self.kv_heads, self.head_dim
-    q = rope(self.q_proj(x).reshape(B, T, self.heads, H), positions).reshape(B, T, K, G, H)
-    k = rope(self.k_proj(x).reshape(B, T, K, H), positions)
-    v = self.v_proj(x).reshape(B, T, K, H)
+    H = self.head_dim
+    q, k, v = self.project(x, positions)
 
     @jax.checkpoint
     def core(q, k, v, mask):

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from conftest import make_mesh
 from flax import nnx
-from test_handwritten import F32, _batch, _grads, _inputs, _key_mask
-from tolerances import assert_close
+from test_convert_families import _check_matches
+from test_handwritten import F32, _batch, _inputs, _key_mask
 
 import flax_ringattn as fr
 from flax_ringattn._src.ring import pattern, pattern_band, pattern_site
@@ -245,14 +245,7 @@ def test_tunix_style_window_converts_and_is_found_at_large_sizes():
   report = fr.convert(model, mesh=mesh, example=lambda m: m(tokens, pos, mask))
   assert [s.path for s in report.converted] == ["blocks.0.attn"] and not report.left_alone, str(report)
   assert report.converted[0].details["window"] == (WINDOW - 1, WINDOW - 1), str(report)
-  got = nnx.jit(lambda m, *a: m(*a))(model, tokens, pos, mask)
-  want = nnx.jit(lambda m, *a: m(*a))(ref, tokens, pos, mask)
-  assert_close(np.asarray(got)[sees], np.asarray(want)[sees], F32)
-  step, params = _grads(model, tokens, pos, mask, valid)
-  ref_step, ref_params = _grads(ref, tokens, pos, mask, valid)
-  (loss, grads), (ref_loss, ref_grads) = step(params), ref_step(ref_params)
-  assert_close(loss, ref_loss, F32)
-  assert_close(grads, ref_grads, F32, "grad")
+  _check_matches(model, ref, (tokens, pos, mask), sees, (tokens, pos, mask, valid))
   # The same model traced (example= runs abstractly: nothing is built) at B = 2, T = 3072: a band of 18.9M elements.
   b, t = 2, 3072
   assert b * t * t > MAX_CONST_ELEMENTS

@@ -14,7 +14,14 @@ Mechanism (see `ring/pattern.py` for the matcher):
   `masked_ring_attention` on the model's own q, k, v and mask and never the site's logits; its new state
   (caches, counters) is written back with `nnx.update`.
 * A call that passes a non-None argument named like `*cache*` (sampling) runs the model's code unchanged,
-  and so does a site whose queries and keys differ in length.
+  and so does a site whose queries and keys differ in length.  NNX objects passed as arguments travel in the
+  split with the module; a call that writes to one runs the model's code.  A module left to its own code for
+  such a reason traces it under `OPAQUE_SCOPE` inside its caller's discovery, so the caller does not convert
+  that attention in its place, and the report lists it (`own_code`).
+* Remat bodies (`nnx.remat`, `jax.checkpoint`) inside the call are looked through (`Program.flatten`) and run
+  inside `jax.checkpoint` again with their policy; dead equations are pruned before matching.
+* The converted call writes back only the variables it changed (`nnx.update` of a variable merged at another
+  trace level, unchanged, would fail under `jax.jit` of `nnx.split` / `nnx.merge`).
 * Attention sinks written as a logit column joined before the softmax and dropped after it (gpt-oss) are
   recognised around the matcher (`handwritten_sinks.py`) and passed to the op as `sinks=`; a value head dim
   other than q/k's (MLA) is read from the second einsum.
@@ -326,10 +333,11 @@ def _run(root, plan: _Plan, state, leaves):
   skip = set().union(*(s.interior for s in plan.sites))
   outs = plan.program.run(inputs, replace=replace, skip=skip)
   out, new_state = jax.tree.unflatten(plan.out_tree, outs)
+  before = dict(nnx.to_flat_state(state))
   changed = [
     (path, new)
-    for (path, new), (_, old) in zip(nnx.to_flat_state(new_state), nnx.to_flat_state(state), strict=True)
-    if new.get_raw_value() is not old.get_raw_value()
+    for path, new in nnx.to_flat_state(new_state)
+    if path not in before or new.get_raw_value() is not before[path].get_raw_value()
   ]
   if changed:
     nnx.update(root, nnx.from_flat_state(changed))
@@ -398,7 +406,7 @@ def _watched_call(self, *args, **kwargs):
   leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=nnx.graph.is_graph_node)
   node_index = tuple(i for i, x in enumerate(leaves) if nnx.graph.is_graph_node(x))
   root = (self, *(leaves[i] for i in node_index))
-  split = nnx.split(root) if node_index else nnx.split((self,))
+  split = nnx.split(root)
   plan = _plan(self, call, split, (leaves, treedef), node_index)
   if plan.own_code or plan.program is None:
     return _own_code(call, self, args, kwargs)
