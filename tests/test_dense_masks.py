@@ -183,3 +183,16 @@ def test_dot_product_attention_with_sinks_and_mla_matches_reference():
   assert out.shape == (2, 32, 4, 8)
   assert_close(out, ref_out, jnp.float32)
   assert_close(vjp(do), ref_vjp(do), jnp.float32, "grad")
+
+
+@pytest.mark.parametrize("name", ["mask", "bias"])
+def test_dot_product_attention_refuses_a_3d_mask_it_could_misread(name):
+  """With B == N, a 3-D mask is [B, T, S] here and [N, T, S] in jax.nn: refused, with both 4-D spellings."""
+  q = jnp.zeros((4, 8, 4, 8))
+  kv = jnp.zeros((4, 8, 2, 8))
+  tril = jnp.tril(jnp.ones((8, 8), bool))
+  value = jnp.broadcast_to(tril if name == "mask" else jnp.where(tril, 0.0, -1e9), (4, 8, 8))
+  with pytest.raises(ValueError, match=rf"{name}.shape=\(4, 8, 8\) is ambiguous .* {name}\[:, None\]"):
+    fr.dot_product_attention(q, kv, kv, **{name: value}, implementation="xla")
+  # 4-D, either reading is accepted.
+  fr.dot_product_attention(q, kv, kv, **{name: value[:, None]}, implementation="xla")

@@ -308,6 +308,8 @@ def _mask_and_structure(m: MaskDraw, rng):
     ids = rng.integers(0, 3, (B, T)).astype(np.int32)
     seg = ids
     dense = (ids[:, :, None] == ids[:, None, :]) & tril & win
+    if B == d.N > 1:  # 3-D with B == N is refused as ambiguous (test_dense_masks.py): the [B, 1, T, S] spelling
+      dense = dense[:, None]
   else:  # key padding: query rows see the valid keys
     valid = rng.random((B, T)) < 0.7
     seg = (np.ones((B, T), np.int32), valid.astype(np.int32))

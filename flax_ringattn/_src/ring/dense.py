@@ -117,12 +117,26 @@ def call_with_mask_structure(fn, causal):
   return jax.lax.cond(causal, lambda: fn(True), lambda: fn(False))
 
 
-def as_four_dims(x, name: str):
-  """A mask or bias of shape [T, S], [B, T, S] or [B | 1, N | 1, T, S] as 4-D."""
+def _batch_and_heads(q) -> dict:
+  """B and N of a [B, T, N, H] q (None when q is not 4-D: the op's own checks then name it)."""
+  shape = tuple(getattr(q, "shape", ()))
+  return dict(B=shape[0], N=shape[2]) if len(shape) == 4 else dict(B=None, N=None)
+
+
+def as_four_dims(x, name: str, *, B: int | None, N: int | None):
+  """A mask or bias of shape [T, S], [B, T, S] or [B | 1, N | 1, T, S] as 4-D.  A 3-D one whose first axis is
+  both B and N (> 1) is refused: jax.nn.dot_product_attention reads 3-D as [N, T, S], this function as
+  [B, T, S], and the wrong reading of a per-head mask would be a per-row one, silently."""
   shape = tuple(getattr(x, "shape", ()))
   if len(shape) == 2:
     return x[None, None]
   if len(shape) == 3:
+    if B is not None and shape[0] == B == N > 1:
+      raise ValueError(
+        f"{name}.shape={shape} is ambiguous with batch {B} and {N} heads: this function reads a 3-D {name} as "
+        f"[B, T, S] (hand-written decoders' layout), jax.nn.dot_product_attention as [N, T, S]; pass it 4-D: "
+        f"{name}[:, None] ([B, 1, T, S]) or {name}[None] ([1, N, T, S])"
+      )
     return x[:, None]
   if len(shape) == 4:
     return x
@@ -192,8 +206,9 @@ def dot_product_attention(
       K kv heads travel; Hv may differ from H, as in MLA).  Global arrays with
       a mesh, local shards inside your shard_map.
     mask: the model's boolean mask, True = visible: [T, S], [B, T, S] (the key
-      masks of hand-written decoders, padding queries may see keys) or
-      [B | 1, N | 1, T, S].  Its structure `[causal] & [window] & (q_ids[i] ==
+      masks of hand-written decoders, padding queries may see keys; unlike
+      `jax.nn.dot_product_attention`'s [N, T, S], so a 3-D mask with B == N > 1
+      is refused as ambiguous) or [B | 1, N | 1, T, S].  Its structure `[causal] & [window] & (q_ids[i] ==
       kv_ids[j])` is recovered and verified: a concrete mask raises at once
       when it is not of that family; under jit the output is NaN and a host
       callback says why on stderr (check_mask=False turns the check off).  No
@@ -220,7 +235,7 @@ def dot_product_attention(
   validation.check_bool("is_causal", is_causal)
   also_exact = None
   if bias is not None:
-    mask, also_exact = bias_as_mask(as_four_dims(bias, "bias"))
+    mask, also_exact = bias_as_mask(as_four_dims(bias, "bias", **_batch_and_heads(q)))
   mesh = context_mesh(mesh, axis_name)
   options = RingOptions(
     axis_name=axis_name,
@@ -239,7 +254,7 @@ def dot_product_attention(
     interpret=interpret,
     check_mask=check_mask,
   )
-  mask = None if mask is None else as_four_dims(mask, "mask")
+  mask = None if mask is None else as_four_dims(mask, "mask", **_batch_and_heads(q))
   return masked_ring_attention(q, k, v, options, mask=mask, also_exact=also_exact, segment_ids=segment_ids, sinks=sinks)
 
 
