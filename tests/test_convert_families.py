@@ -220,12 +220,16 @@ class RopeTable(nnx.Module):
 
 
 class TableAttention(hm.LlamaAttention):
-  """Reads its rope frequencies from an NNX object argument; keeps rngs it does not draw from in eval mode."""
+  """Reads its rope frequencies from an NNX object argument; keeps state the call only reads (rngs it does not
+  draw from in eval mode, a variable still None, a variable holding a tuple); its core is `jax.checkpoint`-ed
+  with the mask broadcast before the body (the broadcast is pruned: the site reads the mask itself)."""
 
   def __init__(self, *args, rngs, **kwargs):
     super().__init__(*args, rngs=rngs, **kwargs)
     self.rngs = rngs
     self.table = RopeTable(self.head_dim)
+    self.lazy = nnx.Variable(None)  # a cache filled later
+    self.pair = nnx.Variable((jnp.ones(()), jnp.zeros(())))
 
   def __call__(self, x, positions, mask, table=None):
     table = self.table if table is None else table
@@ -237,12 +241,16 @@ class TableAttention(hm.LlamaAttention):
       x1, x2 = x[..., : H // 2], x[..., H // 2 :]
       return jnp.concatenate([x1 * jnp.cos(ang) - x2 * jnp.sin(ang), x2 * jnp.cos(ang) + x1 * jnp.sin(ang)], -1)
 
-    q = rope(self.q_proj(x).reshape(B, T_, self.heads, H)).reshape(B, T_, K, G, H)
+    q = rope(self.q_proj(x).reshape(B, T_, self.heads, H)).reshape(B, T_, K, G, H) * self.pair.get_value()[0]
     k = rope(self.k_proj(x).reshape(B, T_, K, H))
     v = self.v_proj(x).reshape(B, T_, K, H)
-    logits = jnp.where(mask[:, None, None], jnp.einsum("BTHGD,BSHD->BHGTS", q, k) * H**-0.5, -1e9)
-    out = jnp.einsum("BHGTS,BSHD->BTHGD", jax.nn.softmax(logits, axis=-1), v)
-    return self.o_proj(out.reshape(B, T_, -1))
+
+    @jax.checkpoint
+    def core(q, k, v, mask5):
+      logits = jnp.where(mask5, jnp.einsum("BTHGD,BSHD->BHGTS", q, k) * H**-0.5, -1e9)
+      return jnp.einsum("BHGTS,BSHD->BTHGD", jax.nn.softmax(logits, axis=-1), v)
+
+    return self.o_proj(core(q, k, v, mask[:, None, None]).reshape(B, T_, -1))
 
 
 class TableBlock(hm.Block):
@@ -271,6 +279,9 @@ def test_dead_weights_and_read_only_nnx_arguments_convert(name):
   assert [s.path for s in report.converted] == ["blocks.0.attn"], str(report)
   assert not report.left_alone and not report.own_code, str(report)
   _check_matches(model, ref, (tokens, pos, mask), sees, (tokens, pos, mask, valid))
+  # The model closed over by a plain jax.jit: any write to its variables would raise a trace-level error.
+  got = jax.jit(lambda *a: model(*a))(tokens, pos, mask)
+  assert_close(np.asarray(got)[sees], np.asarray(ref(tokens, pos, mask))[sees], F32)
 
 
 # -- every skip explained ---------------------------------------------------------------------------------------------

@@ -180,7 +180,8 @@ def _take_over(new, old, head_axis, mesh):
         raise ValueError(
           f"convert: the partitioning metadata of {name}.{_path_name(path)} names mesh axes {sorted(missing)} that "
           f"mesh={dict(mesh.shape)} lacks (its spec {spec}); pass the mesh the model was partitioned for, or one "
-          "with those axes"
+          "with those axes (logical axis names, such as 'embed' or 'mlp', must be mapped to mesh axes by your "
+          "sharding rules before convert)"
         )
       var.set_metadata(out_sharding=spec, mesh=mesh)
   place_params(new, mesh, head_axis)

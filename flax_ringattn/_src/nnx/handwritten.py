@@ -288,18 +288,45 @@ def _has_attention_ops(jaxpr, depth: int) -> bool:
   return "dot_general" in names and "exp" in names
 
 
+def _leaf_ranges(state, offset: int = 0) -> dict:
+  """path -> (first, end) of each variable's leaves among `jax.tree.leaves(state)` shifted by `offset` (a
+  variable holding None has none, one holding a tuple several)."""
+  ranges, n = {}, offset
+  for path, var in nnx.to_flat_state(state):
+    count = len(jax.tree.leaves(var))
+    ranges[path] = (n, n + count)
+    n += count
+  return ranges
+
+
 def _written_arguments(closed, state, out_shape, num_nodes: int) -> list[str]:
-  """The NNX objects passed as arguments (keys 1..num_nodes of `state`) whose variables the traced call writes:
-  an output state leaf that is not its input leaf passed through.  Their type names, or []."""
+  """The NNX objects passed as arguments (keys 1..num_nodes of `state`) whose variables the traced call writes
+  (an output leaf that is not its input leaf passed through, or a variable the call adds): where, or []."""
   if not num_nodes:
     return []
   jaxpr = closed.jaxpr
-  n_out = len(jax.tree.leaves(out_shape[0]))
+  before = _leaf_ranges(state)
+  after = _leaf_ranges(out_shape[1], offset=len(jax.tree.leaves(out_shape[0])))
   written = []
-  for n, (path, _) in enumerate(nnx.to_flat_state(state)):
-    if path[0] != 0 and jaxpr.outvars[n_out + n] is not jaxpr.invars[n]:
+  for path, (start, end) in after.items():
+    if path[0] == 0:
+      continue
+    old = before.get(path)
+    passed_through = (
+      old is not None
+      and old[1] - old[0] == end - start
+      and all(jaxpr.outvars[o] is jaxpr.invars[i] for o, i in zip(range(start, end), range(*old), strict=True))
+    )
+    if not passed_through:
       written.append(f"argument {path[0] - 1}: {'.'.join(map(str, path[1:]))}")
   return written
+
+
+def _unchanged(new, old) -> bool:
+  """Whether a variable's value is the one it had, leaf by leaf (a tuple value is a new container every time)."""
+  new_leaves, new_tree = jax.tree.flatten(new.get_raw_value())
+  old_leaves, old_tree = jax.tree.flatten(old.get_raw_value())
+  return new_tree == old_tree and all(a is b for a, b in zip(new_leaves, old_leaves, strict=True))
 
 
 def _record(module, sites, rejected, sinks):
@@ -335,9 +362,7 @@ def _run(root, plan: _Plan, state, leaves):
   out, new_state = jax.tree.unflatten(plan.out_tree, outs)
   before = dict(nnx.to_flat_state(state))
   changed = [
-    (path, new)
-    for path, new in nnx.to_flat_state(new_state)
-    if path not in before or new.get_raw_value() is not before[path].get_raw_value()
+    (path, new) for path, new in nnx.to_flat_state(new_state) if path not in before or not _unchanged(new, before[path])
   ]
   if changed:
     nnx.update(root, nnx.from_flat_state(changed))

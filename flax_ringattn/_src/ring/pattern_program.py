@@ -228,7 +228,9 @@ class Program:
       outs = list(dict.fromkeys(a for a in region.outs if isinstance(a, FVar) and a in made))
       if not made:
         return
-      ins = [a for a in dict.fromkeys(region.ins) if isinstance(a, FVar)]
+      # The inputs the body's live equations can read: an input whose producer was pruned (its only readers
+      # were a converted site's interior, e.g. a mask broadcast before the body) has no value and is not passed.
+      ins = [a for a in dict.fromkeys(region.ins) if isinstance(a, FVar) and a in env]
 
       def body(*xs):
         # Values outside the body that a replaced site reads (a repeat's source, a mask's) are closed over.
