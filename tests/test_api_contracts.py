@@ -127,9 +127,9 @@ def test_tile_kinds_do_not_overflow_at_the_largest_positions():
   """Positions just under 2**30 and the widest window: `pos + right` and `pos - left` stay inside int32."""
   spec = masks.MaskSpec(is_causal=False, window=validation.normalize_window(2**31 - 1))
   pos = jnp.arange(2**30 - 16, 2**30, dtype=jnp.int32)
-  kinds = masks.tile_kinds(spec, pos, pos[::-1], None, None, 4, 4)
+  kinds = masks.tile_kinds(spec, masks.Tokens(pos), masks.Tokens(pos[::-1]), 4, 4)
   np.testing.assert_array_equal(kinds, masks.FULL)
-  assert bool(masks.visible(spec, pos, pos).all())
+  assert bool(masks.visible(spec, masks.Tokens(pos), masks.Tokens(pos)).all())
 
 
 def test_sequences_longer_than_the_widest_window_are_refused():

@@ -156,9 +156,9 @@ def test_block_backends_refuse_a_rate_without_the_operand(implementation):
   lse = jnp.zeros((1, 1, 128))
   match = r"dropout_rate=0\.1 needs the int32\[4\] dropout= operand"
   with pytest.raises(ValueError, match=match):
-    jax.eval_shape(lambda q, k, v: backend.fwd(q, k, v, pos, pos, None, None, spec=spec), q, k, v)
+    jax.eval_shape(lambda q, k, v: backend.fwd(q, k, v, masks.Tokens(pos), masks.Tokens(pos), spec=spec), q, k, v)
   with pytest.raises(ValueError, match=match):
-    jax.eval_shape(lambda q, k, v: backend.bwd(q, k, v, q, lse, lse, pos, pos, None, None, spec=spec), q, k, v)
+    jax.eval_shape(lambda q, k, v: backend.bwd(q, k, v, q, lse, lse, masks.Tokens(pos), masks.Tokens(pos), spec=spec), q, k, v)
 
 
 @pytest.mark.parametrize(

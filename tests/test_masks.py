@@ -12,10 +12,12 @@ from flax_ringattn._src import masks
 from flax_ringattn._src.layout import shard_positions
 
 
-def _brute_kinds(spec, q_pos, kv_pos, q_seg, kv_seg, bq, bk):
-  vis = np.asarray(masks.visible(spec, jnp.asarray(q_pos), jnp.asarray(kv_pos), q_seg, kv_seg)).all(axis=0)
-  vis_any = np.asarray(masks.visible(spec, jnp.asarray(q_pos), jnp.asarray(kv_pos), q_seg, kv_seg)).any(axis=0)
-  nq, nk = len(q_pos) // bq, len(kv_pos) // bk
+def _brute_kinds(spec, q_pos, kv_pos, q_seg, kv_seg, bq, bk, q_bid=None, kv_bid=None):
+  qt = masks.Tokens(jnp.asarray(q_pos), q_seg, q_bid)
+  kt = masks.Tokens(jnp.asarray(kv_pos), kv_seg, kv_bid)
+  vis = np.asarray(masks.visible(spec, qt, kt)).all(axis=0)
+  vis_any = np.asarray(masks.visible(spec, qt, kt)).any(axis=0)
+  nq, nk = q_pos.shape[-1] // bq, kv_pos.shape[-1] // bk
   out = np.zeros((nq, nk), int)
   for i, j in itertools.product(range(nq), range(nk)):
     blk_all = vis[i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
@@ -40,7 +42,7 @@ def test_causal_and_window_classes_are_exact(spec, load_balance):
   for r, s in itertools.product(range(n), range(n)):
     qp = shard_positions(r, n, L, load_balance)
     kp = shard_positions(s, n, L, load_balance)
-    got = np.asarray(masks.tile_kinds(spec, qp, kp, None, None, bq, bk))
+    got = np.asarray(masks.tile_kinds(spec, masks.Tokens(qp), masks.Tokens(kp), bq, bk))
     np.testing.assert_array_equal(got, _brute_kinds(spec, qp, kp, None, None, bq, bk), err_msg=f"{r=} {s=}")
 
 
@@ -49,7 +51,7 @@ def test_segment_classes_are_conservative():
   spec = masks.MaskSpec(is_causal=True, has_segments=True)
   pos = jnp.arange(32, dtype=jnp.int32)
   seg = jnp.asarray([[0] * 8 + [1] * 16 + [2] * 8, [0] * 16 + [1] * 16], jnp.int32)
-  got = np.asarray(masks.tile_kinds(spec, pos, pos, seg, seg, 8, 8))
+  got = np.asarray(masks.tile_kinds(spec, masks.Tokens(pos, seg), masks.Tokens(pos, seg), 8, 8))
   brute = _brute_kinds(spec, pos, pos, seg, seg, 8, 8)
   assert not np.any((got == masks.EMPTY) & (brute != masks.EMPTY))
   assert not np.any((got == masks.FULL) & (brute != masks.FULL))
@@ -68,7 +70,7 @@ def test_causal_ring_skips_half_the_tiles():
     for r in range(n):
       qp = shard_positions(r, n, L, load_balance)
       kinds = [
-        np.asarray(masks.tile_kinds(spec, qp, shard_positions(s, n, L, load_balance), None, None, t, t))
+        np.asarray(masks.tile_kinds(spec, masks.Tokens(qp), masks.Tokens(shard_positions(s, n, L, load_balance)), t, t))
         for s in range(n)
       ]
       per_device.append(sum(int((k != masks.EMPTY).sum()) for k in kinds))
@@ -86,6 +88,6 @@ def test_hop_level_empty_for_contiguous_causal():
   n, L = 4, 8
   for r, s in itertools.product(range(n), range(n)):
     qp, kp = shard_positions(r, n, L, False), shard_positions(s, n, L, False)
-    kind = int(masks.classify(spec, masks.Extent(qp.min(), qp.max()), masks.Extent(kp.min(), kp.max())))
+    kind = int(masks.classify(spec, masks.tile_extent(masks.Tokens(qp), L), masks.tile_extent(masks.Tokens(kp), L))[0])
     expected = masks.EMPTY if s > r else (masks.PARTIAL if s == r else masks.FULL)
     assert kind == expected, (r, s, kind)

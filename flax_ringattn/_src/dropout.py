@@ -142,13 +142,14 @@ def keep(seed0, seed1, b, head, q_pos, kv_pos, *, rate: float):
 def keep_grouped(operand, q_pos, kv_pos, *, rate: float, broadcast: bool, B: int, K: int, G: int):
   """Keep mask of a [B, K, G, T, S] block (q heads grouped by kv head: head = k * G + g).
 
-  `operand` is the int32[4] dropout operand; q_pos [T] / kv_pos [S] are global
-  positions.  With `broadcast` the result is [1, 1, 1, T, S].
+  `operand` is the int32[4] dropout operand; q_pos [T] or [B, T] / kv_pos [S] or [B, S] are the tokens'
+  positions.  With `broadcast` and positions shared by every row the result is [1, 1, 1, T, S].
   """
-  qp = q_pos.astype(jnp.int32)[:, None]
-  kp = kv_pos.astype(jnp.int32)[None, :]
+  qp, kp = (jnp.asarray(p, jnp.int32) for p in (q_pos, kv_pos))
+  qp = (qp if qp.ndim == 2 else qp[None])[:, None, None, :, None]
+  kp = (kp if kp.ndim == 2 else kp[None])[:, None, None, None, :]
   if broadcast:
-    return keep(operand[0], operand[1], 0, 0, qp, kp, rate=rate)[None, None, None]
+    return keep(operand[0], operand[1], 0, 0, qp, kp, rate=rate)
   b = operand[2] + jnp.arange(B, dtype=jnp.int32)[:, None, None, None, None]
   head = operand[3] + (jnp.arange(K, dtype=jnp.int32)[:, None] * G + jnp.arange(G, dtype=jnp.int32)[None, :])
   return keep(operand[0], operand[1], b, head[None, :, :, None, None], qp, kp, rate=rate)

@@ -1,25 +1,36 @@
-"""Which (query, key) pairs may attend, from global token positions.
+"""Which (query, key) pairs may attend, from the tokens' own positions.
 
-One source of truth for every mask feature (causal, local window, segment ids),
-used at three granularities:
+One source of truth for every mask feature, used at three granularities:
 
-* elementwise (`visible`): the reference and the partially masked tiles of a
-  block kernel;
+* elementwise (`visible`, `pair_visible`): the reference and the partially
+  masked tiles of a block kernel;
 * per tile (`classify`): a block kernel skips tiles that are `EMPTY` and drops
   the mask arithmetic on tiles that are `FULL`;
 * per hop: the ring loop skips a whole (q shard, kv shard) pair that is `EMPTY`.
 
-Positions are global token indices (the same for every batch row), so the
-zigzag layout, cross attention (T != S) and any future layout only change the
-positions handed in, never the mask logic.  Causal and window semantics follow
-`jax.nn.dot_product_attention`: query i sees key j when j <= i (causal) and
-i - left <= j <= i + right (window).
+The mask is two objects.  `MaskSpec` is static (which terms exist: causal,
+window, chunk, segments, bidirectional spans, positions given per row); it is
+hashable, a jit static argument.  `Tokens` is one side's per-token data
+(positions, segment ids, bidirectional ids), a pytree that travels with q or
+with K/V through shard_map, the ring's rotation and the custom_vjp.  For query
+i and key j the rule is
+
+    seg_q[i] == seg_kv[j]  and  ( [causal: kv_pos <= q_pos]
+                                 & [window: q_pos - left <= kv_pos <= q_pos + right]
+                                 & [chunk: q_pos // C == kv_pos // C]
+                                 or [bid_q[i] != 0 and bid_q[i] == bid_kv[j]] )
+
+Positions are the tokens' own (global) positions, not their index in the
+array: the layout's positions ([L], the same for every row: contiguous shards
+or zigzag) by default, or [B, L] given by the caller, so the tokens may come in
+any order.  Causal and window semantics follow `jax.nn.dot_product_attention`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -37,30 +48,55 @@ class MaskSpec:
 
   is_causal: bool = False
   window: tuple[int, int] | None = None  # (left, right), both >= 0
+  chunk_size: int | None = None  # Llama 4's chunked attention: q_pos // C == kv_pos // C
   has_segments: bool = False
+  has_bidirectional: bool = False  # bidirectional ids: equal nonzero ids see each other (image spans, prefix-LM)
+  has_positions: bool = False  # positions given per row ([B, L], travelling with the tokens), not the layout's
 
   @property
   def is_trivial(self) -> bool:
-    return not (self.is_causal or self.window is not None or self.has_segments)
+    return not (self.is_causal or self.window is not None or self.chunk_size is not None or self.has_segments)
+
+  @property
+  def features(self) -> tuple[str, ...]:
+    """The names of the terms this mask has beyond causal, window and segments (for backends' refusals)."""
+    named = (("chunk_size", self.chunk_size is not None), ("bidirectional_ids", self.has_bidirectional))
+    return tuple(n for n, on in (*named, ("q_positions / kv_positions", self.has_positions)) if on)
 
 
-def visible(spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None):
-  """Elementwise visibility.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+  """One side's per-token mask data (a pytree; every field [B, L] int32, or None when the mask lacks it).
 
-  Args:
-    q_pos: [T] int global positions of the queries.
-    kv_pos: [S] int global positions of the keys.
-    q_seg, kv_seg: [B, T] and [B, S] segment ids (only if spec.has_segments).
-
-  Returns:
-    bool array broadcastable to [B, T, S] (shape [1, T, S] without segments).
+  pos: the tokens' positions: [B, L] when given, [L] for the layout's own (shared by every row), or None
+    inside the ring where the layout's are recomputed per hop.
+  seg: segment ids; bid: bidirectional ids (0: none).
   """
-  segs = (q_seg[:, :, None], kv_seg[:, None, :]) if spec.has_segments else (None, None)
-  return pair_visible(spec, q_pos[None, :, None], kv_pos[None, None, :], *segs)
+
+  pos: object = None
+  seg: object = None
+  bid: object = None
+
+  def slice(self, start, size: int) -> Tokens:
+    """Tokens start .. start + size - 1 of every field (start may be traced)."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, size, axis=a.ndim - 1), self)
+
+  def rows(self) -> Tokens:
+    """Every field with a leading row axis: a shared [L] position array becomes [1, L]."""
+    return jax.tree.map(lambda a: a if a.ndim == 2 else a[None], self)
 
 
-def pair_visible(spec: MaskSpec, qp, kp, qs=None, ks=None):
-  """Visibility of mutually broadcastable query / key position arrays.
+def visible(spec: MaskSpec, q: Tokens, kv: Tokens):
+  """Elementwise visibility of every (query, key) pair: bool [B | 1, T, S]."""
+  q, kv = q.rows(), kv.rows()
+  col = lambda a: None if a is None else a[:, :, None]  # noqa: E731
+  row = lambda a: None if a is None else a[:, None, :]  # noqa: E731
+  return pair_visible(spec, col(q.pos), row(kv.pos), col(q.seg), row(kv.seg), col(q.bid), row(kv.bid))
+
+
+def pair_visible(spec: MaskSpec, qp, kp, qs=None, ks=None, qb=None, kb=None):
+  """Visibility of mutually broadcastable query / key arrays (positions, segment ids, bidirectional ids).
 
   The one place the mask rules live: `visible` calls it on whole shards and a
   kernel calls it on a tile (qp [bq, 1] against kp [1, bk]).
@@ -71,6 +107,10 @@ def pair_visible(spec: MaskSpec, qp, kp, qs=None, ks=None):
   if spec.window is not None:
     left, right = spec.window
     mask = mask & (kp >= qp - left) & (kp <= qp + right)
+  if spec.chunk_size is not None:
+    mask = mask & (qp // spec.chunk_size == kp // spec.chunk_size)
+  if spec.has_bidirectional:
+    mask = mask | ((qb != 0) & (qb == kb))
   if spec.has_segments:
     mask = mask & (qs == ks)
   return mask
@@ -78,41 +118,48 @@ def pair_visible(spec: MaskSpec, qp, kp, qs=None, ks=None):
 
 @dataclasses.dataclass(frozen=True)
 class Extent:
-  """Min/max of positions (and segment ids per batch row) over tiles.
-
-  pos_min/pos_max have the tile shape (e.g. [n] or [n, 1]); seg_min/seg_max
-  have a leading batch axis ([B, n] or [B, n, 1]) or are None.
-  """
+  """Min/max of each `Tokens` field over tiles, with a leading row axis ([B | 1, n] or broadcast forms of it);
+  a field the mask lacks is None."""
 
   pos_min: object
   pos_max: object
   seg_min: object = None
   seg_max: object = None
+  bid_min: object = None
+  bid_max: object = None
+
+  def map(self, f) -> Extent:
+    return Extent(*(None if a is None else f(a) for a in dataclasses.astuple(self)))
 
 
-def tile_extent(pos, seg, tile: int) -> Extent:
-  """Extents of consecutive tiles of `tile` tokens: pos [L], seg [B, L] -> [L // tile]."""
-  n = pos.shape[0] // tile
-  p = pos.reshape(n, tile)
-  if seg is None:
-    return Extent(p.min(axis=1), p.max(axis=1))
-  s = seg.reshape(seg.shape[0], n, tile)
-  return Extent(p.min(axis=1), p.max(axis=1), s.min(axis=2), s.max(axis=2))
+def tile_extent(tokens: Tokens, tile: int) -> Extent:
+  """Extents of consecutive tiles of `tile` tokens: every field [B | 1, L] -> [B | 1, L // tile]."""
+  t = tokens.rows()
+  xp = np if isinstance(t.pos, np.ndarray) else jnp
+
+  def minmax(a):
+    if a is None:
+      return None, None
+    a = a.reshape(a.shape[0], a.shape[1] // tile, tile)
+    return xp.min(a, axis=2), xp.max(a, axis=2)
+
+  return Extent(*minmax(t.pos), *minmax(t.seg), *minmax(t.bid))
 
 
 def classify(spec: MaskSpec, q: Extent, kv: Extent):
-  """EMPTY / PARTIAL / FULL for every (q tile, kv tile) pair.
+  """EMPTY / PARTIAL / FULL for every (q tile, kv tile) pair, over every row.
 
-  `q` and `kv` extents must broadcast against each other (e.g. q of shape [nq, 1]
-  and kv of shape [1, nk] give an [nq, nk] table).  The answer is exact for
-  causal and window masks and conservative (never EMPTY or FULL by mistake) for
-  segment ids: EMPTY when the id ranges of the two tiles are disjoint in every
-  batch row, FULL when both tiles hold one and the same id in every row.
-  With numpy extents it computes in numpy (static tables decided at trace
-  time, e.g. which hops of the in-kernel ring any member can see).
+  `q` and `kv` extents must broadcast against each other after their row axis
+  (e.g. q of shape [B, nq, 1] and kv of shape [1, 1, nk] give an [nq, nk]
+  table).  The answer is exact for causal, window and chunk masks on the
+  layout's positions, and conservative (never EMPTY or FULL by mistake)
+  otherwise: a term is EMPTY on a tile pair when the min/max ranges already
+  rule out every pair, FULL when they guarantee every pair.  With numpy
+  extents it computes in numpy (static tables decided at trace time).
   """
   xp = np if isinstance(q.pos_min, np.ndarray) and isinstance(kv.pos_min, np.ndarray) else jnp
-  empty = xp.zeros(xp.broadcast_shapes(xp.shape(q.pos_min), xp.shape(kv.pos_min)), bool)
+  shapes = [xp.shape(a) for a in dataclasses.astuple(q) + dataclasses.astuple(kv) if a is not None]
+  empty = xp.zeros(xp.broadcast_shapes(*shapes), bool)
   full = xp.ones_like(empty)
   if spec.is_causal:
     empty = empty | (kv.pos_min > q.pos_max)
@@ -121,25 +168,80 @@ def classify(spec: MaskSpec, q: Extent, kv: Extent):
     left, right = spec.window
     empty = empty | (kv.pos_max < q.pos_min - left) | (kv.pos_min > q.pos_max + right)
     full = full & (kv.pos_min >= q.pos_max - left) & (kv.pos_max <= q.pos_min + right)
+  if spec.chunk_size is not None:
+    c = spec.chunk_size  # floor division is monotone: a tile's chunks span [min // c, max // c]
+    empty = empty | (kv.pos_min // c > q.pos_max // c) | (kv.pos_max // c < q.pos_min // c)
+    full = full & (q.pos_min // c == q.pos_max // c) & (kv.pos_min // c == kv.pos_max // c)
+    full = full & (q.pos_min // c == kv.pos_min // c)
+  if spec.has_bidirectional:
+    # The span term sees some pair unless the id ranges are disjoint or a side holds only id 0; it sees every
+    # pair when both tiles hold one and the same nonzero id.
+    none = (q.bid_max < kv.bid_min) | (kv.bid_max < q.bid_min)
+    none = none | ((q.bid_min == 0) & (q.bid_max == 0)) | ((kv.bid_min == 0) & (kv.bid_max == 0))
+    every = (q.bid_min == q.bid_max) & (kv.bid_min == kv.bid_max) & (q.bid_min == kv.bid_min) & (q.bid_min != 0)
+    empty, full = empty & none, full | every
   if spec.has_segments:
-    disjoint = (q.seg_max < kv.seg_min) | (kv.seg_max < q.seg_min)
-    same = (q.seg_min == q.seg_max) & (kv.seg_min == kv.seg_max) & (q.seg_min == kv.seg_min)
-    empty = empty | disjoint.all(axis=0)
-    full = full & same.all(axis=0)
+    empty = empty | (q.seg_max < kv.seg_min) | (kv.seg_max < q.seg_min)
+    full = full & (q.seg_min == q.seg_max) & (kv.seg_min == kv.seg_max) & (q.seg_min == kv.seg_min)
+  empty, full = xp.all(empty, axis=0), xp.all(full, axis=0)  # every row
   return xp.where(empty, EMPTY, xp.where(full, FULL, PARTIAL)).astype(xp.int32)
 
 
-def tile_kinds(spec: MaskSpec, q_pos, kv_pos, q_seg, kv_seg, bq: int, bk: int):
+def tile_kinds(spec: MaskSpec, q: Tokens, kv: Tokens, bq: int, bk: int):
   """[T / bq, S / bk] table of EMPTY / PARTIAL / FULL for every tile pair of a block."""
-  qe = tile_extent(q_pos, q_seg, bq)
-  ke = tile_extent(kv_pos, kv_seg, bk)
-  col = lambda a: None if a is None else a[..., :, None]  # noqa: E731
-  row = lambda a: None if a is None else a[..., None, :]  # noqa: E731
-  return classify(
-    spec,
-    Extent(col(qe.pos_min), col(qe.pos_max), col(qe.seg_min), col(qe.seg_max)),
-    Extent(row(ke.pos_min), row(ke.pos_max), row(ke.seg_min), row(ke.seg_max)),
+  qe = tile_extent(q, bq).map(lambda a: a[:, :, None])
+  ke = tile_extent(kv, bk).map(lambda a: a[:, None, :])
+  return classify(spec, qe, ke)
+
+
+def build(
+  B: int,
+  T: int,
+  S: int,
+  *,
+  is_causal=False,
+  local_window_size=None,
+  chunk_size=None,
+  segment_ids=None,
+  bidirectional_ids=None,
+  q_positions=None,
+  kv_positions=None,
+):
+  """The mask arguments of one call, validated once: (MaskSpec, q Tokens, kv Tokens).
+
+  Every entry point (the ring op, `dot_product_attention`, the reference) builds its mask here; the two
+  `Tokens` then travel with q and with K/V unchanged to the kernels.  Positions left out are None: the
+  caller's layout fills them in (0 .. L-1, or the ring's shards).  `q_positions` alone serves both sides of
+  self attention (T == S).
+  """
+  validation.check_bool("is_causal", is_causal)
+  q_seg, kv_seg = validation.normalize_segment_ids(segment_ids, B, T, S)
+  q_bid, kv_bid = validation.normalize_segment_ids(bidirectional_ids, B, T, S, name="bidirectional_ids")
+  q_pos = validation.check_positions("q_positions", q_positions, B, T, "T")
+  kv_pos = validation.check_positions("kv_positions", kv_positions, B, S, "S")
+  if (q_pos is None) != (kv_pos is None):
+    if q_pos is not None and T == S:
+      kv_pos = q_pos  # self attention: the keys are the queries' tokens
+    else:
+      raise ValueError(
+        "pass q_positions [B, T] and kv_positions [B, S] together (q_positions alone serves self attention, "
+        f"T == S), got q_positions={'None' if q_positions is None else 'given'} and "
+        f"kv_positions={'None' if kv_positions is None else 'given'} with T={T}, S={S}"
+      )
+  spec = MaskSpec(
+    is_causal=bool(is_causal),
+    window=validation.normalize_window(local_window_size),
+    chunk_size=validation.check_chunk_size(chunk_size),
+    has_segments=q_seg is not None,
+    has_bidirectional=q_bid is not None,
+    has_positions=q_pos is not None,
   )
+  return spec, Tokens(q_pos, q_seg, q_bid), Tokens(kv_pos, kv_seg, kv_bid)
+
+
+def with_positions(tokens: Tokens, pos) -> Tokens:
+  """`tokens` with the layout's positions `pos` where the caller gave none."""
+  return tokens if tokens.pos is not None else dataclasses.replace(tokens, pos=pos)
 
 
 # Dense masks as models build them ------------------------------------------------

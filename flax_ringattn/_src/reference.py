@@ -26,6 +26,8 @@ def reference_attention(
   scale: float | None = None,
   q_positions=None,
   kv_positions=None,
+  chunk_size: int | None = None,
+  bidirectional_ids=None,
   dropout_rate: float = 0.0,
   dropout_rng=None,
   broadcast_dropout: bool = True,
@@ -38,9 +40,11 @@ def reference_attention(
       differ from H, as in MLA).
     is_causal, segment_ids, local_window_size, logits_soft_cap, scale: as in
       `ring_attention` (jax.nn.dot_product_attention semantics).
-    q_positions, kv_positions: optional [T] / [S] global token positions used by
-      the causal and window masks (default: 0..T-1 and 0..S-1).  Pass
-      `zigzag_positions(...)` to check a load-balanced ring directly.
+    q_positions, kv_positions: optional [B, T] / [B, S] (or [T] / [S]) token
+      positions the mask is evaluated on (default: 0..T-1 and 0..S-1); q
+      alone serves self attention.  Pass `zigzag_positions(...)` to check a
+      load-balanced ring directly.
+    chunk_size, bidirectional_ids: as in `ring_attention`.
     dropout_rate, dropout_rng, broadcast_dropout: attention dropout with the
       same keep mask as `ring_attention` (a hash of the key and the global
       batch, head, q and kv positions), applied to the normalised
@@ -57,14 +61,21 @@ def reference_attention(
   B, T, S, N, K, H = validation.check_qkv(q, k, v)
   scale = validation.check_scale(scale, H)
   cap = validation.check_soft_cap(logits_soft_cap)
-  window = validation.normalize_window(local_window_size)
-  q_seg, kv_seg = validation.normalize_segment_ids(segment_ids, B, T, S)
-  spec = masks.MaskSpec(
-    is_causal=validation.check_bool("is_causal", is_causal), window=window, has_segments=q_seg is not None
+  spec, q_tok, kv_tok = masks.build(
+    B,
+    T,
+    S,
+    is_causal=is_causal,
+    local_window_size=local_window_size,
+    chunk_size=chunk_size,
+    segment_ids=segment_ids,
+    bidirectional_ids=bidirectional_ids,
+    q_positions=q_positions,
+    kv_positions=kv_positions,
   )
+  q_tok = masks.with_positions(q_tok, jnp.arange(T, dtype=jnp.int32))
+  kv_tok = masks.with_positions(kv_tok, jnp.arange(S, dtype=jnp.int32))
   sinks = validation.check_sinks(sinks, N)
-  q_pos = validation.check_positions("q_positions", q_positions, T, "T")
-  kv_pos = validation.check_positions("kv_positions", kv_positions, S, "S")
   rate = dropout_lib.check_rate(dropout_rate)
   validation.check_bool("broadcast_dropout", broadcast_dropout)
   drop = dropout_lib.seed_operand(dropout_rng) if rate else None
@@ -79,7 +90,7 @@ def reference_attention(
   s = jnp.einsum("btkgh,bskh->bkgts", qf, kf, precision=hi) * scale
   if cap is not None:
     s = cap * jnp.tanh(s / cap)
-  vis = masks.visible(spec, q_pos, kv_pos, q_seg, kv_seg)[:, None, None]  # [B|1, 1, 1, T, S]
+  vis = masks.visible(spec, q_tok, kv_tok)[:, None, None]  # [B|1, 1, 1, T, S]
   s = jnp.where(vis, s, -jnp.inf)
   m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
   if sinks is not None:
@@ -92,7 +103,7 @@ def reference_attention(
     l = l + jnp.exp(sink - m)  # the sink's share of the denominator; it carries no value
   p = p / jnp.where(l == 0.0, 1.0, l)
   if rate:
-    keep = dropout_lib.keep_grouped(drop, q_pos, kv_pos, rate=rate, broadcast=broadcast_dropout, B=B, K=K, G=G)
+    keep = dropout_lib.keep_grouped(drop, q_tok.pos, kv_tok.pos, rate=rate, broadcast=broadcast_dropout, B=B, K=K, G=G)
     p = jnp.where(keep, p / (1.0 - rate), 0.0)
   o = jnp.einsum("bkgts,bskh->btkgh", p, vf, precision=hi)
   return o.reshape(B, T, N, v.shape[3]).astype(q.dtype)

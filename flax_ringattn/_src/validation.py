@@ -130,30 +130,31 @@ def normalize_window(local_window_size):
   return (min(left, MAX_WINDOW), min(right, MAX_WINDOW))
 
 
-def normalize_segment_ids(segment_ids, B: int, T: int, S: int):
-  """None, [B, T] (self attention, needs T == S) or (q_ids [B, T], kv_ids [B, S]) -> (q_ids, kv_ids) int32."""
+def normalize_segment_ids(segment_ids, B: int, T: int, S: int, *, name: str = "segment_ids"):
+  """None, [B, T] (self attention, needs T == S) or (q_ids [B, T], kv_ids [B, S]) -> (q_ids, kv_ids) int32.
+
+  `name`: the argument's name in messages (bidirectional ids take the same forms)."""
   if segment_ids is None:
     return None, None
   if isinstance(segment_ids, (tuple, list)):
     if len(segment_ids) != 2:
-      raise ValueError(
-        f"segment_ids must be an array or a (q_segment_ids, kv_segment_ids) pair, got {len(segment_ids)} items"
-      )
+      raise ValueError(f"{name} must be an array or a (q_{name}, kv_{name}) pair, got {len(segment_ids)} items")
     q_ids, kv_ids = segment_ids
   else:
     if T != S:
       raise ValueError(
-        f"a single segment_ids array needs T == S (self attention), got T={T}, S={S}; "
-        "pass (q_segment_ids [B, T], kv_segment_ids [B, S]) for cross attention"
+        f"a single {name} array needs T == S (self attention), got T={T}, S={S}; "
+        f"pass (q_{name} [B, T], kv_{name} [B, S]) for cross attention"
       )
     q_ids = kv_ids = segment_ids
-  for name, ids, L, letter in (("q segment_ids", q_ids, T, "T"), ("kv segment_ids", kv_ids, S, "S")):
+  for side, ids, L, letter in (("q", q_ids, T, "T"), ("kv", kv_ids, S, "S")):
+    what = f"{side} {name}"
     if not hasattr(ids, "shape"):
-      raise TypeError(f"{name} must be an array, got {type(ids).__name__}")
+      raise TypeError(f"{what} must be an array, got {type(ids).__name__}")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
-      raise TypeError(f"{name} must be an integer array, got dtype={ids.dtype}")
+      raise TypeError(f"{what} must be an integer array, got dtype={ids.dtype}")
     if tuple(ids.shape) != (B, L):
-      raise ValueError(f"{name} must have shape [B, {letter}]=({B}, {L}), got {tuple(ids.shape)}")
+      raise ValueError(f"{what} must have shape [B, {letter}]=({B}, {L}), got {tuple(ids.shape)}")
   return jnp.asarray(q_ids, jnp.int32), jnp.asarray(kv_ids, jnp.int32)
 
 
@@ -183,17 +184,30 @@ def check_bool(name: str, value) -> bool:
   return value
 
 
-def check_positions(name: str, positions, length: int, letter: str):
-  """Optional explicit token positions: an int array of shape [length]."""
+def check_positions(name: str, positions, B: int, length: int, letter: str):
+  """Optional token positions: None, or an integer array of shape [B, length] or [length] (the same for every
+  row) -> None or [B, length] int32."""
   if positions is None:
-    return jnp.arange(length, dtype=jnp.int32)
+    return None
   if not hasattr(positions, "shape"):
     positions = jnp.asarray(positions)
-  if tuple(positions.shape) != (length,) or not jnp.issubdtype(positions.dtype, jnp.integer):
+  if tuple(positions.shape) not in ((length,), (B, length)) or not jnp.issubdtype(positions.dtype, jnp.integer):
     raise ValueError(
-      f"{name} must be an integer array of shape [{letter}]=({length},), got shape={tuple(positions.shape)}, dtype={positions.dtype}"
+      f"{name} must be an integer array of shape [B, {letter}]=({B}, {length}) or [{letter}]=({length},), got "
+      f"shape={tuple(positions.shape)}, dtype={positions.dtype}"
     )
-  return jnp.asarray(positions, jnp.int32)
+  return jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (B, length))
+
+
+def check_chunk_size(chunk_size):
+  """None or a positive int (Llama 4's `attention_chunk_size`)."""
+  if chunk_size is None:
+    return None
+  if not isinstance(chunk_size, numbers.Integral) or isinstance(chunk_size, bool):
+    raise TypeError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+  if chunk_size < 1:
+    raise ValueError(f"chunk_size must be >= 1 (None means no chunks), got {chunk_size=}")
+  return int(chunk_size)
 
 
 _warned: set = set()

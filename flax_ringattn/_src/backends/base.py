@@ -6,17 +6,20 @@ hops; the ring loop (`_src/ring/ring_loop.py`) knows nothing of tiles.
 
 Forward::
 
-    o, lse = backend.fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec=spec)
+    o, lse = backend.fwd(q, k, v, q_tok, kv_tok, spec=spec)
 
-    q [B, T, N, H], k/v [B, S, K, H] (input dtype), q_pos [T] / kv_pos [S] int32
-    global positions, q_seg [B, T] / kv_seg [B, S] int32 or None.
+    q [B, T, N, H], k/v [B, S, K, H] (input dtype); q_tok / kv_tok: the
+    `masks.Tokens` of the q and kv shards (positions [T] / [S] shared by every
+    row, or [B, T] / [B, S] with `spec.mask.has_positions`; segment ids and
+    bidirectional ids [B, T] / [B, S] or None), read by the kernels through
+    `masks.tile_kinds` and `masks.pair_visible`.
     o   [B, T, N, H] float32, normalised over this block's keys only
     lse [B, N, T]    float32 log-sum-exp of this block's scores; -inf for a row
                      with no visible key in the block (its o row is 0)
 
 Backward, given the *final* (whole-ring) lse and delta = rowsum(dO * O)::
 
-    dq, dk, dv = backend.bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, spec=spec)
+    dq, dk, dv = backend.bwd(q, k, v, do, lse, delta, q_tok, kv_tok, spec=spec)
 
     do [B, T, N, H] (input dtype), lse / delta [B, N, T] float32
     dq [B, T, N, H], dk / dv [B, S, K, H], all float32, the contribution of this
@@ -43,7 +46,7 @@ from typing import Protocol
 
 from flax_ringattn._src.options import AttentionSpec
 
-__all__ = ["AttentionSpec", "BlockBackend"]
+__all__ = ["AttentionSpec", "BlockBackend", "refuse_mask_features"]
 
 
 class BlockBackend(Protocol):
@@ -58,6 +61,16 @@ class BlockBackend(Protocol):
   def check_supported(self, *, dtype, spec: AttentionSpec, shapes: tuple[int, ...]) -> None:
     """Raises NotImplementedError for valid input this backend cannot run."""
 
-  def fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec: AttentionSpec, dropout=None): ...
+  def fwd(self, q, k, v, q_tok, kv_tok, *, spec: AttentionSpec, dropout=None): ...
 
-  def bwd(self, q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec: AttentionSpec, dropout=None): ...
+  def bwd(self, q, k, v, do, lse, delta, q_tok, kv_tok, *, spec: AttentionSpec, dropout=None): ...
+
+
+def refuse_mask_features(label: str, spec: AttentionSpec) -> None:
+  """NotImplementedError naming the mask terms of `spec` a kernel family does not implement yet (chunks,
+  bidirectional ids, positions given per row): the selection then moves on to the next backend."""
+  missing = spec.mask.features
+  if missing:
+    raise NotImplementedError(
+      f"{label} does not implement {', '.join(missing)} yet; implementation='xla' (or None) runs them"
+    )

@@ -15,7 +15,7 @@ from types import MappingProxyType
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from flax_ringattn._src import sharding
+from flax_ringattn._src import sharding, validation
 from flax_ringattn._src.dropout import check_rate
 from flax_ringattn._src.nnx.common import (
   build_head_options,
@@ -55,6 +55,26 @@ def _on_mesh(options: RingOptions) -> RingOptions:
   return options.replace(batch_axis=None, head_axis=None)
 
 
+def call_positions(positions, load_balance: bool) -> dict:
+  """The op's position keywords of a layer call's `positions=` ([B, T], or a (q, kv) pair); warns once when the
+  zigzag order of `load_balance=True` is taken on trust."""
+  if positions is None:
+    if load_balance:
+      validation.warn_once(
+        "load_balance_on_trust",
+        "load_balance=True without positions=: the inputs are taken to be in zigzag order (zigzag_order), and a "
+        "different order gives wrong results with no error; pass positions=zigzag_positions(T, n) (or the "
+        "tokens' own positions, for any order) to have the mask evaluated on them",
+        UserWarning,
+      )
+    return {}
+  if isinstance(positions, (tuple, list)):
+    if len(positions) != 2:
+      raise ValueError(f"positions must be an array or a (q_positions, kv_positions) pair, got {len(positions)} items")
+    return dict(q_positions=positions[0], kv_positions=positions[1])
+  return dict(q_positions=positions)
+
+
 def _option(field: str, doc: str):
   return property(lambda self: getattr(self.ring_options, field), doc=doc)
 
@@ -84,14 +104,16 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     head_axis: mesh axis for heads (tensor parallelism): parameters carry it
       as sharding metadata and activations are constrained to it.
     batch_axis: mesh axis for the batch (data parallelism).
-    load_balance: inputs are in zigzag order (see `zigzag_order`).
+    load_balance: inputs are in zigzag order (see `zigzag_order`).  Without
+      `positions=` in the call this order is taken on trust (a warning says so
+      once); with them any order is exact.
     strategy: "ring" (default), "ulysses", "all_gather" or "ulysses_ring"
       (then seq_axis=(ring_axis, ulysses_axis)); see `ring_attention`.
     implementation, block_sizes, interpret: passed to `ring_attention`
       (`implementation="pallas_tpu", interpret=True` runs the TPU kernels in
       TPU interpret mode on CPU).
-    local_window_size, logits_soft_cap, scale: mask / logit options of
-      `ring_attention` applied on every call (scale: default H ** -0.5; 1.0
+    local_window_size, chunk_size, logits_soft_cap, scale: mask / logit
+      options of `ring_attention` applied on every call (scale: default H ** -0.5; 1.0
       for a model that pre-scales q).
     check_mask: verify, under jit, that a dense `mask=` was recovered exactly
       (a host callback per call reports a failure on stderr and the output is
@@ -108,7 +130,10 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       `nnx.MultiHeadAttention`).
 
   `__call__` takes the arguments of `nnx.MultiHeadAttention.__call__` plus
-  `is_causal` and `segment_ids` ([B, T] or a (q_ids, kv_ids) pair).  A dense
+  `is_causal`, `segment_ids` ([B, T] or a (q_ids, kv_ids) pair), `positions`
+  (the tokens' positions, [B, T], or a (q_positions, kv_positions) pair: the
+  mask is evaluated on them, so the tokens may come in any order) and
+  `bidirectional_ids` (see `ring_attention`).  A dense
   `mask` (any shape nnx.MultiHeadAttention takes: broadcastable to [B, N, T, T],
   e.g. `nnx.make_attention_mask`'s [B, 1, T, T] or a [T, T] causal mask, bool
   or any dtype with nonzero visible, as flax reads it) is turned into
@@ -138,6 +163,7 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     block_sizes=None,
     interpret=None,
     local_window_size=None,
+    chunk_size: int | None = None,
     logits_soft_cap: float | None = None,
     scale: float | None = None,
     check_mask: bool = True,
@@ -177,6 +203,7 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       block_sizes=block_sizes,
       interpret=interpret,
       local_window_size=local_window_size,
+      chunk_size=chunk_size,
       logits_soft_cap=logits_soft_cap,
       scale=scale,
       check_mask=check_mask,
@@ -210,6 +237,7 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
   block_sizes = _option("block_sizes", "the kernels' tiles, or None")
   interpret = _option("interpret", "Pallas interpret mode, or None")
   local_window_size = _option("local_window_size", "the window, as given")
+  chunk_size = _option("chunk_size", "the attention chunk, or None")
   logits_soft_cap = _option("logits_soft_cap", "the soft cap, or None")
   scale = _option("scale", "the logit scale, or None for H ** -0.5")
   check_mask = _option("check_mask", "verify dense masks under jit")
@@ -249,6 +277,8 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     out_sharding=None,
     qkv_sharding=None,
     segment_ids=None,
+    positions=None,
+    bidirectional_ids=None,
   ):
     _unsupported_call_options(sow_weights=sow_weights, decode=decode if decode is not None else bool(self.decode))
     if inputs_k is None:
@@ -300,7 +330,16 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     )
     sinks = None if self.sinks is None else self.sinks[...]
     x = masked_ring_attention(
-      query, key, value, options, mask=mask, segment_ids=segment_ids, dropout_rng=dropout_rng, sinks=sinks
+      query,
+      key,
+      value,
+      options,
+      mask=mask,
+      segment_ids=segment_ids,
+      dropout_rng=dropout_rng,
+      sinks=sinks,
+      **call_positions(positions, self.load_balance),
+      bidirectional_ids=bidirectional_ids,
     )
     if out_sharding is None and mesh is not None and sharding.has_explicit_axes(mesh, seq):
       # Explicit axes: the out projection contracts the (possibly sharded)
@@ -318,6 +357,7 @@ def make_ring_attention_fn(
   is_causal: bool = False,
   load_balance: bool = False,
   local_window_size=None,
+  chunk_size: int | None = None,
   logits_soft_cap: float | None = None,
   scale: float | None = None,
   implementation: str | None = None,
@@ -353,6 +393,7 @@ def make_ring_attention_fn(
       block_sizes=block_sizes,
       interpret=interpret,
       local_window_size=local_window_size,
+      chunk_size=chunk_size,
       logits_soft_cap=logits_soft_cap,
       scale=scale,
       check_mask=check_mask,

@@ -194,6 +194,10 @@ def dot_product_attention(
   interpret=None,
   check_mask: bool = True,
   sinks=None,
+  q_positions=None,
+  kv_positions=None,
+  chunk_size: int | None = None,
+  bidirectional_ids=None,
 ):
   """`jax.nn.dot_product_attention`'s call, run as ring attention over a mesh axis.
 
@@ -225,6 +229,9 @@ def dot_product_attention(
       head_axis, precision, interpret, sinks: as in `ring_attention` (sinks:
       the [N] attention-sink logits of a gpt-oss-style model, the column it
       concatenates to its logits before the softmax).
+    q_positions, kv_positions, chunk_size, bidirectional_ids: as in
+      `ring_attention` (the mask on the tokens' own positions; not with a
+      dense mask or bias, which is read on the index in the sequence).
 
   Returns:
     [B, T, N, Hv] in q.dtype.  Rows with no visible key are 0 (a hand-written
@@ -242,6 +249,7 @@ def dot_product_attention(
     mesh=mesh,
     is_causal=is_causal,
     local_window_size=local_window_size,
+    chunk_size=chunk_size,
     logits_soft_cap=logits_soft_cap,
     scale=scale,
     load_balance=load_balance,
@@ -255,20 +263,44 @@ def dot_product_attention(
     check_mask=check_mask,
   )
   mask = None if mask is None else as_four_dims(mask, "mask", **_batch_and_heads(q))
-  return masked_ring_attention(q, k, v, options, mask=mask, also_exact=also_exact, segment_ids=segment_ids, sinks=sinks)
+  tokens = dict(q_positions=q_positions, kv_positions=kv_positions, bidirectional_ids=bidirectional_ids)
+  return masked_ring_attention(
+    q, k, v, options, mask=mask, also_exact=also_exact, segment_ids=segment_ids, sinks=sinks, **tokens
+  )
 
 
 def masked_ring_attention(
-  q, k, v, options: RingOptions, *, mask, also_exact=None, segment_ids=None, dropout_rng=None, sinks=None
+  q,
+  k,
+  v,
+  options: RingOptions,
+  *,
+  mask,
+  also_exact=None,
+  segment_ids=None,
+  dropout_rng=None,
+  sinks=None,
+  q_positions=None,
+  kv_positions=None,
+  bidirectional_ids=None,
 ):
   """`ring_attention` with `options`, and a dense 4-D boolean mask (or None) recovered into its structure (see
   `dense_mask_options`; the recovery must also satisfy `also_exact`), the output poisoned with NaN when a
   traced mask is outside the family.  The one path of the layers, `make_ring_attention_fn`, `convert`'s
-  hand-written sites and `dot_product_attention`; `sinks`: the [N] attention-sink logits, or None."""
+  hand-written sites and `dot_product_attention`; `sinks`: the [N] attention-sink logits, or None; positions and
+  bidirectional ids: as in `ring_attention` (not with a dense mask)."""
   axis_name = sharding.sequence_axis(options.mesh, options.axis_name, arg="axis_name")
   options = options.replace(axis_name=axis_name)
   causal, exact = options.is_causal, None
+  tokens = dict(q_positions=q_positions, kv_positions=kv_positions, bidirectional_ids=bidirectional_ids)
   if mask is not None:
+    given = [name for name, x in (*tokens.items(), ("chunk_size", options.chunk_size)) if x is not None]
+    if given:
+      raise NotImplementedError(
+        f"a dense mask=... (or bias) is read on the tokens' index in the sequence as causal, window and "
+        f"segments; with {', '.join(given)} pass the mask's structure (is_causal, segment_ids, "
+        "local_window_size, chunk_size, bidirectional_ids) instead of a dense mask"
+      )
     B, T, N = q.shape[0], q.shape[1], q.shape[2]
     causal, segment_ids, exact = dense_mask_options(
       mask,
@@ -285,6 +317,6 @@ def masked_ring_attention(
 
   def attend(is_causal):
     kwargs = options.replace(is_causal=is_causal).ring_kwargs()
-    return ring_attention(q, k, v, segment_ids=segment_ids, dropout_rng=dropout_rng, sinks=sinks, **kwargs)
+    return ring_attention(q, k, v, segment_ids=segment_ids, dropout_rng=dropout_rng, sinks=sinks, **tokens, **kwargs)
 
   return poison_unless(exact, call_with_mask_structure(attend, causal))

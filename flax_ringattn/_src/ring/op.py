@@ -46,6 +46,10 @@ def ring_attention(
   dropout_rng=None,
   broadcast_dropout: bool = True,
   sinks=None,
+  q_positions=None,
+  kv_positions=None,
+  chunk_size: int | None = None,
+  bidirectional_ids=None,
 ):
   """Ring attention with the semantics of `jax.nn.dot_product_attention`.
 
@@ -75,7 +79,8 @@ def ring_attention(
     logits_soft_cap: c > 0: logits become c * tanh(logits / c).
     scale: logit scale, default H ** -0.5.
     load_balance: the sequence is in zigzag order (see `zigzag_order`); every
-      device then does the same causal work.
+      device then does the same causal work.  Taken on trust: pass the
+      tokens' positions instead to have any order evaluated exactly.
     implementation: "pallas_tpu", "pallas_gpu", "xla", the alias
       "pallas_tpu_ring" (pallas_tpu running the ring strategy as its fused
       in-kernel ring), or None: the first of "pallas_tpu", "pallas_gpu" and
@@ -110,6 +115,19 @@ def ring_attention(
       of head h and carries no value.  Applied once, to the finished softmax
       (every implementation and strategy; with `mesh` and `head_axis` each
       device takes its heads' slice, as Ulysses does after its all-to-all).
+    q_positions, kv_positions: [B, T] / [B, S] (or [T] / [S]) int positions of
+      the tokens, on which causal, window and chunk are evaluated (default:
+      the index in the sequence, or the zigzag layout's with load_balance).
+      The tokens may then come in any order along the sequence (zigzag,
+      striped, a permutation, per-document layouts), exactly.  q_positions
+      alone serves self attention.
+    chunk_size: C: query and key only meet in the same chunk of C positions,
+      q_pos // C == kv_pos // C (Llama 4's chunked attention); combines with
+      causal, window and segments.
+    bidirectional_ids: [B, T] int (self attention; or a (q_ids, kv_ids) pair):
+      tokens with the same nonzero id see each other whatever causal, window
+      and chunk say, still within their segment (Gemma 3's image spans;
+      prefix-LM: id 1 on the prefix).
 
   Returns:
     [B, T, N, Hv] in q.dtype, laid out like q.  Rows with no visible key are 0.
@@ -117,14 +135,23 @@ def ring_attention(
     one, as `jax.nn.dot_product_attention` does; their gradients are zeros.
   """
   B, T, S, N, K, H = validation.check_qkv(q, k, v)
-  window = validation.normalize_window(local_window_size)
+  mask, q_tok, kv_tok = masks.build(
+    B,
+    T,
+    S,
+    is_causal=is_causal,
+    local_window_size=local_window_size,
+    chunk_size=chunk_size,
+    segment_ids=segment_ids,
+    bidirectional_ids=bidirectional_ids,
+    q_positions=q_positions,
+    kv_positions=kv_positions,
+  )
   cap = validation.check_soft_cap(logits_soft_cap)
   scale = validation.check_scale(scale, H)
-  q_seg, kv_seg = validation.normalize_segment_ids(segment_ids, B, T, S)
   sinks = validation.check_sinks(sinks, N)
   _check_block_sizes(block_sizes)
   validation.check_bool("load_balance", load_balance)
-  validation.check_bool("is_causal", is_causal)
   strategy = strategies.check_strategy(strategy)
   if isinstance(axis_name, list):
     axis_name = tuple(axis_name)  # a hashable static argument
@@ -132,7 +159,7 @@ def ring_attention(
   validation.check_bool("broadcast_dropout", broadcast_dropout)
   drop = dropout_lib.seed_operand(dropout_rng) if rate else None
   spec = AttentionSpec(
-    mask=masks.MaskSpec(is_causal=is_causal, window=window, has_segments=q_seg is not None),
+    mask=mask,
     scale=scale,
     logits_soft_cap=cap,
     block_sizes=block_sizes,
@@ -153,8 +180,8 @@ def ring_attention(
       q,
       k,
       v,
-      q_seg,
-      kv_seg,
+      q_tok,
+      kv_tok,
       drop,
       sinks,
       mesh,
@@ -193,7 +220,7 @@ def ring_attention(
   # Inside the caller's shard_map only the ring axis is known: batch and heads count as global here (shard
   # them yourself and dropout masks repeat).
   fn = _local_fn(axis_name, load_balance, spec, choice.backend, strategy, fused)
-  return fn(q, k, v, q_seg, kv_seg, drop, sinks)
+  return fn(q, k, v, q_tok, kv_tok, drop, sinks)
 
 
 def _check_block_sizes(block_sizes):
@@ -208,6 +235,7 @@ def check_static_options(options) -> None:
   implementations.check_name(options.implementation)
   strategies.check_strategy(options.strategy)
   validation.normalize_window(options.local_window_size)
+  validation.check_chunk_size(options.chunk_size)
   validation.check_soft_cap(options.logits_soft_cap)
   if options.scale is not None:
     validation.check_scale(options.scale, 1)
@@ -302,8 +330,8 @@ def _ring_on_mesh(
   q,
   k,
   v,
-  q_seg,
-  kv_seg,
+  q_tok,
+  kv_tok,
   drop,
   sinks,
   mesh,
@@ -355,8 +383,7 @@ def _ring_on_mesh(
   seg_spec = P(batch_axis, axis_name)
   fused = use_fused_ring(choice, spec, q, k, n, strategy, v=v)
   q, k, v = (sharding.constrain(x, mesh, x_spec) for x in (q, k, v))
-  if q_seg is not None:
-    q_seg, kv_seg = (sharding.constrain(x, mesh, seg_spec) for x in (q_seg, kv_seg))
+  q_tok, kv_tok = jax.tree.map(lambda x: sharding.constrain(x, mesh, seg_spec), (q_tok, kv_tok))
   if drop is not None:
     drop = sharding.constrain(drop, mesh, P())
   if sinks is not None:
@@ -371,20 +398,21 @@ def _ring_on_mesh(
     choice=choice,
     strategy=strategy,
     fused=fused,
-    operands=(q_seg is not None, drop is not None, sinks is not None),
+    operands=(drop is not None, sinks is not None),
   )
   # Called eagerly: run one compiled program per configuration and shapes (about 25 s op by op for a small ring
   # of 4 on CPU; and a fresh jit per call would compile again each time).  Under a trace (the caller's jit or
   # grad) the shard_map is traced into the caller's program as is.
   eager = validation.all_concrete(q, k, v)
   fn = _mesh_fn(config, jit=eager) if validation.is_hashable(config) else _build_mesh_fn(config, jit=eager)
-  return fn(q, k, v, q_seg, kv_seg, drop, sinks)
+  return fn(q, k, v, q_tok, kv_tok, drop, sinks)
 
 
 @dataclasses.dataclass(frozen=True)
 class _MeshCall:
   """Everything static about one `ring_attention(mesh=...)` call: the key of its `jax.shard_map` (and its `jax.jit`
-  when called eagerly).  `operands`: whether the segment ids, the dropout operand and the sinks are present."""
+  when called eagerly).  `operands`: whether the dropout operand and the sinks are present (the mask's `Tokens`
+  fields follow from `spec.mask`)."""
 
   mesh: object
   axis_name: object
@@ -410,7 +438,7 @@ def _build_mesh_fn(config: _MeshCall, *, jit: bool):
   )
   x_spec = P(batch_axis, config.axis_name, head_axis, None)
   seg_spec = P(batch_axis, config.axis_name)
-  has_seg, has_drop, has_sinks = config.operands
+  has_drop, has_sinks = config.operands
 
   def local(q, k, v, qs, ks, drop, sinks):
     if drop is not None:
@@ -428,7 +456,8 @@ def _build_mesh_fn(config: _MeshCall, *, jit: bool):
       x_spec,
       x_spec,
       x_spec,
-      *((seg_spec, seg_spec) if has_seg else (None, None)),
+      seg_spec,  # every field of the q and kv `masks.Tokens` is [B, L]
+      seg_spec,
       P() if has_drop else None,
       P(head_axis) if has_sinks else None,
     ),

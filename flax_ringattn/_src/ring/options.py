@@ -22,6 +22,7 @@ class RingOptions:
   mesh: object = None
   is_causal: bool = False
   local_window_size: object = None
+  chunk_size: int | None = None
   logits_soft_cap: float | None = None
   scale: float | None = None
   load_balance: bool = False

@@ -19,10 +19,10 @@ index over the axes (`layout.ring_shard`).
               leaves member r at hop t + 1 (its send overlaps hop t + 1's
               compute) and, after the n-th send, is back on its owner.
 
-Only the K kv heads travel (GQA is resolved inside the block), segment ids of
-the keys travel with them, positions are recomputed from `src`, and hops whose
-whole block is masked (`masks.classify` on shard extents) skip the backend
-call.  Partial results are merged in float32.  Attention dropout needs no
+Only the K kv heads travel (GQA is resolved inside the block), the keys'
+`masks.Tokens` travel with them (their positions too when the caller gave
+them; the layout's are recomputed from `src`), and hops whose whole block is
+masked (`masks.classify` on shard extents) skip the backend call.  Partial results are merged in float32.  Attention dropout needs no
 ring logic: its mask is a function of global indices (`_src/dropout.py`), so a
 backend regenerates it from the positions it is handed, and the dropout
 operand (seed and global batch / head offsets) stays on its device.
@@ -68,9 +68,10 @@ def _ring_geometry(axis_name):
   return n, member, lambda m: layout.ring_shard(m, sizes)
 
 
-def _hop_kind(spec: AttentionSpec, q_pos, kv_pos, q_seg, kv_seg):
+def _hop_kind(spec: AttentionSpec, q_tok, kv_tok):
   """EMPTY / PARTIAL / FULL for a whole (q shard, kv shard) pair: one tile each."""
-  return masks.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, q_pos.shape[0], kv_pos.shape[0])[0, 0]
+  T, S = q_tok.pos.shape[-1], kv_tok.pos.shape[-1]
+  return masks.tile_kinds(spec.mask, q_tok, kv_tok, T, S)[0, 0]
 
 
 def _unless_empty(backend, kind, compute, skip):
@@ -96,21 +97,21 @@ def block_kwargs(drop):
   return {} if drop is None else {"dropout": drop}
 
 
-def _ring_forward(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig):
+def _ring_forward(q, k, v, q_tok, kv_tok, drop, cfg: RingConfig):
   n, r, shard_of = _ring_geometry(cfg.axis_name)
   spec = cfg.spec
   backend = cfg.backend
   B, T, N, _ = q.shape
   S = k.shape[1]
-  q_pos = _member_positions(cfg, shard_of(r), n, T)
+  q_tok = masks.with_positions(q_tok, _member_positions(cfg, shard_of(r), n, T))
 
   def part(t, kv):
     """(o, lse) of hop t's block, or (0, -inf) when the whole block is masked."""
-    k_t, v_t, seg_t = kv
-    kv_pos = _member_positions(cfg, shard_of((r - t) % n), n, S)
+    k_t, v_t, tok_t = kv
+    tok_t = masks.with_positions(tok_t, _member_positions(cfg, shard_of((r - t) % n), n, S))
 
     def compute():
-      return backend.fwd(q, k_t, v_t, q_pos, kv_pos, q_seg, seg_t, spec=spec, **block_kwargs(drop))
+      return backend.fwd(q, k_t, v_t, q_tok, tok_t, spec=spec, **block_kwargs(drop))
 
     def skip():
       return (
@@ -118,12 +119,12 @@ def _ring_forward(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig):
         vma.like(jnp.full((B, N, T), -jnp.inf, F32), q),
       )
 
-    return _unless_empty(backend, _hop_kind(spec, q_pos, kv_pos, q_seg, seg_t), compute, skip)
+    return _unless_empty(backend, _hop_kind(spec, q_tok, tok_t), compute, skip)
 
   def hop(t, kv, acc):
     return _merge(*acc, *part(t, kv))
 
-  kv = (k, v, kv_seg)
+  kv = (k, v, kv_tok)
   # Hop 0's partial is the first accumulator (merging it into an empty one is
   # the identity), so no zero accumulator is ever materialised.
   if n == 1:
@@ -143,20 +144,20 @@ def _ring_forward(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig):
 
 
 def _ring_backward(operands, lse, do, delta, cfg: RingConfig):
-  q, k, v, q_seg, kv_seg, drop = operands
+  q, k, v, q_tok, kv_tok, drop = operands
   n, r, shard_of = _ring_geometry(cfg.axis_name)
   spec = cfg.spec
   backend = cfg.backend
   S = k.shape[1]
-  q_pos = _member_positions(cfg, shard_of(r), n, q.shape[1])
+  q_tok = masks.with_positions(q_tok, _member_positions(cfg, shard_of(r), n, q.shape[1]))
 
   def part(t, kv):
     """(dq, dk, dv) of hop t's block, or zeros when the whole block is masked."""
-    k_t, v_t, seg_t = kv
-    kv_pos = _member_positions(cfg, shard_of((r - t) % n), n, S)
+    k_t, v_t, tok_t = kv
+    tok_t = masks.with_positions(tok_t, _member_positions(cfg, shard_of((r - t) % n), n, S))
 
     def compute():
-      return backend.bwd(q, k_t, v_t, do, lse, delta, q_pos, kv_pos, q_seg, seg_t, spec=spec, **block_kwargs(drop))
+      return backend.bwd(q, k_t, v_t, do, lse, delta, q_tok, tok_t, spec=spec, **block_kwargs(drop))
 
     def skip():
       zq = vma.like(jnp.zeros(q.shape, F32), q)
@@ -164,7 +165,7 @@ def _ring_backward(operands, lse, do, delta, cfg: RingConfig):
       zv = zk if v.shape == k.shape else vma.like(jnp.zeros(v.shape, F32), k)
       return zq, zk, zv
 
-    return _unless_empty(backend, _hop_kind(spec, q_pos, kv_pos, q_seg, seg_t), compute, skip)
+    return _unless_empty(backend, _hop_kind(spec, q_tok, tok_t), compute, skip)
 
   def hop(t, kv, dq, dkv_in):
     dq_b, dk_b, dv_b = part(t, kv)
@@ -172,7 +173,7 @@ def _ring_backward(operands, lse, do, delta, cfg: RingConfig):
 
   # Hop 0's gradients start the dq accumulator and the accumulators of the
   # local shard (no zero accumulators).
-  kv = (k, v, kv_seg)
+  kv = (k, v, kv_tok)
   if n == 1:
     dq, dk, dv = part(0, kv)
   else:
@@ -197,7 +198,8 @@ def _ring_backward(operands, lse, do, delta, cfg: RingConfig):
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
-def ring_attention_local(q, k, v, q_seg, kv_seg, cfg: RingConfig, drop=None, sinks=None):
-  """Per-device entry point (inside shard_map, or a ring of one); `drop`: the int32[4] dropout operand or None;
-  `sinks`: the [N] sink logits of q's heads or None (applied once, by `flash`, to the whole ring's result)."""
-  return flash.flash(flash.RingKernel(_ring_forward, _ring_backward, cfg), sinks, q, k, v, q_seg, kv_seg, drop)
+def ring_attention_local(q, k, v, q_tok, kv_tok, cfg: RingConfig, drop=None, sinks=None):
+  """Per-device entry point (inside shard_map, or a ring of one); `q_tok` / `kv_tok`: the shards' `masks.Tokens`
+  (positions None: the layout's); `drop`: the int32[4] dropout operand or None; `sinks`: the [N] sink logits of
+  q's heads or None (applied once, by `flash`, to the whole ring's result)."""
+  return flash.flash(flash.RingKernel(_ring_forward, _ring_backward, cfg), sinks, q, k, v, q_tok, kv_tok, drop)

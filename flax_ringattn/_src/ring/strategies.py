@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from flax_ringattn._src import dropout as dropout_lib
-from flax_ringattn._src import flash
+from flax_ringattn._src import flash, masks
 from flax_ringattn._src.layout import gathered_positions, shard_positions
 from flax_ringattn._src.ring.ring_loop import RingConfig, block_kwargs, ring_attention_local
 
@@ -133,11 +133,12 @@ def _heads_to_seq(x, axis):
   return jax.lax.all_to_all(x, axis, split_axis=1, concat_axis=2, tiled=True)
 
 
-def _gather_seq(seg, axis):
-  return None if seg is None else jax.lax.all_gather(seg, axis, axis=1, tiled=True)
+def _gather_seq(tokens, axis):
+  """Every [B, L] field of a `masks.Tokens`, gathered over the sequence axis (member order)."""
+  return jax.tree.map(lambda a: jax.lax.all_gather(a, axis, axis=1, tiled=True), tokens)
 
 
-def _ulysses(q, k, v, q_seg, kv_seg, drop, sinks, cfg: RingConfig, ring_axis, ulysses_axis):
+def _ulysses(q, k, v, q_tok, kv_tok, drop, sinks, cfg: RingConfig, ring_axis, ulysses_axis):
   u = jax.lax.axis_size(ulysses_axis)
   if sinks is not None:
     # This member's q heads after the all-to-all (see the dropout offset below): their slice of the sinks.
@@ -151,9 +152,9 @@ def _ulysses(q, k, v, q_seg, kv_seg, drop, sinks, cfg: RingConfig, ring_axis, ul
     # Consecutive copies keep GQA's grouping: q head i still reads kv head i // (N / (K * rep)).
     k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
   q, k, v = (_seq_to_heads(x, ulysses_axis) for x in (q, k, v))
-  q_seg, kv_seg = _gather_seq(q_seg, ulysses_axis), _gather_seq(kv_seg, ulysses_axis)
+  q_tok, kv_tok = _gather_seq(q_tok, ulysses_axis), _gather_seq(kv_tok, ulysses_axis)
   inner = dataclasses.replace(cfg, axis_name=ring_axis, sub_shards=u)
-  o = ring_attention_local(q, k, v, q_seg, kv_seg, inner, drop, sinks)
+  o = ring_attention_local(q, k, v, q_tok, kv_tok, inner, drop, sinks)
   return _heads_to_seq(o, ulysses_axis)
 
 
@@ -162,26 +163,28 @@ def _ulysses(q, k, v, q_seg, kv_seg, drop, sinks, cfg: RingConfig, ring_axis, ul
 # --------------------------------------------------------------------------------------------
 
 
-def _gathered_kv(k, v, kv_seg, cfg: RingConfig):
+def _gathered(q, k, v, q_tok, kv_tok, cfg: RingConfig):
+  """K/V and their tokens gathered over the axis, and both sides' tokens with the layout's positions filled in."""
   n, r = jax.lax.axis_size(cfg.axis_name), jax.lax.axis_index(cfg.axis_name)
   k_all, v_all = (jax.lax.all_gather(x, cfg.axis_name, axis=1, tiled=True) for x in (k, v))
-  kv_pos = gathered_positions(0, n, n, k.shape[1], cfg.load_balance)
-  return n, r, k_all, v_all, _gather_seq(kv_seg, cfg.axis_name), kv_pos
+  kv_all = masks.with_positions(
+    _gather_seq(kv_tok, cfg.axis_name), gathered_positions(0, n, n, k.shape[1], cfg.load_balance)
+  )
+  q_tok = masks.with_positions(q_tok, shard_positions(r, n, q.shape[1], cfg.load_balance))
+  return k_all, v_all, q_tok, kv_all
 
 
-def _ag_forward(q, k, v, q_seg, kv_seg, drop, cfg: RingConfig):
-  n, r, k_all, v_all, kv_seg_all, kv_pos = _gathered_kv(k, v, kv_seg, cfg)
-  q_pos = shard_positions(r, n, q.shape[1], cfg.load_balance)
-  return cfg.backend.fwd(q, k_all, v_all, q_pos, kv_pos, q_seg, kv_seg_all, spec=cfg.spec, **block_kwargs(drop))
+def _ag_forward(q, k, v, q_tok, kv_tok, drop, cfg: RingConfig):
+  k_all, v_all, q_tok, kv_all = _gathered(q, k, v, q_tok, kv_tok, cfg)
+  return cfg.backend.fwd(q, k_all, v_all, q_tok, kv_all, spec=cfg.spec, **block_kwargs(drop))
 
 
 def _ag_backward(operands, lse, do, delta, cfg: RingConfig):
-  q, k, v, q_seg, kv_seg, drop = operands
+  q, k, v, q_tok, kv_tok, drop = operands
   # Gathering again costs one all-gather and keeps the residuals at the local shards.
-  n, r, k_all, v_all, kv_seg_all, kv_pos = _gathered_kv(k, v, kv_seg, cfg)
-  q_pos = shard_positions(r, n, q.shape[1], cfg.load_balance)
+  k_all, v_all, q_tok, kv_all = _gathered(q, k, v, q_tok, kv_tok, cfg)
   dq, dk_all, dv_all = cfg.backend.bwd(
-    q, k_all, v_all, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg_all, spec=cfg.spec, **block_kwargs(drop)
+    q, k_all, v_all, do, lse, delta, q_tok, kv_all, spec=cfg.spec, **block_kwargs(drop)
   )
   # Every device holds a partial dK/dV for every shard: sum them and hand each owner its shard.
   dk, dv = (jax.lax.psum_scatter(x, cfg.axis_name, scatter_dimension=1, tiled=True) for x in (dk_all, dv_all))
@@ -193,19 +196,19 @@ def _ag_backward(operands, lse, do, delta, cfg: RingConfig):
 # --------------------------------------------------------------------------------------------
 
 
-def attention_local(q, k, v, q_seg, kv_seg, drop=None, sinks=None, *, strategy: str, cfg: RingConfig):
+def attention_local(q, k, v, q_tok, kv_tok, drop=None, sinks=None, *, strategy: str, cfg: RingConfig):
   """Per-device entry point of every strategy (inside shard_map; axis_name=None means one device).
 
   `drop`: the int32[4] dropout operand with this shard's global batch / head offsets, or None.  `sinks`: the [N]
   sink logits of the local q heads, or None.
   """
   if cfg.axis_name is None or strategy == "ring":
-    return ring_attention_local(q, k, v, q_seg, kv_seg, cfg, drop, sinks)
+    return ring_attention_local(q, k, v, q_tok, kv_tok, cfg, drop, sinks)
   if strategy == "ulysses":
-    return _ulysses(q, k, v, q_seg, kv_seg, drop, sinks, cfg, None, cfg.axis_name)
+    return _ulysses(q, k, v, q_tok, kv_tok, drop, sinks, cfg, None, cfg.axis_name)
   if strategy == "ulysses_ring":
     ring_axis, ulysses_axis = cfg.axis_name
-    return _ulysses(q, k, v, q_seg, kv_seg, drop, sinks, cfg, ring_axis, ulysses_axis)
+    return _ulysses(q, k, v, q_tok, kv_tok, drop, sinks, cfg, ring_axis, ulysses_axis)
   if strategy == "all_gather":
-    return flash.flash(flash.RingKernel(_ag_forward, _ag_backward, cfg), sinks, q, k, v, q_seg, kv_seg, drop)
+    return flash.flash(flash.RingKernel(_ag_forward, _ag_backward, cfg), sinks, q, k, v, q_tok, kv_tok, drop)
   raise AssertionError(strategy)

@@ -113,7 +113,9 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, in
   G = N // K
   bq, bk = c.tiles(spec, q, k, v, backward=True)
   R = G * bq
-  kinds = masks.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, bq, bk)  # [T / bq, S / bk]
+  kinds = masks.tile_kinds(
+    spec.mask, masks.Tokens(q_pos, q_seg), masks.Tokens(kv_pos, kv_seg), bq, bk
+  )  # [T / bq, S / bk]
   qp, qs = c.row_mask_operands(q_pos, q_seg, G)
   kp = kv_pos.astype(jnp.int32)
   q_side = [c.group_rows(q, K), c.group_rows(do, K), c.group_stats(lse, K), c.group_stats(delta, K)]

@@ -73,7 +73,9 @@ def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret, dropout
   G = N // K
   bq, bk = c.tiles(spec, q, k, v, backward=False)
   R = G * bq
-  kinds = masks.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, bq, bk)  # [T / bq, S / bk]
+  kinds = masks.tile_kinds(
+    spec.mask, masks.Tokens(q_pos, q_seg), masks.Tokens(kv_pos, kv_seg), bq, bk
+  )  # [T / bq, S / bk]
   qp, qs = c.row_mask_operands(q_pos, q_seg, G)
   in_specs = [
     pl.BlockSpec(kinds.shape, lambda b, h, i: (0, 0)),

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from flax_ringattn._src.backends.base import refuse_mask_features
 from flax_ringattn._src.backends.pallas_tpu import common, planners
 from flax_ringattn._src.backends.pallas_tpu.block.backward import block_bwd
 from flax_ringattn._src.backends.pallas_tpu.block.forward import block_fwd
@@ -61,6 +62,7 @@ class PallasTpuBackend:
       )
     if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
       raise NotImplementedError(f"{self.label} supports float32 and bfloat16 inputs, got dtype={jnp.dtype(dtype)}")
+    refuse_mask_features(self.label, spec)
     del shapes  # global shapes: the shard lengths are checked against the tiles when the block is traced
 
   def with_interpret(self, interpret):
@@ -75,13 +77,13 @@ class PallasTpuBackend:
     """Whether the in-kernel ring runs shards of `shape`: with VMEM slots, or HBM slots and tiles (`plan_ring`)."""
     return planners.ring_fits_for(shape, n=n)
 
-  def fwd(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, dropout=None):
-    return block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec=spec, dropout=dropout, interpret=self.interpret)
+  def fwd(self, q, k, v, q_tok, kv_tok, *, spec, dropout=None):
+    mask_args = (q_tok.pos, kv_tok.pos, q_tok.seg, kv_tok.seg)
+    return block_fwd(q, k, v, *mask_args, spec=spec, dropout=dropout, interpret=self.interpret)
 
-  def bwd(self, q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, dropout=None):
-    return block_bwd(
-      q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, spec=spec, dropout=dropout, interpret=self.interpret
-    )
+  def bwd(self, q, k, v, do, lse, delta, q_tok, kv_tok, *, spec, dropout=None):
+    mask_args = (q_tok.pos, kv_tok.pos, q_tok.seg, kv_tok.seg)
+    return block_bwd(q, k, v, do, lse, delta, *mask_args, spec=spec, dropout=dropout, interpret=self.interpret)
 
 
 __all__ = ["PallasTpuBackend", "common", "normalize_interpret", "on_tpu"]

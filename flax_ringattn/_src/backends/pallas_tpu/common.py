@@ -92,7 +92,7 @@ def block_setup(spec, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, backward: bool):
     has_segments=q_seg is not None,
     has_dropout=bool(spec.dropout_rate),
   )
-  kinds = masks.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, bq, bk)  # [T/bq, S/bk]
+  kinds = masks.tile_kinds(spec.mask, masks.Tokens(q_pos, q_seg), masks.Tokens(kv_pos, kv_seg), bq, bk)  # [T/bq, S/bk]
   return dims, kinds, mask_operands(q_pos, kv_pos, q_seg, kv_seg)
 
 

@@ -19,19 +19,19 @@ from flax_ringattn._src import masks, vma
 from flax_ringattn._src.backends.xla import common as c
 
 
-def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, dropout=None):
+def block_bwd(q, k, v, do, lse, delta, q_tok, kv_tok, *, spec, dropout=None):
   """See `backends/base.py` for the contract."""
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K
   bq, bk = c.tiles(spec, T, S, backward=True)
-  kinds = masks.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, bq, bk)  # [nq, nk]
+  kinds = masks.tile_kinds(spec.mask, q_tok, kv_tok, bq, bk)  # [nq, nk]
   prec = spec.precision
 
   def q_step(i, grads):
     q_i, do_i = c.q_tile(q, i, bq, K), c.q_tile(do, i, bq, K)
     lse_i, dl_i = c.row_tile(lse, i, bq, K), c.row_tile(delta, i, bq, K)
-    qp_i, qs_i = c.pos_tile(q_pos, i, bq), c.seg_tile(q_seg, i, bq)
+    qt_i = q_tok.slice(i * bq, bq)
     # lse = -inf only for rows with no visible key anywhere; their s is -inf
     # everywhere, so shifting by 0 gives p = 0 (not NaN).
     shift = jnp.where(jnp.isneginf(lse_i), 0.0, lse_i)[..., None]
@@ -40,12 +40,13 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, dr
       def f(carry, j):
         dq_i, dk_j, dv_j = carry
         k_j, v_j = c.kv_tile(k, j, bk), c.kv_tile(v, j, bk)
+        kt_j = kv_tok.slice(j * bk, bk)
         s, t = c.scores(q_i, k_j, spec)
         if masked:
-          s = c.apply_mask(s, spec, qp_i, c.pos_tile(kv_pos, j, bk), qs_i, c.seg_tile(kv_seg, j, bk))
+          s = c.apply_mask(s, spec, qt_i, kt_j)
         p = jnp.exp(s - shift)
         # The forward's dropout mask, regenerated from the same global indices.
-        drop = c.dropout_scale(spec, dropout, qp_i, c.pos_tile(kv_pos, j, bk), p.shape)
+        drop = c.dropout_scale(spec, dropout, qt_i.pos, kt_j.pos, p.shape)
         p_v = p if drop is None else p * drop
         dv_j = dv_j + jnp.einsum(
           "bkgqt,bkgqh->bkth", p_v.astype(do_i.dtype), do_i, preferred_element_type=c.F32, precision=prec

@@ -87,16 +87,6 @@ def put_row_tile(x, tile_value, i):
   return jax.lax.dynamic_update_slice_in_dim(x, tile_value.reshape(B, K * G, t).astype(x.dtype), i * t, axis=2)
 
 
-def pos_tile(pos, i, tile: int):
-  """Tile `i` of positions [L] -> [tile]."""
-  return jax.lax.dynamic_slice_in_dim(pos, i * tile, tile)
-
-
-def seg_tile(seg, i, tile: int):
-  """Tile `i` of segment ids [B, L] -> [B, tile] (or None)."""
-  return None if seg is None else jax.lax.dynamic_slice_in_dim(seg, i * tile, tile, axis=1)
-
-
 def scores(q_i, k_j, spec):
   """Scaled (and soft-capped) f32 scores of one tile pair: [B, K, G, bq, bk].
 
@@ -111,8 +101,9 @@ def scores(q_i, k_j, spec):
   return spec.logits_soft_cap * t, t
 
 
-def apply_mask(s, spec, qp_i, kp_j, qs_i, ks_j):
-  vis = masks.visible(spec.mask, qp_i, kp_j, qs_i, ks_j)  # [B|1, bq, bk]
+def apply_mask(s, spec, q_tok, kv_tok):
+  """Scores [B, K, G, bq, bk] with the pairs the mask hides set to -inf (tokens: one tile's `masks.Tokens`)."""
+  vis = masks.visible(spec.mask, q_tok, kv_tok)  # [B|1, bq, bk]
   return jnp.where(vis[:, None, None], s, -jnp.inf)
 
 

@@ -17,25 +17,26 @@ from flax_ringattn._src import masks, vma
 from flax_ringattn._src.backends.xla import common as c
 
 
-def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, dropout=None):
+def block_fwd(q, k, v, q_tok, kv_tok, *, spec, dropout=None):
   """See `backends/base.py` for the contract."""
   B, T, N, _ = q.shape
   S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
   G = N // K
   bq, bk = c.tiles(spec, T, S, backward=False)
-  kinds = masks.tile_kinds(spec.mask, q_pos, kv_pos, q_seg, kv_seg, bq, bk)  # [nq, nk]
+  kinds = masks.tile_kinds(spec.mask, q_tok, kv_tok, bq, bk)  # [nq, nk]
 
   def q_step(i, out):
     q_i = c.q_tile(q, i, bq, K)
-    qp_i, qs_i = c.pos_tile(q_pos, i, bq), c.seg_tile(q_seg, i, bq)
+    qt_i = q_tok.slice(i * bq, bq)
 
     def update(masked):
       def f(carry, j):
         m, l, acc = carry
         k_j, v_j = c.kv_tile(k, j, bk), c.kv_tile(v, j, bk)
+        kt_j = kv_tok.slice(j * bk, bk)
         s, _ = c.scores(q_i, k_j, spec)
         if masked:
-          s = c.apply_mask(s, spec, qp_i, c.pos_tile(kv_pos, j, bk), qs_i, c.seg_tile(kv_seg, j, bk))
+          s = c.apply_mask(s, spec, qt_i, kt_j)
         m_new = jnp.maximum(m, s.max(axis=-1))
         # A row with nothing visible yet keeps m = -inf; shift by 0 instead so
         # exp() gives 0 rather than exp(-inf + inf) = NaN.
@@ -44,7 +45,7 @@ def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, dropout=None):
         p = jnp.exp(s - m_safe[..., None])
         l = alpha * l + p.sum(axis=-1)
         # Dropout drops normalised probabilities: the row sum l keeps them all.
-        drop = c.dropout_scale(spec, dropout, qp_i, c.pos_tile(kv_pos, j, bk), p.shape)
+        drop = c.dropout_scale(spec, dropout, qt_i.pos, kt_j.pos, p.shape)
         p_v = p if drop is None else p * drop
         pv = jnp.einsum(
           "bkgqt,bkth->bkgqh", p_v.astype(v_j.dtype), v_j, preferred_element_type=c.F32, precision=spec.precision

@@ -18,7 +18,8 @@ from flax_ringattn._src.backends.pallas_tpu.ring.vmem_forward import ring_fwd
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelRing:
-  """The in-kernel ring as a `flash.FlashKernel` (hashable): operands (q, k, v, q_seg, kv_seg, drop)."""
+  """The in-kernel ring as a `flash.FlashKernel` (hashable): operands (q, k, v, q_tok, kv_tok, drop)
+  with `masks.Tokens` whose positions are None (the ring's layout computes them)."""
 
   axis_name: object  # a bound mesh axis, a tuple of them, or None (a ring of one)
   load_balance: bool
@@ -30,10 +31,10 @@ class KernelRing:
   def _where(self):
     return dict(spec=self.spec, axis_name=self.axis_name, load_balance=self.load_balance, interpret=self.interpret)
 
-  def forward(self, q, k, v, q_seg, kv_seg, drop):
-    return ring_fwd(q, k, v, q_seg, kv_seg, dropout=drop, **self._where())
+  def forward(self, q, k, v, q_tok, kv_tok, drop):
+    return ring_fwd(q, k, v, q_tok.seg, kv_tok.seg, dropout=drop, **self._where())
 
   def backward(self, operands, lse, do, delta):
-    q, k, v, q_seg, kv_seg, drop = operands
-    dq, dk, dv = ring_bwd(q, k, v, do, lse, delta, q_seg, kv_seg, dropout=drop, **self._where())
+    q, k, v, q_tok, kv_tok, drop = operands
+    dq, dk, dv = ring_bwd(q, k, v, do, lse, delta, q_tok.seg, kv_tok.seg, dropout=drop, **self._where())
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None

@@ -120,11 +120,11 @@ def visibility(mask: masks.MaskSpec, n: int, sizes, T: int, S: int, bq: int, bk:
   def positions(member, length):  # numpy: no JAX op runs here, whatever mesh context the trace is in
     return layout.token_positions(int(layout.ring_shard(member, sizes)), n, length, load_balance, np.arange(length))
 
-  q_pos = [positions(m, T) for m in range(n)]
-  kv_pos = [positions(m, S) for m in range(n)]
+  q_tok = [masks.Tokens(positions(m, T)) for m in range(n)]
+  kv_tok = [masks.Tokens(positions(m, S)) for m in range(n)]
   return np.array(
     [
-      [(masks.tile_kinds(pos_only, q_pos[m], kv_pos[s], None, None, bq, bk) != masks.EMPTY).any() for s in range(n)]
+      [(masks.tile_kinds(pos_only, q_tok[m], kv_tok[s], bq, bk) != masks.EMPTY).any() for s in range(n)]
       for m in range(n)
     ]
   )
@@ -179,30 +179,24 @@ def ring_tables(spec, d: RingDims, q_seg, kv_seg):
     flags = [*table[member], *table[(member - 1) % n]]
   meta = jnp.stack([jnp.asarray(x, jnp.int32) for x in (shard, *srcs, *up, *down, *flags)])
   q_pos = layout.shard_positions(shard, n, d.T, d.load_balance)
-  qe = masks.tile_extent(q_pos, q_seg, d.bq)
+  qe = masks.tile_extent(masks.Tokens(q_pos, q_seg), d.bq).map(lambda a: a[:, :, None])  # [B | 1, T / bq, 1]
   seg_min = seg_max = None
   if kv_seg is not None:
-    ke = masks.tile_extent(jnp.zeros((d.S,), jnp.int32), kv_seg, d.bk)
+    ke = masks.tile_extent(masks.Tokens(jnp.zeros((d.S,), jnp.int32), kv_seg), d.bk)
     seg_min, seg_max = ke.seg_min, ke.seg_max  # [B, S / bk]
     if d.axes:
       seg_min = jax.lax.all_gather(seg_min, d.axes)  # [n, B, S / bk], by shard index
       seg_max = jax.lax.all_gather(seg_max, d.axes)
     else:
       seg_min, seg_max = seg_min[None], seg_max[None]
-  col = lambda a: None if a is None else a[..., :, None]  # noqa: E731
-  row = lambda a: None if a is None else a[..., None, :]  # noqa: E731
+  row = lambda a: None if a is None else a[:, None, :]  # noqa: E731
   kinds = []
   for src in srcs:
-    kp = layout.shard_positions(src, n, d.S, d.load_balance).reshape(-1, d.bk)
+    kp = layout.shard_positions(src, n, d.S, d.load_balance).reshape(1, -1, d.bk)
     smin = None if seg_min is None else seg_min[src]
     smax = None if seg_max is None else seg_max[src]
-    kinds.append(
-      masks.classify(
-        spec.mask,
-        masks.Extent(col(qe.pos_min), col(qe.pos_max), col(qe.seg_min), col(qe.seg_max)),
-        masks.Extent(row(kp.min(axis=1)), row(kp.max(axis=1)), row(smin), row(smax)),
-      )
-    )
+    ke = masks.Extent(kp.min(axis=2), kp.max(axis=2), smin, smax).map(row)  # [B | 1, 1, S / bk]
+    kinds.append(masks.classify(spec.mask, qe, ke))
   return meta, pack_kinds(jnp.stack(kinds).astype(jnp.int32))
 
 
