@@ -48,7 +48,6 @@ import numpy as np
 import flax_ringattn as fr
 from flax_ringattn import benchmarking as bench
 from flax_ringattn._src import masks
-from flax_ringattn._src.packing import imbalance_of, visible_pairs_per_token
 
 N_DEVICES = 8
 AXIS = "sp"
@@ -138,7 +137,6 @@ def main(argv=None):
   want = bench.fwd_bwd(lambda q, k, v: fr.reference_attention(q, k, v, is_causal=True, segment_ids=jnp.asarray(seg)))(
     q, k, v, do
   )
-  work = visible_pairs_per_token(seg)
   runs, checks, stats = {}, [], {}
   for name, (order, kw) in layouts(seg).items():
     lay = fr.Layout(order=order, num_shards=N_DEVICES)
@@ -149,7 +147,7 @@ def main(argv=None):
     checks.append(bench.compare(name, back, want, tol=CHECK_TOL, metric="rel_max"))
     runs[name] = lambda fn=fn, inputs=inputs: fn(*inputs)
     tiles = tiles_per_device(seg, order)
-    stats[name] = (imbalance_of(order, work, N_DEVICES), tiles.max() / tiles.mean())
+    stats[name] = (fr.layout_imbalance(seg, order, N_DEVICES), tiles.max() / tiles.mean())
   report.require(checks)
   report.progress(f"timing {len(runs)} layouts x {args.repeats} rounds at T={T}")
   times = bench.time_interleaved(runs, args.repeats)

@@ -93,6 +93,7 @@ def ring_attention_layer(
       rngs=rngs,
     )
 
+  make.takes_positions = True  # the layer evaluates its mask on the tokens' positions (`positions=`)
   return make
 
 
@@ -168,8 +169,8 @@ class Block(nnx.Module):
     self.mlp_in = nnx.Linear(d, config.mlp_ratio * d, rngs=rngs)
     self.mlp_out = nnx.Linear(config.mlp_ratio * d, d, kernel_init=zero_init, rngs=rngs)
 
-  def __call__(self, x):
-    x = x + self.attn(self.norm1(x), is_causal=True)
+  def __call__(self, x, **mask):
+    x = x + self.attn(self.norm1(x), is_causal=True, **mask)
     return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.norm2(x))))
 
 
@@ -184,11 +185,15 @@ class Transformer(nnx.Module):
   in natural order (`previous_tokens`, applied in the data pipeline before
   any reordering; when decoding, the previously generated token).  The shift
   puts "which key came before me" into every value token, so one attention
-  layer can look up "the token after key k" directly.
+  layer can look up "the token after key k" directly.  A packed batch also
+  passes `segment_ids` (the documents) to the attention.  The ring layer
+  (`ring_attention_layer`) also gets the positions and evaluates its mask on
+  them, so any token order is exact (packed rows need it).
   """
 
   def __init__(self, config: ModelConfig, attention: AttentionFactory, *, rngs: nnx.Rngs):
     self.config = config
+    self.positions_to_attention = getattr(attention, "takes_positions", False)
     d = config.d_model
     self.embed = nnx.Embed(config.vocab_size, d, rngs=rngs)
     # Token shift: the previous token's embedding, through its own projection.
@@ -197,14 +202,17 @@ class Transformer(nnx.Module):
     self.norm = nnx.LayerNorm(d, rngs=rngs)
     self.head = nnx.Linear(d, config.vocab_size, rngs=rngs)
 
-  def __call__(self, tokens, positions, prev_tokens=None):
+  def __call__(self, tokens, positions, prev_tokens=None, *, segment_ids=None):
     x = self.embed(tokens) + sinusoidal_encoding(positions, self.config.d_model)
+    mask = {} if segment_ids is None else dict(segment_ids=segment_ids)
+    if self.positions_to_attention:
+      mask["positions"] = positions  # the zigzag (or any) order is then exact, not taken on trust
     if self.shift is not None:
       if prev_tokens is None:
         raise ValueError("this model was configured with token_shift=True: pass prev_tokens=...")
       x = x + self.shift(self.embed(prev_tokens))
     for block in self.blocks:
-      x = block(x)
+      x = block(x, **mask)
     return self.head(self.norm(x))
 
 

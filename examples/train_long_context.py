@@ -18,6 +18,13 @@ What it shows
   `flax_ringattn.zigzag_order` (tokens, previous tokens, targets and loss mask
   alike) and feeds the position encoding `flax_ringattn.zigzag_positions`; the
   layers get `load_balance=True`.  `--no-load-balance` keeps natural order.
+* Packed batches (`--pack`): every row packs several task sequences of
+  skewed lengths (documents, told apart by segment ids, positions restarting
+  in each).  Zigzag does not balance such a row, so the pipeline reorders it
+  with `flax_ringattn.balanced_layout` / `apply_layout` instead, and the
+  layers get the reordered positions and segment ids: the mask is evaluated
+  on the positions, so the new order is exact.  The imbalance of both
+  layouts is printed per stage.
 * A synthetic long-range key-value retrieval task, generated on the fly with
   numpy (`KVRetrievalTask`): each sequence draws a fresh table of
   `--num-keys` keys -> values, shows it as (key, value) pairs in at most its
@@ -84,6 +91,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--out-dir", default="runs/train_long_context", help="default: %(default)s")
   p.add_argument("--attention", choices=("layer", "attention_fn"), default="layer", help="swap style (default: layer)")
   p.add_argument("--no-load-balance", action="store_true", help="natural token order instead of zigzag")
+  p.add_argument(
+    "--pack",
+    action="store_true",
+    help="pack documents of skewed lengths per row, reordered by balanced_layout (KV task, --attention layer)",
+  )
   p.add_argument("--block-q", type=int, default=None, help="query tile of the block kernels (default: the backend's)")
   p.add_argument(
     "--block-kv", type=int, default=None, help="key/value tile of the block kernels (default: the backend's)"
@@ -320,6 +332,38 @@ class TextFileTask:
     return {"tokens": seq[:, :-1], "targets": seq[:, 1:], "weights": ones / T, "probe": ones}
 
 
+def pack_lengths(rng, T: int, granule: int = 16, shortest: int = 64) -> list[int]:
+  """Skewed document lengths that fill T: a long one, then ever shorter ones (multiples of `granule`)."""
+  lengths, left = [], T
+  while left >= 2 * shortest:
+    L = int(rng.uniform(0.3, 0.7) * left) // granule * granule
+    L = max(shortest, min(L, left - shortest))
+    lengths.append(L)
+    left -= L
+  return [*lengths, left]
+
+
+def make_packed_batch(task, rng, batch_size: int, num_shards: int) -> tuple[dict[str, np.ndarray], object]:
+  """Rows of packed documents (positions restart in each), reordered by `balanced_layout`; also the layout."""
+  T = task.seq_len
+  rows = []
+  for _ in range(batch_size):
+    docs = []
+    for i, L in enumerate(pack_lengths(rng, T)):
+      doc = {k: v[0] for k, v in dataclasses.replace(task, seq_len=L).sample(rng, 1).items()}
+      doc["prev_tokens"] = _model.previous_tokens(doc["tokens"][None], bos=task.BOS)[0]
+      doc["positions"] = np.arange(L)
+      doc["segment_ids"] = np.full(L, i)
+      docs.append(doc)
+    rows.append({k: np.concatenate([d[k] for d in docs]) for k in docs[0]})
+  batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+  batch["weights"] = batch["weights"] / batch_size  # each document's answers weigh the same
+  layout = flax_ringattn.balanced_layout(batch["segment_ids"].astype(np.int32), num_shards)
+  batch = {k: flax_ringattn.apply_layout(v, layout) for k, v in batch.items()}
+  floats = ("weights", "probe", "mask")
+  return {k: np.asarray(v, np.float32 if k in floats else np.int32) for k, v in batch.items()}, layout
+
+
 def make_batch(task, rng, batch_size: int, num_shards: int, load_balance: bool) -> dict[str, np.ndarray]:
   """A task batch plus previous tokens and positions, in zigzag order when load balancing."""
   batch = task.sample(rng, batch_size)
@@ -387,7 +431,8 @@ def place_on_mesh(tree, mesh):
 @nnx.jit
 def train_step(model, optimizer, batch):
   def loss_fn(model):
-    logits = model(batch["tokens"], batch["positions"], batch["prev_tokens"]).astype(jnp.float32)
+    mask = {"segment_ids": batch["segment_ids"]} if "segment_ids" in batch else {}
+    logits = model(batch["tokens"], batch["positions"], batch["prev_tokens"], **mask).astype(jnp.float32)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     loss = (ce * batch["weights"]).sum() / batch["weights"].sum()
     hit = logits.argmax(-1) == batch["targets"]
@@ -438,6 +483,11 @@ def main(args: argparse.Namespace) -> dict:
     raise SystemExit(f"--seq-len {args.seq_len} must be a multiple of {granule} on a ring of {num_shards}")
   stages = schedule_stages(args, granule)
 
+  if args.pack and (args.data_file or args.attention != "layer"):
+    raise SystemExit(
+      "--pack packs KV-task documents and passes their positions to the ring layer: use it without "
+      "--data-file, with --attention layer"
+    )
   if args.data_file:
     task = TextFileTask.from_file(args.data_file, args.seq_len)
     chance, accuracy_label = None, "next-byte accuracy"
@@ -494,8 +544,17 @@ def main(args: argparse.Namespace) -> dict:
   bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, disable=not MAIN)
   for length, batch_size, steps in stages:
     stage_task = dataclasses.replace(task, seq_len=length)
-    for _ in range(steps):
-      batch = make_batch(stage_task, rng, batch_size, num_shards, load_balance)
+    for step in range(steps):
+      if args.pack:
+        batch, layout = make_packed_batch(stage_task, rng, batch_size, num_shards)
+        if step == 0:
+          segments = flax_ringattn.undo_layout(batch["segment_ids"], layout)
+          zigzag = flax_ringattn.layout_imbalance(
+            segments, flax_ringattn.zigzag_positions(length, num_shards), num_shards
+          )
+          say(f"packed {batch_size}x{length}: balanced layout imbalance {layout.imbalance:.3f} (zigzag {zigzag:.3f})")
+      else:
+        batch = make_batch(stage_task, rng, batch_size, num_shards, load_balance)
       batch = {k: to_mesh(v, data_sharding) for k, v in batch.items()}
       t0 = time.perf_counter()
       loss, accuracy = train_step(model, optimizer, batch)

@@ -15,7 +15,8 @@ The public surface (see README.md for the table):
 * `flax_ringattn.benchmarking`: the benchmark harness, hardware table and cost
   model the scripts in `benchmarks/` share (imported on demand)
 * layout helpers: `zigzag_order`, `zigzag_inverse`, `zigzag_positions`;
-  packed batches: `balanced_layout`, `apply_layout`, `undo_layout` (`Layout`)
+  packed batches: `balanced_layout`, `apply_layout`, `undo_layout` (`Layout`),
+  `layout_imbalance`
 * strategies: `suggest_strategy` (cost model; `Hardware`, `StrategyAdvice`,
   `StrategyEstimate`)
 * configuration: `BlockSizes`, `plan_block_sizes` (TPU tiles that fit VMEM),
@@ -31,7 +32,7 @@ from flax_ringattn._src.masks import dense_mask_from_structure, padded_segment_i
 from flax_ringattn._src.nnx.convert import ConversionReport, convert
 from flax_ringattn._src.nnx.paged_mha import PagedMultiHeadAttention
 from flax_ringattn._src.nnx.ring_mha import RingMultiHeadAttention, make_ring_attention_fn
-from flax_ringattn._src.packing import Layout, apply_layout, balanced_layout, undo_layout
+from flax_ringattn._src.packing import Layout, apply_layout, balanced_layout, layout_imbalance, undo_layout
 from flax_ringattn._src.paged.cache import CacheOverflowError, PagedKVCache
 from flax_ringattn._src.paged.op import paged_attention
 from flax_ringattn._src.paged.reference import paged_reference_attention
@@ -57,6 +58,7 @@ __all__ = [
   "convert",
   "dense_mask_from_structure",
   "dot_product_attention",
+  "layout_imbalance",
   "make_ring_attention_fn",
   "padded_segment_ids",
   "paged_attention",

@@ -49,10 +49,13 @@ def test_train_long_context_layer_then_load_and_serve(tmp_path):
   """The default swap style with a one-step curriculum stage; its checkpoint then feeds
   `_model.load_model` (plain nnx attention, one device) and `serve_paged.py`.  One test, so
   that xdist workers do not each train the model."""
-  stdout = _run(TRAIN, "--out-dir", str(tmp_path), *TINY, "--curriculum", "128:1")
+  stdout = _run(TRAIN, "--out-dir", str(tmp_path), *TINY, "--curriculum", "128:1", "--pack")
   _check_run(stdout, tmp_path)
   assert "attention=layer" in stdout and "mesh {'sp': 8}" in stdout
   assert "1 steps of 2x128 -> 2 steps of 1x256" in stdout
+  # --pack: skewed documents per row, reordered by balanced_layout (the zigzag figure is the same pack's).
+  packed = re.findall(r"packed 1x256: balanced layout imbalance ([\d.]+) \(zigzag ([\d.]+)\)", stdout)
+  assert packed and float(packed[0][0]) <= 1.05 < float(packed[0][1]), stdout
 
   sys.path.insert(0, str(EXAMPLES))
   try:

@@ -96,12 +96,16 @@ def imbalance_of(order, work, num_shards: int) -> float:
   return float(per_shard.max() / mean) if mean > 0 else 1.0
 
 
-def _split(length: int, parts: int, offset: int):
-  """`length` into `parts` sizes differing by at most 1; the larger ones start at `offset` (cyclically)."""
-  base, extra = divmod(length, parts)
-  sizes = np.full(parts, base, np.int64)
-  sizes[(offset + np.arange(extra)) % parts] += 1
-  return sizes
+def layout_imbalance(segment_ids, order, num_shards: int, *, is_causal=True, local_window_size=None, chunk_size=None):
+  """The imbalance of any token order on a packed batch: max over shards of the visible (query, key) pairs,
+  divided by the mean.  `segment_ids` [B, T] in the original order; `order` [B, T] or [T] (for each slot, the
+  token's index in the original row: e.g. `zigzag_positions(T, n)`, or a `Layout`'s order)."""
+  seg = np.asarray(segment_ids)
+  order = np.broadcast_to(np.asarray(order), seg.shape)
+  if seg.shape[1] % num_shards:
+    raise ValueError(f"the row length T={seg.shape[1]} must be a multiple of num_shards={num_shards}")
+  work = visible_pairs_per_token(seg, is_causal=is_causal, local_window_size=local_window_size, chunk_size=chunk_size)
+  return imbalance_of(order, work, num_shards)
 
 
 def _row_order(seg_row, n: int, chunk_size):
