@@ -214,10 +214,12 @@ def _poisoned_block(monkeypatch=None, kinds=None):
   if kinds is not None:
     monkeypatch.setattr(masks, "tile_kinds", lambda *a: jnp.full((T // 8, S // 16), kinds, jnp.int32))
   # Operands as arguments, not closed-over constants (XLA would try to constant-fold the interpreted kernels).
-  fwd = jax.jit(lambda q, k, v, qp, kp: block_fwd(q, k, v, qp, kp, None, None, spec=spec, interpret=INTERPRET))
+  fwd = jax.jit(
+    lambda q, k, v, qp, kp: block_fwd(q, k, v, masks.Tokens(qp), masks.Tokens(kp), spec=spec, interpret=INTERPRET)
+  )
   bwd = jax.jit(
     lambda q, k, v, do, lse, dl, qp, kp: block_bwd(
-      q, k, v, do, lse, dl, qp, kp, None, None, spec=spec, interpret=INTERPRET
+      q, k, v, do, lse, dl, masks.Tokens(qp), masks.Tokens(kp), spec=spec, interpret=INTERPRET
     )
   )
   o, lse = fwd(q, k, v, q_pos, kv_pos)
@@ -251,7 +253,9 @@ def test_full_tiles_skip_the_mask(monkeypatch):
     mask=masks.MaskSpec(is_causal=True), scale=0.25, block_sizes=fr.BlockSizes(block_q=16, block_kv=16)
   )
   monkeypatch.setattr(masks, "tile_kinds", lambda *a: jnp.full((2, 2), masks.FULL, jnp.int32))
-  fwd = jax.jit(lambda q, k, v, qp, kp: block_fwd(q, k, v, qp, kp, None, None, spec=spec, interpret=INTERPRET))
+  fwd = jax.jit(
+    lambda q, k, v, qp, kp: block_fwd(q, k, v, masks.Tokens(qp), masks.Tokens(kp), spec=spec, interpret=INTERPRET)
+  )
   o, _ = fwd(q, k, v, pos, pos)
   assert_close(o, fr.reference_attention(q, k, v, scale=0.25), jnp.float32)
 
@@ -310,8 +314,9 @@ def test_dropout_matches_the_reference(kind, cap):
     (True, 30.0, "per-head", (128, 128)),
     (False, None, "broadcast", (128, 128)),
     (True, None, "per-head", (192, 128)),
+    ("positions", None, "broadcast", (128, 128)),
   ],
-  ids=["plain", "seg-cap", "seg-cap-dropout", "broadcast-dropout", "mla-seg-dropout"],
+  ids=["plain", "seg-cap", "seg-cap-dropout", "broadcast-dropout", "mla-seg-dropout", "positions-chunk-spans"],
 )
 def test_kernels_lower_to_triton_for_cuda(dtype, segments, cap, dropout, heads):
   """jax.export runs the Pallas -> Triton IR lowering for CUDA on this CPU machine: block shapes, loads, loops,
@@ -319,8 +324,9 @@ def test_kernels_lower_to_triton_for_cuda(dtype, segments, cap, dropout, heads):
   must all be accepted by the Triton lowering (Triton's own compiler runs only on a GPU, so this cannot catch
   what it would reject).  The MLA row (DeepSeek-V3's q/k head dim 192, v 128) checks that every tile is a
   power of two: Triton rejects a load of 192 columns, so q/k must be padded to 256 and v kept at 128."""
+  terms = dict(chunk_size=64, has_bidirectional=True, has_positions=True) if segments == "positions" else {}
   spec = AttentionSpec(
-    mask=masks.MaskSpec(is_causal=True, window=(300, 0), has_segments=segments),
+    mask=masks.MaskSpec(is_causal=True, window=(300, 0), has_segments=bool(segments), **terms),
     scale=0.1,
     logits_soft_cap=cap,
     dropout_rate=0.0 if dropout is None else 0.1,
@@ -329,16 +335,19 @@ def test_kernels_lower_to_triton_for_cuda(dtype, segments, cap, dropout, heads):
   (B, T, N, K), (H, Hv) = (2, 512, 8, 2), heads
   sds = jax.ShapeDtypeStruct
   q, k, v, do = sds((B, T, N, H), dtype), sds((B, T, K, H), dtype), sds((B, T, K, Hv), dtype), sds((B, T, N, Hv), dtype)
-  pos = sds((T,), jnp.int32)
+  pos = sds((B, T) if segments == "positions" else (T,), jnp.int32)
   seg = sds((B, T), jnp.int32) if segments else None
+  bid = jnp.zeros((B, T), jnp.int32) if segments == "positions" else None  # closed over: a constant
   stat = sds((B, N, T), jnp.float32)
   drop = None if dropout is None else sds((4,), jnp.int32)
   fwd = jax.jit(
-    lambda q, k, v, qp, kp, qs, ks, d: block_fwd(q, k, v, qp, kp, qs, ks, spec=spec, interpret=False, dropout=d)
+    lambda q, k, v, qp, kp, qs, ks, d: block_fwd(
+      q, k, v, masks.Tokens(qp, qs, bid), masks.Tokens(kp, ks, bid), spec=spec, interpret=False, dropout=d
+    )
   )
   bwd = jax.jit(
     lambda q, k, v, do, lse, dl, qp, kp, qs, ks, d: block_bwd(
-      q, k, v, do, lse, dl, qp, kp, qs, ks, spec=spec, interpret=False, dropout=d
+      q, k, v, do, lse, dl, masks.Tokens(qp, qs, bid), masks.Tokens(kp, ks, bid), spec=spec, interpret=False, dropout=d
     )
   )
   # The Triton custom call has no export compatibility guarantee; we only lower, never serialise for later.

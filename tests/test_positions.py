@@ -8,6 +8,7 @@ oracle's in that order: f32 1e-5, bf16 2e-2.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import warnings
 
@@ -22,9 +23,14 @@ from tolerances import assert_close
 
 import flax_ringattn as fr
 from flax_ringattn._src import masks, validation
+from flax_ringattn._src.testing.interpret import interpret_params, no_races
 
 B, T, N, K, H = 2, 32, 4, 2, 8
 BLOCKS = fr.BlockSizes(block_q=8, block_kv=8)
+KERNEL_BLOCKS = {"pallas_gpu": fr.BlockSizes(block_q=16, block_kv=16)}  # Triton's smallest matmul
+INTERPRET = {"pallas_gpu": lambda: True, "pallas_tpu": interpret_params, "pallas_tpu_ring": interpret_params}
+# The kernels that take every mask term, and the cases each runs (every term at least once, at ring 1 and 2).
+KERNEL_CASES = ["chunk_window_segments", "image_spans_chunk", "prefix_lm_packed"]
 
 
 def _inputs(dtype=jnp.float32, seed=0):
@@ -83,7 +89,9 @@ def _ordered_options(case, order):
 
 def _run(q, k, v, do, opts, *, n=1, strategy="ring", implementation="xla", mesh_shape=None, axis=None):
   """(out, (dq, dk, dv)) of `fr.ring_attention` on global arrays, over a mesh of n devices when n > 1."""
-  kw = dict(implementation=implementation, block_sizes=BLOCKS, strategy=strategy)
+  kw = dict(implementation=implementation, block_sizes=KERNEL_BLOCKS.get(implementation, BLOCKS), strategy=strategy)
+  if implementation != "xla":
+    kw["interpret"] = INTERPRET[implementation]()
   if n > 1:
     shape, names = mesh_shape or ((n,), ("sp",))
     kw |= dict(mesh=make_mesh(shape, names), axis_name=axis or names[0])
@@ -110,6 +118,15 @@ def _check(case, order, *, dtype=jnp.float32, **run):
 def test_any_order_is_exact(case, n):
   """A random permutation per row, with its positions: the oracle's answer and gradients in that order."""
   _check(case, _permutations(seed=len(case)), n=n)
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+@pytest.mark.parametrize("n", [1, 2], ids=["ring1", "ring2"])
+@pytest.mark.parametrize("implementation", ["pallas_gpu"])
+def test_kernels_take_any_order(implementation, n, case):
+  """The Pallas kernels on a random permutation with chunks, windows, segments and spans (interpret mode)."""
+  with no_races() if implementation.startswith("pallas_tpu") else contextlib.nullcontext():
+    _check(case, _permutations(seed=len(case)), n=n, implementation=implementation)
 
 
 @pytest.mark.parametrize(
@@ -215,7 +232,7 @@ def test_layer_warns_once_when_zigzag_is_taken_on_trust():
     layer(x, is_causal=True, positions=fr.zigzag_positions(8, 1))
 
 
-@pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu"])
+@pytest.mark.parametrize("implementation", ["pallas_tpu"])
 @pytest.mark.parametrize("option", ["chunk_size", "bidirectional_ids", "q_positions"])
 def test_kernels_without_the_new_terms_refuse_them(implementation, option):
   q, k, v, _ = _inputs()

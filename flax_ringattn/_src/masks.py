@@ -86,12 +86,21 @@ class Tokens:
     """Every field with a leading row axis: a shared [L] position array becomes [1, L]."""
     return jax.tree.map(lambda a: a if a.ndim == 2 else a[None], self)
 
+  def per_row(self, B: int) -> Tokens:
+    """Every field [B, L] int32 (shared positions repeated for each row): what a kernel blocks by batch row."""
+    return jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a, jnp.int32), (B, a.shape[-1])), self)
+
 
 def visible(spec: MaskSpec, q: Tokens, kv: Tokens):
   """Elementwise visibility of every (query, key) pair: bool [B | 1, T, S]."""
-  q, kv = q.rows(), kv.rows()
-  col = lambda a: None if a is None else a[:, :, None]  # noqa: E731
-  row = lambda a: None if a is None else a[:, None, :]  # noqa: E731
+  return tile_visible(spec, q.rows(), kv.rows())
+
+
+def tile_visible(spec: MaskSpec, q: Tokens, kv: Tokens):
+  """Visibility of every pair of q tokens [..., T] and kv tokens [..., S] (fields with the same leading axes, e.g.
+  one tile's [bq] and [bk] inside a kernel): bool [..., T, S]."""
+  col = lambda a: None if a is None else a[..., :, None]  # noqa: E731
+  row = lambda a: None if a is None else a[..., None, :]  # noqa: E731
   return pair_visible(spec, col(q.pos), row(kv.pos), col(q.seg), row(kv.seg), col(q.bid), row(kv.bid))
 
 

@@ -7,7 +7,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from flax_ringattn._src.backends.base import refuse_mask_features
 from flax_ringattn._src.backends.pallas_gpu import planner
 from flax_ringattn._src.backends.pallas_gpu.backward import block_bwd
 from flax_ringattn._src.backends.pallas_gpu.forward import block_fwd
@@ -53,7 +52,6 @@ class PallasGpuBackend:
       raise NotImplementedError(
         f"pallas_gpu supports float32, bfloat16 and float16 inputs, got dtype={jnp.dtype(dtype)}"
       )
-    refuse_mask_features("pallas_gpu", spec)
     # Any q/k head dim H and v head dim Hv (MLA): the kernels pad each to its own power of two >= 16 (see
     # `common`), so only the head grouping, a row count of the stacked tiles, must be a power of two.
     (_, _, N, _), (_, _, K, _) = shapes
@@ -69,12 +67,10 @@ class PallasGpuBackend:
     return dataclasses.replace(self, interpret=normalize_interpret(interpret))
 
   def fwd(self, q, k, v, q_tok, kv_tok, *, spec, dropout=None):
-    mask_args = (q_tok.pos, kv_tok.pos, q_tok.seg, kv_tok.seg)
-    return block_fwd(q, k, v, *mask_args, spec=spec, interpret=self.interpret, dropout=dropout)
+    return block_fwd(q, k, v, q_tok, kv_tok, spec=spec, interpret=self.interpret, dropout=dropout)
 
   def bwd(self, q, k, v, do, lse, delta, q_tok, kv_tok, *, spec, dropout=None):
-    mask_args = (q_tok.pos, kv_tok.pos, q_tok.seg, kv_tok.seg)
-    return block_bwd(q, k, v, do, lse, delta, *mask_args, spec=spec, interpret=self.interpret, dropout=dropout)
+    return block_bwd(q, k, v, do, lse, delta, q_tok, kv_tok, spec=spec, interpret=self.interpret, dropout=dropout)
 
 
 __all__ = ["PallasGpuBackend", "normalize_interpret", "on_gpu", "planner"]

@@ -29,15 +29,16 @@ from flax_ringattn._src.backends.pallas_gpu import common as c
 from flax_ringattn._src.backends.pallas_gpu import planner
 
 
-def _probs_and_dscores(q, k, v, do, lse, delta, qp, kp, qs, ks, *, spec, masked, drop_idx):
-  """p [R, bk] (dropped, for dV) and dS [R, bk] (d loss / d scaled logits, scale included) of one tile pair."""
-  s, t = c.scores(q, k, qp, kp, qs, ks, spec=spec, masked=masked)
+def _probs_and_dscores(q, k, v, do, lse, delta, qt, kt, *, spec, masked, drop_idx):
+  """p [R, bk] (dropped, for dV) and dS [R, bk] (d loss / d scaled logits, scale included) of one tile pair;
+  qt / kt: the tiles' `masks.Tokens` (None when neither the mask nor dropout reads them)."""
+  s, t = c.scores(q, k, qt, kt, spec=spec, masked=masked)
   # lse = -inf only for rows with no visible key anywhere; their s is -inf
   # everywhere, so shifting by 0 gives p = 0 (not NaN).
   p = jnp.exp(s - jnp.where(lse == -jnp.inf, 0.0, lse)[:, None])
   dp = c.dot(do, v, c.NT, spec)
   # The forward's dropout mask, regenerated from the same global indices; delta already uses the dropped O.
-  drop = c.dropout_scale(spec, drop_idx, qp, kp)
+  drop = None if drop_idx is None else c.dropout_scale(spec, drop_idx, qt.pos, kt.pos)
   if drop is not None:
     dp = dp * drop
   ds = p * (dp - delta[:, None])
@@ -47,16 +48,14 @@ def _probs_and_dscores(q, k, v, do, lse, delta, qp, kp, qs, ks, *, spec, masked,
 
 
 def _split(refs, n_out, dropout):
-  """(segment refs, dropout ref or None, output refs) of a kernel's trailing refs."""
-  ins, outs = refs[:-n_out], refs[-n_out:]
-  return (ins[:-1], ins[-1], outs) if dropout else (ins, None, outs)
+  """(dropout ref or None, output refs) of a kernel's trailing refs."""
+  return (refs[0] if dropout else None), refs[-n_out:]
 
 
-def _dq_kernel(kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec, bk, G, dropout):
-  seg_refs, drop_ref, (dq_ref,) = _split(refs, 1, dropout)
+def _dq_kernel(kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, qt_ref, kt_ref, *refs, spec, bk, G, dropout):
+  drop_ref, (dq_ref,) = _split(refs, 1, dropout)
   i = pl.program_id(2)
-  q, do, lse, delta, qp = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], qp_ref[...]
-  qs = seg_refs[0][...] if seg_refs else None
+  q, do, lse, delta, qt = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...], c.load(qt_ref)
   nk = k_ref.shape[0] // bk
   drop_idx = c.dropout_indices(spec, drop_ref, q.shape[0], G)
 
@@ -64,9 +63,8 @@ def _dq_kernel(kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, qp_re
     def update(dq, masked):
       kv = pl.ds(pl.multiple_of(j * bk, bk), bk)
       k, v = k_ref[kv, :], v_ref[kv, :]
-      kp = kp_ref[kv] if masked or dropout else None
-      ks = seg_refs[1][kv] if masked and seg_refs else None
-      _, ds = _probs_and_dscores(q, k, v, do, lse, delta, qp, kp, qs, ks, spec=spec, masked=masked, drop_idx=drop_idx)
+      kt = c.load(kt_ref, kv) if masked or dropout else None
+      _, ds = _probs_and_dscores(q, k, v, do, lse, delta, qt, kt, spec=spec, masked=masked, drop_idx=drop_idx)
       return dq + c.dot(ds.astype(k.dtype), k, c.NN, spec)
 
     return c.by_tile_kind(kinds_ref[i, j], dq, update)
@@ -75,13 +73,12 @@ def _dq_kernel(kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, qp_re
 
 
 def _dkv_kernel(
-  kinds_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, qp_ref, kp_ref, *refs, spec, rows, G, dropout
+  kinds_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, qt_ref, kt_ref, *refs, spec, rows, G, dropout
 ):
-  seg_refs, drop_ref, (dk_ref, dv_ref) = _split(refs, 2, dropout)
+  drop_ref, (dk_ref, dv_ref) = _split(refs, 2, dropout)
   j = pl.program_id(2)
   k, v = k_ref[...], v_ref[...]
-  kp = kp_ref[...]
-  ks = seg_refs[1][...] if seg_refs else None
+  kt = c.load(kt_ref)
   nq = q_ref.shape[0] // rows
   # Every q tile starts at a multiple of G stacked rows, so the rows' heads are the same for all of them.
   drop_idx = c.dropout_indices(spec, drop_ref, rows, G)
@@ -91,9 +88,8 @@ def _dkv_kernel(
       dk, dv = carry
       r = pl.ds(pl.multiple_of(i * rows, rows), rows)
       q, do, lse, delta = q_ref[r, :], do_ref[r, :], lse_ref[r], delta_ref[r]
-      qp = qp_ref[r] if masked or dropout else None
-      qs = seg_refs[0][r] if masked and seg_refs else None
-      p, ds = _probs_and_dscores(q, k, v, do, lse, delta, qp, kp, qs, ks, spec=spec, masked=masked, drop_idx=drop_idx)
+      qt = c.load(qt_ref, r) if masked or dropout else None
+      p, ds = _probs_and_dscores(q, k, v, do, lse, delta, qt, kt, spec=spec, masked=masked, drop_idx=drop_idx)
       dv = dv + c.dot(p.astype(do.dtype), do, c.TN, spec)
       dk = dk + c.dot(ds.astype(q.dtype), q, c.TN, spec)
       return dk, dv
@@ -105,7 +101,7 @@ def _dkv_kernel(
   dv_ref[...] = dv
 
 
-def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret, dropout=None):
+def block_bwd(q, k, v, do, lse, delta, q_tok, kv_tok, *, spec, interpret, dropout=None):
   """See `backends/base.py` for the contract."""
   B, T, N, H = q.shape
   S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
@@ -113,15 +109,10 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, in
   G = N // K
   bq, bk = c.tiles(spec, q, k, v, backward=True)
   R = G * bq
-  kinds = masks.tile_kinds(
-    spec.mask, masks.Tokens(q_pos, q_seg), masks.Tokens(kv_pos, kv_seg), bq, bk
-  )  # [T / bq, S / bk]
-  qp, qs = c.row_mask_operands(q_pos, q_seg, G)
-  kp = kv_pos.astype(jnp.int32)
+  kinds = masks.tile_kinds(spec.mask, q_tok, kv_tok, bq, bk)  # [T / bq, S / bk]
+  qt, kt = c.row_tokens(q_tok, B, G), kv_tok.per_row(B)
   q_side = [c.group_rows(q, K), c.group_rows(do, K), c.group_stats(lse, K), c.group_stats(delta, K)]
   kv_side = [c.group_rows(k, K), c.group_rows(v, K)]
-  has_seg = q_seg is not None
-  segs = [qs, kv_seg.astype(jnp.int32)] if has_seg else []
   drop_specs, drop_args = c.dropout_operand(spec, dropout)
   has_drop = bool(drop_args)
   common = dict(rows=R, bk=bk, head_dim=H, v_head_dim=Hv, dtype=q.dtype, interpret=interpret)
@@ -138,11 +129,9 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, in
     pl.BlockSpec((None, None, R), lambda b, h, i: (b, h, i)),
     pl.BlockSpec((None, None, S, Hp), whole),
     pl.BlockSpec((None, None, S, Hvp), whole),
-    pl.BlockSpec((R,), lambda b, h, i: (i,)),
-    pl.BlockSpec((S,), lambda b, h, i: (0,)),
+    c.token_specs(qt, R, lambda b, h, i: (b, i)),
+    c.token_specs(kt, S, lambda b, h, i: (b, 0)),
   ]
-  if has_seg:
-    dq_specs += [pl.BlockSpec((None, R), lambda b, h, i: (b, i)), pl.BlockSpec((None, S), lambda b, h, i: (b, 0))]
   (dq,) = c.call(
     functools.partial(_dq_kernel, spec=spec, bk=bk, G=G, dropout=has_drop),
     grid=(B, K, T // bq),
@@ -152,7 +141,7 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, in
     kernel_name="dq",
     name="ring_block_bwd_dq_gpu",
     **common,
-  )(kinds, *q_side, *kv_side, qp, kp, *segs, *drop_args)
+  )(kinds, *q_side, *kv_side, qt, kt, *drop_args)
 
   # dk/dv: a program per kv tile; q side whole.
   tile_kv = lambda b, h, j: (b, h, j, 0)  # noqa: E731
@@ -164,14 +153,9 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, in
     pl.BlockSpec((None, None, T * G, Hvp), whole),
     pl.BlockSpec((None, None, T * G), lambda b, h, j: (b, h, 0)),
     pl.BlockSpec((None, None, T * G), lambda b, h, j: (b, h, 0)),
-    pl.BlockSpec((T * G,), lambda b, h, j: (0,)),
-    pl.BlockSpec((bk,), lambda b, h, j: (j,)),
+    c.token_specs(qt, T * G, lambda b, h, j: (b, 0)),
+    c.token_specs(kt, bk, lambda b, h, j: (b, j)),
   ]
-  if has_seg:
-    dkv_specs += [
-      pl.BlockSpec((None, T * G), lambda b, h, j: (b, 0)),
-      pl.BlockSpec((None, bk), lambda b, h, j: (b, j)),
-    ]
   dk, dv = c.call(
     functools.partial(_dkv_kernel, spec=spec, rows=R, G=G, dropout=has_drop),
     grid=(B, K, S // bk),
@@ -181,5 +165,5 @@ def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, in
     kernel_name="dkv",
     name="ring_block_bwd_dkv_gpu",
     **common,
-  )(kinds, *kv_side, *q_side, qp, kp, *segs, *drop_args)
+  )(kinds, *kv_side, *q_side, qt, kt, *drop_args)
   return c.ungroup_rows(dq, N, H), c.ungroup_rows(dk, K, H), c.ungroup_rows(dv, K, Hv)

@@ -83,11 +83,19 @@ def dot(a, b, dims, spec):
   return jax.lax.dot_general(a, b, dims, preferred_element_type=F32, precision=spec.precision)
 
 
-def row_mask_operands(q_pos, q_seg, G):
-  """Positions [T * G] and segment ids [B, T * G] (or None) of the stacked q rows."""
-  rows = jnp.repeat(q_pos.astype(jnp.int32), G)
-  seg = None if q_seg is None else jnp.repeat(q_seg.astype(jnp.int32), G, axis=1)
-  return rows, seg
+def row_tokens(q_tok, B: int, G: int):
+  """The q side's `masks.Tokens` for the stacked rows: every field [B, T * G] (row t * G + g is token t)."""
+  return jax.tree.map(lambda a: jnp.repeat(a, G, axis=1), q_tok.per_row(B))
+
+
+def token_specs(tokens, length: int, index_map):
+  """A `masks.Tokens` of BlockSpecs: `length` entries of one batch row of every field."""
+  return jax.tree.map(lambda _: pl.BlockSpec((None, length), index_map), tokens)
+
+
+def load(tokens, index=...):
+  """The values of a `masks.Tokens` of refs at `index` (all of a block by default)."""
+  return jax.tree.map(lambda r: r[index], tokens)
 
 
 def dropout_operand(spec, dropout):
@@ -124,12 +132,12 @@ def dropout_scale(spec, idx, qp, kp):
   return dropout_lib.keep_scale(keep, spec.dropout_rate)
 
 
-def scores(q, k, qp, kp, qs, ks, *, spec, masked: bool):
+def scores(q, k, qt, kt, *, spec, masked: bool):
   """Scaled, soft-capped and (if `masked`) masked f32 scores of one tile pair.
 
-  q [R, H], k [bk, H]; qp [R] / kp [bk] positions, qs [R] / ks [bk] segment ids
-  or None.  Returns s [R, bk] (masked entries -inf) and t = tanh(raw / cap) for
-  the soft-cap gradient (None without a cap).
+  q [R, H], k [bk, H]; qt / kt: the rows' and the kv tile's `masks.Tokens` ([R] / [bk] fields; None when not
+  masked).  Returns s [R, bk] (masked entries -inf) and t = tanh(raw / cap) for the soft-cap gradient (None
+  without a cap).
   """
   s = dot(q, k, NT, spec) * spec.scale
   t = None
@@ -137,9 +145,7 @@ def scores(q, k, qp, kp, qs, ks, *, spec, masked: bool):
     t = jnp.tanh(s / spec.logits_soft_cap)
     s = spec.logits_soft_cap * t
   if masked:
-    segs = (qs[:, None], ks[None, :]) if spec.mask.has_segments else (None, None)
-    vis = masks.pair_visible(spec.mask, qp[:, None], kp[None, :], *segs)
-    s = jnp.where(vis, s, -jnp.inf)
+    s = jnp.where(masks.tile_visible(spec.mask, qt, kt), s, -jnp.inf)
   return s, t
 
 
@@ -191,18 +197,20 @@ def call(
     )(*args)
 
   def unchecked(*args):
-    return launch(*[jax.lax.max(x, x) for x in args])  # max(x, x) = x, traced without the vma check
+    return launch(*jax.tree.map(lambda x: jax.lax.max(x, x), args))  # max(x, x) = x, traced without the vma check
 
   def run(*args):
-    args = vma.unify(*args)
-    if not any(vma.varying_axes(a) for a in args):
+    leaves, tree = jax.tree.flatten(args)  # arrays and `masks.Tokens` of arrays
+    leaves = vma.unify(*leaves)
+    args = jax.tree.unflatten(tree, leaves)
+    if not any(vma.varying_axes(a) for a in leaves):
       return launch(*args)
     if not interpret:
-      return launch(*args, manual_axis_type=vma.manual_axis_type(args[0]))
+      return launch(*args, manual_axis_type=vma.manual_axis_type(leaves[0]))
     mesh = jax.sharding.get_abstract_mesh()
     outs = jax.shard_map(unchecked, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=frozenset(), check_vma=False)(
       *args
     )
-    return [vma.like(o, args[0]) for o in outs]
+    return [vma.like(o, leaves[0]) for o in outs]
 
   return run

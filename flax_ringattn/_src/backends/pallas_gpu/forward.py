@@ -4,7 +4,7 @@ Grid (B, K, T / bq): one program owns the G * bq stacked rows of one q tile
 (the G q heads of one kv head, see `common`) and loops over the kv tiles with
 m / l / acc carried in registers (online softmax, f32).  The tile-class table
 of `masks.tile_kinds` decides per kv tile: EMPTY loads nothing, FULL skips the
-mask, PARTIAL applies `masks.pair_visible`.  With dropout, l sums the
+mask, PARTIAL applies `masks.tile_visible`.  With dropout, l sums the
 undropped probabilities and acc the dropped ones times v (see `common`).
 q and k tiles are [*, H], v tiles and acc [*, Hv] (padded head dims, see
 `common`).
@@ -23,13 +23,11 @@ from flax_ringattn._src.backends.pallas_gpu import common as c
 from flax_ringattn._src.backends.pallas_gpu import planner
 
 
-def _kernel(kinds_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec, bk, G, dropout):
-  ins, (o_ref, lse_ref) = refs[:-2], refs[-2:]
-  seg_refs, drop_ref = (ins[:-1], ins[-1]) if dropout else (ins, None)
+def _kernel(kinds_ref, q_ref, k_ref, v_ref, qt_ref, kt_ref, *refs, spec, bk, G, dropout):
+  drop_ref, (o_ref, lse_ref) = (refs[0] if dropout else None), refs[-2:]
   i = pl.program_id(2)
   q = q_ref[...]
-  qp = qp_ref[...]
-  qs = seg_refs[0][...] if seg_refs else None
+  qt = c.load(qt_ref)  # the rows' `masks.Tokens`
   R = q.shape[0]
   Hv = v_ref.shape[1]
   nk = k_ref.shape[0] // bk
@@ -40,9 +38,8 @@ def _kernel(kinds_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec, bk, G, 
       m, l, acc = carry
       kv = pl.ds(pl.multiple_of(j * bk, bk), bk)
       k, v = k_ref[kv, :], v_ref[kv, :]
-      kp = kp_ref[kv] if masked or dropout else None
-      ks = seg_refs[1][kv] if masked and seg_refs else None
-      s, _ = c.scores(q, k, qp, kp, qs, ks, spec=spec, masked=masked)
+      kt = c.load(kt_ref, kv) if masked or dropout else None
+      s, _ = c.scores(q, k, qt, kt, spec=spec, masked=masked)
       m_new = jnp.maximum(m, s.max(axis=1))
       # A row with nothing visible so far keeps m = -inf: shift by 0 instead,
       # so exp() gives 0 rather than exp(-inf + inf) = NaN.
@@ -50,7 +47,7 @@ def _kernel(kinds_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec, bk, G, 
       alpha = jnp.exp(m - m_safe)
       p = jnp.exp(s - m_safe[:, None])
       # Dropout drops normalised probabilities: the row sum l keeps them all.
-      drop = c.dropout_scale(spec, drop_idx, qp, kp)
+      drop = c.dropout_scale(spec, drop_idx, qt.pos, None if kt is None else kt.pos)
       p_v = p if drop is None else p * drop
       acc = alpha[:, None] * acc + c.dot(p_v.astype(v.dtype), v, c.NN, spec)
       return m_new, alpha * l + p.sum(axis=1), acc
@@ -65,7 +62,7 @@ def _kernel(kinds_ref, q_ref, k_ref, v_ref, qp_ref, kp_ref, *refs, spec, bk, G, 
   lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
 
 
-def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret, dropout=None):
+def block_fwd(q, k, v, q_tok, kv_tok, *, spec, interpret, dropout=None):
   """See `backends/base.py` for the contract."""
   B, T, N, H = q.shape
   S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
@@ -73,22 +70,17 @@ def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret, dropout
   G = N // K
   bq, bk = c.tiles(spec, q, k, v, backward=False)
   R = G * bq
-  kinds = masks.tile_kinds(
-    spec.mask, masks.Tokens(q_pos, q_seg), masks.Tokens(kv_pos, kv_seg), bq, bk
-  )  # [T / bq, S / bk]
-  qp, qs = c.row_mask_operands(q_pos, q_seg, G)
+  kinds = masks.tile_kinds(spec.mask, q_tok, kv_tok, bq, bk)  # [T / bq, S / bk]
+  qt, kt = c.row_tokens(q_tok, B, G), kv_tok.per_row(B)
   in_specs = [
     pl.BlockSpec(kinds.shape, lambda b, h, i: (0, 0)),
     pl.BlockSpec((None, None, R, Hp), lambda b, h, i: (b, h, i, 0)),
     pl.BlockSpec((None, None, S, Hp), lambda b, h, i: (b, h, 0, 0)),
     pl.BlockSpec((None, None, S, Hvp), lambda b, h, i: (b, h, 0, 0)),
-    pl.BlockSpec((R,), lambda b, h, i: (i,)),
-    pl.BlockSpec((S,), lambda b, h, i: (0,)),
+    c.token_specs(qt, R, lambda b, h, i: (b, i)),
+    c.token_specs(kt, S, lambda b, h, i: (b, 0)),
   ]
-  args = [kinds, c.group_rows(q, K), c.group_rows(k, K), c.group_rows(v, K), qp, kv_pos.astype(jnp.int32)]
-  if q_seg is not None:
-    in_specs += [pl.BlockSpec((None, R), lambda b, h, i: (b, i)), pl.BlockSpec((None, S), lambda b, h, i: (b, 0))]
-    args += [qs, kv_seg.astype(jnp.int32)]
+  args = [kinds, c.group_rows(q, K), c.group_rows(k, K), c.group_rows(v, K), qt, kt]
   drop_specs, drop_args = c.dropout_operand(spec, dropout)
   o, lse = c.call(
     functools.partial(_kernel, spec=spec, bk=bk, G=G, dropout=bool(drop_args)),
