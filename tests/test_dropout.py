@@ -158,7 +158,9 @@ def test_block_backends_refuse_a_rate_without_the_operand(implementation):
   with pytest.raises(ValueError, match=match):
     jax.eval_shape(lambda q, k, v: backend.fwd(q, k, v, masks.Tokens(pos), masks.Tokens(pos), spec=spec), q, k, v)
   with pytest.raises(ValueError, match=match):
-    jax.eval_shape(lambda q, k, v: backend.bwd(q, k, v, q, lse, lse, masks.Tokens(pos), masks.Tokens(pos), spec=spec), q, k, v)
+    jax.eval_shape(
+      lambda q, k, v: backend.bwd(q, k, v, q, lse, lse, masks.Tokens(pos), masks.Tokens(pos), spec=spec), q, k, v
+    )
 
 
 @pytest.mark.parametrize(

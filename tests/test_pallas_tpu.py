@@ -98,15 +98,22 @@ def test_many_tiles_per_shard(opts, n):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize(
   "segments,cap,dropout,Hv",
-  [(False, None, False, None), (True, 30.0, False, None), (True, 30.0, True, None), (True, None, False, 128)],
-  ids=["plain", "seg-cap", "seg-cap-dropout", "seg-mla"],
+  [
+    (False, None, False, None),
+    (True, 30.0, False, None),
+    (True, 30.0, True, None),
+    (True, None, False, 128),
+    ("positions", None, True, None),
+  ],
+  ids=["plain", "seg-cap", "seg-cap-dropout", "seg-mla", "positions-chunk-spans-dropout"],
 )
 def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, cap, dropout, Hv):
   """jax.export runs the Pallas -> Mosaic lowering for TPU on this CPU machine: block shapes, index maps and
   kernel ops (the dropout hash's wrapping int32 multiplies and logical shifts included) must all be accepted by
   the TPU lowering (Mosaic's own compiler passes run only on a TPU).  MLA: DeepSeek's qk 192, v 128."""
+  terms = dict(chunk_size=64, has_bidirectional=True, has_positions=True) if segments == "positions" else {}
   spec = AttentionSpec(
-    mask=masks.MaskSpec(is_causal=True, window=(300, 0), has_segments=segments),
+    mask=masks.MaskSpec(is_causal=True, window=(300, 0), has_segments=bool(segments), **terms),
     scale=0.1,
     logits_soft_cap=cap,
     block_sizes=fr.BlockSizes(block_q=128, block_kv=256),
@@ -117,16 +124,19 @@ def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, cap, dropout, Hv):
   sds = jax.ShapeDtypeStruct
   q, k = sds((B, T, N, H), dtype), sds((B, T, K, H), dtype)
   v, do = sds((B, T, K, Hv or H), dtype), sds((B, T, N, Hv or H), dtype)
-  pos = sds((T,), jnp.int32)
+  pos = sds((B, T) if segments == "positions" else (T,), jnp.int32)
   seg = sds((B, T), jnp.int32) if segments else None
   stat = sds((B, N, T), jnp.float32)
   drop = sds((4,), jnp.int32) if dropout else None
+  bid = jnp.zeros((B, T), jnp.int32) if segments == "positions" else None  # closed over: a constant
   fwd = jax.jit(
-    lambda q, k, v, qp, kp, qs, ks, d: block_fwd(q, k, v, qp, kp, qs, ks, spec=spec, interpret=None, dropout=d)
+    lambda q, k, v, qp, kp, qs, ks, d: block_fwd(
+      q, k, v, masks.Tokens(qp, qs, bid), masks.Tokens(kp, ks, bid), spec=spec, interpret=None, dropout=d
+    )
   )
   bwd = jax.jit(
     lambda q, k, v, do, lse, dl, qp, kp, qs, ks, d: block_bwd(
-      q, k, v, do, lse, dl, qp, kp, qs, ks, spec=spec, interpret=None, dropout=d
+      q, k, v, do, lse, dl, masks.Tokens(qp, qs, bid), masks.Tokens(kp, ks, bid), spec=spec, interpret=None, dropout=d
     )
   )
   text = export.export(fwd, platforms=("tpu",))(q, k, v, pos, pos, seg, seg, drop).mlir_module()

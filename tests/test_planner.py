@@ -29,7 +29,9 @@ PLANS = {"fwd": block_forward.fwd_plan, "dq": block_backward.dq_plan, "dkv": blo
 @pytest.mark.parametrize("kernel", sorted(PLANS))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize(
-  "has_segments,dropout", [(False, False), (True, False), (True, True)], ids=["", "seg", "seg-drop"]
+  "has_segments,dropout",
+  [(False, False), (True, False), (True, True), ("spans", False)],
+  ids=["", "seg", "seg-drop", "seg-spans-positions"],
 )
 def test_model_counts_exactly_the_kernels_buffers(kernel, dtype, has_segments, dropout):
   """The closed-form model equals the VMEM of the kernel's own BlockSpecs and scratch shapes (the dropout
@@ -40,8 +42,9 @@ def test_model_counts_exactly_the_kernels_buffers(kernel, dtype, has_segments, d
     [(8, 2), (4, 4), (8, 1)],
     [(64, None), (128, None), (80, None), (192, 128), (24, 160)],
   ):
-    dims = dict(B=2, T=4 * bq, S=2 * bk, N=N, K=K, H=H, dtype=dtype, bq=bq, bk=bk, has_segments=has_segments)
-    plan = PLANS[kernel](**dims, has_dropout=dropout, Hv=Hv)
+    spans = has_segments == "spans"  # bidirectional ids and positions per row as well
+    dims = dict(B=2, T=4 * bq, S=2 * bk, N=N, K=K, H=H, dtype=dtype, bq=bq, bk=bk, has_segments=bool(has_segments))
+    plan = PLANS[kernel](**dims, has_dropout=dropout, Hv=Hv, has_bidirectional=spans, has_positions=spans)
     model = planner.footprint(
       kernel,
       bq=bq,
@@ -50,9 +53,10 @@ def test_model_counts_exactly_the_kernels_buffers(kernel, dtype, has_segments, d
       num_kv_heads=K,
       head_dim=H,
       dtype=dtype,
-      has_segments=has_segments,
+      has_segments=bool(has_segments),
       dropout=dropout,
       v_head_dim=Hv,
+      has_bidirectional=spans,
     )
     assert model.buffers == common.plan_vmem_bytes(plan), (kernel, bq, bk, N, K, H, Hv)
     assert model.temporaries >= 2 * (N // K) * bq * bk * 4  # at least the f32 score tile and p

@@ -27,7 +27,11 @@ from flax_ringattn._src.testing.interpret import interpret_params, no_races
 
 B, T, N, K, H = 2, 32, 4, 2, 8
 BLOCKS = fr.BlockSizes(block_q=8, block_kv=8)
-KERNEL_BLOCKS = {"pallas_gpu": fr.BlockSizes(block_q=16, block_kv=16)}  # Triton's smallest matmul
+# Triton's smallest matmul; TPU kv tiles of 128 lanes (at T = 32 a ring of 1 or 2 has one kv tile per shard).
+KERNEL_BLOCKS = {
+  "pallas_gpu": fr.BlockSizes(block_q=16, block_kv=16),
+  "pallas_tpu": fr.BlockSizes(block_q=8, block_kv=128),
+}
 INTERPRET = {"pallas_gpu": lambda: True, "pallas_tpu": interpret_params, "pallas_tpu_ring": interpret_params}
 # The kernels that take every mask term, and the cases each runs (every term at least once, at ring 1 and 2).
 KERNEL_CASES = ["chunk_window_segments", "image_spans_chunk", "prefix_lm_packed"]
@@ -120,9 +124,16 @@ def test_any_order_is_exact(case, n):
   _check(case, _permutations(seed=len(case)), n=n)
 
 
-@pytest.mark.parametrize("case", KERNEL_CASES)
-@pytest.mark.parametrize("n", [1, 2], ids=["ring1", "ring2"])
-@pytest.mark.parametrize("implementation", ["pallas_gpu"])
+# pallas_tpu in TPU interpret mode costs 30-70 s a case here: its kernels run every case at ring 1 (one block:
+# the whole mask inside the kernel); the hops around them are the portable ring loop, run at ring 2 by xla and
+# pallas_gpu.
+KERNEL_RUNS = [
+  *((impl, n, case) for impl in ("pallas_gpu",) for n in (1, 2) for case in KERNEL_CASES),
+  *(("pallas_tpu", 1, case) for case in KERNEL_CASES),
+]
+
+
+@pytest.mark.parametrize("implementation, n, case", KERNEL_RUNS)
 def test_kernels_take_any_order(implementation, n, case):
   """The Pallas kernels on a random permutation with chunks, windows, segments and spans (interpret mode)."""
   with no_races() if implementation.startswith("pallas_tpu") else contextlib.nullcontext():
@@ -232,7 +243,7 @@ def test_layer_warns_once_when_zigzag_is_taken_on_trust():
     layer(x, is_causal=True, positions=fr.zigzag_positions(8, 1))
 
 
-@pytest.mark.parametrize("implementation", ["pallas_tpu"])
+@pytest.mark.parametrize("implementation", ["pallas_tpu_ring"])
 @pytest.mark.parametrize("option", ["chunk_size", "bidirectional_ids", "q_positions"])
 def test_kernels_without_the_new_terms_refuse_them(implementation, option):
   q, k, v, _ = _inputs()
@@ -347,3 +358,10 @@ def test_skipping_on_positions_computes_only_tiles_with_visible_pairs(tile):
         np.testing.assert_array_equal(got, brute, err_msg=f"{spec} {r=} {s=}")
       assert not np.any((got == masks.EMPTY) & (brute != masks.EMPTY))
       assert not np.any((got == masks.FULL) & (brute != masks.FULL))
+
+
+def test_chunk_index_is_floor_division_for_any_sign():
+  """The kernels' chunk index avoids `lax.sign` (Mosaic lowers it only on a TPU) and still floors."""
+  pos = np.arange(-9, 10, dtype=np.int32)
+  for c in (1, 3, 4):
+    np.testing.assert_array_equal(np.asarray(masks.chunk_index(jnp.asarray(pos), c)), pos // c)

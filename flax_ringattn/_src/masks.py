@@ -96,6 +96,12 @@ def visible(spec: MaskSpec, q: Tokens, kv: Tokens):
   return tile_visible(spec, q.rows(), kv.rows())
 
 
+def tokens_visible(spec: MaskSpec, q: Tokens, kv: Tokens):
+  """Visibility of q and kv tokens whose fields already broadcast against each other (e.g. a kernel's (bq, 1)
+  column against its (1, bk) row)."""
+  return pair_visible(spec, q.pos, kv.pos, q.seg, kv.seg, q.bid, kv.bid)
+
+
 def tile_visible(spec: MaskSpec, q: Tokens, kv: Tokens):
   """Visibility of every pair of q tokens [..., T] and kv tokens [..., S] (fields with the same leading axes, e.g.
   one tile's [bq] and [bk] inside a kernel): bool [..., T, S]."""
@@ -117,12 +123,20 @@ def pair_visible(spec: MaskSpec, qp, kp, qs=None, ks=None, qb=None, kb=None):
     left, right = spec.window
     mask = mask & (kp >= qp - left) & (kp <= qp + right)
   if spec.chunk_size is not None:
-    mask = mask & (qp // spec.chunk_size == kp // spec.chunk_size)
+    mask = mask & (chunk_index(qp, spec.chunk_size) == chunk_index(kp, spec.chunk_size))
   if spec.has_bidirectional:
     mask = mask | ((qb != 0) & (qb == kb))
   if spec.has_segments:
     mask = mask & (qs == ks)
   return mask
+
+
+def chunk_index(pos, chunk_size: int):
+  """pos // chunk_size (floor, also for negative positions) without `lax.sign`, which Mosaic lowers only on a
+  TPU: truncating division, minus one where the remainder is negative."""
+  pos = jnp.asarray(pos)
+  c = jnp.asarray(chunk_size, pos.dtype)
+  return jax.lax.div(pos, c) - (jax.lax.rem(pos, c) < 0).astype(pos.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

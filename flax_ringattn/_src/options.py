@@ -57,6 +57,7 @@ class ProblemShape:
   head_dim: int  # q and k's
   dtype: object
   has_segments: bool = False
+  has_bidirectional: bool = False  # bidirectional ids: one more pair of per-row mask operands, like segments
   soft_cap: bool = False
   dropout: bool = False
   v_head_dim: int | None = None  # v's (and the output's) when it differs from head_dim (MLA); None: the same
@@ -76,6 +77,7 @@ class ProblemShape:
       head_dim=H,
       dtype=dtype,
       has_segments=spec.mask.has_segments,
+      has_bidirectional=spec.mask.has_bidirectional,
       soft_cap=spec.logits_soft_cap is not None,
       dropout=bool(spec.dropout_rate),
       v_head_dim=None if Hv == H else Hv,
@@ -97,4 +99,5 @@ class ProblemShape:
 
   @property
   def features(self) -> dict:
-    return dict(has_segments=self.has_segments, soft_cap=self.soft_cap, dropout=self.dropout)
+    features = dict(has_segments=self.has_segments, soft_cap=self.soft_cap, dropout=self.dropout)
+    return features | ({"has_bidirectional": True} if self.has_bidirectional else {})

@@ -260,6 +260,8 @@ def use_fused_ring(choice, spec, q, k, n, strategy="ring", *, ring_size=None, v=
   backend = choice.backend
   if choice.requested is not None or strategy != "ring" or not hasattr(backend, "fused_ring"):
     return False
+  if spec.mask.features:
+    return False  # the in-kernel ring decides its tables from the layout's positions (see `refuse_mask_features`)
   if backend.interpret is not None:
     return False
   shape = ProblemShape.of(q.shape, k.shape, q.dtype, spec, split=n, v_shape=None if v is None else v.shape)

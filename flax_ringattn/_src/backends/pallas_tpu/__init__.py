@@ -62,7 +62,8 @@ class PallasTpuBackend:
       )
     if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
       raise NotImplementedError(f"{self.label} supports float32 and bfloat16 inputs, got dtype={jnp.dtype(dtype)}")
-    refuse_mask_features(self.label, spec)
+    if self.label == "pallas_tpu_ring":
+      refuse_mask_features(self.label, spec)  # the in-kernel ring's tables are positions of the layout
     del shapes  # global shapes: the shard lengths are checked against the tiles when the block is traced
 
   def with_interpret(self, interpret):
@@ -78,12 +79,10 @@ class PallasTpuBackend:
     return planners.ring_fits_for(shape, n=n)
 
   def fwd(self, q, k, v, q_tok, kv_tok, *, spec, dropout=None):
-    mask_args = (q_tok.pos, kv_tok.pos, q_tok.seg, kv_tok.seg)
-    return block_fwd(q, k, v, *mask_args, spec=spec, dropout=dropout, interpret=self.interpret)
+    return block_fwd(q, k, v, q_tok, kv_tok, spec=spec, dropout=dropout, interpret=self.interpret)
 
   def bwd(self, q, k, v, do, lse, delta, q_tok, kv_tok, *, spec, dropout=None):
-    mask_args = (q_tok.pos, kv_tok.pos, q_tok.seg, kv_tok.seg)
-    return block_bwd(q, k, v, do, lse, delta, *mask_args, spec=spec, dropout=dropout, interpret=self.interpret)
+    return block_bwd(q, k, v, do, lse, delta, q_tok, kv_tok, spec=spec, dropout=dropout, interpret=self.interpret)
 
 
 __all__ = ["PallasTpuBackend", "common", "normalize_interpret", "on_tpu"]

@@ -15,6 +15,8 @@ one matmul.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -65,7 +67,7 @@ def block_tiles(spec, q, k, *, backward: bool, v=None) -> tuple[int, int]:
   return bq, bk
 
 
-def block_setup(spec, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, backward: bool):
+def block_setup(spec, q, k, v, q_tok, kv_tok, *, backward: bool):
   """What every kernel of one block needs: plan dimensions, the tile-class table and the mask operands."""
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
@@ -89,11 +91,13 @@ def block_setup(spec, q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, backward: bool):
     dtype=q.dtype,
     bq=bq,
     bk=bk,
-    has_segments=q_seg is not None,
+    has_segments=spec.mask.has_segments,
+    has_bidirectional=spec.mask.has_bidirectional,
+    has_positions=spec.mask.has_positions,
     has_dropout=bool(spec.dropout_rate),
   )
-  kinds = masks.tile_kinds(spec.mask, masks.Tokens(q_pos, q_seg), masks.Tokens(kv_pos, kv_seg), bq, bk)  # [T/bq, S/bk]
-  return dims, kinds, mask_operands(q_pos, kv_pos, q_seg, kv_seg)
+  kinds = masks.tile_kinds(spec.mask, q_tok, kv_tok, bq, bk)  # [T/bq, S/bk]
+  return dims, kinds, mask_operands(q_tok, kv_tok)
 
 
 def by_tile_kind(kind, update):
@@ -122,13 +126,23 @@ def heads_major(x):
   return x.transpose(0, 2, 1, 3)
 
 
-def mask_operands(q_pos, kv_pos, q_seg, kv_seg):
-  """Positions as a [T, 1] column and an [1, S] row (segment ids [B, T, 1] / [B, 1, S]),
-  so a kernel compares a (bq, 1) block with a (1, bk) block without relayout."""
-  ops = [q_pos.astype(jnp.int32)[:, None], kv_pos.astype(jnp.int32)[None, :]]
-  if q_seg is not None:
-    ops += [q_seg.astype(jnp.int32)[:, :, None], kv_seg.astype(jnp.int32)[:, None, :]]
+def mask_operands(q_tok, kv_tok):
+  """The `masks.Tokens` of both sides as kernel operands, field by field (positions, segment ids, bidirectional
+  ids; q's then kv's of each): q's as columns ([T, 1], or [B, T, 1] per row) and kv's as rows ([1, S] or
+  [B, 1, S]), so a kernel compares a (bq, 1) block with a (1, bk) block without relayout (`mask_tokens`)."""
+  ops = []
+  for q_field, kv_field in zip(dataclasses.astuple(q_tok), dataclasses.astuple(kv_tok), strict=True):
+    if q_field is not None:
+      ops += [q_field.astype(jnp.int32)[..., :, None], kv_field.astype(jnp.int32)[..., None, :]]
   return ops
+
+
+def mask_tokens(mask, mask_refs):
+  """(q, kv) `masks.Tokens` of one tile's values, from the refs of `mask_operands` ((bq, 1) and (1, bk) each)."""
+  values = iter(r[...] for r in mask_refs)
+  fields = (True, mask.has_segments, mask.has_bidirectional)  # pos, seg, bid: the order of `masks.Tokens`
+  pairs = [(next(values), next(values)) if present else (None, None) for present in fields]
+  return masks.Tokens(*(q for q, _ in pairs)), masks.Tokens(*(kv for _, kv in pairs))
 
 
 def scores(q_ref, k_ref, mask_refs, *, spec, masked: bool):
@@ -147,9 +161,7 @@ def scores(q_ref, k_ref, mask_refs, *, spec, masked: bool):
     t = jnp.tanh(s / spec.logits_soft_cap)
     s = spec.logits_soft_cap * t
   if masked:
-    qp_ref, kp_ref, *seg_refs = mask_refs
-    segs = (seg_refs[0][...], seg_refs[1][...]) if seg_refs else (None, None)
-    vis = masks.pair_visible(spec.mask, qp_ref[...], kp_ref[...], *segs)  # [bq, bk]
+    vis = masks.tokens_visible(spec.mask, *mask_tokens(spec.mask, mask_refs))  # [bq, bk]
     s = jnp.where(vis[None], s, -jnp.inf)
   return s, t
 
@@ -200,21 +212,28 @@ def tile_dropout(spec, drop_ref, b, kv_head, q_ref, mask_refs):
   """`dropout_scale` of a block kernel's tile, from the position blocks it already holds (None without dropout)."""
   if drop_ref is None:
     return None
-  return dropout_scale(spec, drop_ref, b, kv_head, q_ref.shape[0], mask_refs[0][...], mask_refs[1][...])
+  q, kv = mask_tokens(spec.mask, mask_refs)
+  return dropout_scale(spec, drop_ref, b, kv_head, q_ref.shape[0], q.pos, kv.pos)
 
 
-def mask_specs(has_segments: bool, bq: int, bk: int, q_block, kv_block):
+def mask_specs(
+  has_segments: bool, bq: int, bk: int, q_block, kv_block, *, has_bidirectional=False, has_positions=False
+):
   """BlockSpecs of `mask_operands`; q_block / kv_block map grid indices to (b, q tile) / (b, kv tile)."""
-  specs = [
+  per_row = [
+    pl.BlockSpec((None, bq, 1), lambda *g: (q_block(*g)[0], q_block(*g)[1], 0)),
+    pl.BlockSpec((None, 1, bk), lambda *g: (kv_block(*g)[0], 0, kv_block(*g)[1])),
+  ]
+  shared = [
     pl.BlockSpec((bq, 1), lambda *g: (q_block(*g)[1], 0)),
     pl.BlockSpec((1, bk), lambda *g: (0, kv_block(*g)[1])),
   ]
-  if has_segments:
-    specs += [
-      pl.BlockSpec((None, bq, 1), lambda *g: (q_block(*g)[0], q_block(*g)[1], 0)),
-      pl.BlockSpec((None, 1, bk), lambda *g: (kv_block(*g)[0], 0, kv_block(*g)[1])),
-    ]
-  return specs
+  return [*(per_row if has_positions else shared), *(per_row * (bool(has_segments) + bool(has_bidirectional)))]
+
+
+def mask_dtypes(has_segments: bool, *, has_bidirectional=False, **_) -> tuple:
+  """The dtypes of `mask_operands` (all int32)."""
+  return (jnp.int32,) * (2 * (1 + bool(has_segments) + bool(has_bidirectional)))
 
 
 def compiler_params(semantics, interpret):

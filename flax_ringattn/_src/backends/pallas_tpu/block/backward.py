@@ -40,14 +40,30 @@ def _q_side_specs(G, bq, H, Hv, row):
   ]
 
 
-def _dtypes(dtype, has_segments, has_dropout, *, q_first):
+def _dtypes(dtype, has_segments, has_dropout, *, q_first, has_bidirectional=False):
   q_side = (dtype, dtype, c.F32, c.F32)
   kv_side = (dtype, dtype)
-  mask = (jnp.int32, jnp.int32) + ((jnp.int32,) * 2 if has_segments else ())
+  mask = c.mask_dtypes(has_segments, has_bidirectional=has_bidirectional)
   return (q_side + kv_side if q_first else kv_side + q_side) + mask + c.dropout_specs(has_dropout)[1]
 
 
-def dq_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments, has_dropout=False, Hv=None) -> c.CallPlan:
+def dq_plan(
+  *,
+  B,
+  T,
+  S,
+  N,
+  K,
+  H,
+  dtype,
+  bq,
+  bk,
+  has_segments,
+  has_dropout=False,
+  Hv=None,
+  has_bidirectional=False,
+  has_positions=False,
+) -> c.CallPlan:
   G, Hv = N // K, H if Hv is None else Hv
   row = lambda b, h, i, j, kinds, fetch: (b, h, i, 0)  # noqa: E731
   kv = lambda b, h, i, j, kinds, fetch: (b, h, fetch[i, j], 0)  # noqa: E731
@@ -56,21 +72,43 @@ def dq_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments, has_dropout=False,
     pl.BlockSpec((None, None, bk, H), kv),
     pl.BlockSpec((None, None, bk, Hv), kv),
     *c.mask_specs(
-      has_segments, bq, bk, lambda b, h, i, j, kinds, fetch: (b, i), lambda b, h, i, j, kinds, fetch: (b, fetch[i, j])
+      has_segments,
+      bq,
+      bk,
+      lambda b, h, i, j, kinds, fetch: (b, i),
+      lambda b, h, i, j, kinds, fetch: (b, fetch[i, j]),
+      has_bidirectional=has_bidirectional,
+      has_positions=has_positions,
     ),
     *c.dropout_specs(has_dropout)[0],
   ]
   return c.CallPlan(
     grid=(B, K, T // bq, S // bk),
     in_specs=tuple(in_specs),
-    in_dtypes=_dtypes(dtype, has_segments, has_dropout, q_first=True),
+    in_dtypes=_dtypes(dtype, has_segments, has_dropout, q_first=True, has_bidirectional=has_bidirectional),
     out_specs=(pl.BlockSpec((None, G, bq, H), row),),
     out_shapes=(jax.ShapeDtypeStruct((B, N, T, H), c.F32),),
     scratch=(((G * bq, H), c.F32),),
   )
 
 
-def dkv_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments, has_dropout=False, Hv=None) -> c.CallPlan:
+def dkv_plan(
+  *,
+  B,
+  T,
+  S,
+  N,
+  K,
+  H,
+  dtype,
+  bq,
+  bk,
+  has_segments,
+  has_dropout=False,
+  Hv=None,
+  has_bidirectional=False,
+  has_positions=False,
+) -> c.CallPlan:
   G, Hv = N // K, H if Hv is None else Hv
   row = lambda b, h, j, i, kinds, fetch: (b, h, fetch[j, i], 0)  # noqa: E731
   kv = lambda b, h, j, i, kinds, fetch: (b, h, j, 0)  # noqa: E731
@@ -79,14 +117,20 @@ def dkv_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments, has_dropout=False
     pl.BlockSpec((None, None, bk, Hv), kv),
     *_q_side_specs(G, bq, H, Hv, row),
     *c.mask_specs(
-      has_segments, bq, bk, lambda b, h, j, i, kinds, fetch: (b, fetch[j, i]), lambda b, h, j, i, kinds, fetch: (b, j)
+      has_segments,
+      bq,
+      bk,
+      lambda b, h, j, i, kinds, fetch: (b, fetch[j, i]),
+      lambda b, h, j, i, kinds, fetch: (b, j),
+      has_bidirectional=has_bidirectional,
+      has_positions=has_positions,
     ),
     *c.dropout_specs(has_dropout)[0],
   ]
   return c.CallPlan(
     grid=(B, K, S // bk, T // bq),
     in_specs=tuple(in_specs),
-    in_dtypes=_dtypes(dtype, has_segments, has_dropout, q_first=False),
+    in_dtypes=_dtypes(dtype, has_segments, has_dropout, q_first=False, has_bidirectional=has_bidirectional),
     out_specs=(pl.BlockSpec((None, None, bk, H), kv), pl.BlockSpec((None, None, bk, Hv), kv)),
     out_shapes=(jax.ShapeDtypeStruct((B, K, S, H), c.F32), jax.ShapeDtypeStruct((B, K, S, Hv), c.F32)),
     scratch=(((bk, H), c.F32), ((bk, Hv), c.F32)),
@@ -181,9 +225,9 @@ def _dkv_kernel(kinds_ref, fetch_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delt
     dv_ref[...] = dv_sc[...]
 
 
-def block_bwd(q, k, v, do, lse, delta, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret, dropout=None):
+def block_bwd(q, k, v, do, lse, delta, q_tok, kv_tok, *, spec, interpret, dropout=None):
   """See `backends/base.py` for the contract."""
-  dims, kinds, mask_ops = c.block_setup(spec, q, k, v, q_pos, kv_pos, q_seg, kv_seg, backward=True)
+  dims, kinds, mask_ops = c.block_setup(spec, q, k, v, q_tok, kv_tok, backward=True)
   q_side = (c.heads_major(q), c.heads_major(do), lse[..., None], delta[..., None])
   kv_side = (c.heads_major(k), c.heads_major(v))
   n_mask = len(mask_ops)

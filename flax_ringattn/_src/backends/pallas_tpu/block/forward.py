@@ -25,7 +25,23 @@ from jax.experimental import pallas as pl
 from flax_ringattn._src.backends.pallas_tpu import common as c
 
 
-def fwd_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments, has_dropout=False, Hv=None) -> c.CallPlan:
+def fwd_plan(
+  *,
+  B,
+  T,
+  S,
+  N,
+  K,
+  H,
+  dtype,
+  bq,
+  bk,
+  has_segments,
+  has_dropout=False,
+  Hv=None,
+  has_bidirectional=False,
+  has_positions=False,
+) -> c.CallPlan:
   G, Hv = N // K, H if Hv is None else Hv
   q_map = lambda b, h, i, j, kinds, fetch: (b, i)  # noqa: E731
   kv_map = lambda b, h, i, j, kinds, fetch: (b, fetch[i, j])  # noqa: E731
@@ -34,10 +50,12 @@ def fwd_plan(*, B, T, S, N, K, H, dtype, bq, bk, has_segments, has_dropout=False
     pl.BlockSpec((None, G, bq, H), lambda b, h, i, j, kinds, fetch: (b, h, i, 0)),
     pl.BlockSpec((None, None, bk, H), lambda b, h, i, j, kinds, fetch: (b, h, fetch[i, j], 0)),
     pl.BlockSpec((None, None, bk, Hv), lambda b, h, i, j, kinds, fetch: (b, h, fetch[i, j], 0)),
-    *c.mask_specs(has_segments, bq, bk, q_map, kv_map),
+    *c.mask_specs(
+      has_segments, bq, bk, q_map, kv_map, has_bidirectional=has_bidirectional, has_positions=has_positions
+    ),
     *drop_specs,
   ]
-  in_dtypes = (dtype, dtype, dtype, jnp.int32, jnp.int32) + ((jnp.int32,) * 2 if has_segments else ()) + drop_dtypes
+  in_dtypes = (dtype, dtype, dtype) + c.mask_dtypes(has_segments, has_bidirectional=has_bidirectional) + drop_dtypes
   row = lambda b, h, i, j, kinds, fetch: (b, h, i, 0)  # noqa: E731
   return c.CallPlan(
     grid=(B, K, T // bq, S // bk),
@@ -117,9 +135,9 @@ def finish(m_ref, l_ref, acc_ref, o_ref, lse_ref):
   lse_ref[...] = jnp.where(empty, -jnp.inf, m_ref[...][..., :1] + jnp.log(l_safe))
 
 
-def block_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, *, spec, interpret, dropout=None):
+def block_fwd(q, k, v, q_tok, kv_tok, *, spec, interpret, dropout=None):
   """See `backends/base.py` for the contract."""
-  dims, kinds, mask_ops = c.block_setup(spec, q, k, v, q_pos, kv_pos, q_seg, kv_seg, backward=False)
+  dims, kinds, mask_ops = c.block_setup(spec, q, k, v, q_tok, kv_tok, backward=False)
   plan = fwd_plan(**dims)
   kernel = functools.partial(_kernel, spec=spec, num_mask_refs=len(mask_ops))
   o, lse = c.call(kernel, plan, 2, interpret=interpret, name="ring_block_fwd")(
