@@ -165,9 +165,13 @@ def ring_tables(mask: str, window: int, n: int, L: int, bq: int, bk: int) -> Tab
   q_pos, kv_pos = ring_positions(n, L, lb)
   try:
     with _numpy_as_jnp():
-      kinds = _pairwise(lambda qp, kp: masks.tile_kinds(spec, qp, kp, None, None, bq, bk), q_pos, kv_pos)
+      kinds = _pairwise(
+        lambda qp, kp: masks.tile_kinds(spec, masks.Tokens(qp), masks.Tokens(kp), bq, bk), q_pos, kv_pos
+      )
       # The ring skips a hop whose whole block is EMPTY (ring_loop._hop_kind: classify with one tile per shard).
-      hop = _pairwise(lambda qp, kp: masks.tile_kinds(spec, qp, kp, None, None, L, L)[0, 0], q_pos, kv_pos)
+      hop = _pairwise(
+        lambda qp, kp: masks.tile_kinds(spec, masks.Tokens(qp), masks.Tokens(kp), L, L)[0, 0], q_pos, kv_pos
+      )
   except (AttributeError, TypeError):  # the library code needs something numpy lacks: run it under XLA instead
     kinds = np.asarray(_ring_kinds_jit(spec=spec, q_pos=q_pos, kv_pos=kv_pos, bq=bq, bk=bk))
     hop = np.asarray(_ring_kinds_jit(spec=spec, q_pos=q_pos, kv_pos=kv_pos, bq=L, bk=L))[..., 0, 0]
@@ -182,7 +186,7 @@ def _pairwise(f, q_pos: np.ndarray, kv_pos: np.ndarray) -> np.ndarray:
 
 
 def _ring_kinds(spec: masks.MaskSpec, q_pos, kv_pos, bq: int, bk: int):
-  one = lambda qp, kp: masks.tile_kinds(spec, qp, kp, None, None, bq, bk)
+  one = lambda qp, kp: masks.tile_kinds(spec, masks.Tokens(qp), masks.Tokens(kp), bq, bk)
   return jax.vmap(jax.vmap(one, in_axes=(None, 0)))(q_pos, kv_pos)
 
 
@@ -200,7 +204,11 @@ def _jax_tables(*, n: int, L: int, bq: int, bk: int, window: int):
     q_pos, kv_pos = out["positions"][lb]
     kinds = _ring_kinds(spec, q_pos, kv_pos, bq, bk)
     hop = _ring_kinds(spec, q_pos, kv_pos, L, L)[..., 0, 0]
-    vis = jax.vmap(jax.vmap(lambda qp, kp, spec=spec: masks.visible(spec, qp, kp).sum(), in_axes=(None, 0)))
+    vis = jax.vmap(
+      jax.vmap(
+        lambda qp, kp, spec=spec: masks.visible(spec, masks.Tokens(qp), masks.Tokens(kp)).sum(), in_axes=(None, 0)
+      )
+    )
     out[name] = (
       kinds,
       common.fetch_index(kinds),

@@ -269,23 +269,31 @@ def test_kernels_without_the_new_terms_refuse_them(implementation, option):
       r"q_positions must be an integer array .* dtype=float32",
     ),
     (
-      dict(kv_positions=np.zeros((B, T), np.int32)),
-      ValueError,
-      r"pass q_positions \[B, T\] and kv_positions \[B, S\] together",
-    ),
-    (
       dict(bidirectional_ids=np.zeros((B, T - 1), np.int32)),
       ValueError,
       r"q bidirectional_ids must have shape \[B, T\]=\(2, 32\), got \(2, 31\)",
     ),
     (dict(bidirectional_ids=np.zeros((B, T), np.float32)), TypeError, r"q bidirectional_ids must be an integer array"),
   ],
-  ids=["chunk0", "chunk_float", "positions_shape", "positions_dtype", "kv_alone", "bid_shape", "bid_dtype"],
+  ids=["chunk0", "chunk_float", "positions_shape", "positions_dtype", "bid_shape", "bid_dtype"],
 )
 def test_mask_arguments_are_checked(kwargs, error, match):
   q, k, v, _ = _inputs()
   with pytest.raises(error, match=match):
     fr.ring_attention(q, k, v, implementation="xla", **kwargs)
+
+
+def test_one_side_of_positions_serves_self_attention_or_defaults_to_the_index():
+  """T == S: the side not given takes the given one (the same tokens); T != S: its index 0 .. L-1."""
+  q, k, v, _ = _inputs()
+  pos = jnp.asarray(_permutations(seed=1))
+  both = fr.reference_attention(q, k, v, is_causal=True, q_positions=pos, kv_positions=pos)
+  assert_close(fr.reference_attention(q, k, v, is_causal=True, kv_positions=pos), both, jnp.float32)
+  assert_close(fr.ring_attention(q, k, v, is_causal=True, q_positions=pos, implementation="xla"), both, jnp.float32)
+  tail = jnp.arange(T - 8, T, dtype=jnp.int32)  # 8 new tokens after 24 cached ones
+  got = fr.reference_attention(q[:, :8], k, v, is_causal=True, q_positions=tail)
+  want = dense_oracle(q[:, :8], k, v, is_causal=True, q_positions=tail, kv_positions=np.arange(T))[0]
+  assert_close(got, want, jnp.float32)
 
 
 def test_a_dense_mask_with_positions_is_refused():

@@ -234,8 +234,8 @@ def build(
 
   Every entry point (the ring op, `dot_product_attention`, the reference) builds its mask here; the two
   `Tokens` then travel with q and with K/V unchanged to the kernels.  Positions left out are None: the
-  caller's layout fills them in (0 .. L-1, or the ring's shards).  `q_positions` alone serves both sides of
-  self attention (T == S).
+  caller's layout fills them in (0 .. L-1, or the ring's shards).  One side given alone serves both sides of
+  self attention (T == S); with T != S the other side is at its index 0 .. L-1.
   """
   validation.check_bool("is_causal", is_causal)
   q_seg, kv_seg = validation.normalize_segment_ids(segment_ids, B, T, S)
@@ -243,14 +243,12 @@ def build(
   q_pos = validation.check_positions("q_positions", q_positions, B, T, "T")
   kv_pos = validation.check_positions("kv_positions", kv_positions, B, S, "S")
   if (q_pos is None) != (kv_pos is None):
-    if q_pos is not None and T == S:
-      kv_pos = q_pos  # self attention: the keys are the queries' tokens
+    # Self attention (T == S): the keys are the queries' tokens.  Otherwise the side not given is at its index in
+    # the sequence (e.g. q_positions = the last T of S positions: new tokens after a cache).
+    if q_pos is None:
+      q_pos = kv_pos if T == S else jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     else:
-      raise ValueError(
-        "pass q_positions [B, T] and kv_positions [B, S] together (q_positions alone serves self attention, "
-        f"T == S), got q_positions={'None' if q_positions is None else 'given'} and "
-        f"kv_positions={'None' if kv_positions is None else 'given'} with T={T}, S={S}"
-      )
+      kv_pos = q_pos if T == S else jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
   spec = MaskSpec(
     is_causal=bool(is_causal),
     window=validation.normalize_window(local_window_size),
