@@ -184,11 +184,12 @@ MODELS = {
 }
 
 
-# Both models on every XLA strategy; one model per interpret-mode kernel (each kernel runs sinks and MLA head
-# dims against the reference in test_ring_attention.py; what this adds is convert's wiring of the sinks and of
-# v's head dim into the implementation, which does not depend on the kernel).
+# Both models on every XLA strategy, and one interpret-mode run through the in-kernel ring (its own FlashKernel).
+# Each kernel runs sinks and MLA head dims against the reference in test_ring_attention.py; what this adds is
+# convert's wiring of the sinks and of v's head dim into the implementation, which does not depend on the block
+# kernel (the pallas_tpu and pallas_gpu runs, 60 and 32 s here, were cut for suite time).
 PAIRS = [(w, m) for w in EVERYWHERE for m in MODELS if "pallas" not in w]
-PAIRS += [("ring-pallas_tpu", "gpt_oss"), ("ring-pallas_tpu_ring", "deepseek_mla"), ("ring-pallas_gpu", "gpt_oss")]
+PAIRS += [("ring-pallas_tpu_ring", "deepseek_mla")]
 
 
 @pytest.mark.parametrize("where,model", [pytest.param(w, m, marks=_marks(w), id=f"{w}-{m}") for w, m in PAIRS])
