@@ -10,7 +10,8 @@ ragged batch token by token in plain numpy:
   tokens are the last q_len of its kv_len tokens, so row j has position
   kv_len - q_len + j and sees keys t <= position (and t >= position - left with
   local_window_size=(left, right), jax.nn's meaning; an int w is (w, w); the
-  right side never admits a key past the token itself, so only `left` matters);
+  right side never admits a key past the token itself, so only `left` matters;
+  and with chunk_size C only keys with t // C == position // C);
 * a key whose page id is out of range is invisible, as in the op's default mode.
 
 Gradients are the textbook softmax backward per row, with the soft cap's
@@ -61,14 +62,17 @@ def _window_left(local_window_size):
   return left
 
 
-def _visible_keys(table_row, kv_len, pos, num_pages, page_size, left):
-  """(token t, page id, slot) of the keys row at `pos` may read (`left`: the window's left side, or None)."""
+def _visible_keys(table_row, kv_len, pos, num_pages, page_size, left, chunk=None):
+  """(token t, page id, slot) of the keys row at `pos` may read (`left`: the window's left side, or None;
+  `chunk`: the attention chunk, or None)."""
   keys = []
   for t in range(kv_len):
     page = int(table_row[t // page_size])
     if t > pos or not 0 <= page < num_pages:
       continue
     if left is not None and t < pos - left:
+      continue
+    if chunk is not None and t // chunk != pos // chunk:
       continue
     keys.append((t, page, t % page_size))
   return keys
@@ -90,6 +94,7 @@ def paged_oracle(
   logits_soft_cap=None,
   scale=None,
   sinks=None,
+  chunk_size=None,
 ):
   """float64 (out [T, N, Hv], (dq, dk_pages, dv_pages)), with dsinks [N] appended to the gradients when `sinks`
   is given; gradients only when `do` is given (else None)."""
@@ -115,7 +120,7 @@ def paged_oracle(
     q_len, kv_len = int(cu[i + 1] - cu[i]), int(kv_lens[i])
     for j in range(q_len):
       row, pos = int(cu[i]) + j, kv_len - q_len + j
-      keys = _visible_keys(table[i], kv_len, pos, P, ps, left)
+      keys = _visible_keys(table[i], kv_len, pos, P, ps, left, chunk_size)
       if not keys:
         continue  # a row with no visible key: output 0, gradient 0
       pages = np.array([p for _, p, _ in keys])

@@ -139,6 +139,18 @@ def chunk_index(pos, chunk_size: int):
   return jax.lax.div(pos, c) - (jax.lax.rem(pos, c) < 0).astype(pos.dtype)
 
 
+def first_visible_position(spec: MaskSpec, pos):
+  """The smallest key position a causal query at `pos` (>= 0, may be traced) can see: 0, the window's left edge
+  or its chunk's first position, whichever is last (never negative).  Paged attention skips the kv blocks before
+  it."""
+  lo = jnp.zeros_like(jnp.asarray(pos))
+  if spec.window is not None:
+    lo = jnp.maximum(lo, pos - spec.window[0])
+  if spec.chunk_size is not None:
+    lo = jnp.maximum(lo, chunk_index(pos, spec.chunk_size) * spec.chunk_size)
+  return lo
+
+
 @dataclasses.dataclass(frozen=True)
 class Extent:
   """Min/max of each `Tokens` field over tiles, with a leading row axis ([B | 1, n] or broadcast forms of it);

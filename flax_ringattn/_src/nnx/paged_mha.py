@@ -38,7 +38,8 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
   long sequence, the partials merged exactly; combines with `head_axis`; see
   `paged_attention`), `local_window_size` (jax.nn's meaning, as
   for `RingMultiHeadAttention`; the deprecated `sliding_window=w` is converted to
-  `(w - 1, 0)`), `logits_soft_cap`, `implementation`, `block_sizes` and
+  `(w - 1, 0)`), `chunk_size` (as for `paged_attention`; not with the ring
+  `prefill`), `logits_soft_cap`, `implementation`, `block_sizes` and
   `interpret` (as for `paged_attention`), `checked`, and `use_sinks` / `v_head_dim` (a learnable `sinks` parameter
   [N], and a value head dim Hv other than the q/k one for MLA: the same parameters as `RingMultiHeadAttention`
   with these options, whose weights load with `nnx.update`; the cache then keeps v pages of Hv).  `decode` may be
@@ -85,6 +86,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     head_axis=None,
     seq_axis=None,
     local_window_size=None,
+    chunk_size: int | None = None,
     logits_soft_cap: float | None = None,
     implementation: str | None = None,
     block_sizes=None,
@@ -113,6 +115,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     # The op's options are checked here, as the op checks them: a bad one fails at construction, not at the first
     # step.
     local_window_size = paged_common.paged_window(local_window_size, sliding_window)
+    chunk_size = validation.check_chunk_size(chunk_size)
     logits_soft_cap = validation.check_soft_cap(logits_soft_cap)
     implementation = check_implementation(implementation)
     paged_common.check_block_sizes(block_sizes)
@@ -162,6 +165,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     self.head_axis = head_axis
     self.seq_axis = seq_axis
     self.local_window_size = local_window_size  # (left, right) or None
+    self.chunk_size = chunk_size  # Llama 4's attention chunk, or None
     self.logits_soft_cap = logits_soft_cap
     self.implementation = implementation
     self.block_sizes = block_sizes
@@ -274,13 +278,14 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     return query, key, value
 
   def _options(self) -> dict:
-    return dict(
+    options = dict(
       local_window_size=self.local_window_size,
       logits_soft_cap=self.logits_soft_cap,
       implementation=self.implementation,
       block_sizes=self.block_sizes,
       interpret=self.interpret,
     )
+    return options | ({} if self.chunk_size is None else {"chunk_size": self.chunk_size})
 
   def prefill(self, inputs, *, slot, num_tokens):
     """Ring prefill of one long prompt into slot `slot`, sequence-parallel over `seq_axis` (`paged_ring_prefill`).
@@ -292,6 +297,11 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     the same layout; the prompt's K/V are in the cache and decoding continues with `__call__`.  A prompt that
     does not fit is refused as in `__call__` (`overflowed`).
     """
+    if self.chunk_size is not None:
+      raise NotImplementedError(
+        f"{type(self).__name__}.prefill (the ring prefill) does not implement chunk_size={self.chunk_size} yet; "
+        "prefill the prompt with __call__ (chunked prefill) instead"
+      )
     if self.seq_axis is None:
       raise ValueError(
         f"{type(self).__name__}.prefill is the ring prefill over a sequence axis: construct the layer with mesh=... "

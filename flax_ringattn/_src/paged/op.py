@@ -41,6 +41,7 @@ def paged_attention(
   interpret=None,
   sliding_window: int | None = None,
   sinks=None,
+  chunk_size: int | None = None,
   mesh=None,
   seq_axis=None,
   axis_name=None,
@@ -92,6 +93,9 @@ def paged_attention(
       pallas_tpu, with a DeprecationWarning).
     sliding_window: deprecated (warns once): each token sees at most this many
       tokens, itself included; the same as local_window_size=(sliding_window - 1, 0).
+    chunk_size: C: a row sees only the keys in its own chunk of C positions,
+      q_pos // C == kv_pos // C (Llama 4's chunked attention), with causal
+      and the window as usual.
     sinks: optional [N] float attention-sink logits, one per q head
       (differentiable), as in `ring_attention`: exp(sinks[h]) joins the
       softmax denominator of every row of head h and carries no value.
@@ -127,6 +131,7 @@ def paged_attention(
     v_scale,
     local_window_size=local_window_size,
     sliding_window=sliding_window,
+    chunk_size=chunk_size,
     logits_soft_cap=logits_soft_cap,
     scale=scale,
     implementation=implementation,
@@ -277,6 +282,7 @@ def _prepare(
   *,
   local_window_size,
   sliding_window,
+  chunk_size=None,
   logits_soft_cap,
   scale,
   implementation,
@@ -303,7 +309,7 @@ def _prepare(
   blocks = backend.blocks(block_sizes=block_sizes, **shape)
   pages_per_block = max(1, min(blocks.block_kv // ps, pps))
   spec = AttentionSpec(
-    mask=masks.MaskSpec(is_causal=True, window=window),
+    mask=masks.MaskSpec(is_causal=True, window=window, chunk_size=validation.check_chunk_size(chunk_size)),
     scale=validation.check_scale(scale, H),
     logits_soft_cap=cap,
     block_sizes=BlockSizes(block_q=min(blocks.block_q, max(T, 1)), block_kv=pages_per_block * ps),
@@ -330,6 +336,7 @@ def uses_fused_cache_write(
   v_scale=None,
   local_window_size=None,
   sliding_window=None,
+  chunk_size=None,
   logits_soft_cap=None,
   scale=None,
   implementation=None,
@@ -349,6 +356,7 @@ def uses_fused_cache_write(
     v_scale,
     local_window_size=local_window_size,
     sliding_window=sliding_window,
+    chunk_size=chunk_size,
     logits_soft_cap=logits_soft_cap,
     scale=scale,
     implementation=implementation,
@@ -381,6 +389,7 @@ def paged_attention_with_cache_write(
   v_new_scale=None,
   local_window_size=None,
   sliding_window=None,
+  chunk_size=None,
   logits_soft_cap=None,
   scale=None,
   implementation=None,
@@ -413,6 +422,7 @@ def paged_attention_with_cache_write(
     v_scale,
     local_window_size=local_window_size,
     sliding_window=sliding_window,
+    chunk_size=chunk_size,
     logits_soft_cap=logits_soft_cap,
     scale=scale,
     implementation=implementation,

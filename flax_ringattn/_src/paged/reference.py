@@ -29,6 +29,7 @@ def paged_reference_attention(
   v_scale=None,
   sliding_window=None,
   sinks=None,
+  chunk_size=None,
 ):
   """Same arguments and result as `paged_attention`; rows past the batch are 0."""
   k_scale, v_scale = common.normalize_scales(k_scale, v_scale)
@@ -38,6 +39,7 @@ def paged_reference_attention(
   scale = validation.check_scale(scale, H)
   cap = validation.check_soft_cap(logits_soft_cap)
   window = common.paged_window(local_window_size, sliding_window)
+  chunk_size = validation.check_chunk_size(chunk_size)
   G, L, Hv = N // K, pps * ps, v_pages.shape[3]
   sinks = validation.check_sinks(sinks, N)
 
@@ -65,6 +67,8 @@ def paged_reference_attention(
   mask = kv_ok[seq] & (kv_pos[None] <= pos[:, None]) & valid[:, None]
   if window is not None:
     mask = mask & (kv_pos[None] >= pos[:, None] - window[0])
+  if chunk_size is not None:
+    mask = mask & (pos[:, None] // chunk_size == kv_pos[None] // chunk_size)
   s = jnp.where(mask[:, None, None], s, -jnp.inf)
   m = jax.lax.stop_gradient(s.max(-1, keepdims=True))
   if sinks is not None:

@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flax_ringattn._src import vma
+from flax_ringattn._src import masks, vma
 from flax_ringattn._src.paged import common, metadata
 
 F32 = jnp.float32
@@ -37,7 +37,7 @@ def _chunk_rows(ch, c, lens, kv_lens, block_q):
 
 def _kv_block_range(first_pos, last_pos, spec, block_tokens, max_blocks):
   hi = jnp.clip(last_pos // block_tokens + 1, 0, max_blocks)
-  lo = 0 if spec.window_left is None else jnp.maximum(first_pos - spec.window_left, 0) // block_tokens
+  lo = masks.first_visible_position(spec.mask, first_pos) // block_tokens
   return jnp.minimum(lo, hi), hi
 
 
@@ -78,9 +78,7 @@ def _scores(q_c, k_blk, spec, pos, row_ok, kv_pos, kv_ok):
   if spec.logits_soft_cap is not None:
     t = jnp.tanh(s / spec.logits_soft_cap)
     s = spec.logits_soft_cap * t
-  mask = kv_ok[None] & (kv_pos[None] <= pos[:, None]) & row_ok[:, None]
-  if spec.window_left is not None:
-    mask = mask & (kv_pos[None] >= pos[:, None] - spec.window_left)
+  mask = kv_ok[None] & row_ok[:, None] & masks.pair_visible(spec.mask, pos[:, None], kv_pos[None])
   return jnp.where(mask, s, -jnp.inf), t
 
 

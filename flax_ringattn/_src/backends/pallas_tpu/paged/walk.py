@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from flax_ringattn._src import masks
 from flax_ringattn._src.backends.pallas_tpu import common as c
 from flax_ringattn._src.backends.pallas_tpu.paged import plans as pp
 
@@ -108,10 +109,7 @@ def mask(d: pp.PagedDims, spec, q_lo, seq_start, seq_end, first_pos, b, valid_ro
   t = q_lo + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), d.G)  # global row of q
   pos = first_pos + (t - seq_start)
   kv_pos = b * d.block_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, d.block_tokens), 1)
-  vis = (t >= seq_start) & (t < seq_end) & (kv_pos <= pos) & valid_row
-  if spec.window_left is not None:
-    vis = vis & (kv_pos >= pos - spec.window_left)
-  return vis
+  return (t >= seq_start) & (t < seq_end) & valid_row & masks.pair_visible(spec.mask, pos, kv_pos)
 
 
 def dot(a, b, contract, dtype):
@@ -145,9 +143,7 @@ def seq_in_block(d: pp.PagedDims, spec, r: Refs, s, q_lo) -> _Seq:
   # needs the TPU generation at lowering time.
   hi = jnp.where(hi_pos < 0, 0, jnp.minimum(jax.lax.div(hi_pos, d.block_tokens) + 1, d.max_blocks))
   hi = jnp.where(hi_row > lo_row, hi, 0)
-  lo = jnp.zeros((), jnp.int32)
-  if spec.window_left is not None:
-    lo = jax.lax.div(jnp.maximum(lo_pos - spec.window_left, 0), d.block_tokens)
+  lo = jax.lax.div(masks.first_visible_position(spec.mask, lo_pos), d.block_tokens)
   return _Seq(seq_start, seq_end, kv_len, first_pos, lo_row, hi_row, jnp.minimum(lo, hi), hi)
 
 
