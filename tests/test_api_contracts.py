@@ -119,7 +119,7 @@ def test_dense_mask_recovery_takes_huge_windows(window):
   ids = jnp.zeros((1, S), jnp.int32)
   causal = jnp.tril(jnp.ones((S, S), bool))[None, None]
   np.testing.assert_array_equal(fr.dense_mask_from_structure(True, ids, ids, local_window_size=window), causal)
-  is_causal, _, _, exact = fr.structure_from_dense_mask(causal, local_window_size=window)
+  is_causal, _, _, exact, _ = fr.structure_from_dense_mask(causal, local_window_size=window)
   assert bool(is_causal) and bool(exact)
 
 
@@ -233,7 +233,7 @@ def test_empty_dense_mask_is_recovered():
   q, k, v = _qkv(T=0, S=0)
   out = _dense(q, k, v, mask=jnp.ones((B, 1, 0, 0), bool))
   assert out.shape == (B, 0, N, H)
-  is_causal, q_ids, kv_ids, exact = fr.structure_from_dense_mask(jnp.ones((B, 0, 0), bool))
+  is_causal, q_ids, kv_ids, exact, _ = fr.structure_from_dense_mask(jnp.ones((B, 0, 0), bool))
   assert bool(exact) and q_ids.shape == kv_ids.shape == (B, 0)
 
 

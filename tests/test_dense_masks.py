@@ -43,7 +43,8 @@ def _masks():
 @pytest.mark.parametrize("name", list(_masks()))
 def test_structure_recovered_exactly(name):
   mask, causal = _masks()[name]
-  is_causal, q_ids, kv_ids, exact = fr.structure_from_dense_mask(mask)
+  is_causal, q_ids, kv_ids, exact, bid = fr.structure_from_dense_mask(mask)
+  assert not np.asarray(bid).any()  # causal + segments rebuild it: no span
   assert bool(exact) and bool(is_causal) == causal
   rebuilt = fr.dense_mask_from_structure(is_causal, q_ids, kv_ids)
   np.testing.assert_array_equal(np.broadcast_to(rebuilt, mask.shape), np.asarray(mask) != 0)

@@ -34,9 +34,11 @@ _MASK_ALTERNATIVES = (
 
 def _inexact_message() -> str:
   return (
-    "the dense mask=... is not of the family ring attention recovers exactly ([causal] & [window] & "
-    "(q_ids[i] == kv_ids[j]): causal or not, packed segments, padding of queries and keys or of keys only, "
-    "and a sliding window declared with local_window_size=...; a bias must be 0 or <= "
+    "the dense mask=... is not of the family ring attention recovers exactly (([causal] & [window] | "
+    "same bidirectional span) & (q_ids[i] == kv_ids[j]): causal or not, packed segments, padding of queries and "
+    "keys or of keys only, a sliding window declared with local_window_size=..., and in a causal mask contiguous "
+    "spans of tokens that see each other (image tokens, a prefix-LM prefix; not with "
+    "implementation='pallas_tpu_ring'); a bias must be 0 or <= "
     f"{BIAS_MASKED:g}); {_MASK_ALTERNATIVES}"
   )
 
@@ -60,16 +62,19 @@ def _report_if_inexact(exact):
 
 
 def dense_mask_options(
-  mask, *, B, N, T, S, is_causal, segment_ids, checked: bool, local_window_size=None, also_exact=None
+  mask, *, B, N, T, S, is_causal, segment_ids, checked: bool, local_window_size=None, also_exact=None, spans=True
 ):
-  """Turns a dense mask into (is_causal, segment_ids, exact) for `ring_attention`.
+  """Turns a dense mask into (is_causal, segment_ids, bidirectional_ids, exact) for `ring_attention`.
 
   is_causal comes back as a Python bool when the mask is concrete (or has no
   causal question left because is_causal=True), else as a traced bool (the
-  caller then branches with `lax.cond`).  The recovery is verified: a concrete
-  mask raises `ValueError` at once.  A traced one (under jit), when `checked`
-  (the default), is reported on stderr by a host callback, and `exact` (a
-  traced bool, else None) tells the caller to poison its output with NaN
+  caller then branches with `lax.cond`).  bidirectional_ids are None for a
+  concrete mask without spans (and when `spans` is False), else [B, T] (zeros
+  where there is none: a traced mask may or may not hold spans, and one
+  program serves both).  The recovery is verified: a concrete mask raises
+  `ValueError` at once.  A traced one (under jit), when `checked` (the
+  default), is reported on stderr by a host callback, and `exact` (a traced
+  bool, else None) tells the caller to poison its output with NaN
   (`poison_unless`): raising inside a multi-device program would hang it.  See
   `masks.structure_from_dense_mask`.  `also_exact` (a bool scalar) joins that
   verdict (e.g. "the bias was 0 / -inf").
@@ -86,21 +91,26 @@ def dense_mask_options(
     mask = mask != 0
   if is_causal:
     mask = mask & jnp.tril(jnp.ones((T, S), bool))
-  causal, q_ids, kv_ids, exact = masks.structure_from_dense_mask(mask, local_window_size=local_window_size)
+  causal, q_ids, kv_ids, exact, bid = masks.structure_from_dense_mask(
+    mask, local_window_size=local_window_size, spans=spans
+  )
   if also_exact is not None:
     exact = exact & also_exact
   if q_ids.shape[0] != B:
     q_ids, kv_ids = (jnp.broadcast_to(x, (B, T)) for x in (q_ids, kv_ids))
+    bid = None if bid is None else jnp.broadcast_to(bid, (B, T))
   verdict = None
   if validation.all_concrete(exact):
     _raise_if_inexact(exact)
     causal = bool(causal)
+    if bid is not None and not bool(jnp.any(bid != 0)):
+      bid = None
   elif checked:
     jax.debug.callback(_report_if_inexact, exact)
     verdict = exact
   if is_causal:
     causal = True
-  return causal, (q_ids, kv_ids), verdict
+  return causal, (q_ids, kv_ids), bid, verdict
 
 
 def poison_unless(exact, out):
@@ -302,7 +312,7 @@ def masked_ring_attention(
         "local_window_size, chunk_size, bidirectional_ids) instead of a dense mask"
       )
     B, T, N = q.shape[0], q.shape[1], q.shape[2]
-    causal, segment_ids, exact = dense_mask_options(
+    causal, segment_ids, bidirectional_ids, exact = dense_mask_options(
       mask,
       B=B,
       N=N,
@@ -313,7 +323,9 @@ def masked_ring_attention(
       checked=options.check_mask,
       local_window_size=options.local_window_size,
       also_exact=also_exact,
+      spans=options.implementation != "pallas_tpu_ring",  # its tables are static: no per-token span ids
     )
+    tokens["bidirectional_ids"] = bidirectional_ids
 
   def attend(is_causal):
     kwargs = options.replace(is_causal=is_causal).ring_kwargs()
