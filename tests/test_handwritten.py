@@ -225,9 +225,9 @@ def test_unrecognised_attention_is_reported_and_left_alone():
 @pytest.mark.parametrize("mutation", ["cap", "window"])
 def test_a_dropped_cap_or_window_fails_the_comparison(mutation, monkeypatch):
   """The equivalence check can fail: drop the recognised cap (or window) and the converted model differs."""
-  from flax_ringattn._src.ring import pattern
+  from flax_ringattn._src.matcher import attention
 
-  real = pattern.find_sites
+  real = attention.find_sites
 
   def mutant(prog):
     sites, rejected = real(prog)
@@ -239,7 +239,7 @@ def test_a_dropped_cap_or_window_fails_the_comparison(mutation, monkeypatch):
           m.window = None
     return sites, rejected
 
-  monkeypatch.setattr(pattern, "find_sites", mutant)
+  monkeypatch.setattr(attention, "find_sites", mutant)
   tokens, pos, third, sees, _ = _inputs("mask", 8)
   make = hm.gemma(cap=2.0, window=8)
   ref, model = hm.Decoder(make, rngs=nnx.Rngs(0)), hm.Decoder(make, rngs=nnx.Rngs(0))
@@ -375,11 +375,11 @@ REJECTED = {  # attention-like computations the matcher must leave alone, with t
 
 @pytest.mark.parametrize("case", list(REJECTED))
 def test_matcher_rejects_what_it_cannot_run_exactly(case):
-  from flax_ringattn._src.ring import pattern
+  from flax_ringattn._src import matcher
 
   fn, reason = REJECTED[case]
   x = jnp.zeros((1, 16, 2, 8))
-  sites, rejected = pattern.find_sites(pattern.Program.flatten(jax.make_jaxpr(fn)(x, x, x)))
+  sites, rejected, _ = matcher.find_sites(matcher.Program.flatten(jax.make_jaxpr(fn)(x, x, x)))
   assert not sites
   assert len(rejected) == 1 and reason in rejected[0].reason, rejected
 
@@ -404,12 +404,12 @@ REJECTED_BRANCHES = {
 @pytest.mark.parametrize("custom_jvp", [False, True], ids=["inlined", "custom_jvp"])
 @pytest.mark.parametrize("case", list(REJECTED_BRANCHES))
 def test_matcher_never_folds_what_one_branch_does_into_another(case, custom_jvp):
-  from flax_ringattn._src.ring import pattern
+  from flax_ringattn._src import matcher
 
   x = jnp.zeros((1, 16, 2, 8))
   with jax.softmax_custom_jvp(custom_jvp) if hasattr(jax, "softmax_custom_jvp") else _flag(custom_jvp):
     closed = jax.make_jaxpr(REJECTED_BRANCHES[case])(x, x, x)
-  sites, rejected = pattern.find_sites(pattern.Program.flatten(closed))
+  sites, rejected, _ = matcher.find_sites(matcher.Program.flatten(closed))
   assert not sites and rejected, (case, rejected)
 
 
@@ -426,11 +426,11 @@ class _flag:
 
 
 def test_matcher_survives_multi_axis_reductions():
-  from flax_ringattn._src.ring import pattern
+  from flax_ringattn._src import matcher
 
   fn = lambda x, w: jnp.max(jnp.einsum("btd,de->bte", x, w), axis=(1, 2))  # noqa: E731
   closed = jax.make_jaxpr(fn)(jnp.zeros((2, 8, 4)), jnp.zeros((4, 4)))
-  assert pattern.find_sites(pattern.Program.flatten(closed)) == ([], [])
+  assert matcher.find_sites(matcher.Program.flatten(closed)) == ([], [], {})
 
 
 class _KeyPaddingEncoder(nnx.Module):

@@ -94,10 +94,10 @@ def test_sink_column_not_dropped_exactly_is_left_alone(sink_column, reason):
 
 def test_a_dropped_sink_fails_the_comparison(monkeypatch):
   """The comparison can fail: convert the gpt-oss model with its sinks forgotten and the logits differ."""
-  from flax_ringattn._src.nnx import handwritten_sinks
+  from flax_ringattn._src.matcher import sinks
 
-  real = handwritten_sinks.find_sites
-  monkeypatch.setattr(handwritten_sinks, "find_sites", lambda prog: (*real(prog)[:2], {}))
+  real = sinks.find_sites
+  monkeypatch.setattr(sinks, "find_sites", lambda prog: (*real(prog)[:2], {}))
   tokens, pos, third, sees, _ = _inputs("mask")
   ref, model = (hm.GptOssDecoder(window=None, rngs=nnx.Rngs(0)) for _ in range(2))
   report = fr.convert(model, mesh=make_mesh((8,), ("sp",)))
@@ -147,10 +147,9 @@ def _sink_attention(case):
 
 @pytest.mark.parametrize("case", list(REJECTED))
 def test_sink_patterns_that_are_not_the_ops_sinks_are_rejected(case):
-  from flax_ringattn._src.nnx import handwritten_sinks
-  from flax_ringattn._src.ring import pattern
+  from flax_ringattn._src import matcher
 
-  sites, rejected, sinks = handwritten_sinks.find_sites(pattern.Program.flatten(_sink_attention(case)))
+  sites, rejected, sinks = matcher.find_sites(matcher.Program.flatten(_sink_attention(case)))
   assert not sites and not sinks
   assert len(rejected) == 1 and rejected[0].reason.startswith("attention sinks: "), rejected
   assert REJECTED[case] in rejected[0].reason, rejected

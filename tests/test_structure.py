@@ -103,3 +103,18 @@ def test_imports_point_downward():
       assert not up, f"op module {module} imports a layer: {sorted(up)}"
       text = (PKG.parent / (module.replace(".", "/") + ".py")).read_text() if not module.endswith(op) else ""
       assert "from flax import" not in text and "import flax\n" not in text, f"op module {module} imports flax"
+
+
+def test_the_matcher_is_jaxpr_analysis_only():
+  """The hand-written-attention matcher (`_src/matcher`) imports neither an op, a layer, a backend nor flax."""
+  above = (
+    "flax_ringattn._src.ring",
+    "flax_ringattn._src.paged",
+    "flax_ringattn._src.nnx",
+    "flax_ringattn._src.backends",
+  )
+  for module, deps in _imports_of("flax_ringattn._src.matcher").items():
+    assert not {d for d in deps if d.startswith(above)}, f"{module} imports {sorted(deps)}"
+    path = PKG.parent / module.replace(".", "/")
+    text = (path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text()
+    assert "from flax import" not in text and "import flax\n" not in text, module

@@ -37,6 +37,9 @@ import numpy as np
 
 from flax_ringattn._src import validation
 
+# An additive bias entry at or below this hides its key (exp underflows to exactly 0 in every float type).
+BIAS_MASKED = -1e6
+
 # Tile classes shared by the ring loop and every backend.
 EMPTY = 0  # no pair is visible: skip all work
 PARTIAL = 1  # some pairs are visible: apply the elementwise mask

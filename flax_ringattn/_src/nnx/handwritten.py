@@ -1,7 +1,7 @@
 """`convert` for attention written by hand: every user module of a model is watched, and the innermost one
 whose call contains an attention pattern runs that attention as ring attention.
 
-Mechanism (see `ring/pattern.py` for the matcher):
+Mechanism (the matcher: `_src/matcher/`, one entry point `matcher.find_sites`):
 
 * `watch` gives each user-defined module of the model (not flax's own classes) a subclass whose `__call__`
   first traces the original call to a jaxpr, with the module functionalised (`nnx.split` / `nnx.merge`) and
@@ -23,7 +23,7 @@ Mechanism (see `ring/pattern.py` for the matcher):
 * The converted call writes back only the variables it changed (`nnx.update` of a variable merged at another
   trace level, unchanged, would fail under `jax.jit` of `nnx.split` / `nnx.merge`).
 * Attention sinks written as a logit column joined before the softmax and dropped after it (gpt-oss) are
-  recognised around the matcher (`handwritten_sinks.py`) and passed to the op as `sinks=`; a value head dim
+  recognised around the matcher (`matcher/sinks.py`) and passed to the op as `sinks=`; a value head dim
   other than q/k's (MLA) is read from the second einsum.
 * Plans are cached per module class on the call's structure, static arguments and avals: a jitted step
   traces once, an eager loop traces once per shape.
@@ -41,11 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_ringattn._src.nnx import handwritten_sinks
-from flax_ringattn._src.ring import pattern
+from flax_ringattn._src import matcher
 from flax_ringattn._src.ring.dense import bias_as_mask, context_mesh, masked_ring_attention
 from flax_ringattn._src.ring.options import RingOptions
-from flax_ringattn._src.ring.pattern_program import OPAQUE_SCOPE
 
 
 @dataclasses.dataclass
@@ -119,11 +117,11 @@ def _count_in_enclosing(plan):
 
 @dataclasses.dataclass
 class _Plan:
-  program: pattern.Program | None
+  program: matcher.Program | None
   sites: list
   out_tree: object = None
   dyn_index: tuple = ()
-  sinks: dict = dataclasses.field(default_factory=dict)  # g2 -> handwritten_sinks.SinkRef
+  sinks: dict = dataclasses.field(default_factory=dict)  # g2 -> matcher.SinkRef
   delegated: bool = False
   total_sites: int = 0  # sites in this call's jaxpr, its watched children's included
   total_rejects: int = 0
@@ -213,9 +211,8 @@ def _plan(module, call, split, flat, node_index=()):
     if key is not None:
       cache[key] = plan
     return plan
-  program = pattern.Program.flatten(closed).dce()
-  sites, rejected, sinks = handwritten_sinks.find_sites(program)
-  sites, rejected = _one_remat_body_each(program, sites, rejected)
+  program = matcher.Program.flatten(closed).dce()
+  sites, rejected, sinks = matcher.find_sites(program)
   if not sites and not rejected and not found.child_sites and not found.child_rejects:
     hidden = _attention_in_loop_body(closed.jaxpr)
     if hidden:
@@ -242,19 +239,6 @@ def _plan(module, call, split, flat, node_index=()):
   if key is not None:
     cache[key] = plan
   return plan
-
-
-def _one_remat_body_each(program, sites, rejected):
-  """Sites whose equations all lie in one remat body (or in none): `run` evaluates each body inside its
-  `jax.checkpoint`, so an attention split across a body's edge is left alone with the reason."""
-  kept = []
-  for site in sites:
-    bodies = {id(program.eqns[j].region) for j in (*site.interior, site.g2)}
-    if len(bodies) > 1:
-      rejected = [*rejected, pattern.Rejected(site.g1, "the attention crosses the edge of a jax.checkpoint body")]
-    else:
-      kept.append(site)
-  return kept, rejected
 
 
 _LOOPS = {"scan": ("jaxpr",), "while": ("body_jaxpr", "cond_jaxpr"), "cond": ("branches",)}
@@ -378,7 +362,7 @@ class _SiteFn:
 
   def __call__(self, read):
     site, opts = self.site, self.opts
-    q, k, v, masks = pattern.site_inputs(site, read)
+    q, k, v, masks = matcher.site_inputs(site, read)
     k, v = k.astype(q.dtype), v.astype(q.dtype)
     mask, exact = None, None
     for kind, negate, arr in masks:
@@ -400,9 +384,9 @@ class _SiteFn:
       precision=precision,
     )
     mask = None if mask is None else mask[:, None]
-    sinks = None if self.sinks is None else handwritten_sinks.read_sinks(site, self.sinks, read)
+    sinks = None if self.sinks is None else matcher.read_sinks(site, self.sinks, read)
     out = masked_ring_attention(q, k, v, options, mask=mask, also_exact=exact, sinks=sinks)
-    return pattern.site_output(site, out)
+    return matcher.site_output(site, out)
 
 
 def _own_code(call, module, args, kwargs):
@@ -410,7 +394,7 @@ def _own_code(call, module, args, kwargs):
   the calling module does not convert in its place what this one was left to run as written."""
   if not _discovering():
     return call(module, *args, **kwargs)
-  with jax.named_scope(OPAQUE_SCOPE):
+  with jax.named_scope(matcher.OPAQUE_SCOPE):
     return call(module, *args, **kwargs)
 
 

@@ -21,9 +21,6 @@ from flax_ringattn._src import masks, sharding, validation
 from flax_ringattn._src.ring.op import ring_attention
 from flax_ringattn._src.ring.options import RingOptions
 
-# An additive bias entry at or below this hides its key (exp underflows to exactly 0 in every float type).
-BIAS_MASKED = -1e6
-
 _MASK_ALTERNATIVES = (
   "ring attention never passes a dense [B, N, T, S] mask to its kernels (it would cost O(T * S) memory on every "
   "device); express the mask with is_causal=True, segment_ids=... (packed documents; padding: see "
@@ -39,7 +36,7 @@ def _inexact_message() -> str:
     "keys or of keys only, a sliding window declared with local_window_size=..., and in a causal mask contiguous "
     "spans of tokens that see each other (image tokens, a prefix-LM prefix; not with "
     "implementation='pallas_tpu_ring'); a bias must be 0 or <= "
-    f"{BIAS_MASKED:g}); {_MASK_ALTERNATIVES}"
+    f"{masks.BIAS_MASKED:g}); {_MASK_ALTERNATIVES}"
   )
 
 
@@ -157,7 +154,7 @@ def bias_as_mask(bias):
   """(visible mask, exact) of an additive bias: 0 is visible, <= BIAS_MASKED hidden, anything else inexact."""
   b = jnp.asarray(bias)
   visible = b == 0
-  return visible, jnp.all(visible | (b <= BIAS_MASKED))
+  return visible, jnp.all(visible | (b <= masks.BIAS_MASKED))
 
 
 def context_mesh(mesh, axis_name):

@@ -1,4 +1,4 @@
-"""Constant masks read at points (`pattern_band.py`) instead of built whole.
+"""Constant masks read at points (`matcher/band.py`) instead of built whole.
 
 The point evaluator `const_at` against `const_value` (the whole array) on small constants; sliding-window bands
 found at sizes `const_value` gives up on (B * T * T > 2**24, traced on abstract shapes: nothing that size is
@@ -20,8 +20,10 @@ from test_convert_families import _check_matches
 from test_handwritten import F32, _batch, _inputs, _key_mask
 
 import flax_ringattn as fr
-from flax_ringattn._src.ring import pattern, pattern_band, pattern_site
-from flax_ringattn._src.ring.pattern_program import MAX_CONST_ELEMENTS, const_value
+from flax_ringattn._src import matcher
+from flax_ringattn._src.matcher import band as band_reader
+from flax_ringattn._src.matcher import site
+from flax_ringattn._src.matcher.program import MAX_CONST_ELEMENTS, const_value
 
 SDS = jax.ShapeDtypeStruct
 N = 12
@@ -30,7 +32,7 @@ assert BIG_T * BIG_T > MAX_CONST_ELEMENTS
 
 
 def _program(fn, *args):
-  prog = pattern.Program.flatten(jax.make_jaxpr(fn)(*args))
+  prog = matcher.Program.flatten(jax.make_jaxpr(fn)(*args))
   return prog, prog.producers()
 
 
@@ -70,7 +72,7 @@ def test_const_at_matches_the_whole_constant(case):
   every = np.indices(whole.shape).reshape(whole.ndim, -1).T
   shuffled = np.random.default_rng(1).permutation(np.concatenate([every, every[::7]]))  # any order, repeats
   for points in (every, shuffled):
-    got = pattern_band.const_at(prog, out, producers, points)
+    got = band_reader.const_at(prog, out, producers, points)
     want = whole[tuple(points.T)]
     assert got is not None and got.dtype == want.dtype, (got, want.dtype)
     if want.dtype.kind == "f":
@@ -89,10 +91,10 @@ def test_const_at_reads_no_inputs_or_reductions():
     prog, producers = _program(fn, *args)
     (out,) = prog.outvars
     points = np.zeros((1, len(out.aval.shape)), np.int64)
-    assert pattern_band.const_at(prog, out, producers, points) is None
+    assert band_reader.const_at(prog, out, producers, points) is None
   prog, producers = _program(lambda: jnp.tril(jnp.ones((N, N))))
   with pytest.raises(IndexError):
-    pattern_band.const_at(prog, prog.outvars[0], producers, np.array([[0, N]]))
+    band_reader.const_at(prog, prog.outvars[0], producers, np.array([[0, N]]))
 
 
 # -- windows at any size --------------------------------------------------------------------------------------------
@@ -154,12 +156,12 @@ BANDS = {  # band(mask) -> the window found, at a small size and at a large one 
 def test_window_found_at_any_size(case, mask_dtype, monkeypatch):
   band, want = BANDS[case]
   read_at_points = []
-  real = pattern_site.band_extent
-  monkeypatch.setattr(pattern_site, "band_extent", lambda *a: read_at_points.append(a) or real(*a))
+  real = site.band_extent
+  monkeypatch.setattr(site, "band_extent", lambda *a: read_at_points.append(a) or real(*a))
   for b, t in ((2, 16), (BIG_B, BIG_T)):
     x = SDS((b, t, 1, 8), F32)
     prog, _ = _program(_band_attention(band), x, x, x, SDS((b, t, t), mask_dtype))
-    sites, rejected = pattern.find_sites(prog)
+    sites, rejected, _ = matcher.find_sites(prog)
     assert len(sites) == 1 and not rejected, (case, t, rejected)
     assert sites[0].window == want, (case, t, sites[0].window)
     assert len(read_at_points) == (t == BIG_T)  # built whole when small, read at points when large
@@ -169,9 +171,9 @@ def test_a_large_band_is_what_const_value_gives_up_on():
   prog, producers = _program(_triu_tril(7, 7), SDS((BIG_B, BIG_T, BIG_T), jnp.bool_))
   (band,) = prog.outvars
   assert const_value(prog, band, producers) is None
-  assert pattern_band.is_large_constant(prog, band, producers)
+  assert band_reader.is_large_constant(prog, band, producers)
   # A band 15 tokens wide over 35M elements: read at its edges, along each diagonal and at random points.
-  got = pattern_band.band_extent(prog, producers, [], [band])
+  got = band_reader.band_extent(prog, producers, [], [band])
   assert got == (7, 7, BIG_T)
 
 
@@ -194,7 +196,7 @@ def test_large_constant_bias_is_checked_at_a_sample(case):
   for b, t in ((2, 16), (BIG_B, BIG_T)):
     x = SDS((b, t, 1, 8), F32)
     prog, _ = _program(attend, x, x, x)
-    sites, rejected = pattern.find_sites(prog)
+    sites, rejected, _ = matcher.find_sites(prog)
     if reason is None:
       assert len(sites) == 1 and not rejected and sites[0].masks[0].kind == "bias", (t, rejected)
     else:
@@ -266,6 +268,6 @@ def test_a_band_without_the_diagonal_is_left_alone_with_the_reason(band):
   for b, t in ((2, 16), (BIG_B, BIG_T)):
     x = SDS((b, t, 1, 8), F32)
     prog, _ = _program(_band_attention(make[band]), x, x, x, SDS((b, t, t), jnp.bool_))
-    sites, rejected = pattern.find_sites(prog)
+    sites, rejected, _ = matcher.find_sites(prog)
     assert not sites and len(rejected) == 1, (band, t)
     assert "a constant band without the diagonal" in rejected[0].reason, rejected[0].reason

@@ -1,10 +1,10 @@
 """A recognised attention site: what it computes, how it is built from the matched path, and how it is run.
 
-`Site` (with `MaskRef`, `Rejected`) is what the matcher in `pattern.py` finds; `_finish` builds one at the second
+`Site` (with `MaskRef`, `Rejected`) is what the matcher in `attention.py` finds; `finish` builds one at the second
 `dot_general` (assigning the roles B, T, S, K, G, H, tracing masks back to the model's arrays, undoing
 `jnp.repeat` of k and v), and `site_inputs` / `site_output` move values between the model's layouts and the
-ring's `[B, T, N, H]` through the atom layouts (`to_atoms` / `from_atoms`).  Builds on `pattern_program.py` and
-`pattern_band.py` (a constant band too big to build); imported by `pattern.py`, never the other way round.
+ring's `[B, T, N, H]` through the atom layouts (`to_atoms` / `from_atoms`).  Builds on `program.py` and
+`band.py` (a constant band too big to build); imported by `attention.py`, never the other way round.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from flax_ringattn._src.ring.pattern_band import band_extent, is_large_constant
-from flax_ringattn._src.ring.pattern_program import _is_literal, const_value, scalar_value
+from flax_ringattn._src.matcher.band import band_extent, is_large_constant
+from flax_ringattn._src.matcher.program import const_value, is_literal, scalar_value
 
 # -- layouts --------------------------------------------------------------------------------------
 
 
-def _reshape_layout(layout, sizes, new_sizes):
+def reshape_layout(layout, sizes, new_sizes):
   """The atom tuple of each new axis, or None when an atom would have to split."""
   atoms = [a for ax in layout for a in ax if sizes[a] > 1]
   out, i = [], 0
@@ -134,14 +134,14 @@ class Rejected:
   reason: str
 
 
-class _Fail(Exception):
+class Fail(Exception):
   pass
 
 
 # -- building a site ------------------------------------------------------------------------------
 
 
-def _mask_ref(prog, atom, lay, producers, kind, *, negate=False, sizes):
+def mask_ref(prog, atom, lay, producers, kind, *, negate=False, sizes):
   """Traces a mask / bias operand (in the logits' layout `lay`) back through broadcasts and casts."""
   # An operand of the logits' rank may broadcast its size-1 axes implicitly: those carry no atom.
   shape = tuple(atom.aval.shape)
@@ -182,7 +182,7 @@ def _is_zero(prog, atom, producers):
 def _constant_band(prog, atom, src_lay, producers, sizes):
   """A sliding window the model built from constants (`triu` / `tril` bands ANDed or multiplied into the
   mask): the (left, right) of the constant factors' band, or None.  A factor too big for `const_value` (a
-  [B, T, T] band at large B * T * T) is read at points instead (`pattern_band.band_extent`)."""
+  [B, T, T] band at large B * T * T) is read at points instead (`band.band_extent`)."""
   consts, large = [], []
 
   def collect(a, depth=8):
@@ -190,10 +190,10 @@ def _constant_band(prog, atom, src_lay, producers, sizes):
     if val is not None:
       consts.append(val)
       return
-    if not _is_literal(a) and is_large_constant(prog, a, producers):
+    if not is_literal(a) and is_large_constant(prog, a, producers):
       large.append(a)
       return
-    if depth == 0 or _is_literal(a) or a not in producers:
+    if depth == 0 or is_literal(a) or a not in producers:
       return
     e = prog.eqns[producers[a]]
     if e.name in ("and", "mul"):
@@ -235,7 +235,7 @@ def _band_slice(val):
 def _window(left, right, n):
   if left < 0 or right < 0:
     # A band off the diagonal (`tril(ones, -1)`: strictly earlier keys) leaves a row with no key: no window.
-    raise _Fail(
+    raise Fail(
       f"a constant band without the diagonal (window {(left, right)}: a query that cannot see its own key) is "
       "outside the mask family"
     )
@@ -278,14 +278,14 @@ def _repeat_source(prog, atom, lay, head, producers):
   return src, mid[h + 1], lay
 
 
-def _finish(prog, g1, g2, e2, tracks, sizes, lay_l, lay_r, e1, state, interior, producers, consumers, outputs):
+def finish(prog, g1, g2, e2, tracks, sizes, lay_l, lay_r, e1, state, interior, producers, consumers, outputs):
   """The second dot_general: probabilities times v.  Assigns roles and builds the Site."""
   if state["S"] is None or state["softmax"] is None:
-    raise _Fail("no softmax before the second contraction")
-  p_atom = next(a for a in e2.ins if not _is_literal(a) and a in tracks)
+    raise Fail("no softmax before the second contraction")
+  p_atom = next(a for a in e2.ins if not is_literal(a) and a in tracks)
   p = tracks[p_atom]
   if p.stage != "probs":
-    raise _Fail(f"the {p.stage} (not the probabilities) meet a contraction")
+    raise Fail(f"the {p.stage} (not the probabilities) meet a contraction")
   (c0, c1), (b0, b1) = e2.params["dimension_numbers"]
   p_is_lhs = e2.ins[0] is p_atom
   pc, vc = (c0, c1) if p_is_lhs else (c1, c0)
@@ -293,7 +293,7 @@ def _finish(prog, g1, g2, e2, tracks, sizes, lay_l, lay_r, e1, state, interior, 
   v_atom = e2.ins[1] if p_is_lhs else e2.ins[0]
   S = state["S"]
   if len(pc) != 1 or tuple(a for a in p.layout[pc[0]] if sizes[a] > 1) != (S,):
-    raise _Fail("the probabilities are contracted over something other than the key axis")
+    raise Fail("the probabilities are contracted over something other than the key axis")
   vshape = tuple(v_atom.aval.shape)
   v_lay = [None] * len(vshape)
   v_lay[vc[0]] = (S,)
@@ -301,7 +301,7 @@ def _finish(prog, g1, g2, e2, tracks, sizes, lay_l, lay_r, e1, state, interior, 
     v_lay[b] = p.layout[a]
   free = [n for n in range(len(vshape)) if v_lay[n] is None]
   if len(free) != 1:
-    raise _Fail(f"v has {len(free)} free axes (expected one head dim)")
+    raise Fail(f"v has {len(free)} free axes (expected one head dim)")
   sizes["Hv"] = vshape[free[0]]
   v_lay[free[0]] = ("Hv",)
   p_free = [p.layout[n] for n in range(len(p.layout)) if n not in pc and n not in pb]
@@ -311,7 +311,7 @@ def _finish(prog, g1, g2, e2, tracks, sizes, lay_l, lay_r, e1, state, interior, 
   for j in interior - {g2}:
     for v in prog.eqns[j].outs:
       if v in outputs or any(u not in interior and u != g2 for u in consumers.get(v, ())):
-        raise _Fail("attention weights or logits are used outside the attention (returned or sown)")
+        raise Fail("attention weights or logits are used outside the attention (returned or sown)")
   # Which dot_general operand is q: the one without the key axis.
   s_on_r = any(S in ax for ax in lay_r)
   q_atom, q_lay = (e1.ins[0], tuple(lay_l)) if s_on_r else (e1.ins[1], tuple(lay_r))
@@ -319,7 +319,7 @@ def _finish(prog, g1, g2, e2, tracks, sizes, lay_l, lay_r, e1, state, interior, 
   q_free = [ax[0] for ax in q_lay if ax[0][0] in "lr" and sizes[ax[0]] > 1]
   k_free = [ax[0] for ax in k_lay if ax[0][0] in "lr" and sizes[ax[0]] > 1]
   if k_free != [S]:
-    raise _Fail(f"k has free axes {k_free} besides the key axis")
+    raise Fail(f"k has free axes {k_free} besides the key axis")
   batch_atoms = [ax[0] for ax in q_lay if ax[0].startswith("b") and sizes[ax[0]] > 1]
   form = p.form
   mask_atoms = {a for m in form.masks for ax in m.layout for a in ax}
@@ -328,22 +328,22 @@ def _finish(prog, g1, g2, e2, tracks, sizes, lay_l, lay_r, e1, state, interior, 
   if B is None and len(heads) > 1:
     B, heads = heads[0], heads[1:]
   if len(heads) > 1:
-    raise _Fail(f"more than one head axis {heads}")
+    raise Fail(f"more than one head axis {heads}")
   T = next((a for a in q_free if a in mask_atoms), None)
   if T is None:
     same = [a for a in q_free if sizes[a] == sizes[S]]
     T = same[0] if len(same) == 1 else (q_free[0] if q_free else None)
   if T is None:
-    raise _Fail("no query axis")
+    raise Fail("no query axis")
   groups = [a for a in q_free if a != T]
   if len(groups) > 1:
-    raise _Fail(f"more than one group axis {groups}")
+    raise Fail(f"more than one group axis {groups}")
   for m in form.masks:
     extra = [a for ax in m.layout for a in ax if a not in (B, T, S)]
     if extra:
-      raise _Fail("a per-head mask")
+      raise Fail("a per-head mask")
   if sizes[T] != sizes[S]:
-    raise _Fail(f"cross or cached attention: {sizes[T]} queries against {sizes[S]} keys")
+    raise Fail(f"cross or cached attention: {sizes[T]} queries against {sizes[S]} keys")
   roles = {"T": T, "S": S, "H": "H", "Hv": "Hv"}
   if B is not None:
     roles["B"] = B
@@ -370,7 +370,7 @@ def _finish(prog, g1, g2, e2, tracks, sizes, lay_l, lay_r, e1, state, interior, 
       k_src, v_src = (kr[0], only_kv(kr[2])), (vr[0], only_kv(vr[2]))
       roles["K"], roles["G"] = kv_name, grp
       if groups:
-        raise _Fail("GQA both grouped in the einsum and repeated")
+        raise Fail("GQA both grouped in the einsum and repeated")
       repeated = True
   scale, cap = form.scale, None
   if form.cap is not None:

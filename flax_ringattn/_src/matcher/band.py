@@ -1,9 +1,9 @@
 """Constants of the flattened program read at chosen points, never built whole: sliding-window bands of any size.
 
-`const_value` (pattern_program.py) evaluates a constant on the host, up to `MAX_CONST_ELEMENTS` elements.  A band
+`const_value` (program.py) evaluates a constant on the host, up to `MAX_CONST_ELEMENTS` elements.  A band
 the model builds like its mask (`jnp.triu(ones_like(mask), 1 - w) * jnp.tril(ones_like(mask), w - 1)` on a
 [B, T, T] mask, as google-tunix does) passes that at B = 2, T = 2944.  `const_at` evaluates the same expressions
-(literals, constants and `iota` through the ops of `_CONST_OPS`, as deep as `const_value` reads) at an array of
+(literals, constants and `iota` through the ops of `CONST_OPS`, as deep as `const_value` reads) at an array of
 index points: each layout op maps the points to points of its input (`broadcast_in_dim` picks its dims, `reshape`
 ravels and unravels, `transpose` permutes, `iota` is one index column), each elementwise op runs on the values
 gathered there.  On it:
@@ -15,7 +15,7 @@ gathered there.  On it:
 
 A band checked at a sample can only be wrong about points it did not read, and the run checks the whole mask
 against the recovered structure (a wrong window makes the output NaN, never silently different).  Imports
-`pattern_program.py` only; `pattern_site.py` and `pattern.py` use it.
+`program.py` only; `site.py` and `attention.py` use it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from flax_ringattn._src.ring.pattern_program import _CONST_OPS, MAX_CONST_ELEMENTS, Const
+from flax_ringattn._src.matcher.program import CONST_OPS, MAX_CONST_ELEMENTS, Const
 
 _DEPTH = 12  # the reach of const_value: a constant the one reads, the other reads too
 _VISITS = 4096  # equations visited by one evaluation (a shared sub-expression counts at each use)
@@ -50,7 +50,7 @@ def shape_of(atom) -> tuple:
 
 def const_at(prog, atom, producers, index, depth: int = _DEPTH):
   """The values [P] of `atom` at the index points `index` [P, ndim] when `atom` is computed from literals,
-  constants and `iota` only (through the ops of `_CONST_OPS`), else None.  Never builds the whole array."""
+  constants and `iota` only (through the ops of `CONST_OPS`), else None.  Never builds the whole array."""
   shape = shape_of(atom)
   index = np.asarray(index, np.int64)
   if index.ndim != 2 or index.shape[1] != len(shape):
@@ -187,7 +187,7 @@ def _select_n(pred, *cases):
 
 
 # Elementwise ops numpy computes exactly as XLA does (on bool, integer and float dtypes numpy knows); the other
-# elementwise ops of _CONST_OPS (div, exp, ...) are bound as JAX primitives on the gathered values.
+# elementwise ops of CONST_OPS (div, exp, ...) are bound as JAX primitives on the gathered values.
 _NUMPY = {
   "add": np.add,
   "sub": np.subtract,
@@ -229,7 +229,7 @@ class _Points:
     self.visits -= 1
     e = self.prog.eqns[self.producers[atom]]
     name = e.name
-    if name not in _CONST_OPS or len(e.outs) != 1:
+    if name not in CONST_OPS or len(e.outs) != 1:
       raise _Unknown
     out_dtype = e.outs[0].aval.dtype
     if name in _LAYOUT:

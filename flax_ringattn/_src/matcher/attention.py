@@ -32,8 +32,8 @@ site's second `dot_general` is computed by `dot_product_attention` on the
 model's own q, k, v and mask, and the site's interior is never computed.
 
 The matcher (`find_sites`, `_match`) is here; the flattened program and its constants are in
-`pattern_program.py` (constants too big to build are read at points by `pattern_band.py`), the `Site` it builds
-and the code that runs one in `pattern_site.py` (both re-exported here).
+`program.py` (constants too big to build are read at points by `band.py`), the `Site` it builds
+and the code that runs one in `site.py` (both re-exported here).
 """
 
 from __future__ import annotations
@@ -43,28 +43,28 @@ import math
 
 import numpy as np
 
-from flax_ringattn._src.ring.dense import BIAS_MASKED
-from flax_ringattn._src.ring.pattern_band import const_sample, shape_of
-from flax_ringattn._src.ring.pattern_program import (
-  _INLINE,
+from flax_ringattn._src.masks import BIAS_MASKED
+from flax_ringattn._src.matcher.band import const_sample, shape_of
+from flax_ringattn._src.matcher.program import (
+  INLINE,
   MAX_CONST_ELEMENTS,
   Const,
   Eqn,
   FVar,
   Program,
-  _is_literal,
   const_value,
+  is_literal,
   scalar_value,
 )
-from flax_ringattn._src.ring.pattern_site import (
+from flax_ringattn._src.matcher.site import (
+  Fail,
   MaskRef,
   Rejected,
   Site,
-  _Fail,
-  _finish,
-  _mask_ref,
-  _reshape_layout,
+  finish,
   from_atoms,
+  mask_ref,
+  reshape_layout,
   site_inputs,
   site_output,
   to_atoms,
@@ -127,13 +127,13 @@ def find_sites(prog: Program):
   """([Site], [Rejected]) for every dot_general whose output flows into a softmax."""
   producers, consumers = prog.producers(), prog.consumers()
   sites, rejected, taken = [], [], set()
-  outputs = {a for a in prog.outvars if not _is_literal(a)}
+  outputs = {a for a in prog.outvars if not is_literal(a)}
   for i, e in enumerate(prog.eqns):
     if e.name != "dot_general" or i in taken or e.opaque:
       continue
     try:
       site = _match(prog, i, producers, consumers, outputs)
-    except _Fail as err:
+    except Fail as err:
       if _reaches_softmax(prog, i, consumers):
         rejected.append(Rejected(i, str(err)))
       continue
@@ -157,7 +157,7 @@ def _reaches_softmax(prog, g1, consumers, limit=64):
         continue
       seen.add(j)
       e = prog.eqns[j]
-      if e.name == "exp" or (e.name == "custom_jvp_call" and _softmax_axis(e.params) is not None):
+      if e.name == "exp" or (e.name == "custom_jvp_call" and softmax_axis(e.params) is not None):
         return True
       if e.name == "dot_general":
         continue
@@ -198,50 +198,50 @@ def _match(prog: Program, g1: int, producers, consumers, outputs):
   def s_axis(layout, axis):
     atoms = [a for a in layout[axis] if sizes[a] > 1]
     if len(atoms) != 1:
-      raise _Fail(f"the softmax runs over a merged or empty axis {layout[axis]}")
+      raise Fail(f"the softmax runs over a merged or empty axis {layout[axis]}")
     if state["S"] is None:
       state["S"] = atoms[0]
     elif state["S"] != atoms[0]:
-      raise _Fail("two softmax axes")
+      raise Fail("two softmax axes")
     return atoms[0]
 
   first = min(consumers.get(e1.outs[0], [g1 + 1]))
   for j in range(first, len(prog.eqns)):
     e = prog.eqns[j]
-    tracked = [a for a in e.ins if not _is_literal(a) and a in tracks]
-    stat_ins = [a for a in e.ins if not _is_literal(a) and a in stats]
+    tracked = [a for a in e.ins if not is_literal(a) and a in tracks]
+    stat_ins = [a for a in e.ins if not is_literal(a) and a in stats]
     if not tracked and not stat_ins:
       continue
     interior.add(j)
     name = e.name
     out = e.outs[0] if e.outs else None
     if tracked and name == "dot_general":
-      return _finish(prog, g1, j, e, tracks, sizes, lay_l, lay_r, e1, state, interior, producers, consumers, outputs)
+      return finish(prog, g1, j, e, tracks, sizes, lay_l, lay_r, e1, state, interior, producers, consumers, outputs)
     if not tracked:  # statistics: passed through broadcasts and casts, inverted for a reciprocal
       st = stats[stat_ins[0]]
       if name in ("broadcast_in_dim", "reshape", "stop_gradient", "convert_element_type", "squeeze", "copy"):
         stats[out] = st
-      elif name in ("max", "min") and all(_is_literal(a) or a in stats for a in e.ins):
+      elif name in ("max", "min") and all(is_literal(a) or a in stats for a in e.ins):
         stats[out] = st
       elif name == "div" and st.kind == "sum" and e.ins[1] in stats and scalar_value(prog, e.ins[0], producers) == 1.0:
         stats[out] = _Stat("recip", st.src)
       else:
-        raise _Fail(f"the softmax statistic goes into {name}")
+        raise Fail(f"the softmax statistic goes into {name}")
       continue
     x = tracks[tracked[0]]
     if len(tracked) > 1 and name not in ("select_n",):
-      raise _Fail(f"{name} combines two attention values")
-    others = [a for a in e.ins if _is_literal(a) or a not in tracks]
+      raise Fail(f"{name} combines two attention values")
+    others = [a for a in e.ins if is_literal(a) or a not in tracks]
     lay = x.layout
     if name in _LAYOUT:
       if name == "transpose":
         lay = tuple(lay[p] for p in e.params["permutation"])
       elif name == "reshape":
         if e.params.get("dimensions") is not None:
-          raise _Fail("a reshape with dimensions")
-        lay = _reshape_layout(lay, sizes, e.params["new_sizes"])
+          raise Fail("a reshape with dimensions")
+        lay = reshape_layout(lay, sizes, e.params["new_sizes"])
         if lay is None:
-          raise _Fail("a reshape that splits an axis of the logits")
+          raise Fail("a reshape that splits an axis of the logits")
       elif name == "squeeze":
         lay = tuple(ax for n, ax in enumerate(lay) if n not in e.params["dimensions"])
       elif name == "broadcast_in_dim":
@@ -251,7 +251,7 @@ def _match(prog: Program, g1: int, producers, consumers, outputs):
         for src, dst in enumerate(dims):
           new[dst] = lay[src]
         if any(shape[d] != 1 for d in range(len(shape)) if d not in dims):
-          raise _Fail("the logits are broadcast")
+          raise Fail("the logits are broadcast")
         lay = tuple(new)
       dtype = str(out.aval.dtype)
       form = x.form
@@ -261,12 +261,12 @@ def _match(prog: Program, g1: int, producers, consumers, outputs):
       continue
     if name in ("mul", "div") and x.stage == "logits":
       if name == "div" and e.ins[0] not in tracks:
-        raise _Fail("the logits divide a constant")
+        raise Fail("the logits divide a constant")
       c = scalar_value(prog, others[0], producers)
       if c is None:
-        raise _Fail(f"the logits are {'multiplied' if name == 'mul' else 'divided'} by a non-constant")
+        raise Fail(f"the logits are {'multiplied' if name == 'mul' else 'divided'} by a non-constant")
       if x.form.masks:
-        raise _Fail("the logits are scaled after the mask")
+        raise Fail("the logits are scaled after the mask")
       c = c if name == "mul" else 1.0 / c
       if x.form.cap is not None:
         form = dataclasses.replace(x.form, cap=x.form.cap * c)
@@ -276,22 +276,22 @@ def _match(prog: Program, g1: int, producers, consumers, outputs):
       continue
     if name == "tanh" and x.stage == "logits":
       if x.form.cap is not None or x.form.masks:
-        raise _Fail("tanh after a cap or a mask")
+        raise Fail("tanh after a cap or a mask")
       tracks[out] = _Track(lay, "logits", x.dtype, dataclasses.replace(x.form, cap=1.0))
       continue
     if name == "select_n" and x.stage == "logits":
       if len(e.ins) != 3:
-        raise _Fail("a select with more than two cases")
+        raise Fail("a select with more than two cases")
       pred, case0, case1 = e.ins
       if pred in tracks:
-        raise _Fail("the logits select on themselves")
+        raise Fail("the logits select on themselves")
       if (case0 in tracks) == (case1 in tracks):
-        raise _Fail("both cases of a select are attention values")
+        raise Fail("both cases of a select are attention values")
       other = case1 if case0 in tracks else case0
       c = scalar_value(prog, other, producers)
       if c is None or c > BIAS_MASKED:
-        raise _Fail(f"a select against {c if c is not None else 'a non-constant'} (not a mask value <= -1e6)")
-      ref = _mask_ref(prog, pred, lay, producers, "mask", negate=case0 in tracks, sizes=sizes)
+        raise Fail(f"a select against {c if c is not None else 'a non-constant'} (not a mask value <= -1e6)")
+      ref = mask_ref(prog, pred, lay, producers, "mask", negate=case0 in tracks, sizes=sizes)
       tracks[out] = _Track(lay, "logits", x.dtype, dataclasses.replace(x.form, masks=(*x.form.masks, ref)))
       continue
     if name == "add" and x.stage == "logits":
@@ -304,14 +304,14 @@ def _match(prog: Program, g1: int, producers, consumers, outputs):
         tracks[out] = _Track(lay, "logits", x.dtype, x.form)
         continue
       if c is not None:
-        raise _Fail(f"a constant {c} added to the logits")
+        raise Fail(f"a constant {c} added to the logits")
       if val is not None and not np.all((val == 0) | (val <= BIAS_MASKED)):
-        raise _Fail("an additive bias with values other than 0 and <= -1e6 (a position bias, e.g. ALiBi)")
-      ref = _mask_ref(prog, other, lay, producers, "bias", sizes=sizes)
+        raise Fail("an additive bias with values other than 0 and <= -1e6 (a position bias, e.g. ALiBi)")
+      ref = mask_ref(prog, other, lay, producers, "bias", sizes=sizes)
       tracks[out] = _Track(lay, "logits", x.dtype, dataclasses.replace(x.form, masks=(*x.form.masks, ref)))
       continue
     if name in ("reduce_max", "argmax", "reduce_sum") and len(e.params["axes"]) != 1:
-      raise _Fail(f"{name} over several axes {e.params['axes']}")
+      raise Fail(f"{name} over several axes {e.params['axes']}")
     if name in ("reduce_max", "argmax") and x.stage == "logits":
       s_axis(lay, e.params["axes"][0])
       stats[out] = _Stat("max", tracked[0])
@@ -319,7 +319,7 @@ def _match(prog: Program, g1: int, producers, consumers, outputs):
     if name == "sub" and x.stage == "logits" and e.ins[0] in tracks and e.ins[1] in stats:
       st = stats[e.ins[1]]
       if st.kind != "max" or st.src is not e.ins[0]:
-        raise _Fail("the logits minus something other than their own max")
+        raise Fail("the logits minus something other than their own max")
       tracks[out] = _Track(lay, "shifted", x.dtype, x.form)
       continue
     if name == "exp" and x.stage in ("logits", "shifted"):
@@ -333,32 +333,32 @@ def _match(prog: Program, g1: int, producers, consumers, outputs):
     if name == "div" and x.stage == "exp" and e.ins[0] in tracks and e.ins[1] in stats:
       st = stats[e.ins[1]]
       if st.kind != "sum" or st.src is not e.ins[0]:
-        raise _Fail("exp divided by something other than its own sum")
+        raise Fail("exp divided by something other than its own sum")
       tracks[out] = _Track(lay, "probs", x.dtype, x.form)
       continue
     if name == "mul" and x.stage == "exp" and any(a in stats and stats[a].kind == "recip" for a in e.ins):
       recip = next(stats[a] for a in e.ins if a in stats)
       if recip.src is not tracked[0]:
-        raise _Fail("exp times the reciprocal of another sum")
+        raise Fail("exp times the reciprocal of another sum")
       tracks[out] = _Track(lay, "probs", x.dtype, x.form)
       continue
     if name == "custom_jvp_call" and x.stage == "logits":
-      axis = _softmax_axis(e.params)
+      axis = softmax_axis(e.params)
       if axis is None:
-        raise _Fail("a custom_jvp function that is not a softmax")
-      if any(a is not tracked[0] and not (_is_literal(a) and np.size(a.val) <= 1) for a in e.ins):
-        raise _Fail("a softmax with a where= mask or another operand")
+        raise Fail("a custom_jvp function that is not a softmax")
+      if any(a is not tracked[0] and not (is_literal(a) and np.size(a.val) <= 1) for a in e.ins):
+        raise Fail("a softmax with a where= mask or another operand")
       s_axis(lay, axis)
       state["softmax"] = "jax.nn.softmax"
       tracks[out] = _Track(lay, "probs", str(out.aval.dtype), x.form)
       continue
-    raise _Fail(f"{name} on the attention {x.stage} (not scale, tanh cap, mask, bias or softmax)")
+    raise Fail(f"{name} on the attention {x.stage} (not scale, tanh cap, mask, bias or softmax)")
   if state["softmax"] is not None:
-    raise _Fail("the probabilities never meet v in a contraction")
+    raise Fail("the probabilities never meet v in a contraction")
   return None
 
 
-def _softmax_axis(params):
+def softmax_axis(params):
   """The axis of a custom_jvp_call whose body is a softmax (max, exp, sum over one axis, div), else None."""
   body = params.get("call_jaxpr")
   jaxpr = getattr(body, "jaxpr", body)
@@ -372,7 +372,7 @@ def _softmax_axis(params):
       if e.primitive.name == "reduce_sum":
         axes.update(e.params["axes"])
       inner = e.params.get("jaxpr", e.params.get("call_jaxpr"))
-      if inner is not None and e.primitive.name in _INLINE:
+      if inner is not None and e.primitive.name in INLINE:
         scan(getattr(inner, "jaxpr", inner))
 
   scan(jaxpr)

@@ -4,7 +4,7 @@
 `nnx.remat`: a `Region` each) into one list of `Eqn`s over `FVar`s and `Const`s; `Program.run` evaluates it, with
 chosen equations replaced and each remat body inside `jax.checkpoint` again.  `const_value` / `scalar_value` read the
 values computed from constants only (a scale, a mask fill, a constant band).  This module imports nothing else of
-the matcher: `pattern_site.py` (the sites) and `pattern.py` (the matcher) build on it.
+the matcher: `site.py` (the sites) and `attention.py` (the matcher) build on it.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-_INLINE = ("pjit", "jit", "closed_call", "core_call")
-_CONST_OPS = (
+INLINE = ("pjit", "jit", "closed_call", "core_call")
+CONST_OPS = (
   "broadcast_in_dim",
   "convert_element_type",
   "reshape",
@@ -63,7 +63,7 @@ class Const:
     self.val = val
 
 
-def _is_literal(a) -> bool:
+def is_literal(a) -> bool:
   return isinstance(a, (Const, jex_core.Literal))
 
 
@@ -146,7 +146,7 @@ class Program:
       for e in jaxpr.eqns:
         args = [rd(a) for a in e.invars]
         hidden = opaque or OPAQUE_SCOPE in str(e.source_info.name_stack)
-        if e.primitive.name in _INLINE:
+        if e.primitive.name in INLINE:
           inner = e.params.get("jaxpr", e.params.get("call_jaxpr"))
           outs = walk(getattr(inner, "jaxpr", inner), getattr(inner, "consts", ()), args, items, region, hidden)
         elif e.primitive.name in _REMAT:
@@ -250,9 +250,9 @@ class Program:
 
   def _live(self, replace, skip):
     """Indices of the equations the outputs need (and every equation with effects)."""
-    needed = {a for a in self.outvars if not _is_literal(a)}
+    needed = {a for a in self.outvars if not is_literal(a)}
     for deps in replace.values():
-      needed |= {a for a in getattr(deps, "inputs", ()) if not _is_literal(a)}
+      needed |= {a for a in getattr(deps, "inputs", ()) if not is_literal(a)}
     live = set()
     for i in range(len(self.eqns) - 1, -1, -1):
       e = self.eqns[i]
@@ -261,7 +261,7 @@ class Program:
       if i in replace or e.eqn.effects or any(v in needed for v in e.outs):
         live.add(i)
         if i not in replace:
-          needed |= {a for a in e.ins if not _is_literal(a)}
+          needed |= {a for a in e.ins if not is_literal(a)}
     return live
 
   def producers(self):
@@ -271,7 +271,7 @@ class Program:
     users: dict = {}
     for i, e in enumerate(self.eqns):
       for a in e.ins:
-        if not _is_literal(a):
+        if not is_literal(a):
           users.setdefault(a, []).append(i)
     return users
 
@@ -289,7 +289,7 @@ def _region_eqns(region: Region):
 
 
 # Constants are evaluated on the host only up to this many elements (a [T, S] band at T = 4096): beyond it
-# `const_value` gives up, and a band or bias is read at points instead (pattern_band.py), never built whole.
+# `const_value` gives up, and a band or bias is read at points instead (band.py), never built whole.
 MAX_CONST_ELEMENTS = 1 << 24
 
 
@@ -301,7 +301,7 @@ def const_value(prog: Program, atom, producers, depth: int = 12):
   if depth == 0 or atom not in producers or math.prod(atom.aval.shape) > MAX_CONST_ELEMENTS:
     return None
   e = prog.eqns[producers[atom]]
-  if e.name not in _CONST_OPS or len(e.outs) != 1:
+  if e.name not in CONST_OPS or len(e.outs) != 1:
     return None
   vals = [const_value(prog, a, producers, depth - 1) for a in e.ins]
   if any(v is None for v in vals):
@@ -314,7 +314,7 @@ def const_value(prog: Program, atom, producers, depth: int = 12):
 def scalar_value(prog: Program, atom, producers):
   """The value of a constant that is one scalar broadcast (a scale, a mask fill), without building the
   broadcast; None when `atom` is not such a constant."""
-  while not _is_literal(atom) and atom in producers:
+  while not is_literal(atom) and atom in producers:
     e = prog.eqns[producers[atom]]
     if e.name not in ("broadcast_in_dim", "convert_element_type", "reshape", "squeeze", "copy"):
       break

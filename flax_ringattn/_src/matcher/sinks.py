@@ -1,4 +1,4 @@
-"""Attention sinks written by hand (gpt-oss style), found around the matcher of `ring/pattern.py`.
+"""Attention sinks written by hand (gpt-oss style), found around the attention matcher (`attention.py`).
 
 Models write a sink as one more logit column per head, joined before the softmax and dropped after it::
 
@@ -16,7 +16,7 @@ value.  `find_sites` recognises it in three steps, and never converts a pattern 
    the join, the column kept, the wrong column dropped, the probabilities returned) leaves it alone with the
    reason.
 2. A view of the program reads the logits where the joined array was read and the slice's input where its
-   output was read (the join and the slice see no attention value there), and `pattern.find_sites` matches
+   output was read (the join and the slice see no attention value there), and `attention.find_sites` matches
    it as plain attention: scale, cap and mask are those of the logits before the join.
 3. A site of the view is kept when it covers the whole softmax chain; the join and the slice join its
    interior, the escape check is redone on the real program, and the column is traced back (broadcasts,
@@ -32,9 +32,9 @@ import math
 
 import jax.numpy as jnp
 
-from flax_ringattn._src.ring import pattern
-from flax_ringattn._src.ring.pattern_program import Program, _is_literal
-from flax_ringattn._src.ring.pattern_site import _reshape_layout, to_atoms
+from flax_ringattn._src.matcher import attention
+from flax_ringattn._src.matcher.program import Program, is_literal
+from flax_ringattn._src.matcher.site import reshape_layout, to_atoms
 
 _CAST_OPS = ("convert_element_type", "copy")
 _STAT_PASS = ("broadcast_in_dim", "reshape", "squeeze", "stop_gradient", "convert_element_type", "copy", "max", "min")
@@ -67,14 +67,14 @@ class _Reject(Exception):
 
 
 def find_sites(prog: Program):
-  """([pattern.Site], [pattern.Rejected], {g2: SinkRef}) of `prog`: `pattern.find_sites`, plus attention
+  """([attention.Site], [attention.Rejected], {g2: SinkRef}) of `prog`: `attention.find_sites`, plus attention
   whose softmax has a sink column joined and dropped around it (see the module)."""
   producers, consumers = prog.producers(), prog.consumers()
-  outputs = {a for a in prog.outvars if not _is_literal(a)}
+  outputs = {a for a in prog.outvars if not is_literal(a)}
   chains = [c for i, e in enumerate(prog.eqns) if (c := _chain(prog, i, e, outputs)) is not None]
   good = [c for c in chains if not c.reason]
   view = _view(prog, good) if good else prog
-  sites, rejected = pattern.find_sites(view)
+  sites, rejected = attention.find_sites(view)
   refs, kept, claimed = {}, [], set()
   for site in sites:
     touched = [c for c in good if c.body & site.interior]
@@ -87,7 +87,7 @@ def find_sites(prog: Program):
         refs[site.g2] = _sink_ref(prog, site, touched[0], producers)
         claimed.add(touched[0].concat)
     except _Reject as err:
-      rejected.append(pattern.Rejected(site.g1, f"attention sinks: {err}"))
+      rejected.append(attention.Rejected(site.g1, f"attention sinks: {err}"))
       continue
     kept.append(site)
   # A rejected attention whose logits carry a sink column names what went wrong with the column, or that the
@@ -99,7 +99,7 @@ def find_sites(prog: Program):
       if (c.reason and "concatenate" not in rej.reason) or not _reaches(prog, rej.g1, c.concat, consumers):
         continue
       why = c.reason or f"the attention around it is not recognised ({rej.reason})"
-      rejected[n] = pattern.Rejected(rej.g1, f"attention sinks: {why}")
+      rejected[n] = attention.Rejected(rej.g1, f"attention sinks: {why}")
   return kept, rejected, refs
 
 
@@ -109,7 +109,7 @@ def find_sites(prog: Program):
 def _chain(prog, i, e, outputs):
   """The sink chain of equation i when it joins a one-column array to the logits, else None; `reason` set when
   the column is joined but not in the form `find_sites` runs exactly."""
-  if e.name != "concatenate" or len(e.ins) != 2 or any(_is_literal(a) for a in e.ins):
+  if e.name != "concatenate" or len(e.ins) != 2 or any(is_literal(a) for a in e.ins):
     return None
   d = e.params["dimension"]
   widths = [a.aval.shape[d] for a in e.ins]
@@ -134,8 +134,8 @@ def _follow(prog, chain, first, outputs):
   full, stats = {joined: False}, set()
   for j in range(chain.concat + 1, len(prog.eqns)):
     e = prog.eqns[j]
-    ins_full = [a for a in e.ins if not _is_literal(a) and a in full]
-    ins_stat = [a for a in e.ins if not _is_literal(a) and a in stats]
+    ins_full = [a for a in e.ins if not is_literal(a) and a in full]
+    ins_stat = [a for a in e.ins if not is_literal(a) and a in stats]
     if not ins_full and not ins_stat:
       continue
     name, out = e.name, (e.outs[0] if e.outs else None)
@@ -154,7 +154,7 @@ def _follow(prog, chain, first, outputs):
       raise _Reject(f"{name} combines two values with the sink column")
     if ins_full:
       x = ins_full[0]
-      other = [a for a in e.ins if a is not x and not _is_literal(a)]
+      other = [a for a in e.ins if a is not x and not is_literal(a)]
       if name in _CAST_OPS:
         full[out] = full[x]
       elif name == "exp":
@@ -169,8 +169,8 @@ def _follow(prog, chain, first, outputs):
         full[out] = full[x]
       elif name in ("reduce_max", "reduce_sum") and tuple(e.params["axes"]) == (d,):
         stats.add(out)
-      elif name == "custom_jvp_call" and pattern._softmax_axis(e.params) == d:
-        if any(not _is_literal(a) and a is not x for a in e.ins):
+      elif name == "custom_jvp_call" and attention.softmax_axis(e.params) == d:
+        if any(not is_literal(a) and a is not x for a in e.ins):
           raise _Reject("a softmax with a where= mask or another operand")
         full[out] = True
       elif name == "dot_general" and full[x]:
@@ -182,7 +182,7 @@ def _follow(prog, chain, first, outputs):
           "would also change the sink)"
         )
       continue
-    if any(not _is_literal(a) and a not in stats for a in e.ins):
+    if any(not is_literal(a) and a not in stats for a in e.ins):
       raise _Reject(
         f"the softmax statistic over the sink column meets a value without the column in {name} (the softmax "
         "must be finished before the column is dropped)"
@@ -239,8 +239,8 @@ def _view(prog, chains):
     eqns[c.concat] = dataclasses.replace(prog.eqns[c.concat], ins=[c.column])
     eqns[c.drop] = dataclasses.replace(prog.eqns[c.drop], ins=[])
   for i, e in enumerate(eqns):
-    if any(not _is_literal(a) and a in swap for a in e.ins):
-      eqns[i] = dataclasses.replace(e, ins=[swap.get(a, a) if not _is_literal(a) else a for a in e.ins])
+    if any(not is_literal(a) and a in swap for a in e.ins):
+      eqns[i] = dataclasses.replace(e, ins=[swap.get(a, a) if not is_literal(a) else a for a in e.ins])
   return Program(prog.invars, prog.outvars, eqns)
 
 
@@ -277,7 +277,7 @@ def _sink_ref(prog, site, chain, producers):
 
 def _layout(prog, site, target):
   """The atom layout of `target`, computed from the site's logits by the ops allowed before a softmax, with the
-  atoms named as `pattern` names them; None when `target` is not reached that way."""
+  atoms named as `attention` names them; None when `target` is not reached that way."""
   e1 = prog.eqns[site.g1]
   (lc, rc), (lb, rb) = e1.params["dimension_numbers"]
   out = [(f"b{n}",) for n in range(len(lb))]
@@ -292,14 +292,14 @@ def _layout(prog, site, target):
     if target in lays:
       break
     e = prog.eqns[j]
-    tracked = [a for a in e.ins if not _is_literal(a) and a in lays]
+    tracked = [a for a in e.ins if not is_literal(a) and a in lays]
     if not tracked or not e.outs:
       continue
     lay, out_shape = lays[tracked[0]], tuple(e.outs[0].aval.shape)
     if e.name == "transpose":
       lay = tuple(lay[p] for p in e.params["permutation"])
     elif e.name == "reshape":
-      lay = _reshape_layout(lay, site.sizes, e.params["new_sizes"]) if e.params.get("dimensions") is None else None
+      lay = reshape_layout(lay, site.sizes, e.params["new_sizes"]) if e.params.get("dimensions") is None else None
     elif e.name == "squeeze":
       lay = tuple(ax for n, ax in enumerate(lay) if n not in e.params["dimensions"])
     elif e.name == "broadcast_in_dim":
@@ -319,7 +319,7 @@ def _trace_column(prog, atom, lay, producers, sizes):
   while atom in producers:
     e = prog.eqns[producers[atom]]
     src = e.ins[0] if e.ins else None
-    if src is None or _is_literal(src):
+    if src is None or is_literal(src):
       break
     if e.name == "broadcast_in_dim":
       src_shape = tuple(src.aval.shape)
