@@ -9,7 +9,8 @@ The public surface (see README.md for the table):
 * layers: `RingMultiHeadAttention`, `make_ring_attention_fn`,
   `PagedMultiHeadAttention`; cache: `PagedKVCache` (`CacheOverflowError`); `convert` (swap every
   `nnx.MultiHeadAttention` of a model in place) and its `ConversionReport`
-* dense masks: `padded_segment_ids`, `structure_from_dense_mask`,
+* masks: `Mask` (every term of the mask as one object, `mask=`); dense masks:
+  `padded_segment_ids`, `structure_from_dense_mask` (`DenseStructure`),
   `dense_mask_from_structure`
 * `flax_ringattn.testing`: helpers for your own tests (imported on demand)
 * `flax_ringattn.benchmarking`: the benchmark harness, hardware table and cost
@@ -26,9 +27,15 @@ The public surface (see README.md for the table):
 from flax_ringattn._src.advisor import Hardware, StrategyAdvice, StrategyEstimate, suggest_strategy
 from flax_ringattn._src.backends.pallas_tpu.planners import plan_block_sizes
 from flax_ringattn._src.block_sizes import BlockSizes
+from flax_ringattn._src.dense_masks import (
+  DenseStructure,
+  dense_mask_from_structure,
+  padded_segment_ids,
+  structure_from_dense_mask,
+)
 from flax_ringattn._src.implementations import available_implementations
 from flax_ringattn._src.layout import zigzag_inverse, zigzag_order, zigzag_positions
-from flax_ringattn._src.masks import dense_mask_from_structure, padded_segment_ids, structure_from_dense_mask
+from flax_ringattn._src.masks import Mask
 from flax_ringattn._src.nnx.convert import ConversionReport, convert
 from flax_ringattn._src.nnx.paged_mha import PagedMultiHeadAttention
 from flax_ringattn._src.nnx.ring_mha import RingMultiHeadAttention, make_ring_attention_fn
@@ -48,7 +55,9 @@ __all__ = [
   "CacheOverflowError",
   "Hardware",
   "ConversionReport",
+  "DenseStructure",
   "Layout",
+  "Mask",
   "PagedKVCache",
   "PagedMultiHeadAttention",
   "RingMultiHeadAttention",

@@ -32,6 +32,7 @@ def reference_attention(
   dropout_rng=None,
   broadcast_dropout: bool = True,
   sinks=None,
+  mask=None,
 ):
   """Dense attention with the features of `ring_attention`, on one device.
 
@@ -44,7 +45,7 @@ def reference_attention(
       positions the mask is evaluated on (default: 0..T-1 and 0..S-1); q
       alone serves self attention.  Pass `zigzag_positions(...)` to check a
       load-balanced ring directly.
-    chunk_size, bidirectional_ids: as in `ring_attention`.
+    chunk_size, bidirectional_ids, mask: as in `ring_attention` (`mask`: a `Mask`).
     dropout_rate, dropout_rng, broadcast_dropout: attention dropout with the
       same keep mask as `ring_attention` (a hash of the key and the global
       batch, head, q and kv positions), applied to the normalised
@@ -65,6 +66,7 @@ def reference_attention(
     B,
     T,
     S,
+    mask=mask,
     is_causal=is_causal,
     local_window_size=local_window_size,
     chunk_size=chunk_size,

@@ -133,12 +133,13 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
   `is_causal`, `segment_ids` ([B, T] or a (q_ids, kv_ids) pair), `positions`
   (the tokens' positions, [B, T], or a (q_positions, kv_positions) pair: the
   mask is evaluated on them, so the tokens may come in any order) and
-  `bidirectional_ids` (see `ring_attention`).  A dense
-  `mask` (any shape nnx.MultiHeadAttention takes: broadcastable to [B, N, T, T],
-  e.g. `nnx.make_attention_mask`'s [B, 1, T, T] or a [T, T] causal mask, bool
-  or any dtype with nonzero visible, as flax reads it) is turned into
-  is_causal + segment ids (see `padded_segment_ids`); masks outside that
-  family raise.  Attention dropout follows `nnx.MultiHeadAttention`
+  `bidirectional_ids` (see `ring_attention`).  `mask` is a `flax_ringattn.Mask`
+  (those terms as one object), or a dense mask (any shape
+  nnx.MultiHeadAttention takes: broadcastable to [B, N, T, T], e.g.
+  `nnx.make_attention_mask`'s [B, 1, T, T] or a [T, T] causal mask, bool or any
+  dtype with nonzero visible, as flax reads it), turned into is_causal +
+  segment ids (+ bidirectional spans; see `padded_segment_ids`); masks
+  outside that family raise.  Attention dropout follows `nnx.MultiHeadAttention`
   (`deterministic`, `model.train()` / `model.eval()`, `rngs`); its mask is a
   function of the key and the global (batch, head, q, kv) indices only.
   `sow_weights` and `decode` raise `NotImplementedError` with the alternatives.
@@ -338,7 +339,8 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       segment_ids=segment_ids,
       dropout_rng=dropout_rng,
       sinks=sinks,
-      **call_positions(positions, self.load_balance),
+      # Positions inside a `Mask` count as given: the order is then not taken on trust.
+      **call_positions(positions, self.load_balance and getattr(mask, "q_positions", None) is None),
       bidirectional_ids=bidirectional_ids,
     )
     if out_sharding is None and mesh is not None and sharding.has_explicit_axes(mesh, seq):

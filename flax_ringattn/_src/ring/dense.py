@@ -4,7 +4,7 @@ Models hand attention a dense boolean mask (flax's `make_attention_mask`, or the
 `[B, T, S]` key masks of hand-written decoders) or an additive 0 / -inf bias.
 Ring attention never passes an O(T * S) mask to a kernel: it recovers the
 structure the mask encodes, `[causal] & [window] & (q_ids[i] == kv_ids[j])`
-(`masks.structure_from_dense_mask`), verifies the recovery entry by entry, and
+(`dense_masks.structure_from_dense_mask`), verifies the recovery entry by entry, and
 runs on `is_causal` + `segment_ids` (+ the declared window).  Used by the NNX
 layers (`mask=`), `convert` and `dot_product_attention` below; no flax import.
 """
@@ -17,7 +17,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from flax_ringattn._src import masks, sharding, validation
+from flax_ringattn._src import dense_masks, masks, sharding, validation
 from flax_ringattn._src.ring.op import ring_attention
 from flax_ringattn._src.ring.options import RingOptions
 
@@ -73,7 +73,7 @@ def dense_mask_options(
   default), is reported on stderr by a host callback, and `exact` (a traced
   bool, else None) tells the caller to poison its output with NaN
   (`poison_unless`): raising inside a multi-device program would hang it.  See
-  `masks.structure_from_dense_mask`.  `also_exact` (a bool scalar) joins that
+  `dense_masks.structure_from_dense_mask`.  `also_exact` (a bool scalar) joins that
   verdict (e.g. "the bias was 0 / -inf").
   """
   if segment_ids is not None:
@@ -83,12 +83,12 @@ def dense_mask_options(
       f"a dense mask=... is recovered for self attention only (T == S), got T={T}, S={S}; for cross attention "
       "pass segment_ids=(q_ids, kv_ids) instead"
     )
-  mask = masks.dense_mask_4d(mask, B, N, T, S)
+  mask = dense_masks.dense_mask_4d(mask, B, N, T, S)
   if mask.dtype != jnp.bool_:
     mask = mask != 0
   if is_causal:
     mask = mask & jnp.tril(jnp.ones((T, S), bool))
-  causal, q_ids, kv_ids, exact, bid = masks.structure_from_dense_mask(
+  causal, q_ids, kv_ids, exact, bid = dense_masks.structure_from_dense_mask(
     mask, local_window_size=local_window_size, spans=spans
   )
   if also_exact is not None:
@@ -216,7 +216,8 @@ def dot_product_attention(
     q: [B, T, N, H]; k: [B, S, K, H]; v: [B, S, K, Hv] (N % K == 0; only the
       K kv heads travel; Hv may differ from H, as in MLA).  Global arrays with
       a mesh, local shards inside your shard_map.
-    mask: the model's boolean mask, True = visible: [T, S], [B, T, S] (the key
+    mask: a `flax_ringattn.Mask` (the mask's terms as one object, as in
+      `ring_attention`), or the model's boolean mask, True = visible: [T, S], [B, T, S] (the key
       masks of hand-written decoders, padding queries may see keys; unlike
       `jax.nn.dot_product_attention`'s [N, T, S], so a 3-D mask with B == N > 1
       is refused as ambiguous) or [B | 1, N | 1, T, S].  Its structure `[causal] & [window] & (q_ids[i] ==
@@ -246,6 +247,8 @@ def dot_product_attention(
   """
   if mask is not None and bias is not None:
     raise ValueError("pass either mask=... or bias=..., not both")
+  structure = mask if isinstance(mask, masks.Mask) else None
+  mask = None if structure is not None else mask
   validation.check_bool("is_causal", is_causal)
   also_exact = None
   if bias is not None:
@@ -269,7 +272,7 @@ def dot_product_attention(
     interpret=interpret,
     check_mask=check_mask,
   )
-  mask = None if mask is None else as_four_dims(mask, "mask", **_batch_and_heads(q))
+  mask = structure if mask is None else as_four_dims(mask, "mask", **_batch_and_heads(q))
   tokens = dict(q_positions=q_positions, kv_positions=kv_positions, bidirectional_ids=bidirectional_ids)
   return masked_ring_attention(
     q, k, v, options, mask=mask, also_exact=also_exact, segment_ids=segment_ids, sinks=sinks, **tokens
@@ -291,7 +294,8 @@ def masked_ring_attention(
   kv_positions=None,
   bidirectional_ids=None,
 ):
-  """`ring_attention` with `options`, and a dense 4-D boolean mask (or None) recovered into its structure (see
+  """`ring_attention` with `options`, and a `masks.Mask` (passed on as is), or a dense 4-D boolean mask (or None)
+  recovered into its structure (see
   `dense_mask_options`; the recovery must also satisfy `also_exact`), the output poisoned with NaN when a
   traced mask is outside the family.  The one path of the layers, `make_ring_attention_fn`, `convert`'s
   hand-written sites and `dot_product_attention`; `sinks`: the [N] attention-sink logits, or None; positions and
@@ -300,6 +304,9 @@ def masked_ring_attention(
   options = options.replace(axis_name=axis_name)
   causal, exact = options.is_causal, None
   tokens = dict(q_positions=q_positions, kv_positions=kv_positions, bidirectional_ids=bidirectional_ids)
+  structure = None
+  if isinstance(mask, masks.Mask):
+    structure, mask = mask, None
   if mask is not None:
     given = [name for name, x in (*tokens.items(), ("chunk_size", options.chunk_size)) if x is not None]
     if given:
@@ -326,6 +333,8 @@ def masked_ring_attention(
 
   def attend(is_causal):
     kwargs = options.replace(is_causal=is_causal).ring_kwargs()
-    return ring_attention(q, k, v, segment_ids=segment_ids, dropout_rng=dropout_rng, sinks=sinks, **tokens, **kwargs)
+    return ring_attention(
+      q, k, v, segment_ids=segment_ids, dropout_rng=dropout_rng, sinks=sinks, mask=structure, **tokens, **kwargs
+    )
 
   return poison_unless(exact, call_with_mask_structure(attend, causal))

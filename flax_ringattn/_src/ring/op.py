@@ -50,6 +50,7 @@ def ring_attention(
   kv_positions=None,
   chunk_size: int | None = None,
   bidirectional_ids=None,
+  mask=None,
 ):
   """Ring attention with the semantics of `jax.nn.dot_product_attention`.
 
@@ -128,6 +129,10 @@ def ring_attention(
       tokens with the same nonzero id see each other whatever causal, window
       and chunk say, still within their segment (Gemma 3's image spans;
       prefix-LM: id 1 on the prefix).
+    mask: every term above as one `flax_ringattn.Mask` (is_causal,
+      local_window_size, chunk_size, segment_ids, bidirectional_ids,
+      q_positions, kv_positions), instead of or with the keywords (a term
+      given both ways must agree).
 
   Returns:
     [B, T, N, Hv] in q.dtype, laid out like q.  Rows with no visible key are 0.
@@ -139,6 +144,7 @@ def ring_attention(
     B,
     T,
     S,
+    mask=mask,
     is_causal=is_causal,
     local_window_size=local_window_size,
     chunk_size=chunk_size,
