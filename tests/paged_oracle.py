@@ -12,6 +12,10 @@ ragged batch token by token in plain numpy:
   local_window_size=(left, right), jax.nn's meaning; an int w is (w, w); the
   right side never admits a key past the token itself, so only `left` matters;
   and with chunk_size C only keys with t // C == position // C);
+* with bidirectional_ids (one id per row of q), a row with a nonzero id also sees
+  every key of its sequence that is one of the call's new tokens (t >= kv_len -
+  q_len, so the row of the key is cu_q_lens[i] + t - (kv_len - q_len)) with the
+  same id, after it or outside its window and chunk included;
 * a key whose page id is out of range is invisible, as in the op's default mode.
 
 Gradients are the textbook softmax backward per row, with the soft cap's
@@ -62,19 +66,19 @@ def _window_left(local_window_size):
   return left
 
 
-def _visible_keys(table_row, kv_len, pos, num_pages, page_size, left, chunk=None):
+def _visible_keys(table_row, kv_len, pos, num_pages, page_size, left, chunk=None, same_span=lambda t: False):
   """(token t, page id, slot) of the keys row at `pos` may read (`left`: the window's left side, or None;
-  `chunk`: the attention chunk, or None)."""
+  `chunk`: the attention chunk, or None; `same_span(t)`: key t shares the row's nonzero bidirectional id)."""
   keys = []
   for t in range(kv_len):
     page = int(table_row[t // page_size])
-    if t > pos or not 0 <= page < num_pages:
+    if not 0 <= page < num_pages:
       continue
-    if left is not None and t < pos - left:
-      continue
-    if chunk is not None and t // chunk != pos // chunk:
-      continue
-    keys.append((t, page, t % page_size))
+    causal = t <= pos
+    causal = causal and (left is None or t >= pos - left)
+    causal = causal and (chunk is None or t // chunk == pos // chunk)
+    if causal or same_span(t):
+      keys.append((t, page, t % page_size))
   return keys
 
 
@@ -95,6 +99,7 @@ def paged_oracle(
   scale=None,
   sinks=None,
   chunk_size=None,
+  bidirectional_ids=None,
 ):
   """float64 (out [T, N, Hv], (dq, dk_pages, dv_pages)), with dsinks [N] appended to the gradients when `sinks`
   is given; gradients only when `do` is given (else None)."""
@@ -116,11 +121,19 @@ def paged_oracle(
   out = np.zeros((T, N, Hv))
   dq, dkd, dvd = np.zeros((T, N, H)), np.zeros((P, ps, K, H)), np.zeros((P, ps, K, Hv))
   dsinks = np.zeros(N)
+  bid = None if bidirectional_ids is None else np.asarray(bidirectional_ids)
   for i in range(n):
     q_len, kv_len = int(cu[i + 1] - cu[i]), int(kv_lens[i])
     for j in range(q_len):
       row, pos = int(cu[i]) + j, kv_len - q_len + j
-      keys = _visible_keys(table[i], kv_len, pos, P, ps, left, chunk_size)
+      first_new = kv_len - q_len
+
+      def same_span(t, row=row, i=i, first_new=first_new):
+        if bid is None or bid[row] == 0 or t < first_new:
+          return False
+        return bid[int(cu[i]) + t - first_new] == bid[row]
+
+      keys = _visible_keys(table[i], kv_len, pos, P, ps, left, chunk_size, same_span)
       if not keys:
         continue  # a row with no visible key: output 0, gradient 0
       pages = np.array([p for _, p, _ in keys])

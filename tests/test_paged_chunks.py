@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import make_mesh
 from flax import nnx
 from paged_cases import make_batch, paged_vjp, scenario
 from paged_oracle import paged_oracle
@@ -31,7 +32,11 @@ IMPLEMENTATIONS = {
 
 
 @pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("implementation", list(IMPLEMENTATIONS))
+@pytest.mark.parametrize(
+  "implementation",
+  # The Pallas runs are interpret mode: the marker gives them the harness's timeout (a protocol bug may hang).
+  [pytest.param(name, marks=(pytest.mark.interpret,) if name == "pallas_tpu" else ()) for name in IMPLEMENTATIONS],
+)
 def test_chunked_matches_the_oracle(implementation, mask):
   rng = np.random.default_rng([5, len(mask)])
   b = make_batch(rng, scenario("mixed", rng), page_size=8, pages_per_seq=3)
@@ -55,7 +60,7 @@ def test_chunked_matches_the_oracle(implementation, mask):
 
 def test_paged_layer_takes_chunk_size():
   """A prompt prefilled in two steps into the paged layer, then one decode, equals the ring layer with the same
-  chunk on the whole sequence (same parameters); the ring prefill refuses the chunk for now."""
+  chunk on the whole sequence (same parameters)."""
   C, D, T = 4, 16, 11
   paged = fr.PagedMultiHeadAttention(2, D, num_kv_heads=1, chunk_size=C, implementation="xla", rngs=nnx.Rngs(0))
   ring = fr.RingMultiHeadAttention(2, D, num_kv_heads=1, chunk_size=C, implementation="xla", rngs=nnx.Rngs(1))
@@ -69,8 +74,28 @@ def test_paged_layer_takes_chunk_size():
   parts.append(paged(x[10:], cu_q_lens=jnp.asarray([0, 1], jnp.int32), num_seqs=one))
   want = ring(x[None], is_causal=True)[0]
   assert_close(jnp.concatenate(parts), want, jnp.float32)
-  with pytest.raises(NotImplementedError, match=r"prefill \(the ring prefill\) does not implement chunk_size=4"):
-    paged.prefill(x, slot=0, num_tokens=T)
+
+
+def test_paged_layer_ring_prefill_takes_chunk_size():
+  """The ring prefill of a prompt over a cache spread on 2 devices (pass-KV: the ring with the chunk on the zigzag
+  layout), then two decode steps over the spread pages (never compacted to local positions: the chunk reads
+  global ones), equal the ring layer with the same chunk on the whole sequence."""
+  C, D, T, n = 4, 16, 13, 2
+  mesh = make_mesh((n,), ("sp",))
+  kw = dict(num_kv_heads=1, chunk_size=C, implementation="xla")
+  paged = fr.PagedMultiHeadAttention(2, D, **kw, mesh=mesh, seq_axis="sp", rngs=nnx.Rngs(0))
+  ring = fr.RingMultiHeadAttention(2, D, **kw, rngs=nnx.Rngs(1))
+  nnx.update(ring, jax.tree.map(np.asarray, nnx.state(paged, nnx.Param)))  # the ring on one device
+  x = jax.random.normal(jax.random.key(3), (T + 2, D))
+  want = ring(x[None], is_causal=True)[0]
+  paged.init_cache(num_pages=16, page_size=4, max_num_seqs=1, pages_per_seq=8)
+  Tp = paged.kv_cache.get_value().ring_prefill_len(T)
+  xp = fr.zigzag_order(jnp.concatenate([x[:T], jnp.zeros((Tp - T, D))]), n, axis=0)
+  prefill = nnx.jit(lambda m, x: m.prefill(x, slot=0, num_tokens=T))
+  step = nnx.jit(lambda m, x: m(x, cu_q_lens=jnp.asarray([0, 1], jnp.int32), num_seqs=jnp.asarray([1], jnp.int32)))
+  parts = [jnp.asarray(fr.zigzag_inverse(np.asarray(prefill(paged, xp)), n, axis=0))[:T]]
+  parts += [step(paged, x[t : t + 1]) for t in (T, T + 1)]
+  assert_close(jnp.concatenate(parts), want, jnp.float32)
 
 
 def test_chunk_size_is_checked():

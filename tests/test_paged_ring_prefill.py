@@ -134,7 +134,7 @@ def run(s: Setup, *, jit=True, **kw):
   return f(*args, kv_lens, table, SLOT, s.q.shape[0])
 
 
-_STATIC = ("local_window_size", "logits_soft_cap", "scale", "sliding_window")
+_STATIC = ("local_window_size", "logits_soft_cap", "scale", "sliding_window", "chunk_size")
 _reference = jax.jit(fr.paged_reference_attention, static_argnames=_STATIC)  # one program, not one per op
 
 
@@ -182,6 +182,7 @@ def test_matches_one_device(n, prefix):
 FEATURES = {
   "mqa": (dict(K=1), {}),
   "window": ({}, dict(local_window_size=(5, 0))),
+  "chunk": ({}, dict(chunk_size=5)),  # chunks of 5 positions cut across the zigzag chunks of 8
   "soft_cap": ({}, dict(logits_soft_cap=2.0)),
   "sinks": ({}, dict(sinks=jnp.array([0.5, -1.0, 2.0, 0.0]))),
   "mla": (dict(Hv=4), {}),
@@ -192,7 +193,8 @@ FEATURES = {
 # ships at its own width (window, sinks, MLA's v) run under both; the rest under one (the other schedule reads
 # the same pages and runs the same per-tile math).
 FEATURE_RUNS = [(f, p) for f in ("window", "sinks", "mla") for p in (0, 8)]
-FEATURE_RUNS += [("mqa", 8), ("soft_cap", 8), ("int8", 0), ("bf16", 8)]
+# chunk: pass-Q here (its tables keep global columns); pass-KV in test_paged_chunks.py through the layer.
+FEATURE_RUNS += [("chunk", 8), ("mqa", 8), ("soft_cap", 8), ("int8", 0), ("bf16", 8)]
 
 
 @pytest.mark.parametrize("name,prefix", FEATURE_RUNS, ids=[f"{p}-{f}" for f, p in FEATURE_RUNS])

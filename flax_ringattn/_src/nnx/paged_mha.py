@@ -38,8 +38,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
   long sequence, the partials merged exactly; combines with `head_axis`; see
   `paged_attention`), `local_window_size` (jax.nn's meaning, as
   for `RingMultiHeadAttention`; the deprecated `sliding_window=w` is converted to
-  `(w - 1, 0)`), `chunk_size` (as for `paged_attention`; not with the ring
-  `prefill`), `logits_soft_cap`, `implementation`, `block_sizes` and
+  `(w - 1, 0)`), `chunk_size` (as for `paged_attention`), `logits_soft_cap`, `implementation`, `block_sizes` and
   `interpret` (as for `paged_attention`), `checked`, and `use_sinks` / `v_head_dim` (a learnable `sinks` parameter
   [N], and a value head dim Hv other than the q/k one for MLA: the same parameters as `RingMultiHeadAttention`
   with these options, whose weights load with `nnx.update`; the cache then keeps v pages of Hv).  `decode` may be
@@ -297,11 +296,6 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     the same layout; the prompt's K/V are in the cache and decoding continues with `__call__`.  A prompt that
     does not fit is refused as in `__call__` (`overflowed`).
     """
-    if self.chunk_size is not None:
-      raise NotImplementedError(
-        f"{type(self).__name__}.prefill (the ring prefill) does not implement chunk_size={self.chunk_size} yet; "
-        "prefill the prompt with __call__ (chunked prefill) instead"
-      )
     if self.seq_axis is None:
       raise ValueError(
         f"{type(self).__name__}.prefill is the ring prefill over a sequence axis: construct the layer with mesh=... "
@@ -347,6 +341,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     *,
     cu_q_lens,
     num_seqs,
+    bidirectional_ids=None,
     mask=None,
     deterministic: bool | None = None,
     rngs=None,
@@ -354,6 +349,11 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     decode: bool | None = None,
   ):
     """One serving step: `inputs` [T, features], the new tokens of every slot back to back (see the class).
+
+    `bidirectional_ids` [T] int (one per row of `inputs`; 0: none): a prompt's tokens with the same nonzero id
+    see each other in both directions (Gemma 3's image tokens, a prefix-LM prefix), as in `paged_attention`; a
+    span must lie whole in one step (its keys are written in it).  Such a step appends its K/V, then attends
+    (no fused cache write).
 
     `deterministic` and `rngs` are accepted for `nnx.MultiHeadAttention` call compatibility and unused (no
     dropout); `mask`, `sow_weights` and decode=False raise.
@@ -367,6 +367,8 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       raise ValueError("PagedMultiHeadAttention always decodes from its paged cache: decode=False is not supported")
     query, key, value = self._project(inputs, "max_num_batched_tokens")
     options = self._options()
+    if bidirectional_ids is not None:
+      options["bidirectional_ids"] = bidirectional_ids
     sinks = None if self.sinks is None else self.sinks[...]
     split = self.mesh is not None and (self.head_axis is not None or self.seq_axis is not None)
     # The layer's cache is assigned only once the step has succeeded: a step that raises (bad metadata, a full

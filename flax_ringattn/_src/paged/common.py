@@ -70,6 +70,23 @@ def check_ragged_shapes(cu_q_lens, num_seqs, S: int, *, where: str = ""):
     raise ValueError(f"{prefix}num_seqs must have shape (1,), got {tuple(num_seqs.shape)}")
 
 
+def check_bidirectional_ids(bidirectional_ids, T: int):
+  """None, or [T] integer ids, one per row of q [T, N, H] -> int32 (0: no span)."""
+  if bidirectional_ids is None:
+    return None
+  x = bidirectional_ids
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"bidirectional_ids must be an int32 array [T] (one id per row of q), got {type(x).__name__}")
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"bidirectional_ids must be an integer array, got bidirectional_ids.dtype={x.dtype}")
+  if tuple(x.shape) != (T,):
+    raise ValueError(
+      f"bidirectional_ids must be [T]=({T},), one id per row of q [T, N, H] (the ragged batch's rows), got "
+      f"bidirectional_ids.shape={tuple(x.shape)}"
+    )
+  return jnp.asarray(x, jnp.int32)
+
+
 def normalize_scales(k_scale, v_scale):
   """Python floats (as JAX's ragged paged attention takes them) become float32 arrays of shape ().
 

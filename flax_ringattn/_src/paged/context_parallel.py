@@ -43,14 +43,15 @@ def owned_page_ids(page_indices, axis_name, local_pages: int):
 
 
 def local_operands(operands, axis_name, compact: bool = False):
-  """The paged operands (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale) with
+  """The paged operands (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, and
+  the optional bidirectional ids) with
   the page table in this device's ids (the pages and per-page scales are already its shards); with `compact`
   (no window), decode rows' sequences compacted to this device's pages (`compact_decode_rows`)."""
-  q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale = operands
+  q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *rest = operands
   table = owned_page_ids(page_indices, axis_name, k_pages.shape[0])
   if compact:
     kv_lens, table = compact_decode_rows(kv_lens, table, cu_q_lens, num_seqs, k_pages.shape[1])
-  return q, k_pages, v_pages, kv_lens, table, cu_q_lens, num_seqs, k_scale, v_scale
+  return q, k_pages, v_pages, kv_lens, table, cu_q_lens, num_seqs, *rest
 
 
 def compact_decode_rows(kv_lens, table, cu_q_lens, num_seqs, page_size: int):

@@ -40,8 +40,8 @@ class PagedXla:
   def fwd(self, *args, spec):
     return xla_paged.paged_fwd(*args, spec=spec)
 
-  def bwd(self, *args, spec):
-    return xla_paged.paged_bwd(*args, spec=spec)
+  def bwd(self, *args, spec, bidirectional_ids=None):
+    return xla_paged.paged_bwd(*args, spec=spec, bidirectional_ids=bidirectional_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +69,20 @@ class PagedPallasTpu:
     )
 
   def blocks(
-    self, *, q, k_pages, block_sizes, k_scale, v_scale, pages_per_seq, logits_soft_cap, v_pages=None
+    self,
+    *,
+    q,
+    k_pages,
+    block_sizes,
+    k_scale,
+    v_scale,
+    pages_per_seq,
+    logits_soft_cap,
+    v_pages=None,
+    bidirectional=False,
   ) -> BlockSizes:
     """The call's blocks, or the planner's for its shapes (v_pages: its head dim Hv may differ from H, as in
-    MLA; None: like k_pages)."""
+    MLA; None: like k_pages; `bidirectional`: the call has span ids, whose buffers the planner counts)."""
     if block_sizes is not None:
       return block_sizes
     T, N, H = q.shape
@@ -80,7 +90,8 @@ class PagedPallasTpu:
     Hv = H if v_pages is None else v_pages.shape[3]
     rows = tuple(0 if x is None else (1 if x.ndim < 3 else ps) for x in (k_scale, v_scale))
     try:
-      return _planned(T, ps, pages_per_seq, N, K, H, Hv, q.dtype, k_pages.dtype, rows, logits_soft_cap is not None)
+      cap = logits_soft_cap is not None
+      return _planned(T, ps, pages_per_seq, N, K, H, Hv, q.dtype, k_pages.dtype, rows, cap, bidirectional)
     except ValueError as e:
       raise NotImplementedError(str(e)) from None
 
@@ -90,16 +101,27 @@ class PagedPallasTpu:
   def fwd_write(self, *args, spec):
     return pallas_paged.paged_fwd_write(*args, spec=spec, interpret=self.interpret)
 
-  def bwd(self, *args, spec):
-    return pallas_paged.paged_bwd(*args, spec=spec, interpret=self.interpret)
+  def bwd(self, *args, spec, bidirectional_ids=None):
+    return pallas_paged.paged_bwd(*args, spec=spec, interpret=self.interpret, bidirectional_ids=bidirectional_ids)
 
 
 @functools.lru_cache(maxsize=256)
-def _planned(T, ps, pages_per_seq, N, K, H, Hv, q_dtype, page_dtype, scale_rows, soft_cap) -> BlockSizes:
+def _planned(T, ps, pages_per_seq, N, K, H, Hv, q_dtype, page_dtype, scale_rows, soft_cap, spans) -> BlockSizes:
   """`plan_paged_block_sizes`, once per shape: a call consults it to check support and again for its blocks, and
   a serving step asks twice (does the fused write run, then the write itself)."""
   return planners.plan_paged_block_sizes(
-    T, ps, pages_per_seq, N, K, H, q_dtype, page_dtype, scale_rows=scale_rows, soft_cap=soft_cap, v_head_dim=Hv
+    T,
+    ps,
+    pages_per_seq,
+    N,
+    K,
+    H,
+    q_dtype,
+    page_dtype,
+    scale_rows=scale_rows,
+    soft_cap=soft_cap,
+    v_head_dim=Hv,
+    bidirectional=spans,
   )
 
 

@@ -42,6 +42,7 @@ def paged_attention(
   sliding_window: int | None = None,
   sinks=None,
   chunk_size: int | None = None,
+  bidirectional_ids=None,
   mesh=None,
   seq_axis=None,
   axis_name=None,
@@ -96,6 +97,13 @@ def paged_attention(
     chunk_size: C: a row sees only the keys in its own chunk of C positions,
       q_pos // C == kv_pos // C (Llama 4's chunked attention), with causal
       and the window as usual.
+    bidirectional_ids: [T] int, one id per row of q (Gemma 3's image tokens,
+      a prefix-LM prefix): this call's new tokens of one sequence with the
+      same nonzero id see each other in both directions, later rows of the
+      call included, whatever causal, window and chunk say; 0: no span.  The
+      keys cached by earlier calls carry id 0, so a span must lie whole in
+      one call (its rows' K/V are written in it): a query cannot see a token
+      that is not in the cache yet.  Rows of different sequences never meet.
     sinks: optional [N] float attention-sink logits, one per q head
       (differentiable), as in `ring_attention`: exp(sinks[h]) joins the
       softmax denominator of every row of head h and carries no value.
@@ -132,6 +140,7 @@ def paged_attention(
     local_window_size=local_window_size,
     sliding_window=sliding_window,
     chunk_size=chunk_size,
+    bidirectional_ids=bidirectional_ids,
     logits_soft_cap=logits_soft_cap,
     scale=scale,
     implementation=implementation,
@@ -147,7 +156,7 @@ def paged_attention(
   check_metadata(*call.metadata, q.shape[0], num_pages, k_pages.shape[1], checked=checked)
   if _is_empty(q):
     return _empty_out(q, v_pages)
-  args = (q, k_pages, v_pages, *call.metadata, call.k_scale, call.v_scale)
+  args = (q, k_pages, v_pages, *call.metadata, call.k_scale, call.v_scale, call.bidirectional_ids)
   if axis_name is not None:
     return flash.flash(PagedKernel(spec=call.spec, backend=call.backend, axis_name=axis_name), sinks, *args)
   if seq_axis is not None or head_axis is not None:
@@ -241,7 +250,7 @@ def _on_mesh(kernel, mesh, seq_axis, head_axis, sinks, args):
   """`kernel` as a shard_map over `mesh`: the pages and per-page scales split on their page dimension over
   `seq_axis` (context parallelism) and on their kv heads over `head_axis`, q, the output and the sinks on their
   heads; the metadata replicated (neither axis: everything replicated)."""
-  k_scale, v_scale = args[-2:]
+  k_scale, v_scale, ids = args[-3:]
   h, rep = head_axis, PartitionSpec()
   pages = PartitionSpec(seq_axis, None, h, None)
   specs = (
@@ -255,6 +264,7 @@ def _on_mesh(kernel, mesh, seq_axis, head_axis, sinks, args):
     rep,
     _scale_spec(k_scale, seq_axis, h),
     _scale_spec(v_scale, seq_axis, h),
+    None if ids is None else rep,
   )
   fn = lambda sinks, *a: flash.flash(kernel, sinks, *a)  # noqa: E731
   return _shard_mapped(fn, mesh, (sinks, *args), specs, PartitionSpec(None, h, None))[0]
@@ -267,6 +277,7 @@ class _Call:
   k_scale: object
   v_scale: object
   metadata: tuple  # (kv_lens, page_indices, cu_q_lens, num_seqs) as int32 arrays
+  bidirectional_ids: object = None  # [T] int32, or None
 
 
 def _prepare(
@@ -283,6 +294,7 @@ def _prepare(
   local_window_size,
   sliding_window,
   chunk_size=None,
+  bidirectional_ids=None,
   logits_soft_cap,
   scale,
   implementation,
@@ -296,6 +308,7 @@ def _prepare(
   )
   window = common.paged_window(local_window_size, sliding_window)
   cap = validation.check_soft_cap(logits_soft_cap)
+  ids = common.check_bidirectional_ids(bidirectional_ids, T)
   common.check_block_sizes(block_sizes)
   if block_sizes is not None and block_sizes.block_kv % ps and ps % block_sizes.block_kv:
     raise ValueError(f"block_sizes.block_kv={block_sizes.block_kv} must be a multiple of page_size={ps}")
@@ -305,17 +318,23 @@ def _prepare(
   shape = dict(
     q=probe, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale, pages_per_seq=pps, logits_soft_cap=cap
   )
+  shape |= {"bidirectional": True} if ids is not None else {}
   backend = PAGED.select(implementation, interpret=interpret, block_sizes=block_sizes, **shape).backend
   blocks = backend.blocks(block_sizes=block_sizes, **shape)
   pages_per_block = max(1, min(blocks.block_kv // ps, pps))
   spec = AttentionSpec(
-    mask=masks.MaskSpec(is_causal=True, window=window, chunk_size=validation.check_chunk_size(chunk_size)),
+    mask=masks.MaskSpec(
+      is_causal=True,
+      window=window,
+      chunk_size=validation.check_chunk_size(chunk_size),
+      has_bidirectional=ids is not None,
+    ),
     scale=validation.check_scale(scale, H),
     logits_soft_cap=cap,
     block_sizes=BlockSizes(block_q=min(blocks.block_q, max(T, 1)), block_kv=pages_per_block * ps),
   )
   metadata = tuple(jnp.asarray(x, jnp.int32) for x in (kv_lens, page_indices, cu_q_lens, num_seqs))
-  return _Call(spec, backend, _as_array(k_scale), _as_array(v_scale), metadata)
+  return _Call(spec, backend, _as_array(k_scale), _as_array(v_scale), metadata, ids)
 
 
 def _as_array(x):
@@ -337,13 +356,15 @@ def uses_fused_cache_write(
   local_window_size=None,
   sliding_window=None,
   chunk_size=None,
+  bidirectional_ids=None,
   logits_soft_cap=None,
   scale=None,
   implementation=None,
   block_sizes=None,
   interpret=None,
 ):
-  """Whether `paged_attention_with_cache_write` runs for these arguments (pallas_tpu, per-token scales)."""
+  """Whether `paged_attention_with_cache_write` runs for these arguments (pallas_tpu, per-token scales, no
+  bidirectional ids)."""
   call = _prepare(
     q,
     k_pages,
@@ -357,6 +378,7 @@ def uses_fused_cache_write(
     local_window_size=local_window_size,
     sliding_window=sliding_window,
     chunk_size=chunk_size,
+    bidirectional_ids=bidirectional_ids,
     logits_soft_cap=logits_soft_cap,
     scale=scale,
     implementation=implementation,
@@ -367,9 +389,12 @@ def uses_fused_cache_write(
 
 
 def _fused_write_runs(call: _Call) -> bool:
-  """The fused write needs an implementation that has one and per-token ([P, page_size, K]) scales, or none."""
+  """The fused write needs an implementation that has one and per-token ([P, page_size, K]) scales, or none; and
+  no bidirectional ids: the kernel writes q block by q block in grid order, so a span reaching past its block
+  would read keys not written yet."""
   per_token = all(x is None or x.ndim == 3 for x in (call.k_scale, call.v_scale))
-  return getattr(call.backend, "fused_cache_write", False) and per_token
+  spans = call.spec.mask.has_bidirectional
+  return getattr(call.backend, "fused_cache_write", False) and per_token and not spans
 
 
 def paged_attention_with_cache_write(
@@ -390,6 +415,7 @@ def paged_attention_with_cache_write(
   local_window_size=None,
   sliding_window=None,
   chunk_size=None,
+  bidirectional_ids=None,
   logits_soft_cap=None,
   scale=None,
   implementation=None,
@@ -406,7 +432,9 @@ def paged_attention_with_cache_write(
   scaled cache; k_pages .. v_scale: the cache after `PagedKVCache.reserve_append` (pages reserved,
   copy-on-write done, kv_lens grown).  Returns (out [T, N, Hv], k_pages, v_pages, k_scale, v_scale), the pages
   with the new tokens written in the same launch (buffers aliased: donate them to update in place).  Serving
-  only: not differentiable.  `checked`, `sinks`, `mesh` and `seq_axis` as for `paged_attention` (the sinks
+  only: not differentiable.  With `bidirectional_ids` (as for `paged_attention`) it returns None: a span may
+  reach into a later q block, whose rows the kernel has not written yet when it reads them.
+  `checked`, `sinks`, `mesh` and `seq_axis` as for `paged_attention` (the sinks
   rescale the finished rows, as `flash` does; with the pages spread over `seq_axis`, each device writes the new
   rows of the pages it owns and attends over them, and the partials merge exactly).
   """
@@ -423,6 +451,7 @@ def paged_attention_with_cache_write(
     local_window_size=local_window_size,
     sliding_window=sliding_window,
     chunk_size=chunk_size,
+    bidirectional_ids=bidirectional_ids,
     logits_soft_cap=logits_soft_cap,
     scale=scale,
     implementation=implementation,
@@ -464,7 +493,7 @@ def paged_attention_with_cache_write(
 @dataclasses.dataclass(frozen=True)
 class PagedKernel:
   """Paged attention as a `flash.FlashKernel`: operands (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
-  num_seqs, k_scale, v_scale); o [T, N, Hv], lse [T, N].  With `axis_name` (bound: inside `jax.shard_map`) the
+  num_seqs, k_scale, v_scale, bidirectional_ids); o [T, N, Hv], lse [T, N].  With `axis_name` (bound: inside `jax.shard_map`) the
   pages are this device's shard of a cache spread over that axis, and the partials are merged across it
   (`context_parallel.py`)."""
 
@@ -485,12 +514,15 @@ class PagedKernel:
     return cp.merge_partials(o, lse, self.axis_name)
 
   def _local(self, operands):
-    return cp.local_operands(operands, self.axis_name, compact=self.spec.mask.window is None)
+    # Compacted decode rows sit at local positions: only exact when every earlier token is visible anyway.
+    compact = self.spec.mask.window is None and self.spec.mask.chunk_size is None
+    return cp.local_operands(operands, self.axis_name, compact=compact)
 
   def backward(self, operands, lse, do, delta):
-    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale = operands
+    q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, _ = operands
     local = operands if self.axis_name is None else self._local(operands)
-    dq, dk, dv = self.backend.bwd(*local, lse, do, delta, spec=self.spec)
+    *local, ids = local
+    dq, dk, dv = self.backend.bwd(*local, lse, do, delta, spec=self.spec, bidirectional_ids=ids)
     # Each device's dq covers its own pages' keys: the whole dq is their sum (q is replicated over the axis).
     dq = vma.sum_to(dq, q)
     return (
@@ -503,6 +535,7 @@ class PagedKernel:
       None,
       _zero_cotangent(k_scale),
       _zero_cotangent(v_scale),
+      None,
     )
 
 

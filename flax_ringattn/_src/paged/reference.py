@@ -30,6 +30,7 @@ def paged_reference_attention(
   sliding_window=None,
   sinks=None,
   chunk_size=None,
+  bidirectional_ids=None,
 ):
   """Same arguments and result as `paged_attention`; rows past the batch are 0."""
   k_scale, v_scale = common.normalize_scales(k_scale, v_scale)
@@ -40,6 +41,7 @@ def paged_reference_attention(
   cap = validation.check_soft_cap(logits_soft_cap)
   window = common.paged_window(local_window_size, sliding_window)
   chunk_size = validation.check_chunk_size(chunk_size)
+  span_ids = common.check_bidirectional_ids(bidirectional_ids, T)
   G, L, Hv = N // K, pps * ps, v_pages.shape[3]
   sinks = validation.check_sinks(sinks, N)
 
@@ -69,6 +71,14 @@ def paged_reference_attention(
     mask = mask & (kv_pos[None] >= pos[:, None] - window[0])
   if chunk_size is not None:
     mask = mask & (pos[:, None] // chunk_size == kv_pos[None] // chunk_size)
+  if span_ids is not None and T:
+    # A key that is one of its sequence's new tokens carries that row's id; a cached one (earlier calls) 0.
+    cu = metadata.effective_cu(cu_q_lens, num_seqs)
+    new_lo = kv_lens - lens  # [S] position of each sequence's first new token
+    row = jnp.clip(cu[:-1, None] + kv_pos[None] - new_lo[:, None], 0, max(T - 1, 0))
+    kv_ids = jnp.where((kv_pos[None] >= new_lo[:, None]) & (kv_pos[None] < kv_lens[:, None]), span_ids[row], 0)
+    span = (span_ids[:, None] != 0) & (span_ids[:, None] == kv_ids[seq])
+    mask = mask | (span & kv_ok[seq] & valid[:, None])
   s = jnp.where(mask[:, None, None], s, -jnp.inf)
   m = jax.lax.stop_gradient(s.max(-1, keepdims=True))
   if sinks is not None:

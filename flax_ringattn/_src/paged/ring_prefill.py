@@ -27,7 +27,7 @@ e's own pages, the prompt's chunks e and 2n - 1 - e):
 
 "auto" picks at run time (`lax.cond` on the slot's start, a replicated value, so every device takes the same
 branch).  Compaction relies on every earlier token being visible to a prompt row, which a causal mask without a
-window gives; with `local_window_size` the tables keep global columns (pages not on e masked), exact but with
+window or chunk gives; with `local_window_size` or `chunk_size` the tables keep global columns (pages not on e masked), exact but with
 compute over the whole context on every device.  Each device holds Tp / n rows of q, k, v and the output, so
 activations are O(T / n) and the model's MLP runs on its shard.  A pass-Q hop moves q [Tp / n, N, H] and the
 accumulator [Tp / n, N, Hv + 1] in f32: independent of the cached context, so a prompt extending a long context
@@ -70,6 +70,7 @@ def paged_ring_prefill(
   k_scale=None,
   v_scale=None,
   local_window_size=None,
+  chunk_size: int | None = None,
   logits_soft_cap: float | None = None,
   scale: float | None = None,
   sinks=None,
@@ -94,8 +95,8 @@ def paged_ring_prefill(
       `PagedKVCache.reserve_prefill(slot, num_tokens, padded_len=Tp)` (its `attention_view()` lengths and
       table), pages spread over `seq_axis`; scales per token ([P, page_size, K]) as the cache keeps them.
     slot, num_tokens: the slot and the prompt's real tokens (<= Tp; the rest of the Tp rows is padding).
-    local_window_size, logits_soft_cap, scale, sinks, implementation, block_sizes, interpret, checked: as for
-      `paged_attention` (block_sizes for the paged kernel; the ring of pass-KV plans its own tiles).
+    local_window_size, chunk_size, logits_soft_cap, scale, sinks, implementation, block_sizes, interpret,
+      checked: as for `paged_attention` (block_sizes for the paged kernel; the ring of pass-KV plans its own tiles).
     schedule: "auto" (default): pass-KV for a fresh slot (nothing cached before the prompt: the K/V shards
       travel the ring of `ring_attention`, fewer bytes than q and its accumulator for GQA), pass-Q otherwise
       (q travels, each device attends its own pages, cached prefix included); "pass_q": always pass-Q.
@@ -137,6 +138,7 @@ def paged_ring_prefill(
     v_scale,
     local_window_size=local_window_size,
     sliding_window=None,
+    chunk_size=chunk_size,
     logits_soft_cap=logits_soft_cap,
     scale=scale,
     implementation=implementation,
@@ -164,12 +166,14 @@ def paged_ring_prefill(
   if q.shape[0] == 0:  # an empty prompt: empty out, the pages as they are
     return paged_op._empty_out(q, v_pages), k_pages, v_pages, call.k_scale, call.v_scale
   kernel = paged_op.PagedKernel(spec=call.spec, backend=call.backend)
-  compact = call.spec.mask.window is None
+  # Compacted tables put a row at a local position: exact only when every earlier token is visible anyway.
+  compact = call.spec.mask.window is None and call.spec.mask.chunk_size is None
   ring = functools.partial(
     ring_attention,
     is_causal=True,
     load_balance=True,
     local_window_size=local_window_size,
+    chunk_size=chunk_size,
     logits_soft_cap=logits_soft_cap,
     scale=call.spec.scale,
     implementation=implementation,

@@ -8,6 +8,11 @@ of the sequence there).  Each step gathers one block of
 pages of every kv head (page-major layout: one contiguous copy per page), so
 the q heads of a GQA group share the K/V reads and nothing is repeated.
 
+Bidirectional spans (`bidirectional_ids` [T], one id per row of q): a key that is one of its sequence's new
+tokens in this call carries that row's id, any other key (cached by an earlier call) id 0.  A chunk with a nonzero
+id also walks the blocks of its sequence's new tokens after its own rows (and before its window or chunk): equal
+ids see each other there whatever causal, window and chunk say (`masks.pair_visible`).
+
 Isolation: a step reads only the pages listed in the sequence's row of
 page_indices; slots past kv_lens or with an out-of-range page id are zeroed
 before use and masked, so NaN/garbage in pages not owned by the sequence can
@@ -35,10 +40,42 @@ def _chunk_rows(ch, c, lens, kv_lens, block_q):
   return seq, first + r, r < n, first, first + jnp.maximum(n, 1) - 1
 
 
-def _kv_block_range(first_pos, last_pos, spec, block_tokens, max_blocks):
+def _kv_block_range(first_pos, last_pos, spec, block_tokens, max_blocks, span=None):
+  """[lo, hi): the kv blocks a chunk of rows at positions first_pos .. last_pos can see; `span`: (whether a row
+  of the chunk has a nonzero bidirectional id, the sequence's new tokens' positions [new_lo, new_hi)), which it
+  may then see too, after its own rows or before its window or chunk."""
   hi = jnp.clip(last_pos // block_tokens + 1, 0, max_blocks)
   lo = masks.first_visible_position(spec.mask, first_pos) // block_tokens
+  if span is not None:
+    has, new_lo, new_hi = span
+    lo = jnp.where(has, jnp.minimum(lo, jnp.maximum(new_lo, 0) // block_tokens), lo)
+    hi = jnp.where(has, jnp.maximum(hi, jnp.clip((new_hi - 1) // block_tokens + 1, 0, max_blocks)), hi)
   return jnp.minimum(lo, hi), hi
+
+
+class _Spans:
+  """The bidirectional ids of one call as the chunks read them: the q rows' own, and a key's (its new token's
+  row's id when it is one of the call's new tokens of its sequence, else 0)."""
+
+  def __init__(self, ids, cu_q_lens, num_seqs, lens, kv_lens, pad: int):
+    self.ids = jnp.pad(jnp.asarray(ids, jnp.int32), (0, pad))  # as q: a chunk's rows never run off the end
+    self.cu, self.lens, self.kv_lens, self.T = metadata.effective_cu(cu_q_lens, num_seqs), lens, kv_lens, ids.shape[0]
+
+  def rows(self, start, bq: int):
+    return jax.lax.dynamic_slice_in_dim(self.ids, start, bq)
+
+  def new_range(self, seq):
+    """[new_lo, new_hi): the positions of sequence seq's new tokens."""
+    return self.kv_lens[seq] - self.lens[seq], self.kv_lens[seq]
+
+  def keys(self, seq, kv_pos):
+    new_lo, new_hi = self.new_range(seq)
+    row = jnp.clip(self.cu[seq] + kv_pos - new_lo, 0, self.T - 1)
+    return jnp.where((kv_pos >= new_lo) & (kv_pos < new_hi), self.ids[row], 0)
+
+  def block_range(self, seq, q_ids, row_ok, first, last, spec, block_tokens, max_blocks):
+    span = (jnp.any((q_ids != 0) & row_ok), *self.new_range(seq))
+    return _kv_block_range(first, last, spec, block_tokens, max_blocks, span)
 
 
 def _next_blocks(row_ids, pb: int, num_pages: int):
@@ -71,15 +108,33 @@ def _load_block(k_pages, v_pages, k_scale, v_scale, row_ids, kb, spec, page_size
   return gather(k_pages, k_scale), gather(v_pages, v_scale), valid, kv_pos, ids, ok
 
 
-def _scores(q_c, k_blk, spec, pos, row_ok, kv_pos, kv_ok):
-  """[K, G, bq, L] scaled, capped, masked scores (and tanh for the cap's gradient)."""
+def _scores(q_c, k_blk, spec, pos, row_ok, kv_pos, kv_ok, q_ids=None, kv_ids=None):
+  """[K, G, bq, L] scaled, capped, masked scores (and tanh for the cap's gradient); q_ids [bq] / kv_ids [L]: the
+  bidirectional ids of the rows and keys, or None."""
   s = jnp.einsum("qkgh,lkh->kgql", q_c, k_blk, preferred_element_type=F32) * spec.scale
   t = None
   if spec.logits_soft_cap is not None:
     t = jnp.tanh(s / spec.logits_soft_cap)
     s = spec.logits_soft_cap * t
-  mask = kv_ok[None] & row_ok[:, None] & masks.pair_visible(spec.mask, pos[:, None], kv_pos[None])
+  ids = (None, None) if q_ids is None else (q_ids[:, None], kv_ids[None])
+  mask = kv_ok[None] & row_ok[:, None] & masks.pair_visible(spec.mask, pos[:, None], kv_pos[None], None, None, *ids)
   return jnp.where(mask, s, -jnp.inf), t
+
+
+def _spans(ids, cu_q_lens, num_seqs, lens, kv_lens, pad: int):
+  return None if ids is None else _Spans(ids, cu_q_lens, num_seqs, lens, kv_lens, pad)
+
+
+def _chunk_range(spans, ch, c, bq, seq, row_ok, first, last, spec, block_tokens, max_blocks):
+  """(the chunk's rows' bidirectional ids or None, its kv block range [lo, hi))."""
+  if spans is None:
+    return None, _kv_block_range(first, last, spec, block_tokens, max_blocks)
+  q_ids = spans.rows(ch.q_start[c], bq)
+  return q_ids, spans.block_range(seq, q_ids, row_ok, first, last, spec, block_tokens, max_blocks)
+
+
+def _key_ids(spans, seq, kv_pos):
+  return None if spans is None else spans.keys(seq, kv_pos)
 
 
 def _passes(spec, lens):
@@ -105,7 +160,9 @@ def _padded_page_table(page_indices, pb):
   return page_indices
 
 
-def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, *, spec):
+def paged_fwd(
+  q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, bidirectional_ids=None, *, spec
+):
   """Returns (out [T, N, Hv] in q.dtype, lse [T, N] float32; -inf for rows not in the batch)."""
   T, N, H = q.shape
   P, ps, K, _ = k_pages.shape
@@ -117,12 +174,13 @@ def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
   lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
   # block_q rows of padding so a chunk's window never runs off the end of q.
   q_pad = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(T + pad, K, G, H)
+  spans = _spans(bidirectional_ids, cu_q_lens, num_seqs, lens, kv_lens, pad)
 
   def chunk(c, carry, ch, bq):
     out, lse = carry
     seq, pos, row_ok, first, last = _chunk_rows(ch, c, lens, kv_lens, bq)
     q_c = jax.lax.dynamic_slice_in_dim(q_pad, ch.q_start[c], bq)
-    lo, hi = _kv_block_range(first, last, spec, block_tokens, max_blocks)
+    q_ids, (lo, hi) = _chunk_range(spans, ch, c, bq, seq, row_ok, first, last, spec, block_tokens, max_blocks)
     nxt = _next_blocks(table[seq], pb, P)
 
     def kv_step(state):
@@ -130,7 +188,7 @@ def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
       k_blk, v_blk, kv_ok, kv_pos, _, _ = _load_block(
         k_pages, v_pages, k_scale, v_scale, table[seq], kb, spec, ps, kv_lens[seq], P
       )
-      s, _ = _scores(q_c, k_blk, spec, pos, row_ok, kv_pos, kv_ok)
+      s, _ = _scores(q_c, k_blk, spec, pos, row_ok, kv_pos, kv_ok, q_ids, _key_ids(spans, seq, kv_pos))
       m_new = jnp.maximum(m, s.max(-1))
       m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
       alpha = jnp.exp(m - m_safe)
@@ -162,7 +220,21 @@ def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k
 
 
 def paged_bwd(
-  q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, lse, do, delta, *, spec
+  q,
+  k_pages,
+  v_pages,
+  kv_lens,
+  page_indices,
+  cu_q_lens,
+  num_seqs,
+  k_scale,
+  v_scale,
+  lse,
+  do,
+  delta,
+  *,
+  spec,
+  bidirectional_ids=None,
 ):
   """(dq [T, N, H], dk_pages [P, page_size, K, H], dv_pages [P, page_size, K, Hv]) in float32, given the final lse [T, N] and
   delta = rowsum(dO * O) [T, N] (the flash contract of `_src/flash.py`).
@@ -183,6 +255,7 @@ def paged_bwd(
   do_pad = pad(do).reshape(T + pad_rows, K, G, v_pages.shape[3])
   lse_pad = pad(lse).reshape(T + pad_rows, K, G)
   delta_pad = pad(delta).reshape(T + pad_rows, K, G)
+  spans = _spans(bidirectional_ids, cu_q_lens, num_seqs, lens, kv_lens, pad_rows)
 
   def page_grad_scale(scale, ids):
     # d(stored) = d(dequantized) * scale
@@ -203,7 +276,7 @@ def paged_bwd(
     lse_c = jax.lax.dynamic_slice_in_dim(lse_pad, start, bq).transpose(1, 2, 0)  # [K, G, bq]
     delta_c = jax.lax.dynamic_slice_in_dim(delta_pad, start, bq).transpose(1, 2, 0)
     lse_c = jnp.where(jnp.isneginf(lse_c), 0.0, lse_c)
-    lo, hi = _kv_block_range(first, last, spec, block_tokens, max_blocks)
+    q_ids, (lo, hi) = _chunk_range(spans, ch, c, bq, seq, row_ok, first, last, spec, block_tokens, max_blocks)
     nxt = _next_blocks(table[seq], pb, P)
 
     def kv_step(state):
@@ -211,7 +284,7 @@ def paged_bwd(
       k_blk, v_blk, kv_ok, kv_pos, ids, page_ok = _load_block(
         k_pages, v_pages, k_scale, v_scale, table[seq], kb, spec, ps, kv_lens[seq], P
       )
-      s, t = _scores(q_c, k_blk, spec, pos, row_ok, kv_pos, kv_ok)
+      s, t = _scores(q_c, k_blk, spec, pos, row_ok, kv_pos, kv_ok, q_ids, _key_ids(spans, seq, kv_pos))
       p = jnp.exp(s - lse_c[..., None])  # [K, G, bq, L]
       dv_blk = jnp.einsum("kgql,qkgh->lkh", p, do_c)
       dp = jnp.einsum("qkgh,lkh->kgql", do_c, v_blk)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -17,19 +18,21 @@ def _bwd_kernel(
   cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *rest, d: pp.PagedDims, spec
 ):
   scales_hbm, rest = w.split_refs(d, rest)
+  (q_ids, kv_ids_hbm), rest = w.split_spans(d, rest)
   _dk_in, _dv_in, dq_ref, dk_hbm, dv_hbm, *rest = rest
   del _dk_in, _dv_in  # the same buffers as dk_hbm / dv_hbm (aliased)
-  k_buf, v_buf, scale_bufs, rest = w.split_scratch(d, rest)
+  k_buf, v_buf, scale_bufs, kv_ids_buf, rest = w.split_scratch(d, rest)
   dq_sc, dk_blk, dv_blk, *page_bufs, sem = rest
   dk_page, dv_page = page_bufs[0], page_bufs[-1]  # one buffer for both unless v's head dim differs (MLA)
   r = w.Refs(cu_ref, kv_lens_ref, table_ref, n_ref, k_hbm, v_hbm, scales_hbm, k_buf, v_buf, scale_bufs, sem)
+  r = dataclasses.replace(r, q_ids=q_ids, kv_ids_hbm=kv_ids_hbm, kv_ids_buf=kv_ids_buf)
   G, q_lo, rows = d.G, pl.program_id(0) * d.bq, d.bq * d.G
   dq_sc[...] = jnp.zeros(dq_sc.shape, c.F32)
 
   def visit(s, b, slot, copies, g):
-    del s
     valid = w.kv_valid(d, copies, b, g.kv_len)
-    vis = w.mask(d, spec, q_lo, g.start, g.end, g.first_pos, b, w.kv_valid_row(d, copies, b, g.kv_len))
+    ids = w.span_ids(d, r, s, b, slot, g)
+    vis = w.mask(d, spec, q_lo, g.start, g.end, g.first_pos, b, w.kv_valid_row(d, copies, b, g.kv_len), ids)
     for k in range(d.K):
       kk, k_sc = w.load_head(d, k_buf, scale_bufs[0], slot, k, valid)
       vv, v_sc = w.load_head(d, v_buf, scale_bufs[1], slot, k, valid)
@@ -84,14 +87,30 @@ def _bwd_kernel(
 
 
 def paged_bwd(
-  q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, lse, do, delta, *, spec, interpret
+  q,
+  k_pages,
+  v_pages,
+  kv_lens,
+  page_indices,
+  cu_q_lens,
+  num_seqs,
+  k_scale,
+  v_scale,
+  lse,
+  do,
+  delta,
+  *,
+  spec,
+  interpret,
+  bidirectional_ids=None,
 ):
   """(dq [T, N, H], dk_pages [P, page_size, K, H], dv_pages [P, page_size, K, Hv]) in float32, as the XLA
   backend's `paged_bwd`."""
   d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec)
   prefetch, scales = pp.operands(d, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
   dk0, dv0 = (jnp.zeros((d.P, d.ps, d.K, h), c.F32) for h in (d.H, d.Hv))
-  operands = (*prefetch, q, do.astype(q.dtype), lse, delta, k_pages, v_pages, *scales, dk0, dv0)
+  spans = pp.span_operands(d, bidirectional_ids, kv_lens, cu_q_lens, num_seqs)
+  operands = (*prefetch, q, do.astype(q.dtype), lse, delta, k_pages, v_pages, *scales, *spans, dk0, dv0)
   n = len(operands)
   kernel = functools.partial(_bwd_kernel, d=d, spec=spec)
   # dK/dV pages are read-modified-written across grid steps: the steps run in order on one core.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -16,6 +17,7 @@ from flax_ringattn._src.backends.pallas_tpu.paged import walk as w
 
 def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *rest, d: pp.PagedDims, spec):
   scales_hbm, rest = w.split_refs(d, rest)
+  (q_ids, kv_ids_hbm), rest = w.split_spans(d, rest)
   new_refs = ()
   if d.write:
     new_k, new_v, *rest = rest
@@ -26,18 +28,19 @@ def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *res
     # The page buffers are aliased to these outputs: read and write them there.
     k_hbm, v_hbm, *rest = rest
     scales_hbm, rest = w.split_refs(d, rest)
-  k_buf, v_buf, scale_bufs, rest = w.split_scratch(d, rest)
+  k_buf, v_buf, scale_bufs, kv_ids_buf, rest = w.split_scratch(d, rest)
   m_sc, l_sc, acc_sc, sem = rest
   r = w.Refs(cu_ref, kv_lens_ref, table_ref, n_ref, k_hbm, v_hbm, scales_hbm, k_buf, v_buf, scale_bufs, sem)
+  r = dataclasses.replace(r, q_ids=q_ids, kv_ids_hbm=kv_ids_hbm, kv_ids_buf=kv_ids_buf)
   G, q_lo = d.G, pl.program_id(0) * d.bq
   m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, c.F32)
   l_sc[...] = jnp.zeros(l_sc.shape, c.F32)
   acc_sc[...] = jnp.zeros(acc_sc.shape, c.F32)
 
   def visit(s, b, slot, copies, g):
-    del s
     valid = w.kv_valid(d, copies, b, g.kv_len)
-    vis = w.mask(d, spec, q_lo, g.start, g.end, g.first_pos, b, w.kv_valid_row(d, copies, b, g.kv_len))
+    ids = w.span_ids(d, r, s, b, slot, g)
+    vis = w.mask(d, spec, q_lo, g.start, g.end, g.first_pos, b, w.kv_valid_row(d, copies, b, g.kv_len), ids)
     for k in range(d.K):
       kk, _ = w.load_head(d, k_buf, scale_bufs[0], slot, k, valid)
       vv, _ = w.load_head(d, v_buf, scale_bufs[1], slot, k, valid)
@@ -114,10 +117,25 @@ def _write_rows(d: pp.PagedDims, r: w.Refs, new_refs, q_lo, s, seq_start, lo_row
   jax.lax.fori_loop(lo_row, hi_row, row, 0)
 
 
-def paged_fwd(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, *, spec, interpret):
+def paged_fwd(
+  q,
+  k_pages,
+  v_pages,
+  kv_lens,
+  page_indices,
+  cu_q_lens,
+  num_seqs,
+  k_scale,
+  v_scale,
+  bidirectional_ids=None,
+  *,
+  spec,
+  interpret,
+):
   """Returns (out [T, N, Hv] in q.dtype, lse [T, N] float32; -inf for rows not in the batch)."""
   d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec)
   prefetch, scales = pp.operands(d, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
+  scales += pp.span_operands(d, bidirectional_ids, kv_lens, cu_q_lens, num_seqs)
   kernel = functools.partial(_fwd_kernel, d=d, spec=spec)
   run = pp.launch(
     kernel, pp.fwd_plan(d), num_semaphores=2, semantics=("parallel",), aliases={}, interpret=interpret, name="paged_fwd"
@@ -152,6 +170,11 @@ def paged_fwd_write(
   k_pages, v_pages, k_scale, v_scale); the page buffers are aliased to the results (donate them to update in
   place).
   """
+  if spec.mask.has_bidirectional:
+    raise NotImplementedError(
+      "the fused cache write writes q block by q block: a bidirectional span reaching a later block would read "
+      "keys not written yet; append the K/V, then call paged_attention"
+    )
   for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
     if sc is not None and sc.ndim != 3:
       raise NotImplementedError(

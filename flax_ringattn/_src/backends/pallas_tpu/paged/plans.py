@@ -35,6 +35,14 @@ class PagedDims:
   scale_rows: tuple  # (rows of k_scale, rows of v_scale) per page: 0 (no scale), 1 (per page) or ps (per token)
   write: bool = False  # fused cache write: the new tokens' K/V (and per-token scales) go into their pages first
   v_head_dim: int | None = None  # v's (and the output's) head dim when it differs from H (MLA); None: H
+  spans: bool = False  # bidirectional ids: the q block's ids in, the kv blocks' ids copied with the pages
+
+  @property
+  def span_rows(self) -> int:
+    """Rows of the kv id table (`span_operands`): sequence s's kv block b is row cu[s] // bt + 2 s + b - (its first
+    new token's block); a sequence of q_len new tokens touches at most (q_len - 1) // bt + 2 blocks, which the
+    gap to the next sequence's first row, >= q_len // bt + 2, always holds."""
+    return self.T // self.block_tokens + 2 * self.S + 2
 
   @property
   def Hv(self) -> int:
@@ -74,7 +82,7 @@ def check_supported(q, k_pages, *, block_q, pages_per_block) -> tuple[int, int]:
   return bq, max(1, pages_per_block)
 
 
-def dims_of(q, k_pages, v_pages, page_indices, k_scale, v_scale, *, bq, ppb, write=False) -> PagedDims:
+def dims_of(q, k_pages, v_pages, page_indices, k_scale, v_scale, *, bq, ppb, write=False, spans=False) -> PagedDims:
   T, N, H = q.shape
   P, ps, K, _ = k_pages.shape
   Hv = v_pages.shape[3]
@@ -96,6 +104,7 @@ def dims_of(q, k_pages, v_pages, page_indices, k_scale, v_scale, *, bq, ppb, wri
     scale_rows=rows,
     write=write,
     v_head_dim=None if Hv == H else Hv,
+    spans=spans,
   )
 
 
@@ -113,14 +122,24 @@ def _any():
 def _kv_scratch(d: PagedDims):
   bufs = [((2, d.ppb, d.ps, d.K, d.H), d.page_dtype), ((2, d.ppb, d.ps, d.K, d.Hv), d.page_dtype)]
   bufs += [((2, d.ppb, r, d.K), c.F32) for r in d.scale_rows if r]
+  if d.spans:
+    bufs.append(((2, 1, d.block_tokens), jnp.int32))  # the kv block's bidirectional ids, along the lanes
   return bufs
+
+
+def _span_specs(d: PagedDims):
+  """The q block's ids [bq, 1] (pipelined) and the kv id table [span_rows, 1, bt] (HBM); none without spans."""
+  if not d.spans:
+    return [], []
+  return [_row_block(d, (1,)), _any()], [jnp.dtype(jnp.int32)] * 2
 
 
 def fwd_plan(d: PagedDims) -> c.CallPlan:
   num_scales = sum(1 for r in d.scale_rows if r)
   rows = d.bq * d.G
-  in_specs = [_row_block(d, (d.N, d.H)), _any(), _any(), *(_any() for _ in range(num_scales))]
-  in_dtypes = [d.q_dtype, d.page_dtype, d.page_dtype, *((c.F32,) * num_scales)]
+  span_specs, span_dtypes = _span_specs(d)
+  in_specs = [_row_block(d, (d.N, d.H)), _any(), _any(), *(_any() for _ in range(num_scales)), *span_specs]
+  in_dtypes = [d.q_dtype, d.page_dtype, d.page_dtype, *((c.F32,) * num_scales), *span_dtypes]
   out_specs = [_row_block(d, (d.N, d.Hv)), _row_block(d, (d.N,))]
   out_shapes = [jax.ShapeDtypeStruct((d.T, d.N, d.Hv), d.q_dtype), jax.ShapeDtypeStruct((d.T, d.N), c.F32)]
   if d.write:  # new K/V rows (and their per-token scales) in; the updated pages out (aliased, in HBM)
@@ -152,6 +171,7 @@ def page_grad_buffers(d: PagedDims) -> tuple:
 
 def bwd_plan(d: PagedDims) -> c.CallPlan:
   num_scales = sum(1 for r in d.scale_rows if r)
+  span_specs, span_dtypes = _span_specs(d)
   return c.CallPlan(
     grid=(d.T // d.bq,),
     in_specs=(
@@ -162,10 +182,22 @@ def bwd_plan(d: PagedDims) -> c.CallPlan:
       _any(),
       _any(),
       *(_any() for _ in range(num_scales)),
+      *span_specs,
       _any(),  # dk pages (aliased to the dk output)
       _any(),  # dv pages
     ),
-    in_dtypes=(d.q_dtype, d.q_dtype, c.F32, c.F32, d.page_dtype, d.page_dtype, *((c.F32,) * (num_scales + 2))),
+    in_dtypes=(
+      d.q_dtype,
+      d.q_dtype,
+      c.F32,
+      c.F32,
+      d.page_dtype,
+      d.page_dtype,
+      *((c.F32,) * num_scales),
+      *span_dtypes,
+      c.F32,
+      c.F32,
+    ),
     out_specs=(_row_block(d, (d.N, d.H)), _any(), _any()),
     out_shapes=(
       jax.ShapeDtypeStruct((d.T, d.N, d.H), c.F32),
@@ -233,4 +265,22 @@ def spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, write=F
   block_q, block_kv = spec.block_sizes.block_q, spec.block_sizes.block_kv
   bq, ppb = check_supported(q, k_pages, block_q=block_q, pages_per_block=block_kv // k_pages.shape[1])
   scale_dims = [None if x is None else jnp.asarray(x) for x in (k_scale, v_scale)]
-  return dims_of(q, k_pages, v_pages, page_indices, *scale_dims, bq=bq, ppb=ppb, write=write)
+  spans = spec.mask.has_bidirectional
+  return dims_of(q, k_pages, v_pages, page_indices, *scale_dims, bq=bq, ppb=ppb, write=write, spans=spans)
+
+
+def span_operands(d: PagedDims, ids, kv_lens, cu_q_lens, num_seqs):
+  """The bidirectional ids as the kernels read them: the rows' own [T, 1], and the kv id table
+  [span_rows, 1, bt] whose row for (sequence s, kv block b) holds the ids of the block's keys (see `span_rows`):
+  a key that is one of the call's new tokens of s carries its row's id, any other key 0.  () without ids."""
+  if ids is None:
+    return ()
+  bt = d.block_tokens
+  seq, start, valid = metadata.token_owner(cu_q_lens, num_seqs, d.T)
+  lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
+  first = kv_lens[seq] - lens[seq]  # the row's sequence's first new position
+  pos = first + (jnp.arange(d.T) - start)
+  row = start // bt + 2 * seq + pos // bt - jnp.maximum(first, 0) // bt  # start: cu[seq] (effective)
+  row = jnp.where(valid & (pos >= 0), row, d.span_rows)  # dropped
+  table = jnp.zeros((d.span_rows, bt), jnp.int32).at[row, jnp.maximum(pos, 0) % bt].set(ids, mode="drop")
+  return ids[:, None], table[:, None, :]

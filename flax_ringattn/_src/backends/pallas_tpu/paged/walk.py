@@ -31,6 +31,9 @@ class Refs:
   v_buf: object  # [2, ppb, ps, K, Hv]
   scale_bufs: tuple  # [2, ppb, rows, K] (None when absent)
   sem: object  # DMA semaphores; [0] and [1]: the kv slots
+  q_ids: object = None  # [bq, 1] the q block's bidirectional ids (VMEM), or None
+  kv_ids_hbm: object = None  # [span_rows, 1, bt] the kv id table (`plans.span_operands`)
+  kv_ids_buf: object = None  # [2, 1, bt] the kv block's ids, one slot per kv slot
 
 
 def _page_copies(d: pp.PagedDims, r: Refs, s, b, slot, kv_len):
@@ -50,6 +53,40 @@ def _page_copies(d: pp.PagedDims, r: Refs, s, b, slot, kv_len):
         descs.append(pltpu.make_async_copy(src.at[safe], dst.at[slot, j], r.sem.at[slot]))
     out.append((ok, safe, descs))
   return out
+
+
+def _span_copy(d: pp.PagedDims, r: Refs, s, b, slot, first_pos, kv_len):
+  """[(copy?, None, descriptors)] of the ids of kv block b of sequence s when it holds some of the call's new
+  tokens (positions first_pos .. kv_len - 1); [] without spans."""
+  if not d.spans:
+    return []
+  ok, row = _span_row(d, r, s, b, first_pos, kv_len)
+  return [(ok, None, [pltpu.make_async_copy(r.kv_ids_hbm.at[row], r.kv_ids_buf.at[slot], r.sem.at[slot])])]
+
+
+def _span_row(d: pp.PagedDims, r: Refs, s, b, first_pos, kv_len):
+  """(whether kv block b of sequence s holds some of the call's new tokens, its row of the kv id table)
+  (`plans.PagedDims.span_rows`; lax.div on values >= 0)."""
+  bt = d.block_tokens
+  row = jax.lax.div(r.cu[s], bt) + 2 * s + b - jax.lax.div(jnp.maximum(first_pos, 0), bt)
+  ok = (b * bt < kv_len) & ((b + 1) * bt > first_pos) & (row >= 0) & (row < d.span_rows)
+  return ok, jnp.clip(row, 0, d.span_rows - 1)
+
+
+def span_ids(d: pp.PagedDims, r: Refs, s, b, slot, g):
+  """(q ids [bq * G, 1], kv ids [1, bt]) of the q block and kv block b of sequence s (in VMEM slot `slot`), or
+  (None, None) without spans.  A block with none of the call's new tokens was not copied: its keys carry 0."""
+  if not d.spans:
+    return None, None
+  copied, _ = _span_row(d, r, s, b, g.first_pos, g.kv_len)
+  kv = jnp.where(copied, r.kv_ids_buf[slot], 0)  # stale VMEM never reaches the mask
+  q = r.q_ids[...]
+  return fold(jnp.broadcast_to(q[:, None, :], (d.bq, d.G, 1)), d.G), kv
+
+
+def _block_copies(d: pp.PagedDims, r: Refs, s, b, slot, g):
+  """Every copy of kv block b of sequence s: its pages, and its keys' ids with spans."""
+  return _page_copies(d, r, s, b, slot, g.kv_len) + _span_copy(d, r, s, b, slot, g.first_pos, g.kv_len)
 
 
 def _start(copies):
@@ -103,13 +140,14 @@ def fold(x, G):
   return x.reshape(x.shape[0] * G, *x.shape[2:])
 
 
-def mask(d: pp.PagedDims, spec, q_lo, seq_start, seq_end, first_pos, b, valid_row):
-  """[bq * G, block_tokens] visibility of kv block b for the rows of one sequence in this q block."""
+def mask(d: pp.PagedDims, spec, q_lo, seq_start, seq_end, first_pos, b, valid_row, ids=(None, None)):
+  """[bq * G, block_tokens] visibility of kv block b for the rows of one sequence in this q block; `ids`: the
+  rows' and keys' bidirectional ids (`span_ids`)."""
   rows = d.bq * d.G
   t = q_lo + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), d.G)  # global row of q
   pos = first_pos + (t - seq_start)
   kv_pos = b * d.block_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, d.block_tokens), 1)
-  return (t >= seq_start) & (t < seq_end) & valid_row & masks.pair_visible(spec.mask, pos, kv_pos)
+  return (t >= seq_start) & (t < seq_end) & valid_row & masks.pair_visible(spec.mask, pos, kv_pos, None, None, *ids)
 
 
 def dot(a, b, contract, dtype):
@@ -142,8 +180,13 @@ def seq_in_block(d: pp.PagedDims, spec, r: Refs, s, q_lo) -> _Seq:
   # lax.div/rem (truncating) on non-negative values: Mosaic lowers floor division through sign(), which
   # needs the TPU generation at lowering time.
   hi = jnp.where(hi_pos < 0, 0, jnp.minimum(jax.lax.div(hi_pos, d.block_tokens) + 1, d.max_blocks))
-  hi = jnp.where(hi_row > lo_row, hi, 0)
   lo = jax.lax.div(masks.first_visible_position(spec.mask, lo_pos), d.block_tokens)
+  if spec.mask.has_bidirectional:
+    # Any row may hold a span id (the scalar walk cannot read them): every block of the call's new tokens too.
+    last = jnp.minimum(jax.lax.div(kv_len - 1, d.block_tokens) + 1, d.max_blocks)
+    hi = jnp.maximum(hi, jnp.where(kv_len > 0, last, 0))
+    lo = jnp.minimum(lo, jax.lax.div(jnp.maximum(first_pos, 0), d.block_tokens))
+  hi = jnp.where(hi_row > lo_row, hi, 0)
   return _Seq(seq_start, seq_end, kv_len, first_pos, lo_row, hi_row, jnp.minimum(lo, hi), hi)
 
 
@@ -170,7 +213,7 @@ def walk(d: pp.PagedDims, spec, r: Refs, q_lo, visit):
 
     @pl.when(has_work & ~started)
     def _():
-      _start(_page_copies(d, r, s, g.lo, slot, g.kv_len))
+      _start(_block_copies(d, r, s, g.lo, slot, g))
 
     s2 = jnp.minimum(s + 1, d.S - 1)
     g2 = seq_in_block(d, spec, r, s2, q_lo)
@@ -181,14 +224,14 @@ def walk(d: pp.PagedDims, spec, r: Refs, q_lo, visit):
 
       @pl.when(b + 1 < g.hi)
       def _():
-        _start(_page_copies(d, r, s, b + 1, nxt, g.kv_len))
+        _start(_block_copies(d, r, s, b + 1, nxt, g))
 
       @pl.when((b + 1 == g.hi) & next_ok)
       def _():
-        _start(_page_copies(d, r, s2, g2.lo, nxt, g2.kv_len))
+        _start(_block_copies(d, r, s2, g2.lo, nxt, g2))
 
       copies = _page_copies(d, r, s, b, cur, g.kv_len)
-      _wait(copies)
+      _wait(copies + _span_copy(d, r, s, b, cur, g.first_pos, g.kv_len))
       visit(s, b, cur, copies, g)
       return nxt
 
@@ -208,11 +251,21 @@ def split_refs(d: pp.PagedDims, refs):
   return tuple(scales), refs
 
 
+def split_spans(d: pp.PagedDims, refs):
+  """Peels the span refs (the q block's ids, the kv id table) off a kernel's ref list: (None, None) without."""
+  refs = list(refs)
+  if not d.spans:
+    return (None, None), refs
+  return (refs.pop(0), refs.pop(0)), refs
+
+
 def split_scratch(d: pp.PagedDims, refs):
+  """(k_buf, v_buf, scale_bufs, kv_ids_buf or None, the rest)."""
   refs = list(refs)
   k_buf, v_buf = refs.pop(0), refs.pop(0)
   scale_bufs = tuple(refs.pop(0) if rows else None for rows in d.scale_rows)
-  return k_buf, v_buf, scale_bufs, refs
+  ids_buf = refs.pop(0) if d.spans else None
+  return k_buf, v_buf, scale_bufs, ids_buf, refs
 
 
 # -- forward ------------------------------------------------------------------------------

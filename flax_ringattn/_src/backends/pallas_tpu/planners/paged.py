@@ -30,13 +30,15 @@ def paged_footprint(
   scale_rows=(0, 0),
   soft_cap=False,
   v_head_dim=None,
+  bidirectional=False,
 ) -> Footprint:
   """VMEM of the paged kernel 'paged_fwd' or 'paged_bwd' at `bq` rows and `pages_per_block` pages per kv block.
 
   `scale_rows`: per-page rows of (k_scale, v_scale): 0 without a scale, 1 per page (and for a scalar scale),
   page_size per token.  `v_head_dim`: v's (and the output's) head dim when it differs from `head_dim` (MLA):
   the v pages, the output, do and the accumulators of o and dV are that wide.  Pages stay in HBM; the kernel
-  copies them into a two-slot buffer itself.
+  copies them into a two-slot buffer itself.  `bidirectional`: span ids, the q block's [bq, 1] (pipelined) and
+  the kv block's [1, L] (with the pages' slots).
   """
   N, K, H, ps, ppb = num_heads, num_kv_heads, head_dim, page_size, pages_per_block
   Hv = H if v_head_dim is None else v_head_dim
@@ -45,15 +47,19 @@ def paged_footprint(
   o_block = c.padded_bytes((bq, N, Hv), dtype)  # o, or do
   kv_slots = c.padded_bytes((2, ppb, ps, K, H), page_dtype) + c.padded_bytes((2, ppb, ps, K, Hv), page_dtype)
   kv_slots += sum(c.padded_bytes((2, ppb, r, K), f32) for r in scale_rows if r)
+  span_block = 0
+  if bidirectional:
+    kv_slots += c.padded_bytes((2, 1, L), jnp.int32)
+    span_block = c.padded_bytes((bq, 1), jnp.int32)
   score = G * bq * L * 4  # one f32 [bq * G, L] tile
   head_kv = L * (H + Hv) * 4  # one kv head's K and V block, dequantised to f32
   if kernel == "paged_fwd":
-    pipelined = q_block + o_block + c.padded_bytes((bq, N), f32)  # q; o, lse
+    pipelined = q_block + o_block + c.padded_bytes((bq, N), f32) + span_block  # q; o, lse; span ids
     scratch = kv_slots + 2 * c.padded_bytes((K, bq * G, c.LANES), f32) + c.padded_bytes((bq, N, Hv), f32)
     temporaries = 3 * score + head_kv
   elif kernel == "paged_bwd":
     # q, do, lse, delta; dq
-    pipelined = q_block + o_block + 2 * c.padded_bytes((bq, N), f32) + c.padded_bytes((bq, N, H), f32)
+    pipelined = q_block + o_block + 2 * c.padded_bytes((bq, N), f32) + c.padded_bytes((bq, N, H), f32) + span_block
     scratch = kv_slots + c.padded_bytes((bq, N, H), f32)
     scratch += c.padded_bytes((ppb, ps, K, H), f32) + c.padded_bytes((ppb, ps, K, Hv), f32)  # dK, dV of a block
     # One page of the read-add-write: one buffer for dK and dV, or one each when their head dims differ.
@@ -79,6 +85,7 @@ def plan_paged_block_sizes(
   scale_rows=(0, 0),
   soft_cap=False,
   v_head_dim=None,
+  bidirectional=False,
   generation: str | None = None,
 ) -> BlockSizes:
   """`BlockSizes(block_q=rows per grid step, block_kv=tokens per kv block)` for the paged kernel.
@@ -86,7 +93,7 @@ def plan_paged_block_sizes(
   The largest kv block up to PAGED_MAX_BLOCK_TOKENS tokens (whole pages, at most a sequence's pages), then the
   tallest q block up to PAGED_MAX_BLOCK_Q rows (a prefill spanning several q blocks reads its pages once per
   block), such that both the forward and the backward kernels fit `generation`'s VMEM budget.  `v_head_dim`:
-  v's head dim when it differs from `head_dim` (MLA), as in `paged_footprint`.
+  v's head dim when it differs from `head_dim` (MLA), and `bidirectional` (span ids), as in `paged_footprint`.
   """
   generation = current_generation() if generation is None else generation
   budget = budget_bytes(generation)
@@ -106,6 +113,7 @@ def plan_paged_block_sizes(
     scale_rows=scale_rows,
     soft_cap=soft_cap,
     v_head_dim=None if v_head_dim == head_dim else v_head_dim,
+    bidirectional=bidirectional,
   )
   for ppb in sorted(pbs, reverse=True):
     for bq in sorted(qs, reverse=True):
