@@ -62,6 +62,38 @@ def test_skewed_pack_reaches_the_imbalance_target(mask):
   assert (np.diff(layout.order.reshape(8, 128), axis=1) > 0).all()
 
 
+def _brute_tiles(seg, order, n, tile, **mask):
+  """Per shard: the (q tile, kv tile) pairs over every hop with a visible pair, from the oracle's rule on the
+  original positions, in the slot order `order` [1, T]."""
+  T = seg.shape[1]
+  vis = _visible(T, T, np.arange(T), np.arange(T), mask.get("is_causal", True), None, seg[0], seg[0])
+  slots = vis[order[0]][:, order[0]]
+  nb = T // tile
+  any_pair = slots.reshape(nb, tile, nb, tile).any(axis=(1, 3))  # [q block, kv block]
+  return any_pair.sum(axis=1).reshape(n, -1).sum(axis=1)
+
+
+@pytest.mark.parametrize("tile", [16, 32])
+def test_tile_layout_balances_the_tiles_the_kernels_compute(tile):
+  """With `tile`, shards are whole blocks of `tile` tokens balanced on the non-empty tile pairs: on the skewed
+  pack the busiest shard computes about half the tiles of zigzag's and fewer than the token-level layout's, and
+  the tiles computed in all are no more than the natural order's."""
+  seg = _pack(SKEWED)
+  layout = fr.balanced_layout(seg, 8, tile=tile)
+  blocks = layout.order.reshape(-1, tile)
+  np.testing.assert_array_equal(blocks, blocks[:, :1] + np.arange(tile))  # whole blocks of consecutive tokens
+  assert blocks[:, 0].min() >= 0 and (blocks[:, 0] % tile == 0).all()
+  counts = _brute_tiles(seg, layout.order, 8, tile)
+  assert layout.tile_imbalance == pytest.approx(counts.max() / counts.mean())
+  assert layout.tile_imbalance <= 1.05, layout.tile_imbalance
+  assert layout.imbalance == pytest.approx(imbalance_of(layout.order, visible_pairs_per_token(seg), 8))
+  zigzag = _brute_tiles(seg, fr.zigzag_positions(1024, 8)[None], 8, tile)
+  by_token = _brute_tiles(seg, fr.balanced_layout(seg, 8).order, 8, tile)
+  natural = _brute_tiles(seg, np.arange(1024)[None], 8, tile)
+  assert counts.max() < 0.6 * zigzag.max() and counts.max() < by_token.max(), (counts, zigzag, by_token)
+  assert counts.sum() == natural.sum() < by_token.sum()
+
+
 def test_random_packs_of_several_rows():
   rng = np.random.default_rng(0)
   rows = []
@@ -88,11 +120,12 @@ def test_apply_and_undo_are_inverse(array):
   )
 
 
-def test_the_balanced_layout_through_the_ring_is_exact():
+@pytest.mark.parametrize("tile", [None, 8])
+def test_the_balanced_layout_through_the_ring_is_exact(tile):
   """Packed rows in the balanced order, positions given: the oracle's output and gradients, on a ring of 4."""
   B, T, N, H = 2, 64, 2, 8
   seg = _pack((30, 20, 9, 5), rows=B)
-  layout = fr.balanced_layout(seg, 4)
+  layout = fr.balanced_layout(seg, 4, tile=tile)
   ks = jax.random.split(jax.random.key(0), 4)
   q, k, v, do = (jax.random.normal(x, (B, T, N, H)) for x in ks)
   want, grads = dense_oracle(q, k, v, do=do, is_causal=True, segment_ids=seg)
@@ -153,8 +186,13 @@ def test_the_balanced_layout_through_the_ring_is_exact():
       ValueError,
       r"order must hold a permutation of 0 \.\. T-1 in every row",
     ),
+    (
+      lambda: fr.balanced_layout(np.zeros((1, 64), np.int32), 4, tile=12),
+      ValueError,
+      r"tile must be a positive int dividing the shard length T / num_shards = 16, got 12",
+    ),
   ],
-  ids=["length", "rank", "shards", "chunk", "traced", "apply_shape", "apply_type", "not_a_permutation"],
+  ids=["length", "rank", "shards", "chunk", "traced", "apply_shape", "apply_type", "not_a_permutation", "tile"],
 )
 def test_errors(call, error, match):
   with pytest.raises(error, match=match):

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flax_ringattn._src import validation
+from flax_ringattn._src import masks, validation
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -37,11 +37,14 @@ class Layout:
   """A token order for a ring of `num_shards`: `order` [B, T] int32 gives, for each slot of the new order, the
   token's index in the original row (pass it as `q_positions`, or reorder your own positions with `apply_layout`).
   `imbalance`: max over shards of the visible (query, key) pairs, divided by the mean (1.0 is perfect), or None
-  for a layout built by hand from an order (`Layout(order=..., num_shards=...)`, e.g. to compare orders)."""
+  for a layout built by hand from an order (`Layout(order=..., num_shards=...)`, e.g. to compare orders).
+  `tile_imbalance` (with `balanced_layout(tile=...)`): max over shards of the (q tile, kv tile) pairs with a
+  visible pair, what the kernels compute, divided by the mean."""
 
   order: np.ndarray
   num_shards: int
   imbalance: float | None = None
+  tile_imbalance: float | None = None  # with `balanced_layout(tile=...)`: the same over the kernels' tiles
 
   def __post_init__(self):
     order = np.asarray(self.order)
@@ -138,7 +141,9 @@ def _row_order(seg_row, n: int, chunk_size):
   return order
 
 
-def balanced_layout(segment_ids, num_shards: int, *, is_causal: bool = True, local_window_size=None, chunk_size=None):
+def balanced_layout(
+  segment_ids, num_shards: int, *, is_causal: bool = True, local_window_size=None, chunk_size=None, tile=None
+):
   """A work-balanced token order for a packed batch on a ring of `num_shards` devices.
 
   Args:
@@ -146,12 +151,18 @@ def balanced_layout(segment_ids, num_shards: int, *, is_causal: bool = True, loc
       of its own).  Concrete values: a layout is decided in the data pipeline, on the host.
     num_shards: the ring size n; T must be a multiple of n.
     is_causal, local_window_size, chunk_size: the mask the model will run, which decides where the work is.
+    tile: None: balance the visible (query, key) pairs token by token.  An int: the kernels' tile (the larger
+      of their q and kv tiles; T / n a multiple of it): shards are built of whole blocks of `tile` consecutive
+      tokens and balanced on the tiles the kernels compute (the non-empty (q tile, kv tile) pairs), which is
+      what a ring step takes.  Use it whenever documents are longer than a few tiles: token-level pieces
+      scatter every tile over the documents, so no tile is empty and the kernels compute more in all.
 
   Returns:
-    A `Layout`: `order` [B, T] (for each slot of the new order, the token's index in the original row) and
-    `imbalance` (max over shards of the visible pairs / the mean).  Reorder every per-token array with
-    `apply_layout` (tokens, labels, segment ids, positions), pass `q_positions=layout.order` (or your reordered
-    positions) to the ring, and `undo_layout` its outputs if you need the original order back.
+    A `Layout`: `order` [B, T] (for each slot of the new order, the token's index in the original row),
+    `imbalance` (max over shards of the visible pairs / the mean) and, with `tile`, `tile_imbalance`.
+    Reorder every per-token array with `apply_layout` (tokens, labels, segment ids, positions), pass
+    `q_positions=layout.order` (or your reordered positions) to the ring, and `undo_layout` its outputs if you
+    need the original order back.
   """
   if isinstance(segment_ids, jax.core.Tracer):
     raise TypeError(
@@ -167,10 +178,65 @@ def balanced_layout(segment_ids, num_shards: int, *, is_causal: bool = True, loc
   B, T = seg.shape
   if T % num_shards:
     raise ValueError(f"the row length T={T} must be a multiple of num_shards={num_shards} (equal shards)")
-  order = np.stack([_row_order(seg[b], int(num_shards), chunk_size) for b in range(B)]) if B else seg.astype(np.int32)
   work = visible_pairs_per_token(seg, is_causal=is_causal, local_window_size=local_window_size, chunk_size=chunk_size)
-  order = _refine(order, work, int(num_shards))
-  return Layout(order=order, num_shards=int(num_shards), imbalance=imbalance_of(order, work, num_shards))
+  n = int(num_shards)
+  if tile is not None:
+    if not isinstance(tile, (int, np.integer)) or isinstance(tile, bool) or tile < 1 or (T // n) % tile:
+      raise ValueError(f"tile must be a positive int dividing the shard length T / num_shards = {T // n}, got {tile!r}")
+    spec = masks.MaskSpec(
+      is_causal=is_causal,
+      window=validation.normalize_window(local_window_size),
+      chunk_size=chunk_size,
+      has_segments=True,
+    )
+    weights = [_block_work(spec, seg[b], int(tile)) for b in range(B)]
+    blocks = [_deal_blocks(w, n) for w in weights]
+    order = np.stack([np.concatenate([_tokens_of(g, int(tile)) for g in groups]) for groups in blocks])
+    loads = np.sum([[w[g].sum() for g in groups] for w, groups in zip(weights, blocks, strict=True)], axis=0)
+    tiles = float(loads.max() / loads.mean()) if B and loads.mean() > 0 else 1.0
+    return Layout(
+      order=order.astype(np.int32), num_shards=n, imbalance=imbalance_of(order, work, n), tile_imbalance=tiles
+    )
+  order = np.stack([_row_order(seg[b], n, chunk_size) for b in range(B)]) if B else seg.astype(np.int32)
+  order = _refine(order, work, n)
+  return Layout(order=order, num_shards=n, imbalance=imbalance_of(order, work, num_shards))
+
+
+def _block_work(spec, seg_row, tile: int):
+  """[T / tile]: for every block of `tile` consecutive tokens (a q tile), the kv blocks it has a visible pair
+  with: the tiles a kernel computes for it.  Blocks keep their tile classes wherever they are dealt, since the
+  mask is evaluated on the original positions."""
+  tok = masks.Tokens(np.arange(len(seg_row))[None], np.asarray(seg_row)[None])
+  return (masks.tile_kinds(spec, tok, tok, tile, tile) != masks.EMPTY).sum(axis=1).astype(np.int64)
+
+
+def _deal_blocks(work, n: int):
+  """Blocks dealt to n shards of equal block counts, heaviest first to the lightest shard with room (LPT), then
+  pairwise swaps between the heaviest and the lightest shard while one lowers the heavier: [n] block indices."""
+  per = len(work) // n
+  groups, load = [[] for _ in range(n)], np.zeros(n, np.int64)
+  for b in np.argsort(-work, kind="stable"):
+    r = min((r for r in range(n) if len(groups[r]) < per), key=lambda r: (load[r], r))
+    groups[r].append(int(b))
+    load[r] += work[b]
+  for _ in range(len(work)):
+    h, lo = int(np.argmax(load)), int(np.argmin(load))
+    gap = load[h] - load[lo]
+    pairs = [
+      (abs(work[a] - work[c] - gap / 2), a, c) for a in groups[h] for c in groups[lo] if 0 < work[a] - work[c] < gap
+    ]
+    if not pairs:
+      break
+    _, a, c = min(pairs)
+    groups[h][groups[h].index(a)], groups[lo][groups[lo].index(c)] = c, a
+    load[h] += work[c] - work[a]
+    load[lo] += work[a] - work[c]
+  return [np.sort(np.asarray(g, np.int64)) for g in groups]
+
+
+def _tokens_of(blocks, tile: int):
+  """The token indices of `blocks` (sorted), block after block."""
+  return (blocks[:, None] * tile + np.arange(tile)[None]).reshape(-1)
 
 
 def _refine(order, work, n: int, max_swaps: int | None = None):
