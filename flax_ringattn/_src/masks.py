@@ -136,7 +136,9 @@ def pair_visible(spec: MaskSpec, qp, kp, qs=None, ks=None, qb=None, kb=None):
 
 def chunk_index(pos, chunk_size: int):
   """pos // chunk_size (floor, also for negative positions) without `lax.sign`, which Mosaic lowers only on a
-  TPU: truncating division, minus one where the remainder is negative."""
+  TPU: truncating division, minus one where the remainder is negative.  numpy in, numpy out (static tables)."""
+  if isinstance(pos, (np.ndarray, np.generic, int)):
+    return np.floor_divide(pos, chunk_size)
   pos = jnp.asarray(pos)
   c = jnp.asarray(chunk_size, pos.dtype)
   return jax.lax.div(pos, c) - (jax.lax.rem(pos, c) < 0).astype(pos.dtype)
@@ -207,10 +209,10 @@ def classify(spec: MaskSpec, q: Extent, kv: Extent):
     empty = empty | (kv.pos_max < q.pos_min - left) | (kv.pos_min > q.pos_max + right)
     full = full & (kv.pos_min >= q.pos_max - left) & (kv.pos_max <= q.pos_min + right)
   if spec.chunk_size is not None:
-    c = spec.chunk_size  # floor division is monotone: a tile's chunks span [min // c, max // c]
-    empty = empty | (kv.pos_min // c > q.pos_max // c) | (kv.pos_max // c < q.pos_min // c)
-    full = full & (q.pos_min // c == q.pos_max // c) & (kv.pos_min // c == kv.pos_max // c)
-    full = full & (q.pos_min // c == kv.pos_min // c)
+    # Floor division is monotone: a tile's chunks span [chunk(min), chunk(max)].
+    qlo, qhi, klo, khi = (chunk_index(a, spec.chunk_size) for a in (q.pos_min, q.pos_max, kv.pos_min, kv.pos_max))
+    empty = empty | (klo > qhi) | (khi < qlo)
+    full = full & (qlo == qhi) & (klo == khi) & (qlo == klo)
   if spec.has_bidirectional:
     # The span term sees some pair unless the id ranges are disjoint or a side holds only id 0; it sees every
     # pair when both tiles hold one and the same nonzero id.
