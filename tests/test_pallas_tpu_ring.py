@@ -333,8 +333,8 @@ def test_missing_credit_is_caught_by_the_race_detector(slots):
       q,
       k,
       v,
-      None,
-      None,
+      masks.Tokens(),
+      masks.Tokens(),
       spec=spec,
       axis_name="sp",
       load_balance=False,
@@ -464,18 +464,31 @@ def test_protocol_rules_hold_in_program_order(n, opts, slots, force_slots):
 
 
 @pytest.mark.parametrize(
-  "segments,cap,dropout,Hv",
-  [(False, None, False, None), (True, 30.0, False, None), (True, 30.0, True, None), (True, None, False, 128)],
-  ids=["plain", "seg-cap", "seg-cap-dropout", "seg-mla"],
+  "segments,cap,dropout,Hv,terms",
+  [
+    (False, None, False, None, False),
+    (True, 30.0, False, None, False),
+    (True, 30.0, True, None, False),
+    (True, None, False, 128, False),
+    (True, None, True, None, True),
+  ],
+  ids=["plain", "seg-cap", "seg-cap-dropout", "seg-mla", "seg-dropout-chunk-spans-positions"],
 )
 @pytest.mark.parametrize("slots", ["vmem", "hbm"])
-def test_kernels_lower_to_mosaic_for_tpu(segments, cap, dropout, Hv, slots):
+def test_kernels_lower_to_mosaic_for_tpu(segments, cap, dropout, Hv, terms, slots):
   """jax.export runs the Pallas -> Mosaic lowering of both ring kernels for TPU (ring of 4, bf16, GQA), with
-  the slots in VMEM and in HBM, and MLA head dims (qk 192, v 128).  The kernels are called directly, so the
-  debug hooks go in their spec."""
+  the slots in VMEM and in HBM, MLA head dims (qk 192, v 128), and every mask term (`terms`: chunks, and
+  bidirectional ids and positions given per row travelling with K/V beside the segment ids, the dropout mask
+  hashed from those positions).  The kernels are called directly, so the debug hooks go in their spec."""
   rec = Recorder()
   spec = AttentionSpec(
-    mask=masks.MaskSpec(is_causal=True, has_segments=segments),
+    mask=masks.MaskSpec(
+      is_causal=True,
+      has_segments=segments,
+      chunk_size=300 if terms else None,
+      has_bidirectional=terms,
+      has_positions=terms,
+    ),
     scale=0.1,
     logits_soft_cap=cap,
     block_sizes=fr.BlockSizes(block_q=128, block_kv=256),
@@ -491,23 +504,23 @@ def test_kernels_lower_to_mosaic_for_tpu(segments, cap, dropout, Hv, slots):
   kv = sds((B, T, K, H), jnp.bfloat16)
   v = sds((B, T, K, Hv or H), jnp.bfloat16)
   seg = sds((B, T), jnp.int32) if segments else None
-
+  ids = sds((B, T), jnp.int32) if terms else None  # positions and bidirectional ids
   drop = sds((4,), jnp.int32) if dropout else None
 
-  def loss(q, k, v, seg, drop):
+  def loss(q, k, v, seg, ids, drop):
     # The op's own path for the fused ring: the backend's FlashKernel through the one flash custom_vjp.
     kernel = PallasTpuBackend().fused_ring(axis_name="sp", load_balance=True, spec=spec)
-    tokens = masks.Tokens(seg=seg)  # the in-kernel ring computes the layout's positions itself
+    tokens = masks.Tokens(pos=ids, seg=seg, bid=ids)  # without positions the kernels compute the layout's
     o = flash.flash(kernel, None, q, k, v, tokens, tokens, drop)
     return o.astype(jnp.float32).sum()
 
   body = jax.shard_map(
     jax.grad(loss, argnums=(0, 1, 2)),
     mesh=mesh,
-    in_specs=(s, s, s, ss if segments else None, P() if dropout else None),
+    in_specs=(s, s, s, ss if segments else None, ss if terms else None, P() if dropout else None),
     out_specs=(s, s, s),
   )
-  text = export.export(jax.jit(body), platforms=("tpu",))(x, kv, v, seg, drop).mlir_module()
+  text = export.export(jax.jit(body), platforms=("tpu",))(x, kv, v, seg, ids, drop).mlir_module()
   assert _launched_slots(rec.events) == {"ring_fwd": slots, "ring_bwd": slots}
   assert text.count("tpu_custom_call") == 2  # forward and backward
 
@@ -591,6 +604,9 @@ def test_default_prefers_the_kernel_ring_where_it_fits():
     jax.ShapeDtypeStruct((1, 4 * 256, 2, 128), jnp.bfloat16),
   )
   assert op.use_fused_ring(auto, spec, *small, 4)
+  # Every mask term runs in the fused ring too (positions given per row travel as one more token field).
+  for terms in (dict(chunk_size=64), dict(has_bidirectional=True), dict(has_positions=True, has_segments=True)):
+    assert op.use_fused_ring(auto, AttentionSpec(mask=masks.MaskSpec(is_causal=True, **terms), scale=0.1), *small, 4)
   assert op.use_fused_ring(Choice(PallasTpuBackend(), "pallas_tpu_ring", (("fused", True),)), spec, *small, 4)
   assert not op.use_fused_ring(Choice(PallasTpuBackend(), "pallas_tpu"), spec, *small, 4)  # named block kernels
   assert not op.use_fused_ring(Choice(PallasTpuBackend(interpret=interpret_params()), None), spec, *small, 4)

@@ -198,12 +198,18 @@ def test_tile_tables_must_fit_smem():
 # -- the in-kernel ring's planner (`planners/ring.py`) ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("segments,dropout", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize(
+  "segments,dropout,spans,positions",
+  [(False, False, False, False), (True, False, False, False), (True, True, False, False), (False, False, True, True),
+   (True, False, True, True), (False, True, False, True)],
+  ids=["", "seg", "seg-drop", "spans-positions", "seg-spans-positions", "drop-positions"],
+)  # fmt: skip
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_planner_counts_every_ring_buffer(segments, dropout, dtype):
+def test_planner_counts_every_ring_buffer(segments, dropout, spans, positions, dtype):
   """`ring_footprint` equals the VMEM of each ring kernel's own plan, with VMEM and HBM slots, with v's head dim
   equal to q/k's, narrower and wider, on kv tiles the HBM backward's fold adds in halves (128) or with partner
-  buffers (200: a whole short shard)."""
+  buffers (200: a whole short shard), with every combination of token fields (segment ids, bidirectional ids,
+  positions given per row: a q column and travelling kv row slots each)."""
   for Hv, (S, bk) in itertools.product((None, 48, 160), ((384, 128), (200, 200))):
     d = rp.RingDims(
       axes=("sp",),
@@ -223,9 +229,11 @@ def test_planner_counts_every_ring_buffer(segments, dropout, dtype):
       live=4,
       has_dropout=dropout,
       v_head_dim=Hv,
+      has_bidirectional=spans,
+      has_positions=positions,
     )
     dims = dict(T=256, S=S, bq=64, bk=bk, num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, v_head_dim=Hv)
-    dims.update(has_segments=segments, dropout=dropout)
+    dims.update(has_segments=segments, dropout=dropout, has_bidirectional=spans, has_positions=positions)
     plans = dict(ring_fwd=fwd_plan, ring_bwd=bwd_plan, ring_fwd_hbm=fwd_plan_hbm, ring_bwd_hbm=bwd_plan_hbm)
     for kernel, plan in plans.items():
       slots = "hbm" if kernel.endswith("_hbm") else "vmem"
@@ -265,6 +273,22 @@ def test_ring_plan():
     assert all(need(bq, bk) > budget for bq, bk in bigger), (L, backward, got)
     if L == 4096:
       assert bigger, "the choice is below the whole shard, so the check above compares something"
+  # Token fields (segment ids, bidirectional ids, positions given per row) are counted where the slots and tiles
+  # are chosen, through the `ProblemShape` the kernels plan from (positions come apart: the shape has no flag).
+  fields = dict(has_segments=True, has_bidirectional=True, has_positions=True)
+  shape = ProblemShape(
+    q_len=4096, kv_len=4096, num_heads=8, num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16, has_segments=True,
+    has_bidirectional=True,
+  )  # fmt: skip
+  with_fields = planner.plan_ring_for(shape, n=8, backward=True, generation="v5e", has_positions=True)
+  assert with_fields == plan(T=4096, S=4096, n=8, backward=True, **fields)
+  name = "ring_bwd" if with_fields.slots == "vmem" else "ring_bwd_hbm"
+  dims = dict(T=4096, S=4096, num_heads=8, num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16)
+  assert planner.ring_footprint(name, bq=with_fields.bq, bk=with_fields.bk, **dims, **fields).total <= budget
+  plain = plan(T=4096, S=4096, n=8, backward=True)
+  for kernel in ("ring_fwd", "ring_bwd", "ring_fwd_hbm", "ring_bwd_hbm"):
+    at = dict(bq=plain.bq, bk=plain.bk, **dims)
+    assert planner.ring_footprint(kernel, **at, **fields).buffers > planner.ring_footprint(kernel, **at).buffers
   # A shard too long for VMEM: HBM slots, and the tile table of a ring of 8 fits SMEM.
   for backward in (False, True):
     long = plan(T=1 << 17, S=1 << 17, n=8, backward=backward)

@@ -1,4 +1,4 @@
-"""Masks on the tokens' own positions: any order, chunked attention, bidirectional spans (issue 32, XLA path).
+"""Masks on the tokens' own positions: any order, chunked attention, bidirectional spans (issue 32).
 
 Every numerical test builds the problem in natural order, asks the float64 oracle (`dense_oracle.py`, no library
 code) for the answer and every gradient there, then hands the library the tokens in another order (a random
@@ -24,6 +24,7 @@ from tolerances import assert_close
 import flax_ringattn as fr
 from flax_ringattn._src import masks, validation
 from flax_ringattn._src.testing.interpret import interpret_params, no_races
+from flax_ringattn.testing import kernel_debug
 
 B, T, N, K, H = 2, 32, 4, 2, 8
 BLOCKS = fr.BlockSizes(block_q=8, block_kv=8)
@@ -31,6 +32,7 @@ BLOCKS = fr.BlockSizes(block_q=8, block_kv=8)
 KERNEL_BLOCKS = {
   "pallas_gpu": fr.BlockSizes(block_q=16, block_kv=16),
   "pallas_tpu": fr.BlockSizes(block_q=8, block_kv=128),
+  "pallas_tpu_ring": fr.BlockSizes(block_q=8, block_kv=128),
 }
 INTERPRET = {"pallas_gpu": lambda: True, "pallas_tpu": interpret_params, "pallas_tpu_ring": interpret_params}
 # The kernels that take every mask term, and the cases each runs (every term at least once, at ring 1 and 2).
@@ -141,6 +143,65 @@ def test_kernels_take_any_order(implementation, n, case):
     _check(case, _permutations(seed=len(case)), n=n, implementation=implementation)
 
 
+# The in-kernel ring (pallas_tpu_ring), mostly on a ring of 2 (shards of 16 tokens in two q tiles of 8): the kv side's
+# positions and ids travel with K/V in the kernel's own DMAs, every hop's tile classes come from all-gathered
+# extents, and every hop runs (positions or spans given: no hop or send is known EMPTY before the data).  Both
+# kinds of slots, forced with `kernel_debug`: "vmem" (whole shards resident) and "hbm" (tiles streamed).
+CHUNKS = dict(is_causal=True, chunk_size=12)  # chunk edges at 12 and 24: they cut zigzag's halves of 8 at ring 2
+
+
+def _check_kernel_ring(mask, slots, layout, *, n=2):
+  """pallas_tpu_ring with its slots in `slots` on a ring of n against the oracle, forward and every gradient:
+  the tokens in `layout` order, "contiguous" or "zigzag" (load_balance=True) on the layout's own positions, or
+  a [B, T] order given with its positions."""
+  q, k, v, do = _inputs()
+  want, grads = dense_oracle(q, k, v, do=do, **mask)
+  move = jnp.asarray
+  opts = dict(mask)
+  if isinstance(layout, str):
+    if layout == "zigzag":
+      move = lambda x: fr.zigzag_order(jnp.asarray(x), n, axis=1)  # noqa: E731
+      opts["load_balance"] = True
+  else:
+    move = lambda x: jnp.asarray(_take(x, layout))  # noqa: E731
+    opts["q_positions"] = jnp.asarray(layout)
+  for name in ("segment_ids", "bidirectional_ids"):
+    if name in opts:
+      opts[name] = move(opts[name])
+  with kernel_debug(slots=slots), no_races():
+    got, got_grads = _run(*(move(x) for x in (q, k, v, do)), opts, n=n, implementation="pallas_tpu_ring")
+  assert_close(got, move(want), jnp.float32)
+  assert_close(got_grads, tuple(move(g) for g in grads), jnp.float32, "grad")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize(
+  "case, layout, n, slots",
+  [
+    ("chunks", "zigzag", 2, "vmem"),
+    ("chunks", "zigzag", 2, "hbm"),
+    ("image_spans", "contiguous", 2, "vmem"),
+    ("image_spans", "contiguous", 2, "hbm"),
+    ("chunks", "contiguous", 4, "vmem"),
+  ],
+)
+def test_kernel_ring_on_the_layouts_positions(case, layout, n, slots):
+  """No positions given.  Chunks whose edges cut zigzag's halves: the chunk term in the static hop tables (at
+  ring 2 member 0 sees nothing of shard 1, so that send is skipped; contiguous at ring 4, shards of 8, the ring
+  ends after 2 hops), the tile classes and the kernel's mask.  Contiguous causal with image spans across the
+  shard edge: shard 0's queries see shard 1's span keys, which causal alone would never send them (the ids
+  travel with K/V)."""
+  _check_kernel_ring(CHUNKS if case == "chunks" else CASES[case], slots, layout, n=n)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("case, slots", [("chunk_window_segments", "vmem"), ("prefix_lm_packed", "hbm")])
+def test_kernel_ring_takes_any_order(case, slots):
+  """A random permutation per row with its positions: chunks, a window and segments (the tile classes must come
+  from the positions that travel, not the layout's), or prefix-LM spans in packed documents."""
+  _check_kernel_ring(CASES[case], slots, _permutations(seed=len(case)))
+
+
 @pytest.mark.parametrize(
   "strategy, mesh_shape, axis",
   [
@@ -199,6 +260,25 @@ def test_dropout_mask_follows_the_tokens():
   assert_close(permuted, _take(natural, order), jnp.float32)
 
 
+@pytest.mark.interpret
+def test_kernel_ring_dropout_follows_the_tokens():
+  """The in-kernel ring hashes its keep mask from the positions that travel with the tokens: a permuted call on a
+  ring of 2 drops what xla's drops (the test above ties xla's to the natural order)."""
+  q, k, v, _ = _inputs()
+  order = _permutations(seed=11)
+  mesh = make_mesh((2,), ("sp",))
+  kw = dict(is_causal=True, dropout_rate=0.3, dropout_rng=jax.random.key(4), broadcast_dropout=False, mesh=mesh)
+  kw |= dict(axis_name="sp", q_positions=jnp.asarray(order))
+  permuted = [jnp.asarray(_take(x, order)) for x in (q, k, v)]
+  want = fr.ring_attention(*permuted, implementation="xla", **kw)
+  ring = dict(
+    implementation="pallas_tpu_ring", interpret=interpret_params(), block_sizes=KERNEL_BLOCKS["pallas_tpu_ring"]
+  )
+  with no_races():
+    got = fr.ring_attention(*permuted, **ring, **kw)
+  assert_close(got, want, jnp.float32)
+
+
 def test_dot_product_attention_and_reference_take_positions():
   q, k, v, _ = _inputs()
   order = _permutations(seed=5)
@@ -242,16 +322,6 @@ def test_layer_warns_once_when_zigzag_is_taken_on_trust():
     warnings.simplefilter("error")
     layer(x, is_causal=True)  # once
     layer(x, is_causal=True, positions=fr.zigzag_positions(8, 1))
-
-
-@pytest.mark.parametrize("implementation", ["pallas_tpu_ring"])
-@pytest.mark.parametrize("option", ["chunk_size", "bidirectional_ids", "q_positions"])
-def test_kernels_without_the_new_terms_refuse_them(implementation, option):
-  q, k, v, _ = _inputs()
-  value = {"chunk_size": 8, "bidirectional_ids": jnp.asarray(SPANS), "q_positions": jnp.asarray(_permutations())}
-  name = {"q_positions": "q_positions / kv_positions"}.get(option, option)
-  with pytest.raises(NotImplementedError, match=rf"{implementation} does not implement {name} yet"):
-    fr.ring_attention(q, k, v, is_causal=True, implementation=implementation, interpret=True, **{option: value[option]})
 
 
 @pytest.mark.parametrize(

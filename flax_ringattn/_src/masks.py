@@ -60,12 +60,6 @@ class MaskSpec:
   def is_trivial(self) -> bool:
     return not (self.is_causal or self.window is not None or self.chunk_size is not None or self.has_segments)
 
-  @property
-  def features(self) -> tuple[str, ...]:
-    """The names of the terms this mask has beyond causal, window and segments (for backends' refusals)."""
-    named = (("chunk_size", self.chunk_size is not None), ("bidirectional_ids", self.has_bidirectional))
-    return tuple(n for n, on in (*named, ("q_positions / kv_positions", self.has_positions)) if on)
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

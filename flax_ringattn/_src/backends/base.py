@@ -46,7 +46,7 @@ from typing import Protocol
 
 from flax_ringattn._src.options import AttentionSpec
 
-__all__ = ["AttentionSpec", "BlockBackend", "refuse_mask_features"]
+__all__ = ["AttentionSpec", "BlockBackend"]
 
 
 class BlockBackend(Protocol):
@@ -64,13 +64,3 @@ class BlockBackend(Protocol):
   def fwd(self, q, k, v, q_tok, kv_tok, *, spec: AttentionSpec, dropout=None): ...
 
   def bwd(self, q, k, v, do, lse, delta, q_tok, kv_tok, *, spec: AttentionSpec, dropout=None): ...
-
-
-def refuse_mask_features(label: str, spec: AttentionSpec) -> None:
-  """NotImplementedError naming the mask terms of `spec` a kernel family does not implement yet (chunks,
-  bidirectional ids, positions given per row): the selection then moves on to the next backend."""
-  missing = spec.mask.features
-  if missing:
-    raise NotImplementedError(
-      f"{label} does not implement {', '.join(missing)} yet; implementation='xla' (or None) runs them"
-    )

@@ -33,9 +33,8 @@ def _inexact_message() -> str:
   return (
     "the dense mask=... is not of the family ring attention recovers exactly (([causal] & [window] | "
     "same bidirectional span) & (q_ids[i] == kv_ids[j]): causal or not, packed segments, padding of queries and "
-    "keys or of keys only, a sliding window declared with local_window_size=..., and in a causal mask contiguous "
-    "spans of tokens that see each other (image tokens, a prefix-LM prefix; not with "
-    "implementation='pallas_tpu_ring'); a bias must be 0 or <= "
+    "keys or of keys only, a sliding window declared with local_window_size=..., and in a causal mask spans of "
+    "tokens that see each other (image tokens, a prefix-LM prefix); a bias must be 0 or <= "
     f"{masks.BIAS_MASKED:g}); {_MASK_ALTERNATIVES}"
   )
 
@@ -59,14 +58,14 @@ def _report_if_inexact(exact):
 
 
 def dense_mask_options(
-  mask, *, B, N, T, S, is_causal, segment_ids, checked: bool, local_window_size=None, also_exact=None, spans=True
+  mask, *, B, N, T, S, is_causal, segment_ids, checked: bool, local_window_size=None, also_exact=None
 ):
   """Turns a dense mask into (is_causal, segment_ids, bidirectional_ids, exact) for `ring_attention`.
 
   is_causal comes back as a Python bool when the mask is concrete (or has no
   causal question left because is_causal=True), else as a traced bool (the
   caller then branches with `lax.cond`).  bidirectional_ids are None for a
-  concrete mask without spans (and when `spans` is False), else [B, T] (zeros
+  concrete mask without spans, else [B, T] (zeros
   where there is none: a traced mask may or may not hold spans, and one
   program serves both).  The recovery is verified: a concrete mask raises
   `ValueError` at once.  A traced one (under jit), when `checked` (the
@@ -88,9 +87,7 @@ def dense_mask_options(
     mask = mask != 0
   if is_causal:
     mask = mask & jnp.tril(jnp.ones((T, S), bool))
-  causal, q_ids, kv_ids, exact, bid = dense_masks.structure_from_dense_mask(
-    mask, local_window_size=local_window_size, spans=spans
-  )
+  causal, q_ids, kv_ids, exact, bid = dense_masks.structure_from_dense_mask(mask, local_window_size=local_window_size)
   if also_exact is not None:
     exact = exact & also_exact
   if q_ids.shape[0] != B:
@@ -327,7 +324,6 @@ def masked_ring_attention(
       checked=options.check_mask,
       local_window_size=options.local_window_size,
       also_exact=also_exact,
-      spans=options.implementation != "pallas_tpu_ring",  # its tables are static: no per-token span ids
     )
     tokens["bidirectional_ids"] = bidirectional_ids
 

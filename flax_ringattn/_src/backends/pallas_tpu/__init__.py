@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from flax_ringattn._src.backends.base import refuse_mask_features
 from flax_ringattn._src.backends.pallas_tpu import common, planners
 from flax_ringattn._src.backends.pallas_tpu.block.backward import block_bwd
 from flax_ringattn._src.backends.pallas_tpu.block.forward import block_fwd
@@ -62,9 +61,7 @@ class PallasTpuBackend:
       )
     if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
       raise NotImplementedError(f"{self.label} supports float32 and bfloat16 inputs, got dtype={jnp.dtype(dtype)}")
-    if self.label == "pallas_tpu_ring":
-      refuse_mask_features(self.label, spec)  # the in-kernel ring's tables are positions of the layout
-    del shapes  # global shapes: the shard lengths are checked against the tiles when the block is traced
+    del spec, shapes  # global shapes: the shard lengths are checked against the tiles when the block is traced
 
   def with_interpret(self, interpret):
     """This backend in Pallas TPU interpret mode (True or a `pltpu.InterpretParams`)."""
@@ -74,9 +71,11 @@ class PallasTpuBackend:
     """The in-kernel ring (`ring/`): the whole per-device ring strategy as one `flash.FlashKernel`."""
     return KernelRing(axis_name=axis_name, load_balance=load_balance, spec=spec, interpret=self.interpret)
 
-  def fused_ring_fits(self, shape: ProblemShape, *, n=1) -> bool:
-    """Whether the in-kernel ring runs shards of `shape`: with VMEM slots, or HBM slots and tiles (`plan_ring`)."""
-    return planners.ring_fits_for(shape, n=n)
+  def fused_ring_fits(self, shape: ProblemShape, *, n=1, mask=None) -> bool:
+    """Whether the in-kernel ring runs shards of `shape`: with VMEM slots, or HBM slots and tiles (`plan_ring`).
+    `mask`: the call's `masks.MaskSpec`, whose positions given per row travel as one more token field (every
+    mask term is supported)."""
+    return planners.ring_fits_for(shape, n=n, has_positions=mask is not None and mask.has_positions)
 
   def fwd(self, q, k, v, q_tok, kv_tok, *, spec, dropout=None):
     return block_fwd(q, k, v, q_tok, kv_tok, spec=spec, dropout=dropout, interpret=self.interpret)

@@ -36,14 +36,18 @@ def ring_footprint(
   soft_cap=False,
   dropout=False,
   v_head_dim=None,
+  has_bidirectional=False,
+  has_positions=False,
 ) -> Footprint:
   """VMEM of an in-kernel ring kernel: 'ring_fwd' / 'ring_bwd' (VMEM slots, `ring/vmem_forward.py`,
   `ring/vmem_backward.py`) or 'ring_fwd_hbm' / 'ring_bwd_hbm' (HBM slots, `ring/hbm_forward.py`, `ring/hbm_backward.py`).
 
   With VMEM slots a grid step holds the whole q shard of one kv head's group
   (T rows) and two communication slots of the kv shard (S rows) for each
-  travelling array: K, V (and the kv segment ids); the backward adds two f32
-  slots each for the dK / dV accumulators and one f32 local sum each.
+  travelling array: K, V and the kv row of each token field (positions given
+  per row, segment ids, bidirectional ids; each with its q column); the
+  backward adds two f32 slots each for the dK / dV accumulators and one f32
+  local sum each.
   With HBM slots only tiles are in VMEM, whatever T and S: the outer tile of
   a pass and its state once, the streamed inner tiles twice (double buffers).
   Temporaries are those of one (bq, bk) tile pair, as in `footprint`.
@@ -53,13 +57,13 @@ def ring_footprint(
   G, H, f32, i32 = num_heads // num_kv_heads, head_dim, jnp.float32, jnp.int32
   Hv = H if v_head_dim is None else v_head_dim
   score = G * bq * bk * 4
+  F = bool(has_segments) + bool(has_bidirectional) + bool(has_positions)  # token fields (`RingDims.fields`)
   if kernel in ("ring_fwd", "ring_bwd"):
     q_blk = _tile(T, H, dtype, G)
     stat = _tile(T, 1, f32, G)
     slots = _tile(S, H, dtype, 2) + _tile(S, Hv, dtype, 2)  # K and V, two slots each
-    seg_in = _tile(T, 1, i32) if has_segments else 0  # the q segment ids column
-    if has_segments:
-      slots += _tile(1, S, i32, 2)
+    seg_in = F * _tile(T, 1, i32)  # the q columns of the token fields
+    slots += F * _tile(1, S, i32, 2)  # their kv rows, two slots each
   if kernel == "ring_fwd":
     inputs = q_blk + seg_in
     outputs = _tile(T, Hv, f32, G) + stat
@@ -73,15 +77,15 @@ def ring_footprint(
   elif kernel in ("ring_fwd_hbm", "ring_bwd_hbm"):
     inputs = outputs = 0  # everything pipelined by hand: scratch only
     kv_tiles = _tile(bk, H, dtype, 2) + _tile(bk, Hv, dtype, 2)  # [2] x (k, v)
-    kv_tiles += _tile(1, bk, i32, 2) if has_segments else 0  # [2] x kv segment ids
+    kv_tiles += F * _tile(1, bk, i32, 2)  # [2] x the kv token rows
     if kernel == "ring_fwd_hbm":
-      q_tile = _tile(bq, H, dtype, G) + (_tile(bq, 1, i32) if has_segments else 0)
+      q_tile = _tile(bq, H, dtype, G) + F * _tile(bq, 1, i32)
       state = 2 * _tile(bq, c.LANES, f32, G) + _tile(bq, Hv, f32, G) + _tile(bq, 1, f32, G)  # m, l, acc, lse
       scratch = q_tile + kv_tiles + state
       temporaries = 3 * score
     else:
       q_side = _tile(bq, H, dtype, G) + _tile(bq, Hv, dtype, G) + 2 * _tile(bq, 1, f32, G)  # q, do, lse, delta
-      q_side += _tile(bq, 1, i32) if has_segments else 0
+      q_side += F * _tile(bq, 1, i32)
       kv_grads = _tile(bk, H, f32) + _tile(bk, Hv, f32)  # dk, dv of a kv tile
       # the fold's partners of the dk, dv tiles, unless it adds in their halves (`ring.hbm_backward.fold_in_halves`)
       fold = kv_grads if bk % 16 else 0
@@ -130,6 +134,8 @@ def plan_ring(
   tiles=None,
   generation=None,
   v_head_dim=None,
+  has_bidirectional=False,
+  has_positions=False,
 ) -> RingPlan:
   """Slots and tiles of the in-kernel ring's forward (or backward) kernel on (T, S) shards of a ring of n.
 
@@ -140,10 +146,13 @@ def plan_ring(
   the largest.  Either way the ring's tile table (`ring_table_bytes`) must
   fit its SMEM share.  `tiles=(bq, bk)` (the caller's BlockSizes) is kept and
   only the slots are chosen.  `v_head_dim`: v's (and the output's) head dim
-  when it differs from head_dim (MLA); None: head_dim.
+  when it differs from head_dim (MLA); None: head_dim.  `has_positions`:
+  positions given per row travel as a token field (else the kernels compute
+  the layout's).
   """
   shape = _shape(T, S, num_heads, num_kv_heads, head_dim, v_head_dim, dtype, has_segments, soft_cap, dropout)
-  return plan_ring_for(shape, n=n, backward=backward, tiles=tiles, generation=generation)
+  shape = dataclasses.replace(shape, has_bidirectional=has_bidirectional)
+  return plan_ring_for(shape, n=n, backward=backward, tiles=tiles, generation=generation, has_positions=has_positions)
 
 
 def _shape(T, S, num_heads, num_kv_heads, head_dim, v_head_dim, dtype, has_segments, soft_cap, dropout):
@@ -162,9 +171,11 @@ def _shape(T, S, num_heads, num_kv_heads, head_dim, v_head_dim, dtype, has_segme
   )
 
 
-def plan_ring_for(shape: ProblemShape, *, n, backward: bool, tiles=None, generation=None) -> RingPlan:
+def plan_ring_for(
+  shape: ProblemShape, *, n, backward: bool, tiles=None, generation=None, has_positions=False
+) -> RingPlan:
   """`plan_ring` of one `ProblemShape` of (T, S) shards (what the kernels call; v's head dim is
-  `shape.head_dim_v`)."""
+  `shape.head_dim_v`; `ProblemShape` has no positions flag, so it comes apart)."""
   T, S, dtype = shape.q_len, shape.kv_len, shape.dtype
   num_heads, num_kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
   generation = current_generation() if generation is None else generation
@@ -180,7 +191,7 @@ def plan_ring_for(shape: ProblemShape, *, n, backward: bool, tiles=None, generat
         f"whole axis up to {MAX_TILE}) or kv_len={S} (multiples of {c.LANES}, same rule)"
       )
     pairs = [(bq, bk) for bq, bk in pairs if ring_table_bytes(n, T // bq, S // bk) <= c.SMEM_TABLE_BYTES]
-  dims = dict(T=T, S=S, dtype=dtype, **shape.heads, **shape.features)
+  dims = dict(T=T, S=S, dtype=dtype, has_positions=has_positions, **shape.heads, **shape.features)
   name = "ring_bwd" if backward else "ring_fwd"
   resident = [(bq, bk) for bq, bk in pairs if ring_footprint(name, bq=bq, bk=bk, **dims).total <= budget]
   if resident:
@@ -231,11 +242,11 @@ def ring_fits(
   return ring_fits_for(shape, n=n, generation=generation)
 
 
-def ring_fits_for(shape: ProblemShape, *, n=1, generation=None) -> bool:
+def ring_fits_for(shape: ProblemShape, *, n=1, generation=None, has_positions=False) -> bool:
   """`ring_fits` of one `ProblemShape` of (T, S) shards (v's head dim: `shape.head_dim_v`)."""
   try:
     for backward in (False, True):
-      plan_ring_for(shape, n=n, backward=backward, generation=generation)
+      plan_ring_for(shape, n=n, backward=backward, generation=generation, has_positions=has_positions)
   except ValueError:
     return False
   return True

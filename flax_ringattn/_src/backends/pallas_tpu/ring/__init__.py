@@ -19,7 +19,7 @@ from flax_ringattn._src.backends.pallas_tpu.ring.vmem_forward import ring_fwd
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelRing:
   """The in-kernel ring as a `flash.FlashKernel` (hashable): operands (q, k, v, q_tok, kv_tok, drop)
-  with `masks.Tokens` whose positions are None (the ring's layout computes them)."""
+  with the shards' `masks.Tokens` (positions None unless given per row: the kernels compute the layout's)."""
 
   axis_name: object  # a bound mesh axis, a tuple of them, or None (a ring of one)
   load_balance: bool
@@ -32,9 +32,9 @@ class KernelRing:
     return dict(spec=self.spec, axis_name=self.axis_name, load_balance=self.load_balance, interpret=self.interpret)
 
   def forward(self, q, k, v, q_tok, kv_tok, drop):
-    return ring_fwd(q, k, v, q_tok.seg, kv_tok.seg, dropout=drop, **self._where())
+    return ring_fwd(q, k, v, q_tok, kv_tok, dropout=drop, **self._where())
 
   def backward(self, operands, lse, do, delta):
     q, k, v, q_tok, kv_tok, drop = operands
-    dq, dk, dv = ring_bwd(q, k, v, do, lse, delta, q_tok.seg, kv_tok.seg, dropout=drop, **self._where())
+    dq, dk, dv = ring_bwd(q, k, v, do, lse, delta, q_tok, kv_tok, dropout=drop, **self._where())
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None

@@ -45,20 +45,18 @@ def bwd_plan_hbm(d: rp.RingDims) -> c.CallPlan:
   in_dtypes = [d.dtype, d.dtype, c.F32, c.F32, d.dtype, d.dtype]
   outs = [((d.B, d.N, T, H), c.F32), ((d.B, d.K, S, H), c.F32), ((d.B, d.K, S, Hv), c.F32)]  # dq, dk, dv
   outs += [((2, S, H), d.dtype), ((2, S, Hv), d.dtype)]  # K / V slots
-  if d.has_segments:
-    in_specs += [rp.HBM, rp.HBM]
-    in_dtypes += [jnp.int32, jnp.int32]
-    outs += [((2, 1, S), jnp.int32)]
+  F = len(d.fields)  # token fields: q columns and kv rows in HBM, kv slots of their own, tiles in VMEM
+  in_specs += [rp.HBM] * (2 * F)
+  in_dtypes += [jnp.int32] * (2 * F)
+  outs += [((2, 1, S), jnp.int32)] * F
   drop_specs, drop_dtypes = c.dropout_specs(d.has_dropout)
   in_specs += drop_specs
   in_dtypes += drop_dtypes
   outs += [((2, S, H), c.F32), ((2, S, Hv), c.F32), ((S, H), c.F32), ((S, Hv), c.F32)]  # dk/dv slots, local sums
   scratch = [((2, G, bq, H), d.dtype), ((2, G, bq, Hv), d.dtype), ((2, G, bq, 1), c.F32), ((2, G, bq, 1), c.F32)]
-  if d.has_segments:
-    scratch += [((2, bq, 1), jnp.int32)]
+  scratch += [((2, bq, 1), jnp.int32)] * F
   scratch += [((2, bk, H), d.dtype), ((2, bk, Hv), d.dtype)]
-  if d.has_segments:
-    scratch += [((2, 1, bk), jnp.int32)]
+  scratch += [((2, 1, bk), jnp.int32)] * F
   scratch += [((G, bq, H), c.F32), ((bk, H), c.F32), ((bk, Hv), c.F32)]  # dq of a q tile; dk, dv of a kv tile
   if not fold_in_halves(d):
     scratch += [((bk, H), c.F32), ((bk, Hv), c.F32)]  # the fold's partners of the dk, dv tiles
@@ -73,16 +71,16 @@ def bwd_plan_hbm(d: rp.RingDims) -> c.CallPlan:
 
 
 def _kernel(meta_ref, kinds_ref, q_hbm, do_hbm, lse_hbm, delta_hbm, k_hbm, v_hbm, *refs, spec, d: rp.RingDims):
-  if d.has_segments:
-    qseg_hbm, kvseg_hbm, *refs = refs
+  F = len(d.fields)
+  qtok_hbm, kvtok_hbm, refs = refs[:F], refs[F : 2 * F], refs[2 * F :]
   drop_ref, refs = c.split_dropout_ref(spec, refs)
   dq_hbm, dk_out, dv_out, k_slots, v_slots, *refs = refs
-  seg_slots = refs.pop(0) if d.has_segments else None
+  tok_slots, refs = refs[:F], refs[F:]
   dk_slots, dv_slots, dk_loc, dv_loc, *refs = refs
   q_buf, do_buf, lse_buf, delta_buf, *refs = refs
-  qseg_buf = refs.pop(0) if d.has_segments else None
+  qtok_bufs, refs = refs[:F], refs[F:]
   k_buf, v_buf, *refs = refs
-  kvseg_buf = refs.pop(0) if d.has_segments else None
+  kvtok_bufs, refs = refs[:F], refs[F:]
   dq_sc, dk_sc, dv_sc, *refs = refs
   partners = None if fold_in_halves(d) else (refs.pop(0), refs.pop(0))  # the fold's, for dk_sc and dv_sc
   io_sems, tile_sems, send_sems, recv_sems, credit = refs
@@ -93,14 +91,10 @@ def _kernel(meta_ref, kinds_ref, q_hbm, do_hbm, lse_hbm, delta_hbm, k_hbm, v_hbm
 
   if d.n > 1:
     pl.when((b == 0) & (h == 0))(comms.barrier)
-  own = [k_hbm.at[b, h], v_hbm.at[b, h]]
-  slots = [k_slots, v_slots]
-  kv_bufs = [k_buf, v_buf]
-  if d.has_segments:
-    own.append(kvseg_hbm.at[b])
-    slots.append(seg_slots)
-    kv_bufs.append(kvseg_buf)
-  q_bufs = [q_buf, do_buf, lse_buf, delta_buf] + ([qseg_buf] if d.has_segments else [])
+  own = [k_hbm.at[b, h], v_hbm.at[b, h], *(x.at[b] for x in kvtok_hbm)]
+  slots = [k_slots, v_slots, *tok_slots]
+  kv_bufs = [k_buf, v_buf, *kvtok_bufs]
+  q_bufs = [q_buf, do_buf, lse_buf, delta_buf, *qtok_bufs]
 
   def src_of(t):
     return own if t == 0 else [s.at[t % 2] for s in slots]
@@ -109,11 +103,11 @@ def _kernel(meta_ref, kinds_ref, q_hbm, do_hbm, lse_hbm, delta_hbm, k_hbm, v_hbm
     rows = pl.ds(i * bq, bq)
     out = [q_hbm.at[b, heads, rows], do_hbm.at[b, heads, rows], lse_hbm.at[b, heads, rows]]
     out.append(delta_hbm.at[b, heads, rows])
-    return out + [qseg_hbm.at[b, rows]] if d.has_segments else out
+    return out + [x.at[b, rows] for x in qtok_hbm]
 
   def tile_grads(t, i, j, qs, ks, masked):
     """(p, dS, dO) of tile pair (i, j) of hop t from the q-side buffers `qs` and the kv buffers `ks`."""
-    segs = (qs[4], ks[2]) if d.has_segments else ()
+    toks = (qs[4:], ks[2:])  # the token columns and rows of `d.fields`
     return _probs_and_dscores(
       qs[0],
       ks[0],
@@ -121,10 +115,10 @@ def _kernel(meta_ref, kinds_ref, q_hbm, do_hbm, lse_hbm, delta_hbm, k_hbm, v_hbm
       qs[1],
       qs[2],
       qs[3],
-      rp.tile_masks(d, comms, t, i, j, *segs) if masked else None,
+      rp.tile_masks(d, comms, t, i, j, *toks) if masked else None,
       spec=spec,
       masked=masked,
-      drop=rp.tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h),
+      drop=rp.tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h, *toks),
     )
 
   def dq_pass(t):
@@ -249,10 +243,10 @@ def fold_in_halves(d: rp.RingDims) -> bool:
 
 def sems(d: rp.RingDims):
   """Synchronous-copy sems, streamed-tile sems [2, arrays], send and receive sems (K/V, then dK / dV), credit."""
-  num_kv = 3 if d.has_segments else 2
-  num_q = 5 if d.has_segments else 4
+  num_kv = 2 + len(d.fields)  # K, V and the token rows
+  num_q = 4 + len(d.fields)  # q, dO, lse, delta and the token columns
   return [
-    pltpu.SemaphoreType.DMA((st.NUM_IO_SEMS,)),
+    pltpu.SemaphoreType.DMA((st.io_sems(d),)),
     pltpu.SemaphoreType.DMA((2, max(num_q, num_kv))),
     pltpu.SemaphoreType.DMA((num_kv + 2,)),
     pltpu.SemaphoreType.DMA((num_kv + 2,)),

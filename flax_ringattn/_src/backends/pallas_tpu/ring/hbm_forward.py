@@ -42,17 +42,16 @@ def fwd_plan_hbm(d: rp.RingDims) -> c.CallPlan:
   in_dtypes = [d.dtype, d.dtype, d.dtype]
   outs = [((d.B, d.N, T, Hv), c.F32), ((d.B, d.N, T, 1), c.F32), ((2, S, H), d.dtype), ((2, S, Hv), d.dtype)]
   scratch = [((G, bq, H), d.dtype)]  # the q tile
-  if d.has_segments:
-    in_specs += [rp.HBM, rp.HBM]
-    in_dtypes += [jnp.int32, jnp.int32]
-    outs += [((2, 1, S), jnp.int32)]  # kv segment-id slots
-    scratch += [((bq, 1), jnp.int32)]
+  F = len(d.fields)  # token fields: q columns and kv rows in HBM, kv slots of their own, tiles in VMEM
+  in_specs += [rp.HBM] * (2 * F)
+  in_dtypes += [jnp.int32] * (2 * F)
+  outs += [((2, 1, S), jnp.int32)] * F  # kv token-row slots
+  scratch += [((bq, 1), jnp.int32)] * F  # the q tile's columns
   drop_specs, drop_dtypes = c.dropout_specs(d.has_dropout)
   in_specs += drop_specs
   in_dtypes += drop_dtypes
   scratch += [((2, bk, H), d.dtype), ((2, bk, Hv), d.dtype)]  # streamed k, v tiles
-  if d.has_segments:
-    scratch += [((2, 1, bk), jnp.int32)]
+  scratch += [((2, 1, bk), jnp.int32)] * F  # and their token rows
   scratch += [((G, bq, c.LANES), c.F32), ((G, bq, c.LANES), c.F32), ((G, bq, Hv), c.F32), ((G, bq, 1), c.F32)]
   return c.CallPlan(
     grid=(d.B, d.K),
@@ -65,15 +64,15 @@ def fwd_plan_hbm(d: rp.RingDims) -> c.CallPlan:
 
 
 def _kernel(meta_ref, kinds_ref, q_hbm, k_hbm, v_hbm, *refs, spec, d: rp.RingDims):
-  if d.has_segments:
-    qseg_hbm, kvseg_hbm, *refs = refs
+  F = len(d.fields)
+  qtok_hbm, kvtok_hbm, refs = refs[:F], refs[F : 2 * F], refs[2 * F :]
   drop_ref, refs = c.split_dropout_ref(spec, refs)
   o_hbm, lse_hbm, k_slots, v_slots, *refs = refs
-  seg_slots = refs.pop(0) if d.has_segments else None
+  tok_slots, refs = refs[:F], refs[F:]
   q_buf, *refs = refs
-  qseg_buf = refs.pop(0) if d.has_segments else None
+  qtok_bufs, refs = refs[:F], refs[F:]
   k_buf, v_buf, *refs = refs
-  kvseg_buf = refs.pop(0) if d.has_segments else None
+  kvtok_bufs, refs = refs[:F], refs[F:]
   m_sc, l_sc, acc_sc, lse_sc, io_sems, tile_sems, send_sems, recv_sems, credit = refs
   b, h = pl.program_id(0), pl.program_id(1)
   comms = rp.Comms(meta_ref, d, credit, name="ring_fwd")
@@ -82,13 +81,9 @@ def _kernel(meta_ref, kinds_ref, q_hbm, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
 
   if d.n > 1:
     pl.when((b == 0) & (h == 0))(comms.barrier)
-  own = [k_hbm.at[b, h], v_hbm.at[b, h]]
-  slots = [k_slots, v_slots]
-  bufs = [k_buf, v_buf]
-  if d.has_segments:
-    own.append(kvseg_hbm.at[b])
-    slots.append(seg_slots)
-    bufs.append(kvseg_buf)
+  own = [k_hbm.at[b, h], v_hbm.at[b, h], *(x.at[b] for x in kvtok_hbm)]
+  slots = [k_slots, v_slots, *tok_slots]
+  bufs = [k_buf, v_buf, *kvtok_bufs]
 
   for t in range(d.live):
     rp.note(d, "ring_fwd", "hop", t)
@@ -115,24 +110,24 @@ def _kernel(meta_ref, kinds_ref, q_hbm, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
       @pl.when(row_live)
       def _compute():
         q_side = [(q_hbm.at[b, heads, rows], q_buf)]
-        if d.has_segments:
-          q_side.append((qseg_hbm.at[b, rows], qseg_buf))
+        q_side += [(x.at[b, rows], buf) for x, buf in zip(qtok_hbm, qtok_bufs, strict=True)]
         rp.sync_copies(q_side, io_sems)
 
         def kv_tile(j, slot):
+          toks = (qtok_bufs, [buf.at[slot] for buf in kvtok_bufs])
+
           def update(masked):
-            segs = (qseg_buf, kvseg_buf.at[slot]) if d.has_segments else ()
             online_softmax_step(
               q_buf,
               k_buf.at[slot],
               v_buf.at[slot],
-              rp.tile_masks(d, comms, t, i, j, *segs) if masked else None,
+              rp.tile_masks(d, comms, t, i, j, *toks) if masked else None,
               m_sc,
               l_sc,
               acc_sc,
               spec=spec,
               masked=masked,
-              drop=rp.tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h),
+              drop=rp.tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h, *toks),
             )
 
           c.by_tile_kind(rp.tile_kind(kinds_ref, d, t, i, j), update)
@@ -163,9 +158,9 @@ def _resume(lse_sc, m_sc, l_sc):
 
 def sems(d: rp.RingDims):
   """Synchronous-copy sems, streamed-tile sems [2, arrays], send and receive sems, the credit."""
-  num = 3 if d.has_segments else 2
+  num = 2 + len(d.fields)  # K, V and the token rows
   return [
-    pltpu.SemaphoreType.DMA((st.NUM_IO_SEMS,)),
+    pltpu.SemaphoreType.DMA((st.io_sems(d),)),
     pltpu.SemaphoreType.DMA((2, num)),
     pltpu.SemaphoreType.DMA((num,)),
     pltpu.SemaphoreType.DMA((num,)),

@@ -34,11 +34,17 @@ on a snake through the device grid, `layout.snake_coords`):
               cost no matmul).
               epilogue: wait for the sends (our slot may be overwritten from
               the next prologue on) and the receives (the next hop reads them).
-    forward : hop t sends K/V (and the kv segment ids) of slot t % 2 to r + 1's
-              slot (t + 1) % 2 for t < n - 1: each byte moves n - 1 times.
+    forward : hop t sends K/V (and the kv side's token rows: positions given
+              per row, segment ids, bidirectional ids; `RingDims.fields`) of
+              slot t % 2 to r + 1's slot (t + 1) % 2 for t < n - 1: each byte
+              moves n - 1 times.
               When the hops from some h on are EMPTY for every member by
               position (`live_hops`: a causal sliding window on the
               contiguous layout), the ring ends at hop h - 1: h - 1 sends.
+              (Both tables read the layout's positions only: with
+              bidirectional ids or positions given per row, which are data,
+              every hop and every send runs; the tile table, computed from
+              the data, still skips the EMPTY tiles.)
               A send whose shard no member downstream sees on a later hop
               is skipped (`kv_send_table`: on the causal contiguous layout,
               every shard past the wrap, half the sends); the credit of that
@@ -67,7 +73,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from flax_ringattn._src import layout, vma
+from flax_ringattn._src import layout, masks, vma
 from flax_ringattn._src.backends.pallas_tpu import common as c
 from flax_ringattn._src.backends.pallas_tpu import planners as planner
 from flax_ringattn._src.backends.pallas_tpu.ring.tables import (  # noqa: F401  (the kernels read these as rp.*)
@@ -138,7 +144,7 @@ class Comms:
   def copy_down(self, src, dst, send_sem, recv_sem, *, kv_hop=None):
     """A descriptor for src (ours) -> dst (r + 1's buffer of the same name); start and wait this object.
 
-    `kv_hop=t` marks hop t's K/V (or kv segment ids) send, which members skip
+    `kv_hop=t` marks hop t's K/V (or kv token rows) send, which members skip
     where `d.kv_sends` says nobody downstream reads it (and then the matching
     receive is not waited for either); other sends always run.
     """
@@ -193,24 +199,45 @@ def sync_copies(pairs, sems):
 
 
 def pair_positions(d: RingDims, comms, t, i, j):
-  """Global positions of tile pair (i, j) of hop t: the q tile's (bq, 1) column and the kv tile's (1, bk) row."""
+  """The layout's global positions of tile pair (i, j) of hop t: the q tile's (bq, 1) column and the kv tile's
+  (1, bk) row."""
   qp = tile_positions(d, comms.own_shard(), i * d.bq, d.bq, rows=True)
   kp = tile_positions(d, comms.src_shard(t), j * d.bk, d.bk, rows=False)
   return qp, kp
 
 
-def tile_masks(d: RingDims, comms, t, i, j, qseg=None, kvseg=None):
-  """The mask operands of tile pair (i, j) of hop t: position column / row, then (with segment ids) the tile's
-  q segment-id column (bq, 1) and kv segment-id row (1, bk), refs or values."""
-  qp, kp = pair_positions(d, comms, t, i, j)
-  return [qp, kp] if qseg is None else [qp, kp, qseg, kvseg]
+def token_operands(d: RingDims, q_tok: masks.Tokens, kv_tok: masks.Tokens):
+  """The kernels' token operands (int32): the q column [B, T, 1] of each field of `d.fields`, then the kv row
+  [B, 1, S] of each (which travels with K/V)."""
+  q = [getattr(q_tok, name).astype(jnp.int32)[:, :, None] for name in d.fields]
+  return q + [getattr(kv_tok, name).astype(jnp.int32)[:, None, :] for name in d.fields]
 
 
-def tile_dropout(spec, d: RingDims, comms, t, i, j, drop_ref, b, h):
-  """The dropout scale of tile pair (i, j) of hop t (None without dropout): global positions, as the mask's."""
+def tile_tokens(d: RingDims, comms, t, i, j, q_cols=(), kv_rows=()):
+  """(q, kv) `masks.Tokens` of tile pair (i, j) of hop t, from the tile's token operands: `q_cols` the (bq, 1)
+  columns and `kv_rows` the (1, bk) rows of `d.fields`, refs or values.  Positions not given per row are the
+  layout's."""
+  q, kv = dict(zip(d.fields, q_cols, strict=True)), dict(zip(d.fields, kv_rows, strict=True))
+  if "pos" not in q:
+    q["pos"], kv["pos"] = pair_positions(d, comms, t, i, j)
+  return masks.Tokens(**q), masks.Tokens(**kv)
+
+
+def tile_masks(d: RingDims, comms, t, i, j, q_cols=(), kv_rows=()):
+  """The mask operands of tile pair (i, j) of hop t in the order the block kernels' tile step reads them
+  (`common.mask_tokens`): position column and row, then the column and row of each id field the mask has."""
+  q, kv = tile_tokens(d, comms, t, i, j, q_cols, kv_rows)
+  pairs = ((q.pos, kv.pos), (q.seg, kv.seg), (q.bid, kv.bid))  # the order of `masks.Tokens`
+  return [x for pair in pairs if pair[0] is not None for x in pair]
+
+
+def tile_dropout(spec, d: RingDims, comms, t, i, j, drop_ref, b, h, q_cols=(), kv_rows=()):
+  """The dropout scale of tile pair (i, j) of hop t (None without dropout), hashed from the tokens' global
+  positions as the mask's (the caller's when given per row)."""
   if drop_ref is None:
     return None
-  return c.dropout_scale(spec, drop_ref, b, h, d.G, *pair_positions(d, comms, t, i, j))
+  q, kv = tile_tokens(d, comms, t, i, j, q_cols, kv_rows)
+  return c.dropout_scale(spec, drop_ref, b, h, d.G, q.pos[...], kv.pos[...])  # (`[...]` loads a ref, keeps a value)
 
 
 def start_kv_sends(comms, d: RingDims, t: int, pairs, send_sems, recv_sems):

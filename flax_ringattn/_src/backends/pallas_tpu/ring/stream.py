@@ -26,12 +26,15 @@ from jax.experimental.pallas import tpu as pltpu
 from flax_ringattn._src import masks
 from flax_ringattn._src.backends.pallas_tpu.ring import protocol as rp
 
-NUM_IO_SEMS = 6  # the most synchronous copies (`ring.protocol.sync_copies`) one outer tile starts together (the
-# dQ pass: q, dO, lse, delta, q segment ids, dq)
+
+def io_sems(d: rp.RingDims) -> int:
+  """The most synchronous copies (`ring.protocol.sync_copies`) one outer tile starts together: the dQ pass's q,
+  dO, lse, delta, the q columns of the token fields (`RingDims.fields`) and dq."""
+  return 5 + len(d.fields)
 
 
 def kv_tiles(src, j: int, bk: int):
-  """Tile j of the hop's K, V (and kv segment ids [1, S]) slots `src`: the sources `stream` copies."""
+  """Tile j of the hop's K, V (and kv token rows [1, S]) slots `src`: the sources `stream` copies."""
   cols = pl.ds(j * bk, bk)
   return [src[0].at[cols], src[1].at[cols]] + [s.at[:, cols] for s in src[2:]]
 

@@ -38,6 +38,8 @@ class RingDims:
   has_segments: bool
   live: int  # the ring's hops: 0 .. live - 1 hold visible keys for some member (`live_hops`), live <= n
   has_dropout: bool = False
+  has_bidirectional: bool = False  # bidirectional ids travel with K/V, as segment ids do
+  has_positions: bool = False  # the caller's positions travel with K/V; else the kernels compute the layout's
   # kv_sends[r][t]: whether ring member r sends its K/V at hop t (t < live - 1): some member downstream sees
   # that shard on a later hop (`kv_send_table`).  () when every member sends on every hop.
   kv_sends: tuple = ()
@@ -46,6 +48,14 @@ class RingDims:
   slots: str = "vmem"
   debug: object = None  # a `debug.KernelDebug` (tests only), or None
   v_head_dim: int | None = None  # v's (and the output's) head dim when it differs from H (MLA); None: H
+
+  @property
+  def fields(self) -> tuple[str, ...]:
+    """The `masks.Tokens` fields that are kernel operands, in the order the kernels take them: positions (when
+    given per row), segment ids, bidirectional ids.  Each is a q column [B, T, 1] and a kv row [B, 1, S] that
+    travels in slots of its own beside K and V."""
+    named = (("pos", self.has_positions), ("seg", self.has_segments), ("bid", self.has_bidirectional))
+    return tuple(name for name, on in named if on)
 
   @property
   def G(self) -> int:
@@ -57,7 +67,7 @@ class RingDims:
     return self.H if self.v_head_dim is None else self.v_head_dim
 
 
-def ring_dims(spec, q, k, v, axis_name, load_balance, *, has_segments: bool, backward: bool) -> RingDims:
+def ring_dims(spec, q, k, v, axis_name, load_balance, *, backward: bool) -> RingDims:
   B, T, N, H = q.shape
   S, K, Hv = k.shape[1], k.shape[2], v.shape[3]
   axes = layout.ring_axes(axis_name)
@@ -67,10 +77,10 @@ def ring_dims(spec, q, k, v, axis_name, load_balance, *, has_segments: bool, bac
     n *= s
   shape = ProblemShape.of(q.shape, k.shape, q.dtype, spec, v_shape=v.shape)
   if spec.block_sizes is None:  # the ring's own plan: slots and tiles, the tile table within SMEM
-    plan = planner.plan_ring_for(shape, n=n, backward=backward)
+    plan = planner.plan_ring_for(shape, n=n, backward=backward, has_positions=spec.mask.has_positions)
   else:  # the caller's tiles (checked as the block kernels check them); only the slots are chosen
     tiles = c.block_tiles(spec, q, k, backward=backward, v=v)
-    plan = planner.plan_ring_for(shape, n=n, backward=backward, tiles=tiles)
+    plan = planner.plan_ring_for(shape, n=n, backward=backward, tiles=tiles, has_positions=spec.mask.has_positions)
   bq, bk = plan.bq, plan.bk
   table = planner.ring_table_bytes(n, T // bq, S // bk)
   if table > c.SMEM_TABLE_BYTES:
@@ -97,8 +107,10 @@ def ring_dims(spec, q, k, v, axis_name, load_balance, *, has_segments: bool, bac
     dtype=jnp.dtype(q.dtype),
     bq=bq,
     bk=bk,
-    has_segments=has_segments,
+    has_segments=spec.mask.has_segments,
     has_dropout=bool(spec.dropout_rate),
+    has_bidirectional=spec.mask.has_bidirectional,
+    has_positions=spec.mask.has_positions,
     live=live,
     kv_sends=() if sends.all() else tuple(tuple(bool(x) for x in row) for row in sends),
     slots=slots,
@@ -113,8 +125,13 @@ def visibility(mask: masks.MaskSpec, n: int, sizes, T: int, S: int, bq: int, bk:
   Decided at trace time, in numpy, by `masks.tile_kinds` on the static
   positions of the members' shards.  Segment ids are data, so they are left
   out: a pair marked invisible is EMPTY whatever the ids, and everything built
-  on this table (`live_hops`, `kv_send_table`) is conservative.
+  on this table (`live_hops`, `kv_send_table`) is conservative.  Bidirectional
+  ids are data that can make any pair visible, and positions given per row
+  can put any token in any shard: with either, every member may see every
+  shard (every hop live, every send made).
   """
+  if mask.has_bidirectional or mask.has_positions:
+    return np.ones((n, n), bool)
   pos_only = dataclasses.replace(mask, has_segments=False)
 
   def positions(member, length):  # numpy: no JAX op runs here, whatever mesh context the trace is in
@@ -161,13 +178,15 @@ def kv_send_table(vis, live: int):
   return table
 
 
-def ring_tables(spec, d: RingDims, q_seg, kv_seg):
+def ring_tables(spec, d: RingDims, q_tok: masks.Tokens, kv_tok: masks.Tokens):
   """Scalar-prefetched tables, computed in XLA before the launch.
 
   meta int32: [own shard, src shard of hops 0 .. n-1, upstream coords..., downstream coords..., then with
   `d.kv_sends`: whether this member sends its K/V at hops 0 .. live-2, whether its upstream neighbour does].
-  kinds: `masks.classify` of every tile pair of every hop, packed by `pack_kinds` (read with `tile_kind`; the
-  segment-id extents of the other shards come from a small all_gather of per-tile min / max).
+  kinds: `masks.classify` of every tile pair of every hop, packed by `pack_kinds` (read with `tile_kind`).  The
+  q side's extents are this shard's own; the kv extents of the data fields (`d.fields`: positions given per row,
+  segment ids, bidirectional ids) of every shard come from one small all_gather of per-tile min / max, and the
+  layout's positions, when the caller gave none, are recomputed for each hop's source shard.
   """
   n, sizes, shard, member = layout.ring_geometry(d.axes or None)
   srcs = [layout.ring_shard((member - t) % n, sizes) for t in range(n)]
@@ -178,25 +197,22 @@ def ring_tables(spec, d: RingDims, q_seg, kv_seg):
     table = jnp.asarray(np.asarray(d.kv_sends, np.int32))
     flags = [*table[member], *table[(member - 1) % n]]
   meta = jnp.stack([jnp.asarray(x, jnp.int32) for x in (shard, *srcs, *up, *down, *flags)])
-  q_pos = layout.shard_positions(shard, n, d.T, d.load_balance)
-  qe = masks.tile_extent(masks.Tokens(q_pos, q_seg), d.bq).map(lambda a: a[:, :, None])  # [B | 1, T / bq, 1]
-  seg_min = seg_max = None
-  if kv_seg is not None:
-    ke = masks.tile_extent(masks.Tokens(jnp.zeros((d.S,), jnp.int32), kv_seg), d.bk)
-    seg_min, seg_max = ke.seg_min, ke.seg_max  # [B, S / bk]
-    if d.axes:
-      seg_min = jax.lax.all_gather(seg_min, d.axes)  # [n, B, S / bk], by shard index
-      seg_max = jax.lax.all_gather(seg_max, d.axes)
-    else:
-      seg_min, seg_max = seg_min[None], seg_max[None]
-  row = lambda a: None if a is None else a[:, None, :]  # noqa: E731
+  q_tok = masks.with_positions(q_tok, layout.shard_positions(shard, n, d.T, d.load_balance))
+  qe = masks.tile_extent(q_tok, d.bq).map(lambda a: a[:, :, None])  # [B | 1, T / bq, 1]
+  own = masks.tile_extent(masks.with_positions(kv_tok, jnp.zeros((d.S,), jnp.int32)), d.bk)  # [B | 1, S / bk]
+  if not d.has_positions:
+    own = dataclasses.replace(own, pos_min=None, pos_max=None)  # the layout's: recomputed per source below
+  names = [f.name for f in dataclasses.fields(own) if getattr(own, f.name) is not None]  # data: [B, S / bk] each
+  if names:
+    every = jnp.stack([getattr(own, name) for name in names])  # [fields, B, S / bk]
+    every = jax.lax.all_gather(every, d.axes) if d.axes else every[None]  # [n, fields, B, S / bk], by shard index
   kinds = []
   for src in srcs:
-    kp = layout.shard_positions(src, n, d.S, d.load_balance).reshape(1, -1, d.bk)
-    smin = None if seg_min is None else seg_min[src]
-    smax = None if seg_max is None else seg_max[src]
-    ke = masks.Extent(kp.min(axis=2), kp.max(axis=2), smin, smax).map(row)  # [B | 1, 1, S / bk]
-    kinds.append(masks.classify(spec.mask, qe, ke))
+    ke = dataclasses.replace(own, **{name: every[src, f] for f, name in enumerate(names)})
+    if not d.has_positions:
+      kp = layout.shard_positions(src, n, d.S, d.load_balance).reshape(1, -1, d.bk)
+      ke = dataclasses.replace(ke, pos_min=kp.min(axis=2), pos_max=kp.max(axis=2))
+    kinds.append(masks.classify(spec.mask, qe, ke.map(lambda a: a[:, None, :])))  # kv: [B | 1, 1, S / bk]
   return meta, pack_kinds(jnp.stack(kinds).astype(jnp.int32))
 
 

@@ -36,10 +36,10 @@ def bwd_plan(d: rp.RingDims) -> c.CallPlan:
   ]
   in_dtypes = [d.dtype, d.dtype, c.F32, c.F32, d.dtype, d.dtype]
   scratch = [((2, S, H), d.dtype), ((2, S, Hv), d.dtype)]  # K and V slots
-  if d.has_segments:
-    in_specs += [pl.BlockSpec((None, T, 1), lambda b, h, meta, kinds: (b, 0, 0)), rp.HBM]
-    in_dtypes += [jnp.int32, jnp.int32]
-    scratch += [((2, 1, S), jnp.int32)]
+  F = len(d.fields)  # token fields: a q column each, and a kv row each that travels in slots of its own
+  in_specs += [pl.BlockSpec((None, T, 1), lambda b, h, meta, kinds: (b, 0, 0))] * F + [rp.HBM] * F
+  in_dtypes += [jnp.int32] * (2 * F)
+  scratch += [((2, 1, S), jnp.int32)] * F
   drop_specs, drop_dtypes = c.dropout_specs(d.has_dropout)
   in_specs += drop_specs
   in_dtypes += drop_dtypes
@@ -63,23 +63,19 @@ def bwd_plan(d: rp.RingDims) -> c.CallPlan:
 
 
 def _kernel(meta_ref, kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDims):
-  if d.has_segments:
-    qseg_ref, kvseg_hbm, *refs = refs
-  else:
-    qseg_ref = kvseg_hbm = None
+  F = len(d.fields)
+  qtok_refs, kvtok_hbm, refs = refs[:F], refs[F : 2 * F], refs[2 * F :]
   drop_ref, refs = c.split_dropout_ref(spec, refs)
   dq_ref, dk_ref, dv_ref, k_slots, v_slots, *refs = refs
-  seg_slots = refs.pop(0) if d.has_segments else None
+  tok_slots, refs = refs[:F], refs[F:]
   dk_slots, dv_slots, dk_loc, dv_loc, load_sems, send_sems, recv_sems, credit = refs
   b, h = pl.program_id(0), pl.program_id(1)
   comms = rp.Comms(meta_ref, d, credit, name="ring_bwd")
   if d.n > 1:
     pl.when((b == 0) & (h == 0))(comms.barrier)
   pairs = [(k_hbm.at[b, h], k_slots.at[0]), (v_hbm.at[b, h], v_slots.at[0])]
-  slots = [k_slots, v_slots]
-  if d.has_segments:
-    pairs.append((kvseg_hbm.at[b], seg_slots.at[0]))
-    slots.append(seg_slots)
+  pairs += [(x.at[b], s.at[0]) for x, s in zip(kvtok_hbm, tok_slots, strict=True)]
+  slots = [k_slots, v_slots, *tok_slots]
   rp.sync_copies(pairs, load_sems)
   dq_ref[...] = jnp.zeros(dq_ref.shape, c.F32)
 
@@ -98,8 +94,8 @@ def _kernel(meta_ref, kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm
         cols = pl.ds(j * bk, bk)
 
         def update(masked):
-          segs = (qseg_ref.at[rows, :], seg_slots.at[slot, :, cols]) if d.has_segments else ()
-          mask = rp.tile_masks(d, comms, t, i, j, *segs) if masked else None
+          toks = ([r.at[rows, :] for r in qtok_refs], [s.at[slot, :, cols] for s in tok_slots])
+          mask = rp.tile_masks(d, comms, t, i, j, *toks) if masked else None
           q_t, k_t = q_ref.at[:, rows, :], k_slots.at[slot, cols, :]
           p, ds, do = _probs_and_dscores(
             q_t,
@@ -111,7 +107,7 @@ def _kernel(meta_ref, kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm
             mask,
             spec=spec,
             masked=masked,
-            drop=rp.tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h),
+            drop=rp.tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h, *toks),
           )
           G, _, H = q_t.shape
           k = k_t[...]
@@ -145,20 +141,19 @@ def _kernel(meta_ref, kinds_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm
   dv_ref[...] = dv_slots[home]
 
 
-def ring_bwd(q, k, v, do, lse, delta, q_seg, kv_seg, *, spec, axis_name, load_balance, interpret, dropout=None):
-  """(dq, dk, dv) f32 of this device's shards, given the final lse and delta = rowsum(dO * O) [B, N, T]."""
-  d = rp.ring_dims(spec, q, k, v, axis_name, load_balance, has_segments=q_seg is not None, backward=True)
-  meta, kinds = rp.ring_tables(spec, d, q_seg, kv_seg)
+def ring_bwd(q, k, v, do, lse, delta, q_tok, kv_tok, *, spec, axis_name, load_balance, interpret, dropout=None):
+  """(dq, dk, dv) f32 of this device's shards, given the final lse and delta = rowsum(dO * O) [B, N, T];
+  `q_tok` / `kv_tok` as `vmem_forward.ring_fwd` takes them."""
+  d = rp.ring_dims(spec, q, k, v, axis_name, load_balance, backward=True)
+  meta, kinds = rp.ring_tables(spec, d, q_tok, kv_tok)
   args = [c.heads_major(q), c.heads_major(do), lse[..., None], delta[..., None], c.heads_major(k), c.heads_major(v)]
-  if d.has_segments:
-    args += [q_seg.astype(jnp.int32)[:, :, None], kv_seg.astype(jnp.int32)[:, None, :]]
-  args += c.dropout_operands(spec, dropout)
+  args += rp.token_operands(d, q_tok, kv_tok) + c.dropout_operands(spec, dropout)
   if d.slots == "hbm":
     from flax_ringattn._src.backends.pallas_tpu.ring.hbm_backward import ring_bwd_hbm
 
     dq, dk, dv = ring_bwd_hbm(d, spec, meta, kinds, args, interpret=interpret)
   else:
     kernel = functools.partial(_kernel, spec=spec, d=d)
-    sems = rp.sem_scratch(d, (3 if d.has_segments else 2) + 2)
+    sems = rp.sem_scratch(d, 2 + len(d.fields) + 2)  # K, V, the token rows; dK, dV
     dq, dk, dv = rp.ring_call(kernel, bwd_plan(d), sems, d, interpret=interpret, name="ring_bwd")(meta, kinds, *args)
   return c.heads_major(dq), c.heads_major(dk), c.heads_major(dv)

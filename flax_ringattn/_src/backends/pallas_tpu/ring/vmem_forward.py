@@ -27,10 +27,10 @@ def fwd_plan(d: rp.RingDims) -> c.CallPlan:
   in_specs = [pl.BlockSpec((None, G, T, H), lambda b, h, meta, kinds: (b, h, 0, 0)), rp.HBM, rp.HBM]
   in_dtypes = [d.dtype, d.dtype, d.dtype]
   scratch = [((2, S, H), d.dtype), ((2, S, Hv), d.dtype)]  # K and V slots
-  if d.has_segments:
-    in_specs += [pl.BlockSpec((None, T, 1), lambda b, h, meta, kinds: (b, 0, 0)), rp.HBM]
-    in_dtypes += [jnp.int32, jnp.int32]
-    scratch += [((2, 1, S), jnp.int32)]
+  F = len(d.fields)  # token fields: a q column each, and a kv row each that travels in slots of its own
+  in_specs += [pl.BlockSpec((None, T, 1), lambda b, h, meta, kinds: (b, 0, 0))] * F + [rp.HBM] * F
+  in_dtypes += [jnp.int32] * (2 * F)
+  scratch += [((2, 1, S), jnp.int32)] * F
   drop_specs, drop_dtypes = c.dropout_specs(d.has_dropout)
   in_specs += drop_specs
   in_dtypes += drop_dtypes
@@ -47,13 +47,11 @@ def fwd_plan(d: rp.RingDims) -> c.CallPlan:
 
 
 def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDims):
-  if d.has_segments:
-    qseg_ref, kvseg_hbm, *refs = refs
-  else:
-    qseg_ref = kvseg_hbm = None
+  F = len(d.fields)
+  qtok_refs, kvtok_hbm, refs = refs[:F], refs[F : 2 * F], refs[2 * F :]
   drop_ref, refs = c.split_dropout_ref(spec, refs)
   o_ref, lse_ref, k_slots, v_slots, *refs = refs
-  seg_slots = refs.pop(0) if d.has_segments else None
+  tok_slots, refs = refs[:F], refs[F:]
   m_sc, l_sc, acc_sc, load_sems, send_sems, recv_sems, credit = refs
   b, h = pl.program_id(0), pl.program_id(1)
   comms = rp.Comms(meta_ref, d, credit, name="ring_fwd")
@@ -62,10 +60,8 @@ def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
   if n > 1:
     pl.when((b == 0) & (h == 0))(comms.barrier)
   pairs = [(k_hbm.at[b, h], k_slots.at[0]), (v_hbm.at[b, h], v_slots.at[0])]
-  slots = [k_slots, v_slots]
-  if d.has_segments:
-    pairs.append((kvseg_hbm.at[b], seg_slots.at[0]))
-    slots.append(seg_slots)
+  pairs += [(x.at[b], s.at[0]) for x, s in zip(kvtok_hbm, tok_slots, strict=True)]
+  slots = [k_slots, v_slots, *tok_slots]
   rp.sync_copies(pairs, load_sems)
   m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, c.F32)
   l_sc[...] = jnp.zeros(l_sc.shape, c.F32)
@@ -84,8 +80,8 @@ def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
         cols = pl.ds(j * bk, bk)
 
         def update(masked):
-          segs = (qseg_ref.at[rows, :], seg_slots.at[slot, :, cols]) if d.has_segments else ()
-          mask = rp.tile_masks(d, comms, t, i, j, *segs) if masked else None
+          toks = ([r.at[rows, :] for r in qtok_refs], [s.at[slot, :, cols] for s in tok_slots])
+          mask = rp.tile_masks(d, comms, t, i, j, *toks) if masked else None
           online_softmax_step(
             q_ref.at[:, rows, :],
             k_slots.at[slot, cols, :],
@@ -96,7 +92,7 @@ def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
             acc_sc.at[:, rows, :],
             spec=spec,
             masked=masked,
-            drop=rp.tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h),
+            drop=rp.tile_dropout(spec, d, comms, t, i, j, drop_ref, b, h, *toks),
           )
 
         c.by_tile_kind(rp.tile_kind(kinds_ref, d, t, i, j), update)
@@ -112,20 +108,20 @@ def _kernel(meta_ref, kinds_ref, q_ref, k_hbm, v_hbm, *refs, spec, d: rp.RingDim
   del G
 
 
-def ring_fwd(q, k, v, q_seg, kv_seg, *, spec, axis_name, load_balance, interpret, dropout=None):
-  """(o [B, T, N, Hv] f32, lse [B, N, T] f32) of the whole ring, on this device's q shard."""
-  d = rp.ring_dims(spec, q, k, v, axis_name, load_balance, has_segments=q_seg is not None, backward=False)
-  meta, kinds = rp.ring_tables(spec, d, q_seg, kv_seg)
-  args = [c.heads_major(q), c.heads_major(k), c.heads_major(v)]
-  if d.has_segments:
-    args += [q_seg.astype(jnp.int32)[:, :, None], kv_seg.astype(jnp.int32)[:, None, :]]
+def ring_fwd(q, k, v, q_tok, kv_tok, *, spec, axis_name, load_balance, interpret, dropout=None):
+  """(o [B, T, N, Hv] f32, lse [B, N, T] f32) of the whole ring, on this device's q shard; `q_tok` / `kv_tok`:
+  the shards' `masks.Tokens` (positions None: the layout's)."""
+  d = rp.ring_dims(spec, q, k, v, axis_name, load_balance, backward=False)
+  meta, kinds = rp.ring_tables(spec, d, q_tok, kv_tok)
+  args = [c.heads_major(q), c.heads_major(k), c.heads_major(v), *rp.token_operands(d, q_tok, kv_tok)]
   args += c.dropout_operands(spec, dropout)
+  F = len(d.fields)
   if d.slots == "hbm":
     from flax_ringattn._src.backends.pallas_tpu.ring.hbm_forward import ring_fwd_hbm
 
     o, lse = ring_fwd_hbm(d, spec, meta, kinds, args, interpret=interpret)
   else:
     kernel = functools.partial(_kernel, spec=spec, d=d)
-    sems = rp.sem_scratch(d, 3 if d.has_segments else 2)
+    sems = rp.sem_scratch(d, 2 + F)
     o, lse = rp.ring_call(kernel, fwd_plan(d), sems, d, interpret=interpret, name="ring_fwd")(meta, kinds, *args)
   return c.heads_major(o), lse[..., 0]
