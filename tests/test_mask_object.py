@@ -74,6 +74,19 @@ def test_the_layer_call_takes_the_mask_object():
   np.testing.assert_array_equal(np.asarray(by_object), np.asarray(by_keywords))
 
 
+def test_flax_attention_fn_hook_passes_the_mask_object_through():
+  """nnx.MultiHeadAttention hands its `mask=` to `attention_fn` as it is: a `Mask` reaches the ring whole, and the
+  answer is flax's own attention on the same mask built dense."""
+  x = jax.random.normal(jax.random.PRNGKey(2), (B, T, 16))
+  seg = jnp.asarray(np.where(np.arange(T) < 20, 1, 2)[None].repeat(B, 0))
+  hooked = nnx.MultiHeadAttention(N, 16, decode=False, rngs=nnx.Rngs(0), attention_fn=fr.make_ring_attention_fn())
+  flax_own = nnx.MultiHeadAttention(N, 16, decode=False, rngs=nnx.Rngs(0))
+  i = np.arange(T)
+  dense = (i[None, :] <= i[:, None]) & (seg[:, :, None] == seg[:, None, :]) & (i[:, None] // 8 == i[None, :] // 8)
+  got = hooked(x, mask=fr.Mask(is_causal=True, segment_ids=seg, chunk_size=8))
+  assert_close(got, flax_own(x, mask=jnp.asarray(dense)[:, None]), F32)
+
+
 def test_a_mask_object_passes_through_jit_as_a_pytree():
   q, k, v = _qkv()
   terms = _terms()
