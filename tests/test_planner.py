@@ -12,6 +12,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 import flax_ringattn as fr
+from flax_ringattn._src import masks
 from flax_ringattn._src.backends.pallas_tpu import common
 from flax_ringattn._src.backends.pallas_tpu import planners as planner
 from flax_ringattn._src.backends.pallas_tpu.block import backward as block_backward
@@ -43,8 +44,9 @@ def test_model_counts_exactly_the_kernels_buffers(kernel, dtype, has_segments, d
     [(64, None), (128, None), (80, None), (192, 128), (24, 160)],
   ):
     spans = has_segments == "spans"  # bidirectional ids and positions per row as well
-    dims = dict(B=2, T=4 * bq, S=2 * bk, N=N, K=K, H=H, dtype=dtype, bq=bq, bk=bk, has_segments=bool(has_segments))
-    plan = PLANS[kernel](**dims, has_dropout=dropout, Hv=Hv, has_bidirectional=spans, has_positions=spans)
+    dims = dict(B=2, T=4 * bq, S=2 * bk, N=N, K=K, H=H, dtype=dtype, bq=bq, bk=bk)
+    mask = masks.MaskSpec(has_segments=bool(has_segments), has_bidirectional=spans, has_positions=spans)
+    plan = PLANS[kernel](**dims, mask=mask, has_dropout=dropout, Hv=Hv)
     model = planner.footprint(
       kernel,
       bq=bq,
@@ -56,7 +58,7 @@ def test_model_counts_exactly_the_kernels_buffers(kernel, dtype, has_segments, d
       has_segments=bool(has_segments),
       dropout=dropout,
       v_head_dim=Hv,
-      has_bidirectional=spans,
+      extra_fields=("pos", "bid") if spans else (),
     )
     assert model.buffers == common.plan_vmem_bytes(plan), (kernel, bq, bk, N, K, H, Hv)
     assert model.temporaries >= 2 * (N // K) * bq * bk * 4  # at least the f32 score tile and p
@@ -210,6 +212,7 @@ def test_planner_counts_every_ring_buffer(segments, dropout, spans, positions, d
   equal to q/k's, narrower and wider, on kv tiles the HBM backward's fold adds in halves (128) or with partner
   buffers (200: a whole short shard), with every combination of token fields (segment ids, bidirectional ids,
   positions given per row: a q column and travelling kv row slots each)."""
+  extra = (("pos",) if positions else ()) + (("bid",) if spans else ())
   for Hv, (S, bk) in itertools.product((None, 48, 160), ((384, 128), (200, 200))):
     d = rp.RingDims(
       axes=("sp",),
@@ -229,11 +232,10 @@ def test_planner_counts_every_ring_buffer(segments, dropout, spans, positions, d
       live=4,
       has_dropout=dropout,
       v_head_dim=Hv,
-      has_bidirectional=spans,
-      has_positions=positions,
+      extra_fields=extra,
     )
     dims = dict(T=256, S=S, bq=64, bk=bk, num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, v_head_dim=Hv)
-    dims.update(has_segments=segments, dropout=dropout, has_bidirectional=spans, has_positions=positions)
+    dims.update(has_segments=segments, dropout=dropout, extra_fields=extra)
     plans = dict(ring_fwd=fwd_plan, ring_bwd=bwd_plan, ring_fwd_hbm=fwd_plan_hbm, ring_bwd_hbm=bwd_plan_hbm)
     for kernel, plan in plans.items():
       slots = "hbm" if kernel.endswith("_hbm") else "vmem"
@@ -275,12 +277,12 @@ def test_ring_plan():
       assert bigger, "the choice is below the whole shard, so the check above compares something"
   # Token fields (segment ids, bidirectional ids, positions given per row) are counted where the slots and tiles
   # are chosen, through the `ProblemShape` the kernels plan from (positions come apart: the shape has no flag).
-  fields = dict(has_segments=True, has_bidirectional=True, has_positions=True)
+  fields = dict(has_segments=True, extra_fields=("pos", "bid"))
   shape = ProblemShape(
     q_len=4096, kv_len=4096, num_heads=8, num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16, has_segments=True,
-    has_bidirectional=True,
+    extra_fields=("pos", "bid"),
   )  # fmt: skip
-  with_fields = planner.plan_ring_for(shape, n=8, backward=True, generation="v5e", has_positions=True)
+  with_fields = planner.plan_ring_for(shape, n=8, backward=True, generation="v5e")
   assert with_fields == plan(T=4096, S=4096, n=8, backward=True, **fields)
   name = "ring_bwd" if with_fields.slots == "vmem" else "ring_bwd_hbm"
   dims = dict(T=4096, S=4096, num_heads=8, num_kv_heads=2, head_dim=128, dtype=jnp.bfloat16)

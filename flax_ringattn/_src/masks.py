@@ -60,6 +60,14 @@ class MaskSpec:
   def is_trivial(self) -> bool:
     return not (self.is_causal or self.window is not None or self.chunk_size is not None or self.has_segments)
 
+  @property
+  def data_fields(self) -> tuple[str, ...]:
+    """The `Tokens` fields this mask holds as per-row data, in `Tokens` order: positions given per row, segment
+    ids, bidirectional ids.  The kernels take each as a q column and a kv row, and their VMEM models count them
+    from here: a further per-token term is a field of `Tokens` and a name here, nothing in the kernels."""
+    named = (("pos", self.has_positions), ("seg", self.has_segments), ("bid", self.has_bidirectional))
+    return tuple(name for name, on in named if on)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

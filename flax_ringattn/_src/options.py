@@ -57,7 +57,9 @@ class ProblemShape:
   head_dim: int  # q and k's
   dtype: object
   has_segments: bool = False
-  has_bidirectional: bool = False  # bidirectional ids: one more pair of per-row mask operands, like segments
+  # The mask's other per-row data (`MaskSpec.data_fields` but segment ids: positions given per row, bidirectional
+  # ids): one more q column and kv row each in the kernels that take them.
+  extra_fields: tuple[str, ...] = ()
   soft_cap: bool = False
   dropout: bool = False
   v_head_dim: int | None = None  # v's (and the output's) when it differs from head_dim (MLA); None: the same
@@ -77,7 +79,7 @@ class ProblemShape:
       head_dim=H,
       dtype=dtype,
       has_segments=spec.mask.has_segments,
-      has_bidirectional=spec.mask.has_bidirectional,
+      extra_fields=tuple(f for f in spec.mask.data_fields if f != "seg"),
       soft_cap=spec.logits_soft_cap is not None,
       dropout=bool(spec.dropout_rate),
       v_head_dim=None if Hv == H else Hv,
@@ -100,4 +102,4 @@ class ProblemShape:
   @property
   def features(self) -> dict:
     features = dict(has_segments=self.has_segments, soft_cap=self.soft_cap, dropout=self.dropout)
-    return features | ({"has_bidirectional": True} if self.has_bidirectional else {})
+    return features | ({"extra_fields": self.extra_fields} if self.extra_fields else {})

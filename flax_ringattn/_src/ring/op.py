@@ -269,7 +269,7 @@ def use_fused_ring(choice, spec, q, k, n, strategy="ring", *, ring_size=None, v=
   if backend.interpret is not None:
     return False
   shape = ProblemShape.of(q.shape, k.shape, q.dtype, spec, split=n, v_shape=None if v is None else v.shape)
-  return backend.fused_ring_fits(shape, n=n if ring_size is None else ring_size, mask=spec.mask)
+  return backend.fused_ring_fits(shape, n=n if ring_size is None else ring_size)
 
 
 def _local_fn(axis_name, load_balance, spec, backend, strategy, fused):

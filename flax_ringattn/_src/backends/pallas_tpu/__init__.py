@@ -71,11 +71,10 @@ class PallasTpuBackend:
     """The in-kernel ring (`ring/`): the whole per-device ring strategy as one `flash.FlashKernel`."""
     return KernelRing(axis_name=axis_name, load_balance=load_balance, spec=spec, interpret=self.interpret)
 
-  def fused_ring_fits(self, shape: ProblemShape, *, n=1, mask=None) -> bool:
-    """Whether the in-kernel ring runs shards of `shape`: with VMEM slots, or HBM slots and tiles (`plan_ring`).
-    `mask`: the call's `masks.MaskSpec`, whose positions given per row travel as one more token field (every
-    mask term is supported)."""
-    return planners.ring_fits_for(shape, n=n, has_positions=mask is not None and mask.has_positions)
+  def fused_ring_fits(self, shape: ProblemShape, *, n=1) -> bool:
+    """Whether the in-kernel ring runs shards of `shape`: with VMEM slots, or HBM slots and tiles (`plan_ring`;
+    every mask term is supported, its per-row data counted from `shape.extra_fields`)."""
+    return planners.ring_fits_for(shape, n=n)
 
   def fwd(self, q, k, v, q_tok, kv_tok, *, spec, dropout=None):
     return block_fwd(q, k, v, q_tok, kv_tok, spec=spec, dropout=dropout, interpret=self.interpret)

@@ -91,9 +91,7 @@ def block_setup(spec, q, k, v, q_tok, kv_tok, *, backward: bool):
     dtype=q.dtype,
     bq=bq,
     bk=bk,
-    has_segments=spec.mask.has_segments,
-    has_bidirectional=spec.mask.has_bidirectional,
-    has_positions=spec.mask.has_positions,
+    mask=spec.mask,
     has_dropout=bool(spec.dropout_rate),
   )
   kinds = masks.tile_kinds(spec.mask, q_tok, kv_tok, bq, bk)  # [T/bq, S/bk]
@@ -140,9 +138,14 @@ def mask_operands(q_tok, kv_tok):
 def mask_tokens(mask, mask_refs):
   """(q, kv) `masks.Tokens` of one tile's values, from the refs of `mask_operands` ((bq, 1) and (1, bk) each)."""
   values = iter(r[...] for r in mask_refs)
-  fields = (True, mask.has_segments, mask.has_bidirectional)  # pos, seg, bid: the order of `masks.Tokens`
-  pairs = [(next(values), next(values)) if present else (None, None) for present in fields]
-  return masks.Tokens(*(q for q, _ in pairs)), masks.Tokens(*(kv for _, kv in pairs))
+  pairs = {name: (next(values), next(values)) for name in mask_fields(mask)}
+  return masks.Tokens(**{k: q for k, (q, _) in pairs.items()}), masks.Tokens(**{k: kv for k, (_, kv) in pairs.items()})
+
+
+def mask_fields(mask) -> tuple[str, ...]:
+  """The `masks.Tokens` fields a block kernel takes, in `Tokens` order: positions always (the layout's, shared by
+  every row, or given per row), then the mask's other per-row data (`MaskSpec.data_fields`)."""
+  return ("pos",) + tuple(name for name in mask.data_fields if name != "pos")
 
 
 def scores(q_ref, k_ref, mask_refs, *, spec, masked: bool):
@@ -216,9 +219,7 @@ def tile_dropout(spec, drop_ref, b, kv_head, q_ref, mask_refs):
   return dropout_scale(spec, drop_ref, b, kv_head, q_ref.shape[0], q.pos, kv.pos)
 
 
-def mask_specs(
-  has_segments: bool, bq: int, bk: int, q_block, kv_block, *, has_bidirectional=False, has_positions=False
-):
+def mask_specs(mask, bq: int, bk: int, q_block, kv_block):
   """BlockSpecs of `mask_operands`; q_block / kv_block map grid indices to (b, q tile) / (b, kv tile)."""
   per_row = [
     pl.BlockSpec((None, bq, 1), lambda *g: (q_block(*g)[0], q_block(*g)[1], 0)),
@@ -228,12 +229,12 @@ def mask_specs(
     pl.BlockSpec((bq, 1), lambda *g: (q_block(*g)[1], 0)),
     pl.BlockSpec((1, bk), lambda *g: (0, kv_block(*g)[1])),
   ]
-  return [*(per_row if has_positions else shared), *(per_row * (bool(has_segments) + bool(has_bidirectional)))]
+  return [*(per_row if mask.has_positions else shared), *(per_row * (len(mask_fields(mask)) - 1))]
 
 
-def mask_dtypes(has_segments: bool, *, has_bidirectional=False, **_) -> tuple:
+def mask_dtypes(mask) -> tuple:
   """The dtypes of `mask_operands` (all int32)."""
-  return (jnp.int32,) * (2 * (1 + bool(has_segments) + bool(has_bidirectional)))
+  return (jnp.int32,) * (2 * len(mask_fields(mask)))
 
 
 def compiler_params(semantics, interpret):

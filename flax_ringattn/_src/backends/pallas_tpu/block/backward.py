@@ -40,11 +40,10 @@ def _q_side_specs(G, bq, H, Hv, row):
   ]
 
 
-def _dtypes(dtype, has_segments, has_dropout, *, q_first, has_bidirectional=False):
+def _dtypes(dtype, mask, has_dropout, *, q_first):
   q_side = (dtype, dtype, c.F32, c.F32)
   kv_side = (dtype, dtype)
-  mask = c.mask_dtypes(has_segments, has_bidirectional=has_bidirectional)
-  return (q_side + kv_side if q_first else kv_side + q_side) + mask + c.dropout_specs(has_dropout)[1]
+  return (q_side + kv_side if q_first else kv_side + q_side) + c.mask_dtypes(mask) + c.dropout_specs(has_dropout)[1]
 
 
 def dq_plan(
@@ -58,11 +57,9 @@ def dq_plan(
   dtype,
   bq,
   bk,
-  has_segments,
+  mask,
   has_dropout=False,
   Hv=None,
-  has_bidirectional=False,
-  has_positions=False,
 ) -> c.CallPlan:
   G, Hv = N // K, H if Hv is None else Hv
   row = lambda b, h, i, j, kinds, fetch: (b, h, i, 0)  # noqa: E731
@@ -72,20 +69,14 @@ def dq_plan(
     pl.BlockSpec((None, None, bk, H), kv),
     pl.BlockSpec((None, None, bk, Hv), kv),
     *c.mask_specs(
-      has_segments,
-      bq,
-      bk,
-      lambda b, h, i, j, kinds, fetch: (b, i),
-      lambda b, h, i, j, kinds, fetch: (b, fetch[i, j]),
-      has_bidirectional=has_bidirectional,
-      has_positions=has_positions,
+      mask, bq, bk, lambda b, h, i, j, kinds, fetch: (b, i), lambda b, h, i, j, kinds, fetch: (b, fetch[i, j])
     ),
     *c.dropout_specs(has_dropout)[0],
   ]
   return c.CallPlan(
     grid=(B, K, T // bq, S // bk),
     in_specs=tuple(in_specs),
-    in_dtypes=_dtypes(dtype, has_segments, has_dropout, q_first=True, has_bidirectional=has_bidirectional),
+    in_dtypes=_dtypes(dtype, mask, has_dropout, q_first=True),
     out_specs=(pl.BlockSpec((None, G, bq, H), row),),
     out_shapes=(jax.ShapeDtypeStruct((B, N, T, H), c.F32),),
     scratch=(((G * bq, H), c.F32),),
@@ -103,11 +94,9 @@ def dkv_plan(
   dtype,
   bq,
   bk,
-  has_segments,
+  mask,
   has_dropout=False,
   Hv=None,
-  has_bidirectional=False,
-  has_positions=False,
 ) -> c.CallPlan:
   G, Hv = N // K, H if Hv is None else Hv
   row = lambda b, h, j, i, kinds, fetch: (b, h, fetch[j, i], 0)  # noqa: E731
@@ -117,20 +106,14 @@ def dkv_plan(
     pl.BlockSpec((None, None, bk, Hv), kv),
     *_q_side_specs(G, bq, H, Hv, row),
     *c.mask_specs(
-      has_segments,
-      bq,
-      bk,
-      lambda b, h, j, i, kinds, fetch: (b, fetch[j, i]),
-      lambda b, h, j, i, kinds, fetch: (b, j),
-      has_bidirectional=has_bidirectional,
-      has_positions=has_positions,
+      mask, bq, bk, lambda b, h, j, i, kinds, fetch: (b, fetch[j, i]), lambda b, h, j, i, kinds, fetch: (b, j)
     ),
     *c.dropout_specs(has_dropout)[0],
   ]
   return c.CallPlan(
     grid=(B, K, S // bk, T // bq),
     in_specs=tuple(in_specs),
-    in_dtypes=_dtypes(dtype, has_segments, has_dropout, q_first=False, has_bidirectional=has_bidirectional),
+    in_dtypes=_dtypes(dtype, mask, has_dropout, q_first=False),
     out_specs=(pl.BlockSpec((None, None, bk, H), kv), pl.BlockSpec((None, None, bk, Hv), kv)),
     out_shapes=(jax.ShapeDtypeStruct((B, K, S, H), c.F32), jax.ShapeDtypeStruct((B, K, S, Hv), c.F32)),
     scratch=(((bk, H), c.F32), ((bk, Hv), c.F32)),

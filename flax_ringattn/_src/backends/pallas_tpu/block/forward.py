@@ -36,11 +36,9 @@ def fwd_plan(
   dtype,
   bq,
   bk,
-  has_segments,
+  mask,
   has_dropout=False,
   Hv=None,
-  has_bidirectional=False,
-  has_positions=False,
 ) -> c.CallPlan:
   G, Hv = N // K, H if Hv is None else Hv
   q_map = lambda b, h, i, j, kinds, fetch: (b, i)  # noqa: E731
@@ -50,12 +48,10 @@ def fwd_plan(
     pl.BlockSpec((None, G, bq, H), lambda b, h, i, j, kinds, fetch: (b, h, i, 0)),
     pl.BlockSpec((None, None, bk, H), lambda b, h, i, j, kinds, fetch: (b, h, fetch[i, j], 0)),
     pl.BlockSpec((None, None, bk, Hv), lambda b, h, i, j, kinds, fetch: (b, h, fetch[i, j], 0)),
-    *c.mask_specs(
-      has_segments, bq, bk, q_map, kv_map, has_bidirectional=has_bidirectional, has_positions=has_positions
-    ),
+    *c.mask_specs(mask, bq, bk, q_map, kv_map),
     *drop_specs,
   ]
-  in_dtypes = (dtype, dtype, dtype) + c.mask_dtypes(has_segments, has_bidirectional=has_bidirectional) + drop_dtypes
+  in_dtypes = (dtype, dtype, dtype) + c.mask_dtypes(mask) + drop_dtypes
   row = lambda b, h, i, j, kinds, fetch: (b, h, i, 0)  # noqa: E731
   return c.CallPlan(
     grid=(B, K, T // bq, S // bk),

@@ -56,7 +56,7 @@ def footprint(
   soft_cap=False,
   dropout=False,
   v_head_dim=None,
-  has_bidirectional=False,
+  extra_fields=(),
 ):
   """Footprint of kernel 'fwd', 'dq' or 'dkv' at tiles (bq, bk).
 
@@ -70,8 +70,10 @@ def footprint(
   k_tile = _tile(bk, H, dtype)
   v_tile = _tile(bk, Hv, dtype)
   row_stat = _tile(bq, 1, f32, G)  # lse / delta, [G, bq, 1]
-  # One (bq, 1) column and one (1, bk) row per mask field: positions, segment ids, bidirectional ids.
-  mask = (_tile(bq, 1, i32) + _tile(1, bk, i32)) * (1 + bool(has_segments) + bool(has_bidirectional))
+  # One (bq, 1) column and one (1, bk) row per mask field: positions (the layout's, or given per row: the same
+  # blocks), segment ids, and the other per-row data (`ProblemShape.extra_fields`).
+  pairs = 1 + bool(has_segments) + len([f for f in extra_fields if f != "pos"])
+  mask = (_tile(bq, 1, i32) + _tile(1, bk, i32)) * pairs
   score = G * bq * bk * 4  # one f32 [G * bq, bk] tile
   if kernel == "fwd":
     inputs = q_tile + k_tile + v_tile + mask

@@ -36,8 +36,7 @@ def ring_footprint(
   soft_cap=False,
   dropout=False,
   v_head_dim=None,
-  has_bidirectional=False,
-  has_positions=False,
+  extra_fields=(),
 ) -> Footprint:
   """VMEM of an in-kernel ring kernel: 'ring_fwd' / 'ring_bwd' (VMEM slots, `ring/vmem_forward.py`,
   `ring/vmem_backward.py`) or 'ring_fwd_hbm' / 'ring_bwd_hbm' (HBM slots, `ring/hbm_forward.py`, `ring/hbm_backward.py`).
@@ -57,7 +56,7 @@ def ring_footprint(
   G, H, f32, i32 = num_heads // num_kv_heads, head_dim, jnp.float32, jnp.int32
   Hv = H if v_head_dim is None else v_head_dim
   score = G * bq * bk * 4
-  F = bool(has_segments) + bool(has_bidirectional) + bool(has_positions)  # token fields (`RingDims.fields`)
+  F = bool(has_segments) + len(extra_fields)  # token fields (`RingDims.fields`)
   if kernel in ("ring_fwd", "ring_bwd"):
     q_blk = _tile(T, H, dtype, G)
     stat = _tile(T, 1, f32, G)
@@ -134,8 +133,7 @@ def plan_ring(
   tiles=None,
   generation=None,
   v_head_dim=None,
-  has_bidirectional=False,
-  has_positions=False,
+  extra_fields=(),
 ) -> RingPlan:
   """Slots and tiles of the in-kernel ring's forward (or backward) kernel on (T, S) shards of a ring of n.
 
@@ -146,13 +144,14 @@ def plan_ring(
   the largest.  Either way the ring's tile table (`ring_table_bytes`) must
   fit its SMEM share.  `tiles=(bq, bk)` (the caller's BlockSizes) is kept and
   only the slots are chosen.  `v_head_dim`: v's (and the output's) head dim
-  when it differs from head_dim (MLA); None: head_dim.  `has_positions`:
-  positions given per row travel as a token field (else the kernels compute
-  the layout's).
+  when it differs from head_dim (MLA); None: head_dim.  `extra_fields`: the
+  mask's per-row data besides segment ids (`ProblemShape.extra_fields`: "pos"
+  for positions given per row, "bid" for bidirectional ids), each travelling
+  as a token field.
   """
   shape = _shape(T, S, num_heads, num_kv_heads, head_dim, v_head_dim, dtype, has_segments, soft_cap, dropout)
-  shape = dataclasses.replace(shape, has_bidirectional=has_bidirectional)
-  return plan_ring_for(shape, n=n, backward=backward, tiles=tiles, generation=generation, has_positions=has_positions)
+  shape = dataclasses.replace(shape, extra_fields=tuple(extra_fields))
+  return plan_ring_for(shape, n=n, backward=backward, tiles=tiles, generation=generation)
 
 
 def _shape(T, S, num_heads, num_kv_heads, head_dim, v_head_dim, dtype, has_segments, soft_cap, dropout):
@@ -171,11 +170,9 @@ def _shape(T, S, num_heads, num_kv_heads, head_dim, v_head_dim, dtype, has_segme
   )
 
 
-def plan_ring_for(
-  shape: ProblemShape, *, n, backward: bool, tiles=None, generation=None, has_positions=False
-) -> RingPlan:
+def plan_ring_for(shape: ProblemShape, *, n, backward: bool, tiles=None, generation=None) -> RingPlan:
   """`plan_ring` of one `ProblemShape` of (T, S) shards (what the kernels call; v's head dim is
-  `shape.head_dim_v`; `ProblemShape` has no positions flag, so it comes apart)."""
+  `shape.head_dim_v`)."""
   T, S, dtype = shape.q_len, shape.kv_len, shape.dtype
   num_heads, num_kv_heads, head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
   generation = current_generation() if generation is None else generation
@@ -191,7 +188,7 @@ def plan_ring_for(
         f"whole axis up to {MAX_TILE}) or kv_len={S} (multiples of {c.LANES}, same rule)"
       )
     pairs = [(bq, bk) for bq, bk in pairs if ring_table_bytes(n, T // bq, S // bk) <= c.SMEM_TABLE_BYTES]
-  dims = dict(T=T, S=S, dtype=dtype, has_positions=has_positions, **shape.heads, **shape.features)
+  dims = dict(T=T, S=S, dtype=dtype, **shape.heads, **shape.features)
   name = "ring_bwd" if backward else "ring_fwd"
   resident = [(bq, bk) for bq, bk in pairs if ring_footprint(name, bq=bq, bk=bk, **dims).total <= budget]
   if resident:
@@ -242,11 +239,11 @@ def ring_fits(
   return ring_fits_for(shape, n=n, generation=generation)
 
 
-def ring_fits_for(shape: ProblemShape, *, n=1, generation=None, has_positions=False) -> bool:
+def ring_fits_for(shape: ProblemShape, *, n=1, generation=None) -> bool:
   """`ring_fits` of one `ProblemShape` of (T, S) shards (v's head dim: `shape.head_dim_v`)."""
   try:
     for backward in (False, True):
-      plan_ring_for(shape, n=n, backward=backward, generation=generation, has_positions=has_positions)
+      plan_ring_for(shape, n=n, backward=backward, generation=generation)
   except ValueError:
     return False
   return True

@@ -68,6 +68,8 @@ communication; in a ring of 2 both neighbours are the same device.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -227,8 +229,8 @@ def tile_masks(d: RingDims, comms, t, i, j, q_cols=(), kv_rows=()):
   """The mask operands of tile pair (i, j) of hop t in the order the block kernels' tile step reads them
   (`common.mask_tokens`): position column and row, then the column and row of each id field the mask has."""
   q, kv = tile_tokens(d, comms, t, i, j, q_cols, kv_rows)
-  pairs = ((q.pos, kv.pos), (q.seg, kv.seg), (q.bid, kv.bid))  # the order of `masks.Tokens`
-  return [x for pair in pairs if pair[0] is not None for x in pair]
+  names = [f.name for f in dataclasses.fields(masks.Tokens)]  # the order of `masks.Tokens`
+  return [x for name in names if getattr(q, name) is not None for x in (getattr(q, name), getattr(kv, name))]
 
 
 def tile_dropout(spec, d: RingDims, comms, t, i, j, drop_ref, b, h, q_cols=(), kv_rows=()):

@@ -38,8 +38,9 @@ class RingDims:
   has_segments: bool
   live: int  # the ring's hops: 0 .. live - 1 hold visible keys for some member (`live_hops`), live <= n
   has_dropout: bool = False
-  has_bidirectional: bool = False  # bidirectional ids travel with K/V, as segment ids do
-  has_positions: bool = False  # the caller's positions travel with K/V; else the kernels compute the layout's
+  # The mask's other per-row data (`ProblemShape.extra_fields`: "pos" for the caller's positions, else the kernels
+  # compute the layout's; "bid" for bidirectional ids): each travels with K/V, as segment ids do.
+  extra_fields: tuple = ()
   # kv_sends[r][t]: whether ring member r sends its K/V at hop t (t < live - 1): some member downstream sees
   # that shard on a later hop (`kv_send_table`).  () when every member sends on every hop.
   kv_sends: tuple = ()
@@ -54,8 +55,12 @@ class RingDims:
     """The `masks.Tokens` fields that are kernel operands, in the order the kernels take them: positions (when
     given per row), segment ids, bidirectional ids.  Each is a q column [B, T, 1] and a kv row [B, 1, S] that
     travels in slots of its own beside K and V."""
-    named = (("pos", self.has_positions), ("seg", self.has_segments), ("bid", self.has_bidirectional))
-    return tuple(name for name, on in named if on)
+    present = {*self.extra_fields, *(("seg",) if self.has_segments else ())}
+    return tuple(f.name for f in dataclasses.fields(masks.Tokens) if f.name in present)
+
+  @property
+  def has_positions(self) -> bool:
+    return "pos" in self.extra_fields
 
   @property
   def G(self) -> int:
@@ -77,10 +82,10 @@ def ring_dims(spec, q, k, v, axis_name, load_balance, *, backward: bool) -> Ring
     n *= s
   shape = ProblemShape.of(q.shape, k.shape, q.dtype, spec, v_shape=v.shape)
   if spec.block_sizes is None:  # the ring's own plan: slots and tiles, the tile table within SMEM
-    plan = planner.plan_ring_for(shape, n=n, backward=backward, has_positions=spec.mask.has_positions)
+    plan = planner.plan_ring_for(shape, n=n, backward=backward)
   else:  # the caller's tiles (checked as the block kernels check them); only the slots are chosen
     tiles = c.block_tiles(spec, q, k, backward=backward, v=v)
-    plan = planner.plan_ring_for(shape, n=n, backward=backward, tiles=tiles, has_positions=spec.mask.has_positions)
+    plan = planner.plan_ring_for(shape, n=n, backward=backward, tiles=tiles)
   bq, bk = plan.bq, plan.bk
   table = planner.ring_table_bytes(n, T // bq, S // bk)
   if table > c.SMEM_TABLE_BYTES:
@@ -109,8 +114,7 @@ def ring_dims(spec, q, k, v, axis_name, load_balance, *, backward: bool) -> Ring
     bk=bk,
     has_segments=spec.mask.has_segments,
     has_dropout=bool(spec.dropout_rate),
-    has_bidirectional=spec.mask.has_bidirectional,
-    has_positions=spec.mask.has_positions,
+    extra_fields=shape.extra_fields,
     live=live,
     kv_sends=() if sends.all() else tuple(tuple(bool(x) for x in row) for row in sends),
     slots=slots,
@@ -130,7 +134,7 @@ def visibility(mask: masks.MaskSpec, n: int, sizes, T: int, S: int, bq: int, bk:
   can put any token in any shard: with either, every member may see every
   shard (every hop live, every send made).
   """
-  if mask.has_bidirectional or mask.has_positions:
+  if set(mask.data_fields) - {"seg"}:
     return np.ones((n, n), bool)
   pos_only = dataclasses.replace(mask, has_segments=False)
 
