@@ -309,7 +309,7 @@ def kernel_cost(
 ) -> KernelCost:
   """FLOPs and HBM bytes of `kernel` ('fwd', 'dq', 'dkv') for every (device, hop) of the ring."""
   dims = dict(B=p.B, T=L, S=L, N=p.N, K=p.K, H=p.H, Hv=p.Hv, dtype=jnp.dtype(p.dtype), bq=bq, bk=bk)
-  dims["has_segments"] = False
+  dims["mask"] = masks.MaskSpec()  # positions only, no per-row ids (as before: no segment ids)
   plan = PLANS[kernel](**dims)
   if kernel == "dkv":  # dk/dv walks the transposed table (block_bwd: kinds.T and fetch_index(kinds.T))
     table, fetch = np.swapaxes(tab.kinds, -1, -2), tab.fetch_t
@@ -417,7 +417,7 @@ def evaluate(gen: str, T: int, mask: str, pas: str, p: Problem, tiled: bool) -> 
 def _replay(kernel: str, tab: Tables, p: Problem, L: int, bq: int, bk: int, tiled: bool) -> tuple[float, float]:
   """(HBM bytes, FLOPs) of one launch (`tab` of one hop) by walking the grid through the plan's index_map lambdas."""
   dims = dict(B=p.B, T=L, S=L, N=p.N, K=p.K, H=p.H, Hv=p.Hv, dtype=jnp.dtype(p.dtype), bq=bq, bk=bk)
-  dims["has_segments"] = False
+  dims["mask"] = masks.MaskSpec()  # positions only, no per-row ids (as before: no segment ids)
   plan = PLANS[kernel](**dims)
   kinds = tab.kinds[0, 0]
   table, fetch = (kinds.T, tab.fetch_t[0, 0]) if kernel == "dkv" else (kinds, tab.fetch[0, 0])
