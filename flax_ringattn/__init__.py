@@ -9,6 +9,9 @@ The public surface (see README.md for the table):
 * layers: `RingMultiHeadAttention`, `make_ring_attention_fn`,
   `PagedMultiHeadAttention`; cache: `PagedKVCache` (`CacheOverflowError`); `convert` (swap every
   `nnx.MultiHeadAttention` of a model in place) and its `ConversionReport`
+* serving: `ServingEngine` (an unedited model, converted with
+  `convert(model, to="paged")`, served by continuous batching with prefix
+  reuse; `EngineStats`), `NGramDraft` (exact speculative decoding)
 * masks: `Mask` (every term of the mask as one object, `mask=`); dense masks:
   `padded_segment_ids`, `structure_from_dense_mask` (`DenseStructure`),
   `dense_mask_from_structure`
@@ -45,6 +48,8 @@ from flax_ringattn._src.paged.op import paged_attention
 from flax_ringattn._src.paged.reference import paged_reference_attention
 from flax_ringattn._src.paged.ring_prefill import paged_ring_prefill
 from flax_ringattn._src.reference import reference_attention
+from flax_ringattn._src.serving.draft import NGramDraft
+from flax_ringattn._src.serving.engine import EngineStats, ServingEngine
 from flax_ringattn._src.ring.dense import dot_product_attention
 from flax_ringattn._src.ring.op import ring_attention
 
@@ -56,11 +61,14 @@ __all__ = [
   "Hardware",
   "ConversionReport",
   "DenseStructure",
+  "EngineStats",
   "Layout",
   "Mask",
+  "NGramDraft",
   "PagedKVCache",
   "PagedMultiHeadAttention",
   "RingMultiHeadAttention",
+  "ServingEngine",
   "apply_layout",
   "available_implementations",
   "balanced_layout",

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from flax_ringattn._src import sharding
 from flax_ringattn._src.nnx import handwritten
 from flax_ringattn._src.nnx.common import _PROJECTIONS, head_param_spec, metadata_spec, place_params, spec_axes
+from flax_ringattn._src.nnx.handwritten_paged import PagedSiteOptions
 from flax_ringattn._src.nnx.paged_mha import PagedMultiHeadAttention
 from flax_ringattn._src.nnx.ring_mha import RingMultiHeadAttention
 from flax_ringattn._src.ring.options import RingOptions
@@ -247,7 +248,7 @@ def convert(
       axis (default: the mesh's only axis).  Paged: the axis the KV cache's
       pages spread over (context parallelism, see "Serving long contexts";
       default: none, the pages are not spread; combines with `head_axis`).
-    handwritten: (ring only) also convert attention written by hand in the
+    handwritten: also convert attention written by hand in the
       model's own modules (einsum or matmul logits, scale, tanh cap,
       `where` mask or additive bias, softmax, einsum with v; MHA, grouped or
       repeated GQA; a v head dim other than q/k's, as in MLA; attention
@@ -255,7 +256,11 @@ def convert(
       and dropped after it, as in gpt-oss, whose gradient reaches the
       model's parameter): the innermost module holding such a block runs it
       as ring attention over `seq_axis`, with the mask recovered from the
-      model's own (see "Hand-written attention" in the README).
+      model's own (see "Hand-written attention" in the README).  With
+      to="paged" each such site serves from its own paged KV cache instead
+      (the k and v the model computes are written into it; each sequence is
+      causal over its own cache, with the site's window, soft cap and sinks;
+      the model's mask is not used): serve the model with `ServingEngine`.
     example: optional `fn(model)` calling the model once as training will
       (e.g. `lambda m: m(tokens, positions, mask)`); run abstractly (no
       compute, the model unchanged) so the report lists the hand-written
@@ -308,9 +313,9 @@ def convert(
       _set_child(parent, path[-1], new)
       undo.steps.append(lambda parent=parent, key=path[-1], old=old: _set_child(parent, key, old))
       report.replaced.append(_path_name(path))
-    if to == "ring" and handwritten:
+    if handwritten:
       stage = "watching the model's own modules for hand-written attention"
-      _watch_handwritten(model, mesh, seq_axis, layer_options, report, undo)
+      _watch_handwritten(model, to, mesh, seq_axis, layer_options, report, undo)
     if mesh is not None and (report.replaced or report.watched):
       stage = "placing the model's other arrays on the mesh"
       report.placed = _replicate_the_rest(model, mesh)
@@ -341,12 +346,23 @@ _HANDWRITTEN_OPTIONS = (
 )
 
 
-def _watch_handwritten(model, mesh, seq_axis, layer_options, report, undo):
-  options = RingOptions(
-    mesh=mesh,
-    axis_name=sharding.sequence_axis(mesh, seq_axis, arg="seq_axis"),
-    **{k: layer_options[k] for k in _HANDWRITTEN_OPTIONS if k in layer_options},
-  )
+# The options a hand-written site served from a paged cache takes (`to="paged"`).
+_HANDWRITTEN_PAGED_OPTIONS = ("implementation", "block_sizes", "interpret", "checked", "local_window_size")
+
+
+def _watch_handwritten(model, to, mesh, seq_axis, layer_options, report, undo):
+  if to == "paged":
+    options = PagedSiteOptions(
+      mesh=mesh,
+      seq_axis=seq_axis,
+      **{k: layer_options[k] for k in _HANDWRITTEN_PAGED_OPTIONS if k in layer_options},
+    )
+  else:
+    options = RingOptions(
+      mesh=mesh,
+      axis_name=sharding.sequence_axis(mesh, seq_axis, arg="seq_axis"),
+      **{k: layer_options[k] for k in _HANDWRITTEN_OPTIONS if k in layer_options},
+    )
   classes: dict = {}
   nodes = [(path, node) for path, node in nnx.iter_graph(model) if handwritten.is_user_module(node)]
   for path, node in nodes:

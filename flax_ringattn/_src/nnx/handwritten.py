@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 
 from flax_ringattn._src import matcher
+from flax_ringattn._src.nnx.handwritten_paged import PagedSiteFn, PagedSiteOptions
 from flax_ringattn._src.ring.dense import bias_as_mask, context_mesh, masked_ring_attention
 from flax_ringattn._src.ring.options import RingOptions
 
@@ -69,8 +70,11 @@ class SiteReport:
     if d["soft_cap"] is not None:
       parts.append(f"soft cap {d['soft_cap']:.6g}")
     if d["window"] is not None:
-      parts.append(f"window {d['window']}")
-    parts.append(f"mask {d['mask']}")
+      parts.append(f"window {d['window']}" + (" (its causal side in serving)" if d.get("paged") else ""))
+    if d.get("paged"):
+      parts.append(f"the model's mask ({d['mask']}) not used: each sequence causal over its own paged cache")
+    else:
+      parts.append(f"mask {d['mask']}")
     if d.get("sinks"):
       parts.append("sinks")
     parts.append(f"softmax {d['softmax']}")
@@ -325,6 +329,7 @@ def _record(module, sites, rejected, sinks):
     details["sinks"] = site.g2 in sinks
     if declared is not None:
       details["window"] = f"{declared} (declared)"
+    details["paged"] = isinstance(type(module)._fr_options, PagedSiteOptions)
     report.add_site(SiteReport(where, name, True, details))
   for n, rej in enumerate(rejected):
     where = path if len(rejected) == 1 else f"{path}[{n}]"
@@ -339,8 +344,11 @@ def _run(root, plan: _Plan, state, leaves):
   inputs = [*jax.tree.leaves(state), *(leaves[i] for i in plan.dyn_index)]
   replace = {}
   declared = declared_window(opts, module)
-  for site in plan.sites:
-    replace[site.g2] = _SiteFn(site, opts, declared, plan.sinks.get(site.g2))
+  for n, site in enumerate(plan.sites):
+    if isinstance(opts, PagedSiteOptions):
+      replace[site.g2] = PagedSiteFn(site, module, n, opts, declared, plan.sinks.get(site.g2))
+    else:
+      replace[site.g2] = _SiteFn(site, opts, declared, plan.sinks.get(site.g2))
   skip = set().union(*(s.interior for s in plan.sites))
   outs = plan.program.run(inputs, replace=replace, skip=skip)
   out, new_state = jax.tree.unflatten(plan.out_tree, outs)
@@ -350,6 +358,9 @@ def _run(root, plan: _Plan, state, leaves):
   ]
   if changed:
     nnx.update(root, nnx.from_flat_state(changed))
+  for fn in replace.values():  # after the update, which would write back the caches the program read
+    if isinstance(fn, PagedSiteFn):
+      fn.store()
   return out
 
 

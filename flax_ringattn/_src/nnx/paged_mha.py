@@ -21,6 +21,7 @@ from flax_ringattn._src.nnx.common import (
 )
 from flax_ringattn._src.paged import common as paged_common
 from flax_ringattn._src.paged import contracts
+from flax_ringattn._src.paged import step as paged_step
 from flax_ringattn._src.paged.cache import PagedKVCache
 from flax_ringattn._src.paged.implementations import check_implementation
 from flax_ringattn._src.paged.op import paged_attention, paged_attention_with_cache_write, uses_fused_cache_write
@@ -338,9 +339,11 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
   def __call__(  # type: ignore[override]
     self,
     inputs,
+    inputs_k=None,
+    inputs_v=None,
     *,
-    cu_q_lens,
-    num_seqs,
+    cu_q_lens=None,
+    num_seqs=None,
     bidirectional_ids=None,
     mask=None,
     deterministic: bool | None = None,
@@ -357,8 +360,20 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
 
     `deterministic` and `rngs` are accepted for `nnx.MultiHeadAttention` call compatibility and unused (no
     dropout); `mask`, `sow_weights` and decode=False raise.
+
+    Called as a model calls `nnx.MultiHeadAttention` (`layer(x)` with `x` [1, T, features], `mask=` optional),
+    without cu_q_lens, the layer serves the current `ServingEngine` step: the engine's ragged batch (or ring
+    prefill) decides what each token sees, and `mask` is ignored (each sequence is causal over its own cache).
+    Outside a step such a call raises `TypeError`.
     """
     del deterministic, rngs
+    if cu_q_lens is None and num_seqs is None:
+      return self._model_call(inputs, inputs_k, inputs_v, sow_weights=sow_weights, decode=decode)
+    if cu_q_lens is None or num_seqs is None:
+      missing = "cu_q_lens" if cu_q_lens is None else "num_seqs"
+      raise TypeError(f"{type(self).__name__}: pass both cu_q_lens= and num_seqs= (the ragged batch), {missing} is None")
+    if inputs_k is not None or inputs_v is not None:
+      raise NotImplementedError(f"{type(self).__name__} is self-attention: inputs_k / inputs_v must be None")
     if sow_weights:
       raise NotImplementedError("sow_weights=True is not supported by PagedMultiHeadAttention")
     if mask is not None:
@@ -409,3 +424,30 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     y = self.out(x, out_sharding=out_sharding)
     self.kv_cache.set_value(cache)
     return y
+
+  def _model_call(self, inputs, inputs_k, inputs_v, *, sow_weights, decode):
+    """The model's own call (`x` [1, T, features], `mask=` ignored) inside a `ServingEngine` step: the step's
+    ragged batch (or its ring prefill) comes from `paged.step`, not from the arguments."""
+    name = type(self).__name__
+    current = paged_step.current()
+    if current is None:
+      raise TypeError(
+        f"{name}: called without cu_q_lens= and num_seqs= outside a serving step: pass the ragged batch "
+        "(layer(x, cu_q_lens=..., num_seqs=...), x [T, features]), or serve the model with fr.ServingEngine, "
+        "which runs the model's own call and gives every converted layer its step"
+      )
+    for arg, other in (("inputs_k", inputs_k), ("inputs_v", inputs_v)):
+      if other is not None and other is not inputs:
+        raise NotImplementedError(f"{name} serves self-attention: {arg} must be None or the query input")
+    shape = tuple(inputs.shape)
+    if len(shape) != 3 or shape[0] != 1:
+      raise ValueError(
+        f"{name}: inside a serving step the model's input must be [1, T, features] (the engine's flat ragged "
+        f"batch), got shape {shape}"
+      )
+    if current.kind == "discover":  # the engine sizes caches: no attention runs
+      return jnp.zeros((1, shape[1], self.out_features), self.dtype or inputs.dtype)
+    if current.kind == "ring_prefill":
+      return self.prefill(inputs[0], slot=current.slot, num_tokens=current.num_tokens)[None]
+    out = self(inputs[0], cu_q_lens=current.cu_q_lens, num_seqs=current.num_seqs, sow_weights=sow_weights, decode=decode)
+    return out[None]

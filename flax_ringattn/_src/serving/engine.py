@@ -1,0 +1,364 @@
+"""`ServingEngine`: serve a model converted with `convert(model, to="paged")`, its own forward unedited.
+
+The engine sits on top of the layers: it never reaches into one.  Each step it lays the new tokens of every
+running sequence out as one flat ragged batch (`tokens`, `positions` [1, T]), enters a serving step
+(`paged.step`) that tells every paged attention the model reaches where each sequence's rows are, runs the
+user's `call(model, tokens, positions)` under one `jax.jit`, and chooses the next tokens from the logits
+(`sampling.py`).  The host side (`scheduler.py`) decides what runs: admission and eviction, chunked prefill,
+prefix reuse and speculative drafts.
+
+State: the caches are the model's `nnx.Cache` variables (each converted layer's, each hand-written site's),
+split off once per `generate` and donated to every step; the model holds them again when `generate` returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from flax_ringattn._src import layout
+from flax_ringattn._src.nnx import handwritten_paged
+from flax_ringattn._src.nnx.handwritten_paged import PagedSiteOptions
+from flax_ringattn._src.nnx.paged_mha import PagedMultiHeadAttention
+from flax_ringattn._src.paged.cache import PagedKVCache
+from flax_ringattn._src.paged.step import Step, serving_step
+from flax_ringattn._src.serving import sampling, scheduler
+
+
+@dataclasses.dataclass
+class EngineStats:
+  """Counts over the engine's lifetime (every `generate` / `stream` call adds to them)."""
+
+  steps: int = 0  # ragged steps run (ring prefills not included)
+  ring_prefills: int = 0  # prompts prefilled by the ring (context parallel)
+  compiles: int = 0  # traces of the engine's jitted programs (steps, ring prefills, cache updates)
+  prompt_tokens: int = 0  # tokens of the prompts served
+  prefill_tokens_computed: int = 0  # prompt tokens run through the model (shared prefixes are not)
+  shared_prefix_tokens: int = 0  # prompt tokens taken from another sequence's pages
+  generated_tokens: int = 0
+  draft_proposed: int = 0  # speculative tokens proposed by the draft
+  draft_accepted: int = 0  # ... and kept
+  evictions: int = 0  # sequences freed and re-queued because their tokens did not fit
+  seconds: float = 0.0  # wall time inside generate / stream
+  cache_utilization: float = 0.0  # mean over steps of the cache's used / allocated token slots
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self) | {"tokens_per_s": self.tokens_per_s}
+
+
+def _positive(name: str, value) -> int:
+  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+    raise ValueError(f"ServingEngine: {name} must be a positive int, got {name}={value!r}")
+  return int(value)
+
+
+def _is_paged_cache(x) -> bool:
+  return isinstance(x, PagedKVCache)
+
+
+def map_caches(fn, caches):
+  """fn applied to every `PagedKVCache` of a state (other leaves unchanged)."""
+  return jax.tree.map(lambda x: fn(x) if _is_paged_cache(x) else x, caches, is_leaf=_is_paged_cache)
+
+
+def first_cache(caches) -> PagedKVCache:
+  return next(x for x in jax.tree.leaves(caches, is_leaf=_is_paged_cache) if _is_paged_cache(x))
+
+
+class ServingEngine:
+  """Continuous-batching generation from a model converted to paged attention, through its own forward.
+
+  Args:
+    model: an `nnx.Module` after `convert(model, to="paged")`: its `PagedMultiHeadAttention` layers and the
+      hand-written attention sites the conversion found each get a paged cache here.
+    call: `call(model, tokens, positions) -> logits`: the model's own forward on a flat ragged batch (`tokens`,
+      `positions` [1, T] int32, T = max_num_batched_tokens; positions are each token's index in its own
+      sequence) returning [1, T, V].  A mask the forward builds or takes does not decide attention.
+    num_pages, page_size, max_num_seqs, pages_per_seq: the caches' geometry (`PagedKVCache.create`);
+      max_num_seqs is the number of sequences decoded together (slots).
+    max_num_batched_tokens: rows of one step (T): prompts are prefilled in chunks that fit beside the
+      decoding sequences.
+    mesh, seq_axis: context parallelism, as the conversion was given them (the caches' pages spread over
+      `seq_axis`): a prompt of at least `ring_prefill_min_tokens` new tokens (default: max_num_batched_tokens)
+      is then prefilled by the ring, sequence-parallel, in a step of its own.
+    cache_dtype: the pages' dtype (default: each layer's, each site's q dtype; int8 / float8 quantize).
+
+  `generate` / `stream` serve prompts; `stats` counts over the engine's lifetime.  The step is compiled once for
+  these shapes: prompts of other lengths, another `generate`, a draft compile nothing new (a new top_k / top_p
+  setting compiles once).
+  """
+
+  def __init__(
+    self,
+    model,
+    *,
+    call,
+    num_pages: int,
+    page_size: int,
+    max_num_seqs: int,
+    pages_per_seq: int,
+    max_num_batched_tokens: int,
+    mesh=None,
+    seq_axis=None,
+    ring_prefill_min_tokens: int | None = None,
+    cache_dtype=None,
+  ):
+    if not isinstance(model, nnx.Module):
+      raise TypeError(f"ServingEngine: model must be a flax.nnx.Module, got {type(model).__name__}")
+    if not callable(call):
+      raise TypeError(f"ServingEngine: call must be call(model, tokens, positions) -> logits, got {call!r}")
+    self.model, self.call = model, call
+    self.num_pages = _positive("num_pages", num_pages)
+    self.page_size = _positive("page_size", page_size)
+    self.max_num_seqs = _positive("max_num_seqs", max_num_seqs)
+    self.pages_per_seq = _positive("pages_per_seq", pages_per_seq)
+    self.max_num_batched_tokens = _positive("max_num_batched_tokens", max_num_batched_tokens)
+    if (seq_axis is None) != (mesh is None):
+      raise ValueError(
+        f"ServingEngine: mesh= and seq_axis= go together (context parallelism), got mesh={mesh!r}, "
+        f"seq_axis={seq_axis!r}"
+      )
+    self.mesh, self.seq_axis = mesh, seq_axis
+    self.ring_prefill_min_tokens = (
+      self.max_num_batched_tokens
+      if ring_prefill_min_tokens is None
+      else _positive("ring_prefill_min_tokens", ring_prefill_min_tokens)
+    )
+    self.stats = EngineStats()
+    geometry = dict(
+      num_pages=self.num_pages,
+      page_size=self.page_size,
+      max_num_seqs=self.max_num_seqs,
+      pages_per_seq=self.pages_per_seq,
+    )
+    layers = [node for _, node in nnx.iter_graph(model) if isinstance(node, PagedMultiHeadAttention)]
+    sites = {
+      ".".join(map(str, path)) or "<root>": node
+      for path, node in nnx.iter_graph(model)
+      if isinstance(getattr(type(node), "_fr_options", None), PagedSiteOptions)
+    }
+    if not layers and not sites:
+      raise ValueError(
+        "ServingEngine: the model has no paged attention: convert it first (fr.convert(model, to='paged')), "
+        "which swaps nnx.MultiHeadAttention layers and watches attention written by hand"
+      )
+    for layer in layers:
+      if (layer.seq_axis is None) != (seq_axis is None) or (seq_axis is not None and layer.seq_axis != seq_axis):
+        raise ValueError(
+          f"ServingEngine: seq_axis={seq_axis!r}, but the model's paged layers spread their caches over "
+          f"seq_axis={layer.seq_axis!r}: pass the mesh and seq_axis given to convert(model, to='paged', ...)"
+        )
+      layer.init_cache(**geometry, dtype=cache_dtype)
+    needs, self.vocab_size = self._discover()
+    by_module: dict = {}
+    for path, index, need in needs:
+      by_module.setdefault(path, []).append((index, need))
+    for path, found in by_module.items():
+      handwritten_paged.init_site_caches(
+        sites[path], found, **geometry, mesh=mesh, seq_axis=seq_axis, dtype=cache_dtype
+      )
+    if not layers and not needs:
+      raise ValueError(
+        "ServingEngine: convert(model, to='paged') found no attention the model's call runs (see its report): "
+        "nothing would be served from a paged cache"
+      )
+    self._step = jax.jit(self._step_fn, static_argnames=("top_k", "top_p"), donate_argnums=(0,))
+    self._prefill = jax.jit(self._prefill_fn, static_argnames=("top_k", "top_p"), donate_argnums=(0,))
+    self._free = jax.jit(
+      self._counted(lambda caches, slots: map_caches(lambda c: c.free(slots), caches)), donate_argnums=(0,)
+    )
+    self._share = jax.jit(
+      self._counted(lambda caches, src, dst, n: map_caches(lambda c: c.share_prefix(src, dst, n), caches)),
+      donate_argnums=(0,),
+    )
+    self._rollback = jax.jit(
+      self._counted(lambda caches, drop: map_caches(lambda c: c.rollback(drop), caches)), donate_argnums=(0,)
+    )
+
+  # -- programs -----------------------------------------------------------------------------------------
+  def _counted(self, fn):
+    def traced(*args):
+      self.stats.compiles += 1
+      return fn(*args)
+
+    return traced
+
+  def _discover(self):
+    """Runs the model's call abstractly once: the hand-written sites record the caches they need, and the
+    call's output shape is checked.  Returns ([(module path, site index, CacheNeed)], vocab size)."""
+    T = self.max_num_batched_tokens
+    graphdef, state = nnx.split(self.model)
+    found = Step("discover")
+
+    def probe(state, tokens, positions):
+      with serving_step(found):
+        return self.call(nnx.merge(graphdef, state), tokens, positions)
+
+    spec = jax.ShapeDtypeStruct((1, T), jnp.int32)
+    out = jax.eval_shape(probe, state, spec, spec)
+    shape = tuple(getattr(out, "shape", ()))
+    if len(shape) != 3 or shape[:2] != (1, T):
+      raise ValueError(
+        f"ServingEngine: call(model, tokens, positions) must return logits [1, T, V] = [1, {T}, V] for tokens "
+        f"[1, {T}], got {getattr(out, 'shape', type(out).__name__)}"
+      )
+    return found.needs, shape[2]
+
+  def _run_model(self, caches, rest, tokens, positions, current: Step):
+    model = nnx.merge(self._graphdef, caches, rest)
+    with serving_step(current):
+      logits = self.call(model, tokens[None], positions[None])
+    return logits[0], nnx.state(model, nnx.Cache)
+
+  def _step_fn(self, caches, rest, tokens, positions, cu_q_lens, row_ids, seed, temperature, *, top_k, top_p):
+    self.stats.compiles += 1
+    num_seqs = jnp.full((1,), self.max_num_seqs, jnp.int32)
+    logits, caches = self._run_model(caches, rest, tokens, positions, Step("ragged", cu_q_lens, num_seqs))
+    return sampling.choose(logits, row_ids, seed, temperature, top_k=top_k, top_p=top_p), caches
+
+  def _prefill_fn(
+    self, caches, rest, tokens, positions, slot, num_tokens, last_row, row_id, seed, temperature, *, top_k, top_p
+  ):
+    self.stats.compiles += 1
+    current = Step("ring_prefill", slot=slot, num_tokens=num_tokens)
+    logits, caches = self._run_model(caches, rest, tokens, positions, current)
+    row = jax.lax.dynamic_slice_in_dim(logits, last_row, 1, axis=0)
+    return sampling.choose(row, row_id[None], seed, temperature, top_k=top_k, top_p=top_p)[0], caches
+
+  # -- the host's calls -----------------------------------------------------------------------------------
+  def ragged_step(self, tokens, positions, cu_q_lens, row_ids, options):
+    out, self._caches = self._step(
+      self._caches, self._rest, tokens, positions, cu_q_lens, row_ids, *options[:2], top_k=options[2], top_p=options[3]
+    )
+    self.stats.steps += 1
+    return np.asarray(out)
+
+  def ring_prefill(self, slot: int, prompt, start: int, row_id, options) -> int:
+    """Prefills `prompt` (the slot's tokens from `start`, a multiple of page_size) by the ring; returns the
+    token chosen after its last token."""
+    n = math.prod(self.mesh.shape[a] for a in (self.seq_axis if isinstance(self.seq_axis, tuple) else (self.seq_axis,)))
+    count = len(prompt)
+    unit = 2 * n * self.page_size
+    padded = unit * 2 ** math.ceil(math.log2(-(-count // unit)))  # a few buckets: a few compiles
+    tokens = np.zeros(padded, np.int32)
+    tokens[:count] = prompt
+    rows = NamedSharding(self.mesh, P(self.seq_axis))
+    order = layout.zigzag_order(np.arange(padded), n, axis=0)
+    tokens = jax.device_put(layout.zigzag_order(tokens, n, axis=0), rows)
+    positions = jax.device_put((start + layout.zigzag_positions(padded, n)).astype(np.int32), rows)
+    last_row = int(np.nonzero(order == count - 1)[0][0])
+    token, self._caches = self._prefill(
+      self._caches,
+      self._rest,
+      tokens,
+      positions,
+      jnp.int32(slot),
+      jnp.int32(count),
+      jnp.int32(last_row),
+      jnp.asarray(row_id, jnp.int32),
+      *options[:2],
+      top_k=options[2],
+      top_p=options[3],
+    )
+    self.stats.ring_prefills += 1
+    return int(token)
+
+  def free(self, slots):
+    self._caches = self._free(self._caches, jnp.asarray(slots, bool))
+
+  def share(self, src: int, dst: int, num_tokens: int):
+    self._caches = self._share(self._caches, jnp.int32(src), jnp.int32(dst), jnp.int32(num_tokens))
+
+  def rollback(self, drop):
+    self._caches = self._rollback(self._caches, jnp.asarray(drop, jnp.int32))
+
+  def fits(self, new_lens) -> np.ndarray:
+    return np.asarray(first_cache(self._caches).fits(jnp.asarray(new_lens, jnp.int32)))
+
+  def overflowed(self) -> np.ndarray:
+    flags = first_cache(self._caches).overflowed
+    return np.zeros(self.max_num_seqs, bool) if flags is None else np.asarray(flags)
+
+  def utilization(self) -> float:
+    return float(first_cache(self._caches).utilization())
+
+  # -- the public calls -------------------------------------------------------------------------------
+  def stream(
+    self,
+    prompts,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_tokens=(),
+    seed: int = 0,
+    draft=None,
+  ):
+    """Yields `(prompt_index, token)` as the tokens are produced (see `generate` for the arguments)."""
+    options = sampling.check(temperature, top_k, top_p, seed)
+    seqs = scheduler.make_sequences(self, prompts, max_new_tokens, stop_tokens)
+    if draft is not None and not callable(getattr(draft, "propose", None)):
+      raise TypeError(f"draft must have propose(contexts, max_tokens) (e.g. fr.NGramDraft()), got {draft!r}")
+    sampling_args = (jnp.int32(options[3]), jnp.float32(options[0]), options[1], options[2])
+    self._graphdef, self._caches, self._rest = nnx.split(self.model, nnx.Cache, ...)
+    start = time.perf_counter()
+    try:
+      yield from scheduler.Scheduler(self, seqs, sampling_args, draft).run()
+    finally:
+      self.stats.seconds += time.perf_counter() - start
+      nnx.update(self.model, self._caches)
+
+  def generate(
+    self,
+    prompts,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_tokens=(),
+    seed: int = 0,
+    draft=None,
+  ) -> list[list[int]]:
+    """The generated tokens of each prompt (without the prompt), in the prompts' order.
+
+    Args:
+      prompts: a sequence of prompts, each a non-empty sequence of token ids.
+      max_new_tokens: tokens generated per prompt at most.
+      temperature: 0 (default) for greedy decoding; > 0 samples, reproducibly for a `seed` (each token from its
+        own key: the output does not depend on the batching, the other prompts, or a draft).
+      top_k, top_p: keep the k most likely tokens / the smallest set of mass top_p before sampling.
+      stop_tokens: a prompt stops right after it emits one of these (that token included).
+      draft: a speculative draft (`fr.NGramDraft(n, k)`, or any object with `propose`): its proposals are
+        verified in one step and the output is exactly the model's.
+
+    Raises `CacheOverflowError` (naming the prompt's index) before any step when a prompt and its new tokens
+    can never fit one slot or the cache, and `ValueError` for an empty prompt.
+    """
+    prompts = list(prompts)
+    out = [[] for _ in prompts]
+    for index, token in self.stream(
+      prompts,
+      max_new_tokens=max_new_tokens,
+      temperature=temperature,
+      top_k=top_k,
+      top_p=top_p,
+      stop_tokens=stop_tokens,
+      seed=seed,
+      draft=draft,
+    ):
+      out[index].append(token)
+    return out
