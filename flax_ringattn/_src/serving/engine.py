@@ -318,8 +318,13 @@ class ServingEngine:
     try:
       yield from scheduler.Scheduler(self, seqs, sampling_args, draft).run()
     finally:
+      # Every slot is released, also when a step raised or the caller stopped reading the stream: the next call
+      # (and the model) finds the caches empty, no page leaked.
       self.stats.seconds += time.perf_counter() - start
-      nnx.update(self.model, self._caches)
+      try:
+        self.free(np.ones(self.max_num_seqs, bool))
+      finally:
+        nnx.update(self.model, self._caches)
 
   def generate(
     self,

@@ -1,8 +1,9 @@
 """Next-token choice of `ServingEngine`: greedy at temperature 0, else sampling with temperature, top-k, top-p.
 
 Every sampled token draws from its own key, `fold_in(fold_in(PRNGKey(seed), prompt_index), token_index)`, so
-a prompt's output depends on the seed, the prompt and the model only: not on which other prompts share the
-step, on chunking, on evictions, nor on a draft (speculative decoding samples the same token at the same index).
+a prompt's output depends on the seed, its index among the prompts and the model only: not on which other
+prompts share the step, on chunking, on evictions, nor on a draft (speculative decoding samples the same token
+at the same index, and keeps a proposal only where it equals that token).
 """
 
 from __future__ import annotations

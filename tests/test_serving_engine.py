@@ -1,0 +1,220 @@
+"""`fr.ServingEngine` over `convert(model, to="paged")`: unedited models served from paged caches, equal to their
+own greedy decoding by full recompute.
+
+Look-alike decoders (`serving_models.py`): Gemma style (hand-written, window from constant bands, soft cap,
+qk-norm), Llama/Qwen style (hand-written, the model's mask), and `nnx.MultiHeadAttention` blocks.  The engines
+are built once per module (each compiles its step once) and the tests read the lifetime stats as differences.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import flax_ringattn as fr
+import serving_models as sm
+from conftest import make_mesh
+
+GEOMETRY = dict(num_pages=16, page_size=4, max_num_seqs=2, pages_per_seq=8, max_num_batched_tokens=12)
+MAX_NEW = 6
+
+
+def _prompts(seed, lens):
+  rng = np.random.default_rng(seed)
+  return [[int(t) for t in rng.integers(1, sm.VOCAB, n)] for n in lens]
+
+
+# More prompts than the 2 slots; 14 and 17 tokens do not fit one step of 12 rows: chunked prefill.
+PROMPTS = _prompts(0, (5, 14, 9, 3, 17))
+
+
+class Served:
+  def __init__(self, family):
+    self.reference = sm.FAMILIES[family]()
+    self.model = sm.FAMILIES[family]()
+    self.report = fr.convert(self.model, to="paged")
+    self.engine = fr.ServingEngine(self.model, call=sm.engine_call, **GEOMETRY)
+
+  def want(self, prompts, max_new=MAX_NEW):
+    return _want(self.reference, prompts, max_new)
+
+
+def _want(reference, prompts, max_new):
+  """The reference's greedy outputs, with no near tie on the way (else the comparison could flip on rounding)."""
+  outs = [sm.greedy(reference, p, max_new) for p in prompts]
+  margins = [m for _, ms in outs for m in ms]
+  assert min(margins) > 1e-4, f"a near tie in the reference decoding (margin {min(margins):.2e}): pick other prompts"
+  return [o for o, _ in outs]
+
+
+@pytest.fixture(scope="module", params=sorted(sm.FAMILIES))
+def served(request):
+  return Served(request.param)
+
+
+@pytest.fixture(scope="module")
+def llama():
+  return Served("llama")
+
+
+def test_engine_equals_full_recompute(served):
+  steps = served.engine.stats.steps
+  got = served.engine.generate(PROMPTS, max_new_tokens=MAX_NEW)
+  assert got == served.want(PROMPTS)
+  # Chunked prefill and continuous batching: 5 prompts through 2 slots, at most 12 rows a step.
+  assert served.engine.stats.steps - steps > MAX_NEW * len(PROMPTS) / GEOMETRY["max_num_seqs"]
+  kinds = {s.details.get("paged") for s in served.report.converted}
+  assert served.report.replaced or kinds == {True}
+
+
+def test_report_lists_the_paged_sites_and_says_the_mask_is_not_used(llama):
+  text = str(llama.report)
+  assert len(llama.report.converted) == 2
+  assert "not used: each sequence causal over its own paged cache" in text
+
+
+def test_window_band_from_constants_keeps_its_causal_side():
+  served = Served("gemma")
+  site = served.report.converted[0]
+  assert site.details["window"] == (5, 5) and site.details["soft_cap"] == 5.0
+  assert "its causal side in serving" in str(site)
+
+
+def test_a_second_generate_compiles_nothing_new(llama):
+  llama.engine.generate(PROMPTS[:2], max_new_tokens=2)
+  compiles, stats = llama.engine.stats.compiles, llama.engine.stats
+  generated = stats.generated_tokens
+  got = llama.engine.generate(_prompts(1, (7, 2, 11)), max_new_tokens=3)
+  assert stats.compiles == compiles
+  assert stats.generated_tokens - generated == sum(map(len, got)) == 9
+
+
+def test_stream_yields_tokens_as_produced(llama):
+  pairs = list(llama.engine.stream(PROMPTS[:3], max_new_tokens=3))
+  by_prompt = [[t for i, t in pairs if i == k] for k in range(3)]
+  assert by_prompt == llama.engine.generate(PROMPTS[:3], max_new_tokens=3)
+
+
+def test_sampling_is_reproducible_and_top_k_1_is_greedy(llama):
+  engine = llama.engine
+  a = engine.generate(PROMPTS, max_new_tokens=4, temperature=1.0, seed=3)
+  assert engine.generate(PROMPTS, max_new_tokens=4, temperature=1.0, seed=3) == a
+  assert engine.generate(PROMPTS, max_new_tokens=4, temperature=1.0, seed=4) != a
+  # Each token draws from its own key (seed, prompt index, token index): the same output whatever shares the
+  # step, and with a draft (speculative sampling verifies each row against the token its key draws).
+  assert engine.generate(PROMPTS[:3], max_new_tokens=4, temperature=1.0, seed=3) == a[:3]
+  assert engine.generate(PROMPTS, max_new_tokens=4, temperature=1.0, seed=3, draft=fr.NGramDraft(1, 3)) == a
+  greedy = engine.generate(PROMPTS, max_new_tokens=4)
+  assert engine.generate(PROMPTS, max_new_tokens=4, temperature=1.0, top_k=1, seed=9) == greedy
+  assert engine.generate(PROMPTS, max_new_tokens=4, temperature=0.7, top_p=1e-6, seed=9) == greedy
+
+
+def test_stop_tokens_end_a_prompt_after_the_token(llama):
+  full = llama.engine.generate(PROMPTS, max_new_tokens=MAX_NEW)
+  stop = full[0][2]
+  got = llama.engine.generate(PROMPTS, max_new_tokens=MAX_NEW, stop_tokens=(stop,))
+  for g, f in zip(got, full, strict=True):
+    cut = f.index(stop) + 1 if stop in f else len(f)
+    assert g == f[:cut]
+
+
+def test_prefix_reuse_shares_whole_pages_of_prompts_admitted_together():
+  served = Served("llama")
+  engine = fr.ServingEngine(served.model, call=sm.engine_call, **(GEOMETRY | dict(max_num_seqs=3, num_pages=24)))
+  head = _prompts(5, (9,))[0]  # two whole pages of 4 and one token
+  tails = _prompts(6, (3, 5, 2))
+  prompts = [head + t for t in tails]
+  before = engine.stats.prefill_tokens_computed
+  got = engine.generate(prompts, max_new_tokens=4)
+  assert got == served.want(prompts, 4)
+  stats = engine.stats
+  # The first computes the 8 shared tokens; the other two wait for them and share (no recompute).
+  assert stats.shared_prefix_tokens == 16
+  assert stats.prefill_tokens_computed - before == sum(map(len, prompts)) - 16
+  assert stats.prompt_tokens == sum(map(len, prompts))
+
+
+class _WrongDraft:
+  """Proposes tokens the model never chooses first: every proposal is rejected and rolled back."""
+
+  def propose(self, contexts, max_tokens):
+    return [[(c[-1] + 1) % sm.VOCAB] * min(3, m) for c, m in zip(contexts, max_tokens, strict=True)]
+
+
+def test_speculative_decoding_is_exact_and_takes_fewer_steps(llama):
+  engine, stats = llama.engine, llama.engine.stats
+  repetitive = [[3, 4, 5, 3, 4, 5, 3, 4], [7, 1, 7, 1, 7, 1], PROMPTS[0]]
+  steps = stats.steps
+  want = engine.generate(repetitive, max_new_tokens=8)
+  plain = stats.steps - steps
+  steps, accepted = stats.steps, stats.draft_accepted
+  assert engine.generate(repetitive, max_new_tokens=8, draft=fr.NGramDraft(n=2, k=4)) == want
+  assert stats.draft_accepted > accepted and stats.steps - steps < plain
+  # Rejected proposals: their K/V are rolled back out of the cache, the output unchanged.
+  proposed, accepted = stats.draft_proposed, stats.draft_accepted
+  assert engine.generate(repetitive, max_new_tokens=8, draft=_WrongDraft()) == want
+  assert stats.draft_proposed - proposed > stats.draft_accepted - accepted
+  assert want == llama.want(repetitive, 8)
+
+
+def test_a_prompt_that_cannot_fit_raises_before_any_step(llama):
+  steps = llama.engine.stats.steps
+  with pytest.raises(fr.CacheOverflowError, match=r"prompt 1 can never fit a slot: its 30 tokens"):
+    llama.engine.generate([[1, 2], [1] * 30], max_new_tokens=4)
+  with pytest.raises(ValueError, match=r"prompt 0 is empty"):
+    llama.engine.generate([[], [1]], max_new_tokens=4)
+  with pytest.raises(ValueError, match=r"token ids outside \[0, 32\)"):
+    llama.engine.generate([[1, 99]], max_new_tokens=4)
+  assert llama.engine.stats.steps == steps
+
+
+def test_engine_needs_a_converted_model_and_layers_need_a_step():
+  with pytest.raises(ValueError, match=r"no paged attention: convert it first"):
+    fr.ServingEngine(sm.llama_style(), call=sm.engine_call, **GEOMETRY)
+  model = sm.mha_style()
+  fr.convert(model, to="paged")
+  with pytest.raises(TypeError, match=r"outside a serving step"):
+    model(*[np.zeros((1, 4), np.int32)] * 2, sm.causal(4))
+  with pytest.raises(ValueError, match=r"must return logits \[1, T, V\]"):
+    fr.ServingEngine(model, call=lambda m, t, p: m(t, p, sm.causal(t.shape[1]))[0], **GEOMETRY)
+
+
+def test_converted_layer_keeps_its_ragged_api():
+  model = sm.mha_style()
+  fr.convert(model, to="paged")
+  layer = model.blocks[0].attn
+  layer.init_cache(num_pages=4, page_size=4, max_num_seqs=1, pages_per_seq=4)
+  x = np.ones((3, sm.D), np.float32)
+  y = layer(x, cu_q_lens=np.array([0, 3], np.int32), num_seqs=np.array([1], np.int32))
+  assert y.shape == (3, sm.D)
+  with pytest.raises(TypeError, match=r"pass both cu_q_lens= and num_seqs="):
+    layer(x, cu_q_lens=np.array([0, 3], np.int32))
+  assert isinstance(nnx.state(layer, nnx.Cache), nnx.State)
+
+
+def test_a_stream_closed_early_leaves_the_caches_empty(llama):
+  stream = llama.engine.stream(PROMPTS, max_new_tokens=MAX_NEW)
+  next(stream)
+  stream.close()
+  caches = [v.get_value() for _, v in nnx.iter_graph(llama.model) if isinstance(v, nnx.Cache)]
+  caches = [c for c in caches if isinstance(c, fr.PagedKVCache)]
+  assert len(caches) == 2
+  for cache in caches:
+    assert int(cache.num_free_pages()) == cache.num_pages and not np.asarray(cache.kv_lens).any()
+  assert llama.engine.generate(PROMPTS[:2], max_new_tokens=3) == [w[:3] for w in llama.want(PROMPTS[:2], 3)]
+
+
+def test_context_parallel_engine_equals_one_device():
+  """The caches spread over 2 devices; prompts of 8 new tokens or more are prefilled by the ring (zigzag layout,
+  sequence-sharded through the whole model), the rest chunked; the outputs are the one-device ones."""
+  mesh = make_mesh((2,), ("sp",), explicit=False)
+  reference, model = sm.llama_style(), sm.llama_style()
+  fr.convert(model, to="paged", mesh=mesh, seq_axis="sp")
+  engine = fr.ServingEngine(
+    model, call=sm.engine_call, **GEOMETRY, mesh=mesh, seq_axis="sp", ring_prefill_min_tokens=8
+  )
+  prompts = [PROMPTS[1], PROMPTS[3], PROMPTS[4]]
+  got = engine.generate(prompts, max_new_tokens=4)
+  assert engine.stats.ring_prefills == 2
+  assert got == _want(reference, prompts, 4)
