@@ -14,12 +14,11 @@ Every model is called as `model(tokens [B, T], positions [B, T], mask [B, T, T])
 
 from __future__ import annotations
 
+import handwritten_models as hm
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-import handwritten_models as hm
 
 VOCAB, D = hm.VOCAB, hm.D
 

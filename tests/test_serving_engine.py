@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import serving_models as sm
+from conftest import make_mesh
 from flax import nnx
 
 import flax_ringattn as fr
-import serving_models as sm
-from conftest import make_mesh
 
 GEOMETRY = dict(num_pages=16, page_size=4, max_num_seqs=2, pages_per_seq=8, max_num_batched_tokens=12)
 MAX_NEW = 6
@@ -211,9 +211,7 @@ def test_context_parallel_engine_equals_one_device():
   mesh = make_mesh((2,), ("sp",), explicit=False)
   reference, model = sm.llama_style(), sm.llama_style()
   fr.convert(model, to="paged", mesh=mesh, seq_axis="sp")
-  engine = fr.ServingEngine(
-    model, call=sm.engine_call, **GEOMETRY, mesh=mesh, seq_axis="sp", ring_prefill_min_tokens=8
-  )
+  engine = fr.ServingEngine(model, call=sm.engine_call, **GEOMETRY, mesh=mesh, seq_axis="sp", ring_prefill_min_tokens=8)
   prompts = [PROMPTS[1], PROMPTS[3], PROMPTS[4]]
   got = engine.generate(prompts, max_new_tokens=4)
   assert engine.stats.ring_prefills == 2
