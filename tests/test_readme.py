@@ -26,6 +26,8 @@ def test_readme_python_blocks_run():
   assert [s.path for s in namespace["hw_report"].converted] == ["<root>"]
   assert namespace["y_hw"].shape == namespace["x_hw"].shape
   assert namespace["o_hw"].shape == namespace["q_hw"].shape
+  # Serving: the engine ran the unedited model, and the draft changed nothing.
+  assert namespace["fast"] == namespace["outs"] and all(len(o) == 4 for o in namespace["outs"])
   # Masks and layouts: a permuted, chunked, image-span call equals the reference in that order; the pack balances.
   err = namespace["jnp"].abs(namespace["out_m"] - namespace["take"](namespace["want_m"])).max()
   assert float(err) < 1e-5, err
