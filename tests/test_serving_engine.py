@@ -216,3 +216,11 @@ def test_context_parallel_engine_equals_one_device():
   got = engine.generate(prompts, max_new_tokens=4)
   assert engine.stats.ring_prefills == 2
   assert got == _want(reference, prompts, 4)
+
+
+def test_convert_paged_with_an_example_lists_the_sites_at_once():
+  model = sm.gemma_style()
+  tokens = np.zeros((2, 8), np.int32)
+  report = fr.convert(model, to="paged", example=lambda m: m(tokens, tokens, sm.causal(8)))
+  assert [s.path for s in report.converted] == ["blocks.0.attn", "blocks.1.attn"]
+  assert not hasattr(model.blocks[0].attn, "paged_kv_caches")  # the engine creates them

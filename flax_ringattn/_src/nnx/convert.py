@@ -19,6 +19,7 @@ on a mesh are left as they are.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -33,6 +34,7 @@ from flax_ringattn._src.nnx.common import _PROJECTIONS, head_param_spec, metadat
 from flax_ringattn._src.nnx.handwritten_paged import PagedSiteOptions
 from flax_ringattn._src.nnx.paged_mha import PagedMultiHeadAttention
 from flax_ringattn._src.nnx.ring_mha import RingMultiHeadAttention
+from flax_ringattn._src.paged import step as paged_step
 from flax_ringattn._src.ring.options import RingOptions
 
 # Constructor options of nnx.MultiHeadAttention read back from a built layer.
@@ -264,7 +266,8 @@ def convert(
     example: optional `fn(model)` calling the model once as training will
       (e.g. `lambda m: m(tokens, positions, mask)`); run abstractly (no
       compute, the model unchanged) so the report lists the hand-written
-      sites at once instead of after the first real call.
+      sites at once instead of after the first real call (to="paged": any
+      batch shape; nothing is attended).
     **layer_options: more keyword options of the new layer, e.g. `head_axis`,
       `batch_axis`, `load_balance`, `implementation`, `block_sizes`,
       `local_window_size`, `logits_soft_cap`, `check_mask`.  Hand-written
@@ -322,7 +325,10 @@ def convert(
     if example is not None:
       stage = "running example=..."
       graphdef, state = nnx.split(model)
-      jax.eval_shape(lambda st: example(nnx.merge(graphdef, st)), state)
+      # Paged sites attend only inside a serving step: the example runs as the engine's discovery does.
+      scope = paged_step.serving_step(paged_step.Step("discover")) if to == "paged" else contextlib.nullcontext()
+      with scope:
+        jax.eval_shape(lambda st: example(nnx.merge(graphdef, st)), state)
       report.called = True
   except BaseException as e:
     undo.restore()

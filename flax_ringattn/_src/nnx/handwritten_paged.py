@@ -56,15 +56,15 @@ class PagedSiteFn:
         f"{path}: its attention was converted to paged serving (convert(model, to='paged')) and runs only inside "
         "a serving step: serve the model with fr.ServingEngine"
       )
+    if current.kind == "discover":  # any batch: convert(..., example=) discovers with the user's own shapes
+      need = paged_step.CacheNeed(k.shape[2], k.shape[3], v.shape[3], jnp.dtype(q.dtype))
+      current.needs.append((path, self.index, need))
+      return matcher.site_output(site, jnp.zeros((*q.shape[:3], v.shape[3]), q.dtype))
     if q.shape[0] != 1:
       raise ValueError(
         f"{path}: a serving step runs the model on one flat ragged batch, [1, T] tokens; this site got a batch of "
         f"B={q.shape[0]} (q {tuple(q.shape)})"
       )
-    if current.kind == "discover":
-      need = paged_step.CacheNeed(k.shape[2], k.shape[3], v.shape[3], jnp.dtype(q.dtype))
-      current.needs.append((path, self.index, need))
-      return matcher.site_output(site, jnp.zeros((*q.shape[:3], v.shape[3]), q.dtype))
     caches = getattr(self.module, CACHES, None)
     if caches is None or self.index >= len(caches):
       raise ValueError(f"{path}: site {self.index} has no paged cache: ServingEngine creates them (init_site_caches)")

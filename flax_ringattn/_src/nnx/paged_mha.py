@@ -440,13 +440,13 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       if other is not None and other is not inputs:
         raise NotImplementedError(f"{name} serves self-attention: {arg} must be None or the query input")
     shape = tuple(inputs.shape)
+    if current.kind == "discover":  # caches are being sized (the engine, or convert's example=): nothing runs
+      return jnp.zeros((*shape[:-1], self.out_features), self.dtype or inputs.dtype)
     if len(shape) != 3 or shape[0] != 1:
       raise ValueError(
         f"{name}: inside a serving step the model's input must be [1, T, features] (the engine's flat ragged "
         f"batch), got shape {shape}"
       )
-    if current.kind == "discover":  # the engine sizes caches: no attention runs
-      return jnp.zeros((1, shape[1], self.out_features), self.dtype or inputs.dtype)
     if current.kind == "ring_prefill":
       return self.prefill(inputs[0], slot=current.slot, num_tokens=current.num_tokens)[None]
     out = self(inputs[0], cu_q_lens=current.cu_q_lens, num_seqs=current.num_seqs, sow_weights=sow_weights, decode=decode)
