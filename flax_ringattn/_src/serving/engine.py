@@ -226,7 +226,10 @@ class ServingEngine:
     self.stats.compiles += 1
     num_seqs = jnp.full((1,), self.max_num_seqs, jnp.int32)
     logits, caches = self._run_model(caches, rest, tokens, positions, Step("ragged", cu_q_lens, num_seqs))
-    return sampling.choose(logits, row_ids, seed, temperature, top_k=top_k, top_p=top_p), caches
+    chosen = sampling.choose(logits, row_ids, seed, temperature, top_k=top_k, top_p=top_p)
+    first = first_cache(caches)  # every cache has the same page table: one reports for all
+    flags = jnp.zeros((self.max_num_seqs,), bool) if first.overflowed is None else first.overflowed
+    return (chosen, flags, first.utilization()), caches
 
   def _prefill_fn(
     self, caches, rest, tokens, positions, slot, num_tokens, last_row, row_id, seed, temperature, *, top_k, top_p
@@ -239,11 +242,11 @@ class ServingEngine:
 
   # -- the host's calls -----------------------------------------------------------------------------------
   def ragged_step(self, tokens, positions, cu_q_lens, row_ids, options):
-    out, self._caches = self._step(
+    (out, overflowed, utilization), self._caches = self._step(
       self._caches, self._rest, tokens, positions, cu_q_lens, row_ids, *options[:2], top_k=options[2], top_p=options[3]
     )
     self.stats.steps += 1
-    return np.asarray(out)
+    return np.asarray(out), np.asarray(overflowed), float(utilization)
 
   def ring_prefill(self, slot: int, prompt, start: int, row_id, options) -> int:
     """Prefills `prompt` (the slot's tokens from `start`, a multiple of page_size) by the ring; returns the
@@ -290,9 +293,6 @@ class ServingEngine:
   def overflowed(self) -> np.ndarray:
     flags = first_cache(self._caches).overflowed
     return np.zeros(self.max_num_seqs, bool) if flags is None else np.asarray(flags)
-
-  def utilization(self) -> float:
-    return float(first_cache(self._caches).utilization())
 
   # -- the public calls -------------------------------------------------------------------------------
   def stream(

@@ -227,10 +227,9 @@ class Scheduler:
       positions[start : start + len(feed)] = pos
       row_ids[start : start + len(feed)] = np.stack([np.full(len(feed), seq.index), pos + 1 - len(seq.prompt)], 1)
       engine.stats.prefill_tokens_computed += int(np.sum(pos < len(seq.prompt)))
-    out = engine.ragged_step(tokens, positions, cu, row_ids, self.sampling)
-    self.utils.append(engine.utilization())
+    out, overflowed, utilization = engine.ragged_step(tokens, positions, cu, row_ids, self.sampling)
+    self.utils.append(utilization)
     engine.stats.cache_utilization = float(np.mean(self.utils))
-    overflowed = engine.overflowed()
     drop = np.zeros(S, np.int32)
     emitted = []
     for slot, (feed, proposed) in feeds.items():
