@@ -91,6 +91,7 @@ class Scheduler:
     self.slots: list[Sequence | None] = [None] * engine.max_num_seqs
     self.by_page: dict = {}  # page hash -> running sequences whose prompt has that page
     self.utils = []
+    engine.stats.prompt_tokens += sum(len(s.prompt) for s in seqs)
 
   # -- admission and prefix reuse -----------------------------------------------------------------------
   def running(self):
@@ -123,7 +124,6 @@ class Scheduler:
       self.slots[i] = seq
       for h in seq.hashes:
         self.by_page.setdefault(h, []).append(seq)
-      self.engine.stats.prompt_tokens += len(seq.prompt)
 
   def take_shared_pages(self):
     """Sequences waiting for another's pages share them once computed (or look again if it left)."""
