@@ -224,3 +224,30 @@ def test_convert_paged_with_an_example_lists_the_sites_at_once():
   report = fr.convert(model, to="paged", example=lambda m: m(tokens, tokens, sm.causal(8)))
   assert [s.path for s in report.converted] == ["blocks.0.attn", "blocks.1.attn"]
   assert not hasattr(model.blocks[0].attn, "paged_kv_caches")  # the engine creates them
+
+
+def test_admission_waits_for_pages_and_an_evicted_sequence_resumes(llama, monkeypatch):
+  want = llama.engine.generate(PROMPTS, max_new_tokens=MAX_NEW)
+  # The cache's fits refuses slot 1 twice (as when another owner's pages run out): the sequence there is freed
+  # and re-queued with its output so far, then recomputed; the outputs do not change.
+  engine, refusals = llama.engine, iter([1, 1])
+  real_fits = type(engine).fits
+
+  def fits(self, new_lens):
+    ok = real_fits(self, new_lens)
+    slot = next(refusals, None) if new_lens[1] else None
+    if slot is not None:
+      ok = ok.copy()
+      ok[slot] = False
+    return ok
+
+  monkeypatch.setattr(type(engine), "fits", fits)
+  evictions = engine.stats.evictions
+  assert engine.generate(PROMPTS, max_new_tokens=MAX_NEW) == want
+  assert engine.stats.evictions - evictions == 2
+  monkeypatch.undo()
+  # 6 pages: the longest sequence (17 + 5 tokens) needs them all, so it runs alone.
+  model = sm.llama_style()
+  fr.convert(model, to="paged")
+  tight = fr.ServingEngine(model, call=sm.engine_call, **(GEOMETRY | dict(num_pages=6)))
+  assert tight.generate(PROMPTS, max_new_tokens=MAX_NEW) == want

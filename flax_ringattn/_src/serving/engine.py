@@ -314,6 +314,17 @@ class ServingEngine:
       raise TypeError(f"draft must have propose(contexts, max_tokens) (e.g. fr.NGramDraft()), got {draft!r}")
     sampling_args = (jnp.int32(options[3]), jnp.float32(options[0]), options[1], options[2])
     self._graphdef, self._caches, self._rest = nnx.split(self.model, nnx.Cache, ...)
+    first = first_cache(self._caches)
+    if (first.num_pages, first.max_num_seqs, first.pages_per_seq) != (
+      self.num_pages,
+      self.max_num_seqs,
+      self.pages_per_seq,
+    ):
+      raise ValueError(
+        f"ServingEngine: the model's caches hold {first.num_pages} pages for {first.max_num_seqs} slots, not this "
+        f"engine's {self.num_pages} for {self.max_num_seqs}: another engine (or init_cache) re-created them; serve a "
+        "model with one engine at a time"
+      )
     start = time.perf_counter()
     try:
       yield from scheduler.Scheduler(self, seqs, sampling_args, draft).run()
