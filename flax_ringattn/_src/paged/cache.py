@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from flax_ringattn._src import sharding, validation
 from flax_ringattn._src.paged import admission, allocator, checks, common, contracts, eager, metadata, storage
 from flax_ringattn._src.paged.admission import CacheOverflowError
+from flax_ringattn._src.paged.rollback import rollback as rollback_tokens
 from flax_ringattn._src.validation import check_bool
 
 __all__ = ["CacheOverflowError", "PagedKVCache"]
@@ -484,6 +485,13 @@ class PagedKVCache:
       ref_counts=refs,
       overflowed=None if self.overflowed is None else self.overflowed & ~slots,
     )
+
+  @eager.method
+  def rollback(self, num_tokens, *, checked: bool = False) -> PagedKVCache:
+    """Drops the last `num_tokens` [S] (ints, 0 <= n <= kv_lens) tokens of each slot: pages past the new length are
+    released (zeroed when free), dropped rows of pages only this slot reads are zeroed (`rollback.py`).  A bad
+    count raises `ValueError` eagerly; under jit that slot is left as it was (`checked=True`: checkify)."""
+    return rollback_tokens(self, num_tokens, check_bool("checked", checked))
 
   @eager.method
   def share_prefix(self, src, dst, num_tokens, *, checked: bool = False) -> PagedKVCache:
