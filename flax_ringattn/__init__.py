@@ -48,10 +48,10 @@ from flax_ringattn._src.paged.op import paged_attention
 from flax_ringattn._src.paged.reference import paged_reference_attention
 from flax_ringattn._src.paged.ring_prefill import paged_ring_prefill
 from flax_ringattn._src.reference import reference_attention
-from flax_ringattn._src.serving.draft import NGramDraft
-from flax_ringattn._src.serving.engine import EngineStats, ServingEngine
 from flax_ringattn._src.ring.dense import dot_product_attention
 from flax_ringattn._src.ring.op import ring_attention
+from flax_ringattn._src.serving.draft import NGramDraft
+from flax_ringattn._src.serving.engine import EngineStats, ServingEngine
 
 __version__ = "0.1.0.dev0"
 

@@ -27,31 +27,28 @@ def _imports(path: Path) -> set[str]:
   return names
 
 
-def test_paged_floors_import_downward_only():
-  """The paged folder's floor (input checks and dequantisation, the ragged-batch schedule) sits below the op and
-  the backends: the backends import it and nothing else of the folder; it imports neither backends nor layers."""
-  floor = {"flax_ringattn._src.paged.common", "flax_ringattn._src.paged.metadata"}
-  # `from flax_ringattn._src.paged import metadata` names the package too: it runs its __init__, which is empty.
+def test_backends_import_nothing_of_the_paged_op():
+  """What paged backends share with the op (the ragged batch's schedule, pages as stored) lives below both, in
+  `_src/ragged.py`: no backend imports the paged folder, and the floor imports neither ops, backends nor layers."""
   assert not _imports(SRC / "paged" / "__init__.py")
-  floor.add("flax_ringattn._src.paged")
-  helpers = [SRC / "paged" / "common.py", SRC / "paged" / "metadata.py"]
-  backends = sorted((SRC / "backends").rglob("*.py"))
-  for path in helpers + backends:
-    up = {
-      m
-      for m in _imports(path)
-      if (m.startswith("flax_ringattn._src.paged.") or m == "flax_ringattn._src.paged") and m not in floor
-    }
-    assert not up, f"{path.relative_to(SRC)} imports the paged op above its floor: {sorted(up)}"
-  for path in helpers:
-    up = {m for m in _imports(path) if m.startswith(("flax_ringattn._src.backends", "flax_ringattn._src.nnx"))}
-    assert not up, f"{path.relative_to(SRC)} imports a floor above it: {sorted(up)}"
-  # The op's folder: its API, registry, checks, cache (its admission, allocator, argument contracts, eager programs and storage),
-  # context parallelism and ring prefill, oracle and floor.
+  for path in sorted((SRC / "backends").rglob("*.py")):
+    up = {m for m in _imports(path) if m.startswith("flax_ringattn._src.paged")}
+    assert not up, f"{path.relative_to(SRC)} imports the paged op: {sorted(up)}"
+  above = (
+    "flax_ringattn._src.backends",
+    "flax_ringattn._src.nnx",
+    "flax_ringattn._src.paged",
+    "flax_ringattn._src.ring",
+  )
+  up = {m for m in _imports(SRC / "ragged.py") if m.startswith(above)}
+  assert not up, f"ragged.py imports {sorted(up)}"
+  # The op's folder: its API and call plan, registry, checks, cache (its admission, allocator, argument contracts,
+  # eager programs, storage and rollback), context parallelism and ring prefill, the serving step, oracle, rules.
   assert sorted(p.name for p in (SRC / "paged").glob("*.py")) == [
     "__init__.py",
     "admission.py",
     "allocator.py",
+    "attend.py",
     "cache.py",
     "checks.py",
     "common.py",
@@ -59,10 +56,11 @@ def test_paged_floors_import_downward_only():
     "contracts.py",
     "eager.py",
     "implementations.py",
-    "metadata.py",
     "op.py",
     "reference.py",
     "ring_prefill.py",
+    "rollback.py",
+    "step.py",
     "storage.py",
   ]
 

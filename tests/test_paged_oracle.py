@@ -36,7 +36,7 @@ from paged_oracle import paged_oracle
 from tolerances import assert_close
 
 import flax_ringattn as fr
-from flax_ringattn._src.paged import common as paged_common
+from flax_ringattn._src import ragged
 
 
 def oracle(b: Batch, do=None, **kw):
@@ -286,7 +286,7 @@ def _head0_scale_for_every_head(pages, scale, page_ids=None):
   return _REAL_DEQUANTIZE(pages, scale, page_ids)
 
 
-_REAL_DEQUANTIZE = paged_common.dequantize
+_REAL_DEQUANTIZE = ragged.dequantize
 MUTATIONS = {"double_every_scale": _double_every_scale, "head0_scale_for_every_head": _head0_scale_for_every_head}
 
 
@@ -296,7 +296,7 @@ def test_oracle_catches_wrong_dequantization(monkeypatch, mutation, page_dtype):
   """With the library's dequantisation deliberately broken, the forward oracle check fails."""
   rng = np.random.default_rng(66)
   b = make_batch(rng, scenario("mixed", rng), page_dtype=jnp.dtype(page_dtype), scale_shape="page")
-  monkeypatch.setattr(paged_common, "dequantize", MUTATIONS[mutation])
+  monkeypatch.setattr(ragged, "dequantize", MUTATIONS[mutation])
   mutated = _fresh_op(b)
   monkeypatch.undo()
   with pytest.raises(AssertionError):

@@ -93,13 +93,15 @@ def _imports_of(prefix):
 
 def test_imports_point_downward():
   ops = ("flax_ringattn._src.ring", "flax_ringattn._src.paged")
-  paged_floor = ("flax_ringattn._src.paged.common", "flax_ringattn._src.paged.metadata")
   for module, deps in _imports_of("flax_ringattn._src.backends").items():
-    up = {d for d in deps if d.startswith(ops + ("flax_ringattn._src.nnx",)) and d not in paged_floor + ops}
+    up = {d for d in deps if d.startswith(ops + ("flax_ringattn._src.nnx", "flax_ringattn._src.serving"))}
     assert not up, f"backend {module} imports an op or a layer: {sorted(up)}"
+  for module, deps in _imports_of("flax_ringattn._src.nnx").items():
+    up = {d for d in deps if d.startswith("flax_ringattn._src.serving")}
+    assert not up, f"layer module {module} imports the serving engine above it: {sorted(up)}"
   for op in ops:
     for module, deps in _imports_of(op).items():
-      up = {d for d in deps if d.startswith("flax_ringattn._src.nnx")}
+      up = {d for d in deps if d.startswith(("flax_ringattn._src.nnx", "flax_ringattn._src.serving"))}
       assert not up, f"op module {module} imports a layer: {sorted(up)}"
       text = (PKG.parent / (module.replace(".", "/") + ".py")).read_text() if not module.endswith(op) else ""
       assert "from flax import" not in text and "import flax\n" not in text, f"op module {module} imports flax"

@@ -371,7 +371,9 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       return self._model_call(inputs, inputs_k, inputs_v, sow_weights=sow_weights, decode=decode)
     if cu_q_lens is None or num_seqs is None:
       missing = "cu_q_lens" if cu_q_lens is None else "num_seqs"
-      raise TypeError(f"{type(self).__name__}: pass both cu_q_lens= and num_seqs= (the ragged batch), {missing} is None")
+      raise TypeError(
+        f"{type(self).__name__}: pass both cu_q_lens= and num_seqs= (the ragged batch), {missing} is None"
+      )
     if inputs_k is not None or inputs_v is not None:
       raise NotImplementedError(f"{type(self).__name__} is self-attention: inputs_k / inputs_v must be None")
     if sow_weights:
@@ -449,5 +451,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       )
     if current.kind == "ring_prefill":
       return self.prefill(inputs[0], slot=current.slot, num_tokens=current.num_tokens)[None]
-    out = self(inputs[0], cu_q_lens=current.cu_q_lens, num_seqs=current.num_seqs, sow_weights=sow_weights, decode=decode)
+    out = self(
+      inputs[0], cu_q_lens=current.cu_q_lens, num_seqs=current.num_seqs, sow_weights=sow_weights, decode=decode
+    )
     return out[None]

@@ -3,7 +3,7 @@
 A functional pytree (usable under jit and as `nnx.Cache` state): every method
 returns a new cache.  Slots are sequence indices 0 .. max_num_seqs - 1; the
 ragged batch of a step lists the new tokens of slot i at rows
-cu_q_lens[i] .. cu_q_lens[i + 1] - 1 (see `_src/paged/metadata.py`).
+cu_q_lens[i] .. cu_q_lens[i + 1] - 1 (see `_src/ragged.py`).
 
 Invariants:
 * slot s owns page_indices[s, :ceil(kv_lens[s] / page_size)]; the rest of its
@@ -37,8 +37,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flax_ringattn._src import sharding, validation
-from flax_ringattn._src.paged import admission, allocator, checks, common, contracts, eager, metadata, storage
+from flax_ringattn._src import ragged, sharding, validation
+from flax_ringattn._src.paged import admission, allocator, checks, common, contracts, eager, storage
 from flax_ringattn._src.paged.admission import CacheOverflowError
 from flax_ringattn._src.paged.rollback import rollback as rollback_tokens
 from flax_ringattn._src.validation import check_bool
@@ -361,7 +361,7 @@ class PagedKVCache:
     checked = check_bool("checked", checked)
     cu, n = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(num_seqs, jnp.int32)
     checks.check_ragged(cu, n, self.max_num_seqs, k.shape[0], where=where, rows="k.shape[0]", checked=checked)
-    return cu, n, metadata.seq_q_lens(cu, n)
+    return cu, n, ragged.seq_q_lens(cu, n)
 
   @eager.method
   def append(self, k, v, cu_q_lens, num_seqs, *, checked: bool = False) -> PagedKVCache:
@@ -448,7 +448,7 @@ class PagedKVCache:
   def _write(self, k, v, cu_q_lens, num_seqs, q_lens, T) -> PagedKVCache:
     """Stores the rows of the slots with q_lens [S] > 0 (the others' rows are refused, or padding)."""
     cache = self
-    seq, start, valid = metadata.token_owner(cu_q_lens, num_seqs, T)
+    seq, start, valid = ragged.token_owner(cu_q_lens, num_seqs, T)
     pos = cache.kv_lens[seq] + jnp.arange(T) - start
     ps, P = cache.page_size, cache.num_pages
     col = jnp.clip(pos // ps, 0, cache.pages_per_seq - 1)

@@ -1,4 +1,4 @@
-"""Validation (inputs, the window) and dequantisation for paged attention, below the op and its backends."""
+"""Validation of paged attention's inputs and options (the window, the page dtypes), for the op and the cache."""
 
 from __future__ import annotations
 
@@ -159,18 +159,3 @@ def check_paged_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, nu
         f"[P, page_size, K]=({P}, {page_size}, {K}) (per token and kv head), got {tuple(sc.shape)}"
       )
   return T, N, H, P, page_size, K, S, pages_per_seq
-
-
-def dequantize(pages, scale, page_ids=None):
-  """pages [..., page_size, K, H] (gathered at `page_ids` if given) to float32 times scale."""
-  x = pages.astype(jnp.float32)
-  if scale is None:
-    return x
-  scale = scale.astype(jnp.float32)
-  if scale.ndim == 0:
-    return x * scale
-  if page_ids is not None:
-    scale = scale[page_ids]
-  if scale.ndim == x.ndim - 2:  # [..., K] per page
-    return x * scale[..., None, :, None]
-  return x * scale[..., None]  # [..., page_size, K] per token

@@ -30,7 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flax_ringattn._src.paged import metadata
+from flax_ringattn._src import ragged
 
 F32 = jnp.float32
 
@@ -63,7 +63,7 @@ def compact_decode_rows(kv_lens, table, cu_q_lens, num_seqs, page_size: int):
   used = (table >= 0) & (j * page_size < kv_lens[:, None])
   tokens = jnp.sum(jnp.where(used, jnp.clip(kv_lens[:, None] - j * page_size, 0, page_size), 0), axis=1)
   compacted, _ = compact(table, used)
-  decode = metadata.seq_q_lens(cu_q_lens, num_seqs) == 1
+  decode = ragged.seq_q_lens(cu_q_lens, num_seqs) == 1
   return jnp.where(decode, tokens.astype(kv_lens.dtype), kv_lens), jnp.where(decode[:, None], compacted, table)
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flax_ringattn._src import validation
-from flax_ringattn._src.paged import common, metadata
+from flax_ringattn._src import ragged, validation
+from flax_ringattn._src.paged import common
 
 
 def paged_reference_attention(
@@ -45,8 +45,8 @@ def paged_reference_attention(
   G, L, Hv = N // K, pps * ps, v_pages.shape[3]
   sinks = validation.check_sinks(sinks, N)
 
-  seq, start, valid = metadata.token_owner(cu_q_lens, num_seqs, T)
-  lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
+  seq, start, valid = ragged.token_owner(cu_q_lens, num_seqs, T)
+  lens = ragged.seq_q_lens(cu_q_lens, num_seqs)
   pos = kv_lens[seq] - lens[seq] + (jnp.arange(T) - start)  # [T]
 
   page_ok = (page_indices >= 0) & (page_indices < P)  # [S, pps]
@@ -57,7 +57,7 @@ def paged_reference_attention(
   kv_ok = kv_ok & (jnp.arange(S) < num_seqs[0])[:, None]
 
   def gather(pages, sc):
-    x = common.dequantize(pages[ids], sc, ids).reshape(S, L, K, pages.shape[3])
+    x = ragged.dequantize(pages[ids], sc, ids).reshape(S, L, K, pages.shape[3])
     return jnp.where(kv_ok[..., None, None], x, 0.0)  # pages not owned never leak (NaN-safe)
 
   k_seq, v_seq = gather(k_pages, k_scale), gather(v_pages, v_scale)
@@ -73,7 +73,7 @@ def paged_reference_attention(
     mask = mask & (pos[:, None] // chunk_size == kv_pos[None] // chunk_size)
   if span_ids is not None and T:
     # A key that is one of its sequence's new tokens carries that row's id; a cached one (earlier calls) 0.
-    cu = metadata.effective_cu(cu_q_lens, num_seqs)
+    cu = ragged.effective_cu(cu_q_lens, num_seqs)
     new_lo = kv_lens - lens  # [S] position of each sequence's first new token
     row = jnp.clip(cu[:-1, None] + kv_pos[None] - new_lo[:, None], 0, max(T - 1, 0))
     kv_ids = jnp.where((kv_pos[None] >= new_lo[:, None]) & (kv_pos[None] < kv_lens[:, None]), span_ids[row], 0)

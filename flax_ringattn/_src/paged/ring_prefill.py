@@ -46,8 +46,8 @@ import numpy as np
 from jax.experimental import checkify
 from jax.sharding import PartitionSpec
 
-from flax_ringattn._src import flash, layout, sharding, validation
-from flax_ringattn._src.paged import allocator, checks, common, contracts, storage
+from flax_ringattn._src import flash, layout, ragged, sharding, validation
+from flax_ringattn._src.paged import allocator, checks, contracts, storage
 from flax_ringattn._src.paged import op as paged_op
 from flax_ringattn._src.paged.context_parallel import compact as compact_pages
 from flax_ringattn._src.paged.context_parallel import owned_page_ids
@@ -220,7 +220,7 @@ def paged_ring_prefill(
     def pass_kv():
       # A fresh slot: the prompt is the whole context, so the K/V shards travel the ring instead (the ring of
       # `ring_attention` on the zigzag layout), as the pages store them (quantized values dequantized).
-      kd, vd = (common.dequantize(*x).astype(q.dtype)[None] for x in (k_st, v_st))
+      kd, vd = (ragged.dequantize(*x).astype(q.dtype)[None] for x in (k_st, v_st))
       out = ring(q[None], kd, vd, sinks=sinks, axis_name=axis)[0]
       rows = jnp.arange(q.shape[0])
       return jnp.where((rows % c < own[1][rows // c])[:, None, None], out, 0).astype(q.dtype)

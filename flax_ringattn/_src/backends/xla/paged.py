@@ -1,7 +1,7 @@
 """XLA paged attention over a ragged batch: forward and backward.
 
 Loop nest (both passes): a `fori_loop` over the chunks of the schedule
-(`paged/metadata.py`: at most `block_q` rows of one sequence), and inside it a
+(`_src/ragged.py`: at most `block_q` rows of one sequence), and inside it a
 `while_loop` over the blocks of `pages_per_block` pages that the chunk can see
 (its causal and sliding-window range only, jumping over blocks with no page
 of the sequence there).  Each step gathers one block of
@@ -26,8 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flax_ringattn._src import masks, vma
-from flax_ringattn._src.paged import common, metadata
+from flax_ringattn._src import masks, ragged, vma
 
 F32 = jnp.float32
 
@@ -59,7 +58,7 @@ class _Spans:
 
   def __init__(self, ids, cu_q_lens, num_seqs, lens, kv_lens, pad: int):
     self.ids = jnp.pad(jnp.asarray(ids, jnp.int32), (0, pad))  # as q: a chunk's rows never run off the end
-    self.cu, self.lens, self.kv_lens, self.T = metadata.effective_cu(cu_q_lens, num_seqs), lens, kv_lens, ids.shape[0]
+    self.cu, self.lens, self.kv_lens, self.T = ragged.effective_cu(cu_q_lens, num_seqs), lens, kv_lens, ids.shape[0]
 
   def rows(self, start, bq: int):
     return jax.lax.dynamic_slice_in_dim(self.ids, start, bq)
@@ -102,7 +101,7 @@ def _load_block(k_pages, v_pages, k_scale, v_scale, row_ids, kb, spec, page_size
   valid = jnp.repeat(ok, page_size) & (kv_pos < kv_len_s)
 
   def gather(pages, scale):
-    x = common.dequantize(pages[safe], scale, safe)  # [pb, page_size, K, H]
+    x = ragged.dequantize(pages[safe], scale, safe)  # [pb, page_size, K, H]
     return jnp.where(valid[:, None, None], x.reshape(L, *x.shape[2:]), 0.0)
 
   return gather(k_pages, k_scale), gather(v_pages, v_scale), valid, kv_pos, ids, ok
@@ -171,7 +170,7 @@ def paged_fwd(
   table = _padded_page_table(page_indices, pb)
   block_tokens = pb * ps
   max_blocks = table.shape[1] // pb
-  lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
+  lens = ragged.seq_q_lens(cu_q_lens, num_seqs)
   # block_q rows of padding so a chunk's window never runs off the end of q.
   q_pad = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(T + pad, K, G, H)
   spans = _spans(bidirectional_ids, cu_q_lens, num_seqs, lens, kv_lens, pad)
@@ -213,7 +212,7 @@ def paged_fwd(
   carry = (jnp.zeros((T + pad, N, Hv), F32), jnp.full((T + pad, N), -jnp.inf, F32))
   carry = tuple(vma.like(x, q, k_pages, v_pages) for x in carry)
   for bq, select, max_chunks in _passes(spec, lens):
-    ch = metadata.chunk_schedule(cu_q_lens, num_seqs, T, bq, select, max_chunks)
+    ch = ragged.chunk_schedule(cu_q_lens, num_seqs, T, bq, select, max_chunks)
     carry = jax.lax.fori_loop(0, ch.count, functools.partial(chunk, ch=ch, bq=bq), carry)
   out, lse = carry
   return out[:T].astype(q.dtype), lse[:T]
@@ -249,7 +248,7 @@ def paged_bwd(
   table = _padded_page_table(page_indices, pb)
   block_tokens = pb * ps
   max_blocks = table.shape[1] // pb
-  lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
+  lens = ragged.seq_q_lens(cu_q_lens, num_seqs)
   pad = lambda x: jnp.pad(x, ((0, pad_rows),) + ((0, 0),) * (x.ndim - 1))
   q_pad = pad(q).reshape(T + pad_rows, K, G, H)
   do_pad = pad(do).reshape(T + pad_rows, K, G, v_pages.shape[3])
@@ -315,7 +314,7 @@ def paged_bwd(
   carry = (jnp.zeros((T + pad_rows, K, G, H), F32), jnp.zeros(k_pages.shape, F32), jnp.zeros(v_pages.shape, F32))
   carry = tuple(vma.like(x, q, k_pages, v_pages, do) for x in carry)
   for bq, select, max_chunks in _passes(spec, lens):
-    ch = metadata.chunk_schedule(cu_q_lens, num_seqs, T, bq, select, max_chunks)
+    ch = ragged.chunk_schedule(cu_q_lens, num_seqs, T, bq, select, max_chunks)
     carry = jax.lax.fori_loop(0, ch.count, functools.partial(chunk, ch=ch, bq=bq), carry)
   dq, dk, dv = carry
   return dq[:T].reshape(T, N, H), dk, dv

@@ -9,9 +9,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from flax_ringattn._src import vma
+from flax_ringattn._src import ragged, vma
 from flax_ringattn._src.backends.pallas_tpu import common as c
-from flax_ringattn._src.paged import metadata
 
 SUPPORTED_Q_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -243,7 +242,7 @@ def launch(kernel, plan: c.CallPlan, *, num_semaphores, semantics, aliases, inte
 
 
 def operands(d: PagedDims, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale):
-  cu = metadata.effective_cu(cu_q_lens, num_seqs)  # past num_seqs / decreasing entries flattened, as in XLA
+  cu = ragged.effective_cu(cu_q_lens, num_seqs)  # past num_seqs / decreasing entries flattened, as in XLA
   table = page_indices
   if d.ppt > table.shape[1]:
     table = jnp.pad(table, ((0, 0), (0, d.ppt - table.shape[1])), constant_values=-1)
@@ -276,8 +275,8 @@ def span_operands(d: PagedDims, ids, kv_lens, cu_q_lens, num_seqs):
   if ids is None:
     return ()
   bt = d.block_tokens
-  seq, start, valid = metadata.token_owner(cu_q_lens, num_seqs, d.T)
-  lens = metadata.seq_q_lens(cu_q_lens, num_seqs)
+  seq, start, valid = ragged.token_owner(cu_q_lens, num_seqs, d.T)
+  lens = ragged.seq_q_lens(cu_q_lens, num_seqs)
   first = kv_lens[seq] - lens[seq]  # the row's sequence's first new position
   pos = first + (jnp.arange(d.T) - start)
   row = start // bt + 2 * seq + pos // bt - jnp.maximum(first, 0) // bt  # start: cu[seq] (effective)

@@ -1,4 +1,4 @@
-"""Ragged-batch bookkeeping shared by the paged reference and every paged backend.
+"""What every paged backend reads, below them all: the ragged batch's schedule, and pages as stored.
 
 A ragged batch packs the new tokens of up to S sequences into q [T, N, H]:
 sequence i owns rows cu_q_lens[i] .. cu_q_lens[i + 1] - 1, and its new tokens
@@ -84,3 +84,18 @@ def chunk_schedule(cu_q_lens, num_seqs, num_tokens: int, block_q: int, select=No
   # Rows past the end of q (only with inconsistent cu_q_lens) are never used.
   num_rows = jnp.clip(jnp.minimum(num_rows, num_tokens - q_start), 0, block_q)
   return Chunks(seq=seq, q_start=q_start, row0=row0, num_rows=num_rows, count=ends[-1].astype(jnp.int32))
+
+
+def dequantize(pages, scale, page_ids=None):
+  """pages [..., page_size, K, H] (gathered at `page_ids` if given) to float32 times scale."""
+  x = pages.astype(jnp.float32)
+  if scale is None:
+    return x
+  scale = scale.astype(jnp.float32)
+  if scale.ndim == 0:
+    return x * scale
+  if page_ids is not None:
+    scale = scale[page_ids]
+  if scale.ndim == x.ndim - 2:  # [..., K] per page
+    return x * scale[..., None, :, None]
+  return x * scale[..., None]  # [..., page_size, K] per token
