@@ -16,7 +16,7 @@ from flax import nnx
 from test_paged_layer import CACHE, _dense, _inputs, _mha, _paged, _ragged_plan, serve
 from tolerances import assert_close
 
-from flax_ringattn._src.nnx import paged_mha
+from flax_ringattn._src.paged import attend as paged_attend
 
 F32 = np.float32
 
@@ -43,9 +43,9 @@ def test_spread_cache_serves_the_single_device_answers(shape, names, axes, expli
   lengths, chunk, start = _ragged_plan()
   xs = _inputs(lengths, seed=6)
   traces = []
-  real = paged_mha.paged_attention
+  real = paged_attend.paged_attention
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(paged_mha, "paged_attention", lambda *a, **k: traces.append(1) or real(*a, **k))
+    mp.setattr(paged_attend, "paged_attention", lambda *a, **k: traces.append(1) or real(*a, **k))
     outs = serve(layer, xs, lengths, chunk, start)
   assert len(traces) == 1  # one trace (one compile) for every step of the plan
   expected = np.asarray(_dense(mha, xs))

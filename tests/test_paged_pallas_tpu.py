@@ -42,7 +42,6 @@ from flax_ringattn._src.backends.pallas_tpu import common
 from flax_ringattn._src.backends.pallas_tpu import paged as pallas_paged
 from flax_ringattn._src.backends.pallas_tpu import planners as planner
 from flax_ringattn._src.masks import MaskSpec
-from flax_ringattn._src.nnx import paged_mha
 from flax_ringattn._src.options import AttentionSpec
 from flax_ringattn._src.paged import op as paged_ops
 from flax_ringattn._src.paged.implementations import PagedPallasTpu
@@ -529,10 +528,8 @@ def _separate(cache, q, k, v, cu, n):
 @jax.jit
 def _fused(cache, q, k, v, cu, n):
   cache, k_new, v_new, k_sc, v_sc = cache.reserve_append(k, v, cu, n)
-  out, k_pages, v_pages, k_scale, v_scale = paged_ops.paged_attention_with_cache_write(
+  call = paged_ops.plan_call(
     q,
-    k_new,
-    v_new,
     cache.k_pages,
     cache.v_pages,
     cache.kv_lens,
@@ -541,11 +538,13 @@ def _fused(cache, q, k, v, cu, n):
     n,
     k_scale=cache.k_scale,
     v_scale=cache.v_scale,
-    k_new_scale=k_sc,
-    v_new_scale=v_sc,
     block_sizes=BLOCKS,
     implementation="pallas_tpu",
     interpret=interpret_params(),
+  )
+  assert call.fuses_cache_write
+  out, k_pages, v_pages, k_scale, v_scale = call.attend_and_write(
+    q, k_new, v_new, cache.k_pages, cache.v_pages, k_new_scale=k_sc, v_new_scale=v_sc
   )
   return out, dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale)
 
@@ -586,16 +585,16 @@ def test_layer_uses_fused_write(use_sinks, spread):
       layer.sinks.set_value(jnp.linspace(-1.0, 3.0, 8, dtype=F32))
     layer.init_cache(**{k: v for k, v in CACHE.items() if k not in ("num_kv_heads", "head_dim")})
   calls = []
-  real = paged_ops.paged_attention_with_cache_write
+  real = paged_ops.PagedCall.attend_and_write
 
-  def spy(*a, **k):
+  def spy(self, *a, **k):
     calls.append(1)
-    return real(*a, **k)
+    return real(self, *a, **k)
 
   step = nnx.jit(lambda layer, x, cu, n: layer(x, cu_q_lens=cu, num_seqs=n))
   rng = np.random.default_rng(82)
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(paged_mha, "paged_attention_with_cache_write", spy)
+    mp.setattr(paged_ops.PagedCall, "attend_and_write", spy)
     # The last step overflows slot 0 (26 + 7 tokens > pages_per_seq * page_size = 32): the fused kernel must
     # store none of them (it reads the cache's attention_view) and return 0 for its rows, as the XLA path does.
     for lens in ([9, 3], [1, 1, 6], [1, 1, 1, 1], [15, 1], [7, 1, 0, 1]):
@@ -631,10 +630,9 @@ def test_fused_write_mla_pages():
       v_want[table[i, pos // PS], pos % PS] = v_new[row]
   sinks = jnp.asarray(2.0 + rng.normal(size=GEOM["num_heads"]), F32)
   write = jax.jit(
-    lambda q, *a: paged_ops.paged_attention_with_cache_write(
-      q, k_new, v_new, *a, block_sizes=BLOCKS, implementation="pallas_tpu", interpret=interpret_params(),
-      sinks=sinks,
-    )
+    lambda q, k_pages, v_pages, *a: paged_ops.plan_call(
+      q, k_pages, v_pages, *a, block_sizes=BLOCKS, implementation="pallas_tpu", interpret=interpret_params()
+    ).attend_and_write(q, k_new, v_new, k_pages, v_pages, sinks=sinks)
   )  # fmt: skip
   with no_races():
     out, k_pages, v_pages, _, _ = jax.block_until_ready(write(*b.args))

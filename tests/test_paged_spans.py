@@ -81,23 +81,16 @@ def test_spans_match_the_oracle(implementation, mask):
 
 
 def test_the_fused_cache_write_steps_aside():
-  """The fused write stores the new rows q block by q block: with spans it does not run (None: append, then
-  attend), and the kernel itself refuses them."""
+  """The fused write stores the new rows q block by q block: with spans the call has no fused write (its
+  `attend_and_write` says so; the layer appends, then attends), and the kernel itself refuses them."""
   b, ids, _ = span_batch()
   kw = dict(implementation="pallas_tpu", interpret=True, block_sizes=BLOCKS)
-  assert paged_ops.uses_fused_cache_write(*b.args, **kw)
-  assert not paged_ops.uses_fused_cache_write(*b.args, bidirectional_ids=ids, **kw)
+  assert paged_ops.plan_call(*b.args, **kw).fuses_cache_write
+  call = paged_ops.plan_call(*b.args, bidirectional_ids=ids, **kw)
+  assert not call.fuses_cache_write
   k_new = jnp.zeros((b.q.shape[0], *b.k_pages.shape[2:]), b.k_pages.dtype)
-  write = paged_ops.paged_attention_with_cache_write(b.q, k_new, k_new, *b.args[1:], bidirectional_ids=ids, **kw)
-  assert write is None
-  call = paged_ops._prepare(
-    *b.args,
-    None,
-    None,
-    **dict(kw, bidirectional_ids=ids, local_window_size=None, sliding_window=None),
-    logits_soft_cap=None,
-    scale=None,
-  )
+  with pytest.raises(NotImplementedError, match=r"no fused cache write .* bidirectional ids True"):
+    call.attend_and_write(b.q, k_new, k_new, b.k_pages, b.v_pages)
   with pytest.raises(NotImplementedError, match="the fused cache write writes q block by q block"):
     call.backend.fwd_write(b.q, k_new, k_new, *b.args[1:], None, None, None, None, spec=call.spec)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -19,13 +18,11 @@ from flax_ringattn._src.nnx.common import (
   head_sharding_metadata,
   place_params,
 )
+from flax_ringattn._src.paged import attend, contracts
 from flax_ringattn._src.paged import common as paged_common
-from flax_ringattn._src.paged import contracts
 from flax_ringattn._src.paged import step as paged_step
 from flax_ringattn._src.paged.cache import PagedKVCache
 from flax_ringattn._src.paged.implementations import check_implementation
-from flax_ringattn._src.paged.op import paged_attention, paged_attention_with_cache_write, uses_fused_cache_write
-from flax_ringattn._src.paged.ring_prefill import paged_ring_prefill
 
 
 class PagedMultiHeadAttention(nnx.MultiHeadAttention):
@@ -233,39 +230,6 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       raise ValueError("the paged cache is not initialised: call init_cache(...) first")
     return self.kv_cache.get_value()
 
-  def _fused_step(self, cache, query, key, value, cu_q_lens, num_seqs, options, sinks=None):
-    """Reserve pages in XLA, then attend and write the new K/V in one kernel: (out, the new cache); None where
-    that kernel does not run (XLA backend, unsupported shapes): the caller appends and attends separately."""
-    state = (cache.k_pages, cache.v_pages, cache.kv_lens, cache.page_indices, cu_q_lens, num_seqs)
-    if not uses_fused_cache_write(query, *state, k_scale=cache.k_scale, v_scale=cache.v_scale, **options):
-      return None
-    cache, k_new, v_new, k_sc, v_sc = cache.reserve_append(key, value, cu_q_lens, num_seqs, checked=self.checked)
-    cu, n = jnp.asarray(cu_q_lens, jnp.int32), jnp.asarray(num_seqs, jnp.int32)
-    kv_lens, table = cache.attention_view()
-    result = paged_attention_with_cache_write(
-      query,
-      k_new,
-      v_new,
-      cache.k_pages,
-      cache.v_pages,
-      kv_lens,
-      table,
-      cu,
-      n,
-      k_scale=cache.k_scale,
-      v_scale=cache.v_scale,
-      k_new_scale=k_sc,
-      v_new_scale=v_sc,
-      checked=self.checked,
-      sinks=sinks,
-      **({} if self.seq_axis is None else dict(mesh=self.mesh, seq_axis=self.seq_axis)),
-      **options,
-    )
-    if result is None:
-      return None
-    out, k_pages, v_pages, k_scale, v_scale = result
-    return out, dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale)
-
   def _project(self, inputs, rows: str):
     """(q [T, N, H], k [T, K, H], v [T, K, Hv]) of `inputs` [T, features]."""
     if inputs.ndim != 2:
@@ -276,6 +240,12 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
     return query, key, value
+
+  def _layout(self) -> dict:
+    """Sinks, and where the heads and pages are (the op's own shard_map over head_axis and / or seq_axis)."""
+    split = self.mesh is not None and (self.head_axis is not None or self.seq_axis is not None)
+    layout = dict(mesh=self.mesh, seq_axis=self.seq_axis, head_axis=self.head_axis) if split else {}
+    return layout | {"sinks": None if self.sinks is None else self.sinks[...]}
 
   def _options(self) -> dict:
     options = dict(
@@ -305,25 +275,18 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     cache = self._cache()
     contracts.slot("slot", slot, cache.max_num_seqs, f"{type(self).__name__}.prefill")
     query, key, value = self._project(inputs, "Tp")
-    cache = cache.reserve_prefill(slot, num_tokens, padded_len=inputs.shape[0], checked=self.checked)
-    kv_lens, table = cache.attention_view()
-    out, k_pages, v_pages, k_scale, v_scale = paged_ring_prefill(
+    out, cache = attend.ring_prefill(
+      cache,
       query,
       key,
       value,
-      cache.k_pages,
-      cache.v_pages,
-      kv_lens,
-      table,
-      slot=slot,
-      num_tokens=num_tokens,
-      k_scale=cache.k_scale,
-      v_scale=cache.v_scale,
+      slot,
+      num_tokens,
       sinks=None if self.sinks is None else self.sinks[...],
-      checked=self.checked,
       mesh=self.mesh,
       seq_axis=self.seq_axis,
       head_axis=self.head_axis,
+      checked=self.checked,
       **self._options(),
     )
     out_sharding = None
@@ -331,9 +294,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       out_sharding = sharding.named(self.mesh, P(self.seq_axis))  # the out projection sums the sharded heads
     y = self.out(out, out_sharding=out_sharding)
     # Assigned last: a prefill that raises leaves the layer's cache as it was.
-    self.kv_cache.set_value(
-      dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale)
-    )
+    self.kv_cache.set_value(cache)
     return y
 
   def __call__(  # type: ignore[override]
@@ -386,36 +347,10 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     options = self._options()
     if bidirectional_ids is not None:
       options["bidirectional_ids"] = bidirectional_ids
-    sinks = None if self.sinks is None else self.sinks[...]
-    split = self.mesh is not None and (self.head_axis is not None or self.seq_axis is not None)
     # The layer's cache is assigned only once the step has succeeded: a step that raises (bad metadata, a full
     # cache, a bad option) leaves it exactly as it was.  The cache methods check the metadata before they write.
-    cache = self._cache()
-    if query.shape[0] > 0:  # an empty step stores nothing: the op checks it and returns [0, N, Hv]
-      if self.mesh is None or self.head_axis is None:  # the fused write also runs with the pages spread
-        fused = self._fused_step(cache, query, key, value, cu_q_lens, num_seqs, options, sinks)
-        if fused is not None:
-          y = self.out(fused[0])
-          self.kv_cache.set_value(fused[1])
-          return y
-      cache = cache.append(key, value, cu_q_lens, num_seqs, checked=self.checked)
-    kv_lens, table = cache.attention_view()
-    # Heads over head_axis and / or pages over seq_axis: the op's own shard_map over both.
-    layout = dict(mesh=self.mesh, seq_axis=self.seq_axis, head_axis=self.head_axis) if split else {}
-    x = paged_attention(
-      query,
-      cache.k_pages,
-      cache.v_pages,
-      kv_lens,
-      table,
-      cu_q_lens,
-      num_seqs,
-      k_scale=cache.k_scale,
-      v_scale=cache.v_scale,
-      sinks=sinks,
-      checked=self.checked,
-      **layout,
-      **options,
+    x, cache = attend.ragged(
+      self._cache(), query, key, value, cu_q_lens, num_seqs, **self._layout(), checked=self.checked, **options
     )
     out_sharding = None
     if (

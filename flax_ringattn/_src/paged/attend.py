@@ -10,16 +10,34 @@ from __future__ import annotations
 import dataclasses
 
 from flax_ringattn._src.paged import step as paged_step
-from flax_ringattn._src.paged.op import paged_attention
+from flax_ringattn._src.paged.op import paged_attention, plan_call
 from flax_ringattn._src.paged.ring_prefill import paged_ring_prefill
 
 
 def ragged(
-  cache, q, k, v, cu_q_lens, num_seqs, *, sinks=None, mesh=None, seq_axis=None, head_axis=None, checked=False, **options
-):
-  """(out [T, N, Hv], cache): the ragged batch's k [T, K, H] / v [T, K, Hv] appended (refused whole per slot
-  when they do not fit: `overflowed`), then q [T, N, H] attends over each slot's cache."""
+  cache, q, k, v, cu_q_lens, num_seqs, *, sinks=None, mesh=None, seq_axis=None, head_axis=None, checked=False,
+  **options,
+):  # fmt: skip
+  """(out [T, N, Hv], cache): the ragged batch's k [T, K, H] / v [T, K, Hv] stored (refused whole per slot when
+  they do not fit: `overflowed`) and q [T, N, H] attending over each slot's cache.
+
+  Where the call's backend fuses the write (pallas_tpu, heads not split), pages are reserved (copy-on-write
+  included) in XLA and the kernel writes the new rows and attends in one launch; elsewhere the tokens are
+  appended, then attended."""
   if q.shape[0] > 0:  # an empty step stores nothing
+    if mesh is None or head_axis is None:
+      call = plan_call(
+        q, cache.k_pages, cache.v_pages, cache.kv_lens, cache.page_indices, cu_q_lens, num_seqs,
+        k_scale=cache.k_scale, v_scale=cache.v_scale, **options,
+      )  # fmt: skip
+      if call.fuses_cache_write:
+        cache, k_new, v_new, k_sc, v_sc = cache.reserve_append(k, v, cu_q_lens, num_seqs, checked=checked)
+        call = call.with_cache(cache.k_scale, cache.v_scale, *cache.attention_view())
+        out, k_pages, v_pages, k_scale, v_scale = call.attend_and_write(
+          q, k_new, v_new, cache.k_pages, cache.v_pages, k_new_scale=k_sc, v_new_scale=v_sc, sinks=sinks,
+          checked=checked, **({} if seq_axis is None else dict(mesh=mesh, seq_axis=seq_axis)),
+        )  # fmt: skip
+        return out, dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale)
     cache = cache.append(k, v, cu_q_lens, num_seqs, checked=checked)
   kv_lens, table = cache.attention_view()
   split = mesh is not None and (head_axis is not None or seq_axis is not None)

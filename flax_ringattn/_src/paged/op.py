@@ -127,7 +127,7 @@ def paged_attention(
     [T, N, Hv] in q.dtype.  Differentiable in q, k_pages, v_pages and sinks
     (page gradients are scatter-added into the pages each sequence reads).
   """
-  call = _prepare(
+  call = plan_call(
     q,
     k_pages,
     v_pages,
@@ -135,8 +135,8 @@ def paged_attention(
     page_indices,
     cu_q_lens,
     num_seqs,
-    k_scale,
-    v_scale,
+    k_scale=k_scale,
+    v_scale=v_scale,
     local_window_size=local_window_size,
     sliding_window=sliding_window,
     chunk_size=chunk_size,
@@ -150,12 +150,12 @@ def paged_attention(
   validation.check_bool("checked", checked)
   sinks = _as_array(validation.check_sinks(sinks, q.shape[1]))
   q, k_pages, v_pages = (_as_array(x) for x in (q, k_pages, v_pages))  # numpy in: the kernels index with tracers
-  seq_axis, shards = _context_parallel(mesh, seq_axis, axis_name, k_pages.shape[0], head_axis, k_pages.shape[2])
+  seq_axis, shards = context_parallel_axis(mesh, seq_axis, axis_name, k_pages.shape[0], head_axis, k_pages.shape[2])
   # Inside the caller's shard_map the pages are this device's shard: the ids in the table are global.
   num_pages = k_pages.shape[0] * (shards if axis_name is not None else 1)
   check_metadata(*call.metadata, q.shape[0], num_pages, k_pages.shape[1], checked=checked)
-  if _is_empty(q):
-    return _empty_out(q, v_pages)
+  if is_empty(q):
+    return empty_out(q, v_pages)
   args = (q, k_pages, v_pages, *call.metadata, call.k_scale, call.v_scale, call.bidirectional_ids)
   if axis_name is not None:
     return flash.flash(PagedKernel(spec=call.spec, backend=call.backend, axis_name=axis_name), sinks, *args)
@@ -171,18 +171,18 @@ def paged_attention(
   return _on_mesh(kernel, mesh, None, None, sinks, args)
 
 
-def _is_empty(q) -> bool:
+def is_empty(q) -> bool:
   """q [T, N, H] holds no row or no head: the output [T, N, Hv] is empty (T = 0 also for a layer step of 0 tokens)."""
   return 0 in q.shape[:2]
 
 
-def _empty_out(q, v_pages):
+def empty_out(q, v_pages):
   """The empty output, as `jax.nn.dot_product_attention` returns one: no kernel runs, and the gradients are zeros
   of the inputs' shapes."""
   return jnp.zeros((*q.shape[:2], v_pages.shape[3]), q.dtype)
 
 
-def _context_parallel(mesh, seq_axis, axis_name, pages: int, head_axis=None, kv_heads: int = 1):
+def context_parallel_axis(mesh, seq_axis, axis_name, pages: int, head_axis=None, kv_heads: int = 1):
   """(seq_axis, n): the mesh axis (or axes) the pages are spread over and its size; (None, 1) without context
   parallelism.  With `axis_name` (inside the caller's shard_map) seq_axis stays None and n is the bound size.
   Also checks `head_axis` (kv heads split over it, with `mesh`)."""
@@ -232,14 +232,14 @@ def _context_parallel(mesh, seq_axis, axis_name, pages: int, head_axis=None, kv_
   return seq_axis, n
 
 
-def _scale_spec(x, seq_axis, head_axis):
+def scale_spec(x, seq_axis, head_axis):
   """The partition of a k/v scale: () replicated; [P, K] and [P, page_size, K] split with their pages."""
   if x is None:
     return None
   return PartitionSpec() if x.ndim == 0 else PartitionSpec(seq_axis, *(None,) * (x.ndim - 2), head_axis)
 
 
-def _shard_mapped(fn, mesh, args, in_specs, out_specs):
+def shard_mapped(fn, mesh, args, in_specs, out_specs):
   """fn(*args) as a shard_map over `mesh`, the arrays first laid out as `in_specs` (None: an absent operand);
   returns (its result, the laid-out arguments)."""
   placed = [x if s is None else sharding.constrain(x, mesh, s) for x, s in zip(args, in_specs, strict=True)]
@@ -262,16 +262,20 @@ def _on_mesh(kernel, mesh, seq_axis, head_axis, sinks, args):
     rep,
     rep,
     rep,
-    _scale_spec(k_scale, seq_axis, h),
-    _scale_spec(v_scale, seq_axis, h),
+    scale_spec(k_scale, seq_axis, h),
+    scale_spec(v_scale, seq_axis, h),
     None if ids is None else rep,
   )
   fn = lambda sinks, *a: flash.flash(kernel, sinks, *a)  # noqa: E731
-  return _shard_mapped(fn, mesh, (sinks, *args), specs, PartitionSpec(None, h, None))[0]
+  return shard_mapped(fn, mesh, (sinks, *args), specs, PartitionSpec(None, h, None))[0]
 
 
 @dataclasses.dataclass(frozen=True)
-class _Call:
+class PagedCall:
+  """One paged attention call, validated once (`plan_call`): its options (`spec`), backend, scales, int32
+  metadata and bidirectional ids.  It attends (`paged_attention`), and, where its backend has one, attends and
+  writes the new tokens' K/V into their pages in the same kernel (`fuses_cache_write`, `attend_and_write`)."""
+
   spec: AttentionSpec
   backend: object
   k_scale: object
@@ -279,8 +283,75 @@ class _Call:
   metadata: tuple  # (kv_lens, page_indices, cu_q_lens, num_seqs) as int32 arrays
   bidirectional_ids: object = None  # [T] int32, or None
 
+  @property
+  def fuses_cache_write(self) -> bool:
+    """Whether `attend_and_write` runs: a backend with a fused write, per-token ([P, page_size, K]) scales or none,
+    and no bidirectional ids (the kernel writes q block by q block, so a span reaching past its block would read
+    keys not written yet)."""
+    per_token = all(x is None or x.ndim == 3 for x in (self.k_scale, self.v_scale))
+    spans = self.spec.mask.has_bidirectional
+    return getattr(self.backend, "fused_cache_write", False) and per_token and not spans
 
-def _prepare(
+  def with_cache(self, k_scale, v_scale, kv_lens, page_indices) -> PagedCall:
+    """The same call over a cache whose pages were reserved since (`PagedKVCache.reserve_append`): the new
+    lengths, page table and scales, nothing validated again (their shapes are the ones checked)."""
+    cu, n = self.metadata[2:]
+    metadata = tuple(jnp.asarray(x, jnp.int32) for x in (kv_lens, page_indices)) + (cu, n)
+    return dataclasses.replace(self, k_scale=_as_array(k_scale), v_scale=_as_array(v_scale), metadata=metadata)
+
+  def attend_and_write(
+    self, q, k_new, v_new, k_pages, v_pages, *, k_new_scale=None, v_new_scale=None, sinks=None, checked=False,
+    mesh=None, seq_axis=None,
+  ):  # fmt: skip
+    """Attention with the fused cache write: (out [T, N, Hv], k_pages, v_pages, k_scale, v_scale).
+
+    k_new, v_new: [T, K, H] / [T, K, Hv] the new tokens' K/V as the pages store them, with per-token scales
+    [T, K] for a scaled cache; the call's pages, scales and metadata are the cache's after
+    `PagedKVCache.reserve_append` (pages reserved, copy-on-write done, kv_lens grown: `with_cache`).  The pages
+    come back with the new tokens written in the same launch (buffers aliased: donate them to update in place).
+    Serving only: not differentiable.  `sinks`, `checked`, `mesh` and `seq_axis` as for `paged_attention` (the
+    sinks rescale the finished rows, as `flash` does; with the pages spread over `seq_axis`, each device writes
+    the new rows of the pages it owns and attends over them, and the partials merge exactly).  Raises
+    `NotImplementedError` where `fuses_cache_write` is False.
+    """
+    if not self.fuses_cache_write:
+      raise NotImplementedError(
+        f"this paged call has no fused cache write (backend {type(self.backend).__name__}, bidirectional ids "
+        f"{self.bidirectional_ids is not None}, scales {getattr(self.k_scale, 'shape', None)}): append the new "
+        "tokens (PagedKVCache.append), then attend (paged_attention)"
+      )
+    q, k_new, v_new, k_pages, v_pages = (_as_array(x) for x in (q, k_new, v_new, k_pages, v_pages))
+    seq_axis, _ = context_parallel_axis(mesh, seq_axis, None, k_pages.shape[0])
+    check_metadata(*self.metadata, q.shape[0], k_pages.shape[0], k_pages.shape[1], checked=checked)
+    sinks = _as_array(validation.check_sinks(sinks, q.shape[1]))
+    if is_empty(q):  # no new token: the pages stay as they are
+      return empty_out(q, v_pages), k_pages, v_pages, self.k_scale, self.v_scale
+    kernel = PagedKernel(spec=self.spec, backend=self.backend, axis_name=seq_axis)
+    new = (k_new, v_new, k_pages, v_pages, *self.metadata, self.k_scale, self.v_scale, k_new_scale, v_new_scale)
+    spec, backend = self.spec, self.backend
+
+    def write_and_attend(sinks, q, k_new, v_new, k_pages, v_pages, kv_lens, table, *rest):
+      if seq_axis is not None:  # write and read only this device's pages, then merge
+        table = cp.owned_page_ids(table, seq_axis, k_pages.shape[0])
+      out, lse, *cache = backend.fwd_write(q, k_new, v_new, k_pages, v_pages, kv_lens, table, *rest, spec=spec)
+      if seq_axis is not None:
+        out, lse = cp.merge_partials(out, lse, seq_axis)
+      out, _ = flash.apply_sinks(kernel, out, lse, sinks)
+      return (out.astype(q.dtype), *cache)
+
+    if seq_axis is None:
+      return write_and_attend(sinks, q, *new)
+    rep, paged = PartitionSpec(), PartitionSpec(seq_axis)
+    scales = tuple(scale_spec(x, seq_axis, None) for x in (self.k_scale, self.v_scale))  # per token: with the pages
+    new_scales = tuple(None if x is None else rep for x in (k_new_scale, v_new_scale))
+    specs = (None if sinks is None else rep, rep, rep, rep, paged, paged, rep, rep, rep, rep, *scales, *new_scales)
+    (out, *cache), placed = shard_mapped(write_and_attend, mesh, (sinks, q, *new), specs, (rep, paged, paged, *scales))
+    # The updated pages typed exactly as they came in (an Explicit mesh's spec spelling is part of a jit's key).
+    before = (*placed[4:6], *placed[10:12])  # k_pages, v_pages, k_scale, v_scale
+    return (out, *(x if x is None else allocator.placed_like(x, y) for x, y in zip(cache, before, strict=True)))
+
+
+def plan_call(
   q,
   k_pages,
   v_pages,
@@ -288,20 +359,21 @@ def _prepare(
   page_indices,
   cu_q_lens,
   num_seqs,
-  k_scale,
-  v_scale,
   *,
-  local_window_size,
-  sliding_window,
+  k_scale=None,
+  v_scale=None,
+  local_window_size=None,
+  sliding_window=None,
   chunk_size=None,
   bidirectional_ids=None,
-  logits_soft_cap,
-  scale,
-  implementation,
-  block_sizes,
-  interpret,
-) -> _Call:
-  """Static validation, the implementation and the options object of one paged call."""
+  logits_soft_cap=None,
+  scale=None,
+  implementation=None,
+  block_sizes=None,
+  interpret=None,
+) -> PagedCall:
+  """The `PagedCall` of these operands and options (those of `paged_attention`), validated statically, with its
+  implementation chosen."""
   k_scale, v_scale = common.normalize_scales(k_scale, v_scale)
   T, N, H, P, ps, K, S, pps = common.check_paged_inputs(
     q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale
@@ -312,9 +384,9 @@ def _prepare(
   common.check_block_sizes(block_sizes)
   if block_sizes is not None and block_sizes.block_kv % ps and ps % block_sizes.block_kv:
     raise ValueError(f"block_sizes.block_kv={block_sizes.block_kv} must be a multiple of page_size={ps}")
-  # An empty q (no row, or no head) runs no kernel (`_is_empty`); the implementation is still chosen, and the
+  # An empty q (no row, or no head) runs no kernel (`is_empty`); the implementation is still chosen, and the
   # options checked, as for one row.
-  probe = jax.ShapeDtypeStruct((max(T, 1), N or K, H), q.dtype) if _is_empty(q) else q
+  probe = jax.ShapeDtypeStruct((max(T, 1), N or K, H), q.dtype) if is_empty(q) else q
   shape = dict(
     q=probe, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale, pages_per_seq=pps, logits_soft_cap=cap
   )
@@ -334,160 +406,12 @@ def _prepare(
     block_sizes=BlockSizes(block_q=min(blocks.block_q, max(T, 1)), block_kv=pages_per_block * ps),
   )
   metadata = tuple(jnp.asarray(x, jnp.int32) for x in (kv_lens, page_indices, cu_q_lens, num_seqs))
-  return _Call(spec, backend, _as_array(k_scale), _as_array(v_scale), metadata, ids)
+  return PagedCall(spec, backend, _as_array(k_scale), _as_array(v_scale), metadata, ids)
 
 
 def _as_array(x):
   """A checked operand (numpy, or None) as a jax array: the kernels index it with traced ids."""
   return x if x is None or isinstance(x, jax.Array) else jnp.asarray(x)
-
-
-def uses_fused_cache_write(
-  q,
-  k_pages,
-  v_pages,
-  kv_lens,
-  page_indices,
-  cu_q_lens,
-  num_seqs,
-  *,
-  k_scale=None,
-  v_scale=None,
-  local_window_size=None,
-  sliding_window=None,
-  chunk_size=None,
-  bidirectional_ids=None,
-  logits_soft_cap=None,
-  scale=None,
-  implementation=None,
-  block_sizes=None,
-  interpret=None,
-):
-  """Whether `paged_attention_with_cache_write` runs for these arguments (pallas_tpu, per-token scales, no
-  bidirectional ids)."""
-  call = _prepare(
-    q,
-    k_pages,
-    v_pages,
-    kv_lens,
-    page_indices,
-    cu_q_lens,
-    num_seqs,
-    k_scale,
-    v_scale,
-    local_window_size=local_window_size,
-    sliding_window=sliding_window,
-    chunk_size=chunk_size,
-    bidirectional_ids=bidirectional_ids,
-    logits_soft_cap=logits_soft_cap,
-    scale=scale,
-    implementation=implementation,
-    block_sizes=block_sizes,
-    interpret=interpret,
-  )
-  return _fused_write_runs(call)
-
-
-def _fused_write_runs(call: _Call) -> bool:
-  """The fused write needs an implementation that has one and per-token ([P, page_size, K]) scales, or none; and
-  no bidirectional ids: the kernel writes q block by q block in grid order, so a span reaching past its block
-  would read keys not written yet."""
-  per_token = all(x is None or x.ndim == 3 for x in (call.k_scale, call.v_scale))
-  spans = call.spec.mask.has_bidirectional
-  return getattr(call.backend, "fused_cache_write", False) and per_token and not spans
-
-
-def paged_attention_with_cache_write(
-  q,
-  k_new,
-  v_new,
-  k_pages,
-  v_pages,
-  kv_lens,
-  page_indices,
-  cu_q_lens,
-  num_seqs,
-  *,
-  k_scale=None,
-  v_scale=None,
-  k_new_scale=None,
-  v_new_scale=None,
-  local_window_size=None,
-  sliding_window=None,
-  chunk_size=None,
-  bidirectional_ids=None,
-  logits_soft_cap=None,
-  scale=None,
-  implementation=None,
-  block_sizes=None,
-  checked: bool = False,
-  interpret=None,
-  sinks=None,
-  mesh=None,
-  seq_axis=None,
-):
-  """Attention with the fused cache write, when the call runs on pallas_tpu; else None (append separately).
-
-  k_new, v_new: [T, K, H] the new tokens' K/V as the pages store them, with per-token scales [T, K] for a
-  scaled cache; k_pages .. v_scale: the cache after `PagedKVCache.reserve_append` (pages reserved,
-  copy-on-write done, kv_lens grown).  Returns (out [T, N, Hv], k_pages, v_pages, k_scale, v_scale), the pages
-  with the new tokens written in the same launch (buffers aliased: donate them to update in place).  Serving
-  only: not differentiable.  With `bidirectional_ids` (as for `paged_attention`) it returns None: a span may
-  reach into a later q block, whose rows the kernel has not written yet when it reads them.
-  `checked`, `sinks`, `mesh` and `seq_axis` as for `paged_attention` (the sinks
-  rescale the finished rows, as `flash` does; with the pages spread over `seq_axis`, each device writes the new
-  rows of the pages it owns and attends over them, and the partials merge exactly).
-  """
-  call = _prepare(
-    q,
-    k_pages,
-    v_pages,
-    kv_lens,
-    page_indices,
-    cu_q_lens,
-    num_seqs,
-    k_scale,
-    v_scale,
-    local_window_size=local_window_size,
-    sliding_window=sliding_window,
-    chunk_size=chunk_size,
-    bidirectional_ids=bidirectional_ids,
-    logits_soft_cap=logits_soft_cap,
-    scale=scale,
-    implementation=implementation,
-    block_sizes=block_sizes,
-    interpret=interpret,
-  )
-  if not _fused_write_runs(call):
-    return None
-  q, k_new, v_new, k_pages, v_pages = (_as_array(x) for x in (q, k_new, v_new, k_pages, v_pages))
-  seq_axis, _ = _context_parallel(mesh, seq_axis, None, k_pages.shape[0])
-  check_metadata(*call.metadata, q.shape[0], k_pages.shape[0], k_pages.shape[1], checked=checked)
-  sinks = _as_array(validation.check_sinks(sinks, q.shape[1]))
-  if _is_empty(q):  # no new token: the pages stay as they are
-    return _empty_out(q, v_pages), k_pages, v_pages, call.k_scale, call.v_scale
-  kernel = PagedKernel(spec=call.spec, backend=call.backend, axis_name=seq_axis)
-  new = (k_new, v_new, k_pages, v_pages, *call.metadata, call.k_scale, call.v_scale, k_new_scale, v_new_scale)
-
-  def write_and_attend(sinks, q, k_new, v_new, k_pages, v_pages, kv_lens, table, *rest):
-    if seq_axis is not None:  # write and read only this device's pages, then merge
-      table = cp.owned_page_ids(table, seq_axis, k_pages.shape[0])
-    out, lse, *cache = call.backend.fwd_write(q, k_new, v_new, k_pages, v_pages, kv_lens, table, *rest, spec=call.spec)
-    if seq_axis is not None:
-      out, lse = cp.merge_partials(out, lse, seq_axis)
-    out, _ = flash.apply_sinks(kernel, out, lse, sinks)
-    return (out.astype(q.dtype), *cache)
-
-  if seq_axis is None:
-    return write_and_attend(sinks, q, *new)
-  rep, paged = PartitionSpec(), PartitionSpec(seq_axis)
-  scales = tuple(_scale_spec(x, seq_axis, None) for x in (call.k_scale, call.v_scale))  # per token: with the pages
-  new_scales = tuple(None if x is None else rep for x in (k_new_scale, v_new_scale))
-  specs = (None if sinks is None else rep, rep, rep, rep, paged, paged, rep, rep, rep, rep, *scales, *new_scales)
-  (out, *cache), placed = _shard_mapped(write_and_attend, mesh, (sinks, q, *new), specs, (rep, paged, paged, *scales))
-  # The updated pages typed exactly as they came in (an Explicit mesh's spec spelling is part of a jit's key).
-  before = (*placed[4:6], *placed[10:12])  # k_pages, v_pages, k_scale, v_scale
-  return (out, *(x if x is None else allocator.placed_like(x, y) for x, y in zip(cache, before, strict=True)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -117,7 +117,7 @@ def paged_ring_prefill(
       "paged_ring_prefill stores the prompt with per-token scales [P, page_size, K], as PagedKVCache keeps them; "
       f"got k_scale.shape={getattr(k_scale, 'shape', None)}, v_scale.shape={getattr(v_scale, 'shape', None)}"
     )
-  seq_axis, n = paged_op._context_parallel(mesh, seq_axis, axis_name, k_pages.shape[0], head_axis, k_pages.shape[2])
+  seq_axis, n = paged_op.context_parallel_axis(mesh, seq_axis, axis_name, k_pages.shape[0], head_axis, k_pages.shape[2])
   axis = axis_name if axis_name is not None else seq_axis
   rows = q.shape[0] // n if axis_name is None else q.shape[0]  # this device's rows
   _check_prompt(q, k, v, k_pages, v_pages, rows * n, n)
@@ -126,7 +126,7 @@ def paged_ring_prefill(
   # The paged call each hop makes on a device: its q rows as two sequences over its pages.
   heads = 1 if head_axis is None else sharding.axes_size(mesh, head_axis)
   local_q = jax.ShapeDtypeStruct((rows, q.shape[1] // heads, q.shape[2]), q.dtype)
-  call = paged_op._prepare(
+  call = paged_op.plan_call(
     local_q,
     k_pages,
     v_pages,
@@ -134,10 +134,9 @@ def paged_ring_prefill(
     jnp.zeros((2, pps), i32),
     jnp.zeros((3,), i32),
     jnp.ones((1,), i32),
-    k_scale,
-    v_scale,
+    k_scale=k_scale,
+    v_scale=v_scale,
     local_window_size=local_window_size,
-    sliding_window=None,
     chunk_size=chunk_size,
     logits_soft_cap=logits_soft_cap,
     scale=scale,
@@ -164,7 +163,7 @@ def paged_ring_prefill(
     checked,
   )
   if q.shape[0] == 0:  # an empty prompt: empty out, the pages as they are
-    return paged_op._empty_out(q, v_pages), k_pages, v_pages, call.k_scale, call.v_scale
+    return paged_op.empty_out(q, v_pages), k_pages, v_pages, call.k_scale, call.v_scale
   kernel = paged_op.PagedKernel(spec=call.spec, backend=call.backend)
   # Compacted tables put a row at a local position: exact only when every earlier token is visible anyway.
   compact = call.spec.mask.window is None and call.spec.mask.chunk_size is None
@@ -233,9 +232,9 @@ def paged_ring_prefill(
     return prefill(*args)
   h, rep = head_axis, PartitionSpec()
   pages, heads = PartitionSpec(seq_axis, None, h, None), PartitionSpec(seq_axis, h, None)
-  scales = tuple(paged_op._scale_spec(x, seq_axis, h) for x in (call.k_scale, call.v_scale))
+  scales = tuple(paged_op.scale_spec(x, seq_axis, h) for x in (call.k_scale, call.v_scale))
   specs = (None if sinks is None else PartitionSpec(h), heads, heads, heads, pages, pages, rep, rep, rep, rep, *scales)
-  result, placed = paged_op._shard_mapped(prefill, mesh, args, specs, (heads, pages, pages, *scales))
+  result, placed = paged_op.shard_mapped(prefill, mesh, args, specs, (heads, pages, pages, *scales))
   out, *cache = result
   before = (*placed[4:6], *placed[10:12])  # the pages and scales typed exactly as they came in
   return (out, *(x if x is None else allocator.placed_like(x, y) for x, y in zip(cache, before, strict=True)))
