@@ -6,7 +6,8 @@ greedy decoding by full recompute (the oracle the engine must equal).
   bands.
 * `llama_style`: hand-written `BTHGD,BSHD->BHGTS` logits, a float32 softmax, the model's `[B, T, S]` mask (Llama,
   Qwen).
-* `mha_style`: `nnx.MultiHeadAttention` blocks with learned positions, called with the model's mask.
+* `mha_style`: `nnx.MultiHeadAttention` blocks with learned positions, called with the model's mask and its own
+  `decode=False` (the engine's step decides, not the flag).
 
 Every model is called as `model(tokens [B, T], positions [B, T], mask [B, T, T])` and returns logits
 `[B, T, VOCAB]`.
@@ -40,7 +41,7 @@ class MhaBlock(nnx.Module):
     self.mlp = nnx.Linear(D, D, rngs=rngs)
 
   def __call__(self, x, mask):
-    x = x + self.attn(self.norm1(x), mask=mask[:, None])
+    x = x + self.attn(self.norm1(x), mask=mask[:, None], decode=False)  # its own flag: full forward
     return x + jax.nn.gelu(self.mlp(self.norm2(x)))
 
 

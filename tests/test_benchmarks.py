@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -389,3 +390,28 @@ def test_problem_sets_are_valid_and_run_against_the_reference():
     got = bench.fwd_bwd(lambda q, k, v, p=p: fr.ring_attention(q, k, v, **p.mask_kwargs()))(q, k, v, do)
     want = bench.fwd_bwd(lambda q, k, v, p=p: fr.reference_attention(q, k, v, **p.mask_kwargs()))(q, k, v, do)
     assert bench.compare(p.describe(), got, want, tol=1e-4, metric="rel_max").ok
+
+
+@pytest.fixture(scope="module")
+def serving():
+  return load("serving_engine")
+
+
+def test_serving_engine_quick_run_checks_and_reports(serving):
+  """--quick: the engine's tokens equal the dense-cache decode's (checked before timing), and both tables print."""
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    assert serving.main(["--quick", "--repeats", "1"]) == 0
+  text = out.getvalue()
+  assert "ok: ServingEngine: tokens vs dense cache (flax decode=True): max |a - b| = 0.00e+00" in text, text
+  assert re.search(r"^\| ServingEngine \+ NGramDraft +\| [\d.]+ +\| [\d,]+ +\|$", text, re.M), text
+  assert re.search(r"^\| ServingEngine +\| [\d.]+ +\| [\d.]+ +\|$", text, re.M), text  # the bytes table
+
+
+def test_serving_engine_wrong_tokens_exit_1_before_timing(serving, monkeypatch):
+  real = serving.DenseDecode.__call__
+  monkeypatch.setattr(serving.DenseDecode, "__call__", lambda self: [[t + 1 for t in row] for row in real(self)])
+  monkeypatch.setattr(serving, "time_interleaved", never)
+  with contextlib.redirect_stdout(io.StringIO()), pytest.raises(SystemExit) as exit_info:
+    serving.main(["--quick"])
+  assert exit_info.value.code == serving.EXIT_WRONG_RESULT == 1

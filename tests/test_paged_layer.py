@@ -286,6 +286,8 @@ def test_unsupported_options():
     layer(jnp.zeros((T, FEATURES)), sow_weights=True, **meta)
   with pytest.raises(NotImplementedError, match="takes no dense mask"):
     layer(jnp.zeros((T, FEATURES)), mask=jnp.ones((T, T), bool), **meta)
+  with pytest.raises(NotImplementedError, match="is_causal=False is not supported"):
+    layer(jnp.zeros((T, FEATURES)), is_causal=False, **meta)
   with pytest.raises(NotImplementedError, match=r"does not implement dropout \(dropout_rate=0.1\)"):
     _paged(cache=False, dropout_rate=0.1)
 

@@ -307,6 +307,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     num_seqs=None,
     bidirectional_ids=None,
     mask=None,
+    is_causal: bool | None = None,
     deterministic: bool | None = None,
     rngs=None,
     sow_weights: bool = False,
@@ -320,14 +321,22 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     (no fused cache write).
 
     `deterministic` and `rngs` are accepted for `nnx.MultiHeadAttention` call compatibility and unused (no
-    dropout); `mask`, `sow_weights` and decode=False raise.
+    dropout); `mask`, `sow_weights` and decode=False raise.  `is_causal=True` (the ring layers' keyword) is
+    accepted, so a model written for `RingMultiHeadAttention` converts unedited; `is_causal=False` raises (each
+    sequence attends causally over its cache).
 
     Called as a model calls `nnx.MultiHeadAttention` (`layer(x)` with `x` [1, T, features], `mask=` optional),
     without cu_q_lens, the layer serves the current `ServingEngine` step: the engine's ragged batch (or ring
-    prefill) decides what each token sees, and `mask` is ignored (each sequence is causal over its own cache).
+    prefill) decides what each token sees; `mask` and `decode` are ignored (each sequence is causal over its own
+    cache, whatever flag the model passes for its own cache).
     Outside a step such a call raises `TypeError`.
     """
     del deterministic, rngs
+    if is_causal is not None and not is_causal:
+      raise NotImplementedError(
+        f"{type(self).__name__} serves causal attention over each sequence's cache: is_causal={is_causal!r} is "
+        "not supported (pass is_causal=True or leave it out)"
+      )
     if cu_q_lens is None and num_seqs is None:
       return self._model_call(inputs, inputs_k, inputs_v, sow_weights=sow_weights, decode=decode)
     if cu_q_lens is None or num_seqs is None:
@@ -386,7 +395,6 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       )
     if current.kind == "ring_prefill":
       return self.prefill(inputs[0], slot=current.slot, num_tokens=current.num_tokens)[None]
-    out = self(
-      inputs[0], cu_q_lens=current.cu_q_lens, num_seqs=current.num_seqs, sow_weights=sow_weights, decode=decode
-    )
+    del decode  # the model's own decode flag (True, or False for its full forward) does not apply: the step decides
+    out = self(inputs[0], cu_q_lens=current.cu_q_lens, num_seqs=current.num_seqs, sow_weights=sow_weights)
     return out[None]
