@@ -44,15 +44,17 @@ import sys
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+  )
   p.add_argument("--run-dir", default="runs/train_long_context", help="what train_long_context.py wrote")
   p.add_argument("--requests", type=int, default=6, help="requests (contexts)")
   p.add_argument("--queries", type=int, default=6, help="questions per request (a prompt each)")
   p.add_argument("--prompt-lens", default="2048,4096,6144,8192", help="context lengths cycled over the requests")
   p.add_argument("--max-seqs", type=int, default=3, help="concurrent sequences (cache slots)")
   p.add_argument("--max-batched-tokens", type=int, default=1024, help="rows of one ragged step")
-  p.add_argument("--page-size", type=int, default=16)
-  p.add_argument("--num-pages", type=int, default=None, help="pages of the cache (default: every slot full)")
+  p.add_argument("--page-size", type=int, default=16, help="tokens per cache page")
+  p.add_argument("--num-pages", type=int, default=None, help="pages of the cache; None: every slot full")
   p.add_argument(
     "--context-parallel",
     type=int,
@@ -60,7 +62,7 @@ def parse_args(argv=None):
     metavar="N",
     help="spread the KV cache over N devices; also serves on one device and checks the answers are equal",
   )
-  p.add_argument("--seed", type=int, default=1)
+  p.add_argument("--seed", type=int, default=1, help="requests (contexts and questions)")
   args = p.parse_args(argv)
   if args.context_parallel < 1:
     p.error(f"--context-parallel must be >= 1, got {args.context_parallel}")

@@ -125,9 +125,11 @@ def loss_fn(model, tokens, valid, mask):
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--seq-len", type=int, default=256)
-  p.add_argument("--steps", type=int, default=3)
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+  )
+  p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (the Gemma-style window: a quarter)")
+  p.add_argument("--steps", type=int, default=3, help="training steps of the Llama-style model")
   args = p.parse_args(argv)
   mesh = jax.make_mesh((jax.device_count(),), ("sp",))
   print(f"mesh {dict(mesh.shape)}, seq_len {args.seq_len}")
@@ -149,6 +151,7 @@ def main(argv=None):
 
   model = models["llama"]
   optimizer = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+  fr.place_on_mesh(optimizer, mesh)  # its step counter on the mesh too: train_step compiles once
 
   @nnx.jit
   def train_step(model, optimizer, tokens, valid, mask):

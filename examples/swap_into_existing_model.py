@@ -26,12 +26,16 @@ import os
 import sys
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+  """Every option's default in --help; the description keeps its line breaks."""
+
+
 def _parse():
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--seq-len", type=int, default=1024)
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
+  p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
   p.add_argument("--devices", type=int, default=8, help="simulated CPU devices when no accelerator is present")
-  p.add_argument("--d-model", type=int, default=64)
-  p.add_argument("--steps", type=int, default=5)
+  p.add_argument("--d-model", type=int, default=64, help="model width (features per token)")
+  p.add_argument("--steps", type=int, default=5, help="training steps")
   return p.parse_args()
 
 
@@ -148,7 +152,7 @@ def main():
   optimizer = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
   # The optimizer's step counter starts on one device; on the mesh (like the params) the first step's outputs
   # have its inputs' shardings, and train_step compiles once instead of twice.
-  nnx.update(optimizer, put(nnx.state(optimizer)))
+  fr.place_on_mesh(optimizer, mesh)
 
   @nnx.jit
   def train_step(model, optimizer, batch):

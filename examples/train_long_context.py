@@ -71,35 +71,39 @@ import os
 import sys
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawTextHelpFormatter):
+  """Every option's default in --help; help texts keep their own line breaks."""
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
   p.add_argument(
     "--mesh-shape",
     default=None,
-    help="mesh shape: 'n' for ('sp',) or 'n,m' for ('sp', 'tp') with heads on 'tp' (default: all devices on 'sp')",
+    help="mesh shape: 'n' for ('sp',) or 'n,m' for ('sp', 'tp') with heads on 'tp'; None: all devices on 'sp'",
   )
   p.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (default: %(default)s)")
   p.add_argument("--batch-size", type=int, default=1, help="sequences per step (default: %(default)s)")
   p.add_argument("--steps", type=int, default=40, help="training steps at --seq-len (default: %(default)s)")
-  p.add_argument("--d-model", type=int, default=64)
-  p.add_argument("--num-layers", type=int, default=2)
-  p.add_argument("--num-heads", type=int, default=4)
+  p.add_argument("--d-model", type=int, default=64, help="model width (features per token)")
+  p.add_argument("--num-layers", type=int, default=2, help="transformer blocks")
+  p.add_argument("--num-heads", type=int, default=4, help="query heads per attention layer")
   p.add_argument("--num-kv-heads", type=int, default=2, help="< num-heads: grouped-query attention")
   p.add_argument("--lr", type=float, default=2e-2, help="peak AdamW learning rate (default: %(default)s)")
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seed", type=int, default=0, help="weights and training data")
   p.add_argument("--data-file", default=None, help="train a byte-level LM on this text file instead of the KV task")
-  p.add_argument("--out-dir", default="runs/train_long_context", help="default: %(default)s")
-  p.add_argument("--attention", choices=("layer", "attention_fn"), default="layer", help="swap style (default: layer)")
+  p.add_argument(
+    "--out-dir", default="runs/train_long_context", help="where the checkpoint, config and loss curve are written"
+  )
+  p.add_argument("--attention", choices=("layer", "attention_fn"), default="layer", help="swap style")
   p.add_argument("--no-load-balance", action="store_true", help="natural token order instead of zigzag")
   p.add_argument(
     "--pack",
     action="store_true",
     help="pack documents of skewed lengths per row, reordered by balanced_layout (KV task, --attention layer)",
   )
-  p.add_argument("--block-q", type=int, default=None, help="query tile of the block kernels (default: the backend's)")
-  p.add_argument(
-    "--block-kv", type=int, default=None, help="key/value tile of the block kernels (default: the backend's)"
-  )
+  p.add_argument("--block-q", type=int, default=None, help="query tile of the block kernels; None: the backend's")
+  p.add_argument("--block-kv", type=int, default=None, help="key/value tile of the block kernels; None: the backend's")
   p.add_argument(
     "--curriculum",
     default="128:60,1024:40",

@@ -11,7 +11,7 @@ spans the processes (devices are ordered by process, so the first mesh axis is
 the one that crosses processes).
 
 On a real cluster nothing here is needed: TPU slices and SLURM / Open MPI GPU
-clusters are detected by `jax.distributed.initialize()` itself (see the README,
+clusters are detected by `jax.distributed.initialize()` itself (see the docs,
 "Running on accelerators and many hosts").
 
 If any process fails, the launcher waits `--grace` seconds for the others to

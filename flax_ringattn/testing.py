@@ -6,6 +6,8 @@
   the error.
 * `TOLERANCES`, `tolerance(dtype, kind)`, `assert_close(actual, expected, dtype, kind)`:
   the per-dtype tolerances this library tests itself with.
+* `collective_counts(jitted_fn, *args)`: the collectives in the compiled
+  program (`["collective-permute"]` > 0: the ring really runs sharded).
 * Pallas TPU interpret mode on CPU: `interpret_params(**overrides)` (race
   detection on), `no_races()` (asserts the race detector ran and found
   nothing), `ensure_cpu_threads()` (call before JAX starts: multi-device
@@ -19,7 +21,13 @@
 """
 
 from flax_ringattn._src.debug import KernelDebug, Recorder, kernel_debug
-from flax_ringattn._src.testing.checks import TOLERANCES, assert_close, assert_matches_reference, tolerance
+from flax_ringattn._src.testing.checks import (
+  TOLERANCES,
+  assert_close,
+  assert_matches_reference,
+  collective_counts,
+  tolerance,
+)
 from flax_ringattn._src.testing.interpret import ensure_cpu_threads, interpret_params, no_races
 
 __all__ = [
@@ -28,6 +36,7 @@ __all__ = [
   "Recorder",
   "assert_close",
   "assert_matches_reference",
+  "collective_counts",
   "ensure_cpu_threads",
   "interpret_params",
   "kernel_debug",

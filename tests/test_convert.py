@@ -38,7 +38,9 @@ def test_convert_lm_matches_unconverted_in_eval_mode():
   projection = model.blocks[1].attn.query
   report = fr.convert(model, mesh=mesh)
   assert report.replaced == ["blocks.0.attn", "blocks.1.attn"] and report.skipped == []
-  assert "2 replaced, 0 not replaced" in str(report)
+  assert str(report).startswith(
+    "convert(to='ring'): 2 converted (2 nnx.MultiHeadAttention replaced, 0 hand-written), 0 left alone\n"
+  ), str(report)
   assert isinstance(model.blocks[0].attn, fr.RingMultiHeadAttention)
   # Weights, options and metadata carried over; parameters now live on the mesh.
   attn, old = model.blocks[1].attn, original.blocks[1].attn
@@ -58,6 +60,7 @@ def test_convert_lm_matches_unconverted_in_eval_mode():
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::flax_ringattn._src.nnx.common.RingOfOneWarning")  # a ring of one on purpose
 def test_train_mode_dropout_same_on_1_and_8_devices():
   """The same dropout key gives the same logits whatever the ring size, and the mask is really applied."""
   base = LM(rngs=nnx.Rngs(0), dropout_rate=0.3)
@@ -94,6 +97,99 @@ def test_converted_model_trains_from_its_first_call():
   put = lambda x: jax.device_put(x, NamedSharding(mesh, P()))  # noqa: E731
   grads = nnx.jit(_grads)(model, *map(put, batch))
   assert_close(grads, nnx.jit(_grads)(ref, *batch), jnp.float32, "grad")
+
+
+class _OneMHA(nnx.Module):
+  def __init__(self, rngs):
+    self.attn = nnx.MultiHeadAttention(2, 16, decode=False, rngs=rngs)
+
+  def __call__(self, x):
+    return self.attn(x)
+
+
+class _HandWritten(nnx.Module):
+  """One attention written by hand; `kind` is the mask it builds (constants, or the `valid` it is given)."""
+
+  def __init__(self, kind, rngs):
+    self.kind = kind
+    self.qkv = nnx.Linear(16, 48, rngs=rngs)
+
+  def __call__(self, x, valid):
+    B, T, _ = x.shape
+    q, k, v = jnp.split(self.qkv(x).reshape(B, T, 6, 8), 3, axis=2)
+    logits = jnp.einsum("BTNH,BSNH->BNTS", q, k) * 8**-0.5
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    mask = {
+      "none": None,
+      "causal": causal,
+      "window": causal & ~jnp.tril(jnp.ones((T, T), bool), -4),  # the last 4 keys
+      "band": jnp.triu(jnp.ones((T, T), bool), -2) & jnp.tril(jnp.ones((T, T), bool), 2),
+      "data": valid[:, None, None, :],
+      "causal+data": causal & valid[:, None, None, :],
+    }[self.kind]
+    if mask is not None:
+      logits = jnp.where(mask, logits, -1e30)
+    return jnp.einsum("BNTS,BSNH->BTNH", jax.nn.softmax(logits, axis=-1), v).reshape(B, T, 16)
+
+
+def _example(model):
+  return model(jnp.ones((2, 32, 16)), jnp.ones((2, 32), bool))
+
+
+@pytest.mark.parametrize("to", ["ring", "paged"])
+def test_report_first_line_counts_every_conversion(to):
+  mesh = make_mesh((8,), ("sp",))
+  report = fr.convert(_OneMHA(nnx.Rngs(0)), to=to, mesh=mesh)
+  first = str(report).splitlines()[0]
+  assert first == f"convert(to={to!r}): 1 converted (1 nnx.MultiHeadAttention replaced, 0 hand-written), 0 left alone"
+  report = fr.convert(_HandWritten("causal", nnx.Rngs(0)), to=to, mesh=mesh, example=_example)
+  lines = str(report).splitlines()
+  assert (
+    lines[0] == f"convert(to={to!r}): 1 converted (0 nnx.MultiHeadAttention replaced, 1 hand-written), 0 left alone"
+  )
+  assert "  hand-written attention: 1 converted, 0 left alone" in lines  # the detailed lines follow
+  # A layer and a site left alone count in "left alone".
+  skipped = nnx.Dict(
+    a=nnx.MultiHeadAttention(2, 16, decode=False, attention_fn=lambda *a, **k: None, rngs=nnx.Rngs(0)),
+    b=_OneMHA(nnx.Rngs(1)),
+  )
+  first = str(fr.convert(skipped, to=to, mesh=mesh)).splitlines()[0]
+  assert first == f"convert(to={to!r}): 1 converted (1 nnx.MultiHeadAttention replaced, 0 hand-written), 1 left alone"
+
+
+@pytest.mark.parametrize(
+  "kind, words",
+  [
+    ("causal", "mask where: causal, softmax"),
+    ("window", "mask where: causal, window (3, 0), softmax"),
+    ("band", "mask where: window (2, 2), softmax"),
+    ("none", "mask none: bidirectional (every query sees every key), softmax"),
+    (
+      "data",
+      "mask where: recovered from the model's mask at each call (causal or not, segments, padding, spans), softmax",
+    ),
+    (
+      "causal+data",
+      "mask where: causal, the rest recovered from the model's mask at each call (segments, padding, spans), softmax",
+    ),
+  ],
+)
+def test_report_site_line_names_the_mask_structure(kind, words):
+  report = fr.convert(_HandWritten(kind, nnx.Rngs(0)), mesh=make_mesh((8,), ("sp",)), example=_example)
+  (site,) = report.converted
+  assert str(site).startswith("<root> (_HandWritten): heads 2/2 (groups 1), scale 0.353553, ") and words in str(site)
+  assert f"  converted {site}" in str(report).splitlines()
+
+
+def test_report_site_line_names_a_declared_window_and_the_paged_structure():
+  mesh = make_mesh((8,), ("sp",))
+  report = fr.convert(_HandWritten("data", nnx.Rngs(0)), mesh=mesh, example=_example, local_window_size=(5, 0))
+  assert "mask where: window (5, 0) (declared), the rest recovered from the model's mask" in str(report.converted[0])
+  report = fr.convert(_HandWritten("window", nnx.Rngs(0)), to="paged", mesh=mesh, example=_example)
+  assert (
+    "window (3, 0) (its causal side in serving), the model's mask (where) not used: each sequence causal over its "
+    "own paged cache" in str(report.converted[0])
+  )
 
 
 def test_convert_report_skips_with_reasons_and_paged_target():

@@ -50,7 +50,13 @@ from flax_ringattn._src.ring.strategies import ulysses_kv_repeat
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Hardware:
-  """Per-device peak rates of one accelerator generation (or of the CPU devices measured here)."""
+  """Per-device peak rates of one accelerator generation (or of the CPU devices measured here).
+
+  `suggest_strategy(..., hardware=)` takes one, or a name of `HARDWARE` ("tpu_v5e", "tpu_v5p", "a100", "h100",
+  "cpu"); `Hardware.from_chip` reads a chip of the hardware table.  Fields: `flops` (flop/s), `inner_bandwidth`
+  / `outer_bandwidth` (bytes/s to peers in / outside the device's process), `latency` (s per collective step),
+  `memory` (bytes), `memory_bandwidth` (bytes/s); `name`, `source` (where the figures come from).
+  """
 
   name: str
   flops: float  # dense matmul flop/s per device in the working dtype
@@ -87,7 +93,12 @@ HARDWARE = {c.name: Hardware.from_chip(c) for c in hardware_table.CHIPS.values()
 
 @dataclasses.dataclass(frozen=True)
 class StrategyEstimate:
-  """The model's prediction for one candidate (time and memory per device)."""
+  """The model's prediction for one candidate (time and memory per device).
+
+  `strategy` ("ring", "ulysses", "all_gather", "ulysses_ring"), `axis_name` and `factoring` ((axis, size), ...)
+  name the candidate; `time_s` (inf when not feasible), `memory_bytes`, `feasible` (fits the device's memory) and
+  `note` are the model's answer.  Found in `StrategyAdvice.candidates`.
+  """
 
   strategy: str
   axis_name: object
@@ -100,7 +111,11 @@ class StrategyEstimate:
 
 @dataclasses.dataclass(frozen=True)
 class StrategyAdvice:
-  """`suggest_strategy`'s answer: the best feasible candidate, and every candidate for comparison."""
+  """`suggest_strategy`'s answer: the best feasible candidate, and every candidate for comparison.
+
+  `strategy`, `axis_name`, `factoring`: the fastest feasible candidate (pass them to the layer or op);
+  `candidates`: every `StrategyEstimate`, fastest first; `hardware`: the `Hardware` the model assumed.
+  """
 
   strategy: str
   axis_name: object

@@ -119,7 +119,12 @@ def dense_mask_4d(mask, B: int, N: int, T: int, S: int):
 
 
 class DenseStructure(NamedTuple):
-  """What `structure_from_dense_mask` recovers: the arguments of `ring_attention` that describe the mask."""
+  """What `structure_from_dense_mask` recovers: the arguments of `ring_attention` that describe the mask.
+
+  `is_causal` bool scalar; `q_ids`, `kv_ids` [B, T] int32 segment ids of the queries and keys (padding: see
+  `padded_segment_ids`); `bidirectional_ids` [B, T] int32 span ids (0: no span), or None when spans were not
+  looked for; `exact` bool scalar: the structure rebuilds the mask in every entry (every head included).
+  """
 
   is_causal: jax.Array  # bool scalar
   q_ids: jax.Array  # [B, T] int32 segment ids of the queries (see `padded_segment_ids`)

@@ -72,6 +72,8 @@ class MaskRef:
   kind: str  # "mask" (visible where nonzero) or "bias"
   negate: bool = False  # visible where the source is zero
   window: tuple | None = None  # a constant band factor of the mask: (left, right)
+  causal: bool = False  # a constant factor hides every later key (the causal triangle, or a causal band)
+  from_data: bool = True  # the mask has factors other than constants (read from the model's data at each call)
 
 
 @dataclasses.dataclass
@@ -121,6 +123,9 @@ class Site:
       "soft_cap": self.cap,
       "window": self.window,
       "mask": "+".join(kinds),
+      # What the model's code fixes (constant factors) and whether the rest comes from its data at each call.
+      "mask_causal": any(m.causal for m in self.masks),
+      "mask_from_data": any(m.from_data or m.kind == "bias" for m in self.masks),
       "softmax": f"{self.softmax} in {self.softmax_dtype}",
       "kv_repeated": self.kv_repeated,
     }
@@ -171,8 +176,12 @@ def mask_ref(prog, atom, lay, producers, kind, *, negate=False, sizes):
     else:
       break
   del nonzero  # a nonzero test and the source itself select the same entries
-  window = _constant_band(prog, atom, src_lay, producers, sizes) if kind == "mask" else None
-  return MaskRef(atom, tuple(tuple(a for a in ax if sizes[a] > 1) for ax in src_lay), kind, negate, window)
+  window, causal, from_data = _constant_band(prog, atom, src_lay, producers, sizes) if kind == "mask" else (None,) * 3
+  layout = tuple(tuple(a for a in ax if sizes[a] > 1) for ax in src_lay)
+  # A negated source hides where it is nonzero: its constant band says nothing about causality.
+  return MaskRef(
+    atom, layout, kind, negate, window, causal=bool(causal) and not negate, from_data=from_data is not False
+  )
 
 
 def _is_zero(prog, atom, producers):
@@ -180,10 +189,12 @@ def _is_zero(prog, atom, producers):
 
 
 def _constant_band(prog, atom, src_lay, producers, sizes):
-  """A sliding window the model built from constants (`triu` / `tril` bands ANDed or multiplied into the
-  mask): the (left, right) of the constant factors' band, or None.  A factor too big for `const_value` (a
-  [B, T, T] band at large B * T * T) is read at points instead (`band.band_extent`)."""
-  consts, large = [], []
+  """What the model built from constants into the mask (`triu` / `tril` bands ANDed or multiplied in):
+  (window, causal, from_data).  window: the (left, right) of the constant factors' band, or None (no band, or
+  the whole causal triangle); causal: that band hides every later key; from_data: the mask has other factors
+  (the model's inputs: recovered at each call).  A factor too big for `const_value` (a [B, T, T] band at large
+  B * T * T) is read at points instead (`band.band_extent`)."""
+  consts, large, data = [], [], []
 
   def collect(a, depth=8):
     val = const_value(prog, a, producers)
@@ -194,6 +205,7 @@ def _constant_band(prog, atom, src_lay, producers, sizes):
       large.append(a)
       return
     if depth == 0 or is_literal(a) or a not in producers:
+      data.append(a)
       return
     e = prog.eqns[producers[a]]
     if e.name in ("and", "mul"):
@@ -203,12 +215,24 @@ def _constant_band(prog, atom, src_lay, producers, sizes):
       e.name == "ne" and _is_zero(prog, e.ins[1], producers)
     ):
       collect(e.ins[0], depth - 1)
+    else:
+      data.append(a)
 
   collect(atom)
+  from_data = bool(data) or (not consts and not large)
   slices = [v for v in map(_band_slice, consts) if v is not None]
   if large:
     extent = band_extent(prog, producers, slices, large)
-    return None if extent is None else _window(*extent)
+  else:
+    extent = _slices_extent(slices)
+  if extent is None:
+    return None, False, from_data
+  left, right, n = extent
+  return _window(left, right, n), right == 0, from_data
+
+
+def _slices_extent(slices):
+  """(left, right, n) of the AND of [n, n] constant bands, or None (none, empty, or not whole diagonals)."""
   band = None
   for v in slices:
     band = v if band is None else band & v
@@ -221,7 +245,7 @@ def _constant_band(prog, atom, src_lay, producers, sizes):
   rows, cols = np.indices(band.shape)
   if not np.array_equal(band, (cols >= rows - left) & (cols <= rows + right)):
     return None
-  return _window(left, right, band.shape[0])
+  return left, right, band.shape[0]
 
 
 def _band_slice(val):

@@ -18,6 +18,40 @@ _FLAX_OPTIONS = tuple(p for p in inspect.signature(nnx.MultiHeadAttention.__init
 _FLAX_DEFAULTS = {name: p.default for name, p in inspect.signature(nnx.MultiHeadAttention.__init__).parameters.items()}
 
 
+class RingOfOneWarning(UserWarning):
+  """A ring layer whose sequence axis has one device: it runs, and shards nothing."""
+
+
+RING_OF_ONE_KEY = "ring_of_one"  # validation.warn_once's key: the warning is once per process
+
+
+def warn_if_ring_of_one(mesh, seq_axis, *, where: str) -> None:
+  """Warns once per process when `seq_axis` spans one device: on `mesh`, or, without one, as bound by the
+  caller's shard_map (read at trace time).  A ring of one computes the right answer on one device, which on CPU
+  usually means XLA_FLAGS did not ask for simulated devices before JAX started."""
+  if seq_axis is None:
+    return
+  axes = tuple(seq_axis) if isinstance(seq_axis, (tuple, list)) else (seq_axis,)
+  if mesh is not None:
+    size = sharding.axes_size(mesh, axes)
+  elif all(sharding.axis_is_bound(a) for a in axes):
+    size = 1
+    for a in axes:
+      size *= jax.lax.axis_size(a)
+  else:
+    return
+  if size != 1:
+    return
+  validation.warn_once(
+    RING_OF_ONE_KEY,
+    f"{where}: the sequence axis seq_axis={seq_axis!r} has 1 device, so ring attention runs as a ring of one "
+    f"(nothing is sharded; JAX sees {jax.device_count()} device(s) on {jax.default_backend()!r}). On CPU, "
+    "simulate devices with XLA_FLAGS=--xla_force_host_platform_device_count=8 (set before jax is imported) and "
+    "build the mesh over them",
+    RingOfOneWarning,
+  )
+
+
 def check_keywords(cls, kwargs):
   """Raises TypeError naming `cls` for a keyword neither `cls.__init__` nor `nnx.MultiHeadAttention` takes.
 

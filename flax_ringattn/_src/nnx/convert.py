@@ -14,7 +14,8 @@ swapped layer on the activations are mesh-sharded, and with Explicit axes a
 parameter gradient contracted over sequence-sharded activations (an MLP
 kernel's, an embedding's) must know its mesh, or the first training step fails
 with `ShardingTypeError: Contracting dimensions are sharded`.  Arrays already
-on a mesh are left as they are.
+on the mesh's devices are left as they are (`placement.replicate_off_mesh`, which
+`place_on_mesh` shares: call it on an optimizer built after convert).
 """
 
 from __future__ import annotations
@@ -26,13 +27,20 @@ import functools
 import jax
 from flax import nnx
 from flax.nnx.nn.attention import dot_product_attention
-from jax.sharding import PartitionSpec as P
 
 from flax_ringattn._src import sharding
 from flax_ringattn._src.nnx import handwritten
-from flax_ringattn._src.nnx.common import _PROJECTIONS, head_param_spec, metadata_spec, place_params, spec_axes
+from flax_ringattn._src.nnx.common import (
+  _PROJECTIONS,
+  head_param_spec,
+  metadata_spec,
+  place_params,
+  spec_axes,
+  warn_if_ring_of_one,
+)
 from flax_ringattn._src.nnx.handwritten_paged import PagedSiteOptions
 from flax_ringattn._src.nnx.paged_mha import PagedMultiHeadAttention
+from flax_ringattn._src.nnx.placement import replicate_off_mesh
 from flax_ringattn._src.nnx.ring_mha import RingMultiHeadAttention
 from flax_ringattn._src.paged import step as paged_step
 from flax_ringattn._src.ring.options import RingOptions
@@ -65,7 +73,11 @@ class ConversionReport:
   modules that look for attention written by hand at their first call; `sites` (`SiteReport`s, filled at the
   first call, or at once with `convert(..., example=...)`): each hand-written attention found, converted
   (with what was recognised: heads and groups, q/k and v head dims, scale, soft cap, window, mask kind, sinks,
-  softmax) or left alone (with the reason).  `converted` and `left_alone` list them by kind.
+  softmax) or left alone (with the reason).  `converted` and `left_alone` list them by kind.  `to`: "ring" or
+  "paged"; `placed`: the model's other arrays moved from one device to the mesh; `untraceable`: watched modules
+  that only run eagerly; `own_code` (path, reason): watched modules that ran their own code for a reason that
+  can hide attention (a cache argument, an NNX object argument they write to, a call that cannot be traced);
+  `called`: whether a watched module has run (or `example=` did).  `print(report)` shows all of it.
   """
 
   to: str
@@ -97,7 +109,11 @@ class ConversionReport:
     return [s for s in self.sites if not s.converted]
 
   def __str__(self) -> str:
-    lines = [f"convert(to={self.to!r}): {len(self.replaced)} replaced, {len(self.skipped)} not replaced"]
+    converted = len(self.replaced) + len(self.converted)
+    lines = [
+      f"convert(to={self.to!r}): {converted} converted ({len(self.replaced)} nnx.MultiHeadAttention replaced, "
+      f"{len(self.converted)} hand-written), {len(self.skipped) + len(self.left_alone)} left alone"
+    ]
     lines += [f"  replaced {path}" for path in self.replaced]
     lines += [f"  kept     {path}: {why}" for path, why in self.skipped]
     if self.watched:
@@ -210,22 +226,6 @@ class _Undo:
       var.set_metadata(metadata)
 
 
-def _replicate_the_rest(model, mesh) -> list[str]:
-  """Replicates on `mesh` every concrete array of `model` not yet on a mesh; returns their paths."""
-  placed = []
-  for path, var in nnx.iter_graph(model):
-    if not isinstance(var, nnx.Variable):
-      continue
-    value = var.get_value()
-    if not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
-      continue
-    if isinstance(value.sharding, jax.sharding.NamedSharding):
-      continue  # on a mesh already: the caller's placement
-    var.set_value(jax.device_put(value, sharding.named(mesh, P())))
-    placed.append(_path_name(path))
-  return placed
-
-
 def convert(
   model,
   *,
@@ -321,7 +321,7 @@ def convert(
       _watch_handwritten(model, to, mesh, seq_axis, layer_options, report, undo)
     if mesh is not None and (report.replaced or report.watched):
       stage = "placing the model's other arrays on the mesh"
-      report.placed = _replicate_the_rest(model, mesh)
+      report.placed = replicate_off_mesh(model, mesh)
     if example is not None:
       stage = "running example=..."
       graphdef, state = nnx.split(model)
@@ -369,6 +369,8 @@ def _watch_handwritten(model, to, mesh, seq_axis, layer_options, report, undo):
       axis_name=sharding.sequence_axis(mesh, seq_axis, arg="seq_axis"),
       **{k: layer_options[k] for k in _HANDWRITTEN_OPTIONS if k in layer_options},
     )
+    if mesh is not None:
+      warn_if_ring_of_one(mesh, options.axis_name, where="convert(to='ring')")
   classes: dict = {}
   nodes = [(path, node) for path, node in nnx.iter_graph(model) if handwritten.is_user_module(node)]
   for path, node in nodes:

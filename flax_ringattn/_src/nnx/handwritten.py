@@ -69,16 +69,33 @@ class SiteReport:
     parts.append(f"scale {d['scale']:.6g}" + (f" (q pre-scaled by {d['scale_on_q']:.6g})" if d["scale_on_q"] else ""))
     if d["soft_cap"] is not None:
       parts.append(f"soft cap {d['soft_cap']:.6g}")
-    if d["window"] is not None:
-      parts.append(f"window {d['window']}" + (" (its causal side in serving)" if d.get("paged") else ""))
     if d.get("paged"):
+      if d["window"] is not None:
+        parts.append(f"window {d['window']} (its causal side in serving)")
       parts.append(f"the model's mask ({d['mask']}) not used: each sequence causal over its own paged cache")
     else:
-      parts.append(f"mask {d['mask']}")
+      parts.append(f"mask {d['mask']}: {mask_structure(d)}")
     if d.get("sinks"):
       parts.append("sinks")
     parts.append(f"softmax {d['softmax']}")
     return f"{self.path} ({self.module}): " + ", ".join(parts)
+
+
+def mask_structure(d) -> str:
+  """The structure of a site's mask in words (`details` of a `SiteReport`): what the model's code fixes with
+  constants (causal, a window), a window declared to convert, and what is recovered from its data at each call."""
+  terms = ["causal"] if d.get("mask_causal") else []
+  if d["window"] is not None:
+    terms.append(f"window {d['window']}")
+  if d.get("mask_from_data"):
+    which = "segments, padding, spans" if d.get("mask_causal") else "causal or not, segments, padding, spans"
+    rest = "the rest " if terms else ""
+    terms.append(f"{rest}recovered from the model's mask at each call ({which})")
+  if terms:
+    return ", ".join(terms)
+  if d["mask"] == "none":
+    return "bidirectional (every query sees every key)"
+  return "a constant mask, recovered at each call"
 
 
 def declared_window(options: RingOptions, module):

@@ -23,6 +23,7 @@ from flax_ringattn._src.nnx.common import (
   check_layer_arguments,
   head_sharding_metadata,
   place_params,
+  warn_if_ring_of_one,
 )
 from flax_ringattn._src.ring import strategies
 from flax_ringattn._src.ring.dense import masked_ring_attention
@@ -191,6 +192,8 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     check_rate(kwargs.get("dropout_rate", 0.0))
     seq_axis = sharding.sequence_axis(mesh, seq_axis, arg="seq_axis")
     _check_layout_options(type(self).__name__, mesh, seq_axis, head_axis, batch_axis, strategy)
+    if mesh is not None:
+      warn_if_ring_of_one(mesh, seq_axis, where=type(self).__name__)
     # Everything the layer hands the op, checked now and kept once (the attributes `mesh`, `seq_axis`, ... read
     # it); precision and dropout join per call.
     ring_options = RingOptions(
@@ -313,6 +316,8 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     dropout_rng = self._dropout_rng(deterministic, rngs)
 
     mesh = self.mesh
+    if mesh is None:  # inside the caller's shard_map: its axis size is known now
+      warn_if_ring_of_one(None, self.seq_axis, where=type(self).__name__)
     place_params(self, mesh, self.head_axis)
     seq = P(self.batch_axis, self.seq_axis, None)
     heads = P(self.batch_axis, self.seq_axis, self.head_axis, None)
@@ -382,6 +387,8 @@ def make_ring_attention_fn(
   """
   seq_axis = sharding.sequence_axis(mesh, seq_axis, arg="seq_axis")
   _check_layout_options("make_ring_attention_fn", mesh, seq_axis, head_axis, batch_axis, strategy)
+  if mesh is not None:
+    warn_if_ring_of_one(mesh, seq_axis, where="make_ring_attention_fn")
   factory = _on_mesh(
     RingOptions(
       mesh=mesh,
@@ -425,6 +432,8 @@ def make_ring_attention_fn(
       query, key, value = promote_dtype((query, key, value), dtype=dtype)
     elif dtype is not None:
       query, key, value = (x.astype(dtype) for x in (query, key, value))
+    if mesh is None:  # inside the caller's shard_map: its axis size is known now
+      warn_if_ring_of_one(None, seq_axis, where="make_ring_attention_fn")
     use_dropout = bool(dropout_rate) and not deterministic
     if use_dropout and dropout_rng is None:
       raise ValueError(f"{dropout_rate=} with deterministic=False needs a dropout_rng")

@@ -15,7 +15,12 @@ from flax_ringattn._src.validation import all_concrete
 
 class CacheOverflowError(ValueError):
   """A write to a `PagedKVCache` slot does not fit: past its pages, or more pages than are free (on some owner,
-  for a cache spread over a mesh axis)."""
+  for a cache spread over a mesh axis).
+
+  A `ValueError`, raised by eager (concrete) writes: `PagedKVCache.append` / `reserve` and the paged layer's call
+  (the message names the slot, the tokens asked for and the capacity; under `jit` the slot is flagged in
+  `overflowed` instead), and by `ServingEngine` for a prompt that can never fit the cache.
+  """
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,6 +49,19 @@ __all__ = ["CacheOverflowError", "PagedKVCache"]
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
+  """The K/V of up to `max_num_seqs` sequences (slots) in P pages of `page_size` tokens, with their page table.
+
+  Made empty by `PagedKVCache.create(num_pages=, page_size=, max_num_seqs=, pages_per_seq=, num_kv_heads=,
+  head_dim=)` (or a layer's `init_cache`); a pytree whose methods return a new cache (`append`, `reserve`,
+  `free`, `rollback`, `share_prefix`, ...).  `paged_attention` reads `k_pages`, `v_pages` and `attention_view()`.
+
+  Fields: `k_pages` [P, page_size, K, H], `v_pages` [P, page_size, K, Hv]; `page_indices` [max_num_seqs,
+  pages_per_seq] int32 page ids (-1: none); `kv_lens` [max_num_seqs] int32 tokens stored; `ref_counts` [P] int32
+  slots holding each page (0: free); `k_scale` / `v_scale` [P, page_size, K] for int8 / float8 pages (else
+  None); `overflowed` [max_num_seqs] bool, a write did not fit (None: none); `num_shards` (static) devices the
+  pages are spread over.
+  """
+
   k_pages: jax.Array  # [P, page_size, K, H]
   v_pages: jax.Array  # [P, page_size, K, Hv] (Hv == H unless v's head dim differs, as in MLA)
   page_indices: jax.Array  # [S, pages_per_seq] int32, -1 = no page

@@ -95,8 +95,8 @@ def paged_ring_prefill(
       `PagedKVCache.reserve_prefill(slot, num_tokens, padded_len=Tp)` (its `attention_view()` lengths and
       table), pages spread over `seq_axis`; scales per token ([P, page_size, K]) as the cache keeps them.
     slot, num_tokens: the slot and the prompt's real tokens (<= Tp; the rest of the Tp rows is padding).
-    local_window_size, chunk_size, logits_soft_cap, scale, sinks, implementation, block_sizes, interpret,
-      checked: as for `paged_attention` (block_sizes for the paged kernel; the ring of pass-KV plans its own tiles).
+    local_window_size, chunk_size, logits_soft_cap, scale, sinks, implementation, block_sizes, interpret, checked:
+      as for `paged_attention` (block_sizes for the paged kernel; the ring of pass-KV plans its own tiles).
     schedule: "auto" (default): pass-KV for a fresh slot (nothing cached before the prompt: the K/V shards
       travel the ring of `ring_attention`, fewer bytes than q and its accumulator for GQA), pass-Q otherwise
       (q travels, each device attends its own pages, cached prefix included); "pass_q": always pass-Q.

@@ -230,8 +230,8 @@ def dot_product_attention(
     scale: the logit scale (default H ** -0.5); pass 1.0 when q is pre-scaled.
     mesh: the mesh to run on; default: the mesh of `jax.set_mesh`, if any.
     axis_name: the sequence axis (default: the mesh's only axis).
-    load_balance, strategy, implementation, block_sizes, batch_axis,
-      head_axis, precision, interpret, sinks: as in `ring_attention` (sinks:
+    load_balance, strategy, implementation, block_sizes, batch_axis, head_axis, precision, interpret, sinks:
+      as in `ring_attention` (sinks:
       the [N] attention-sink logits of a gpt-oss-style model, the column it
       concatenates to its logits before the softmax).
     q_positions, kv_positions, chunk_size, bidirectional_ids: as in

@@ -35,7 +35,13 @@ from flax_ringattn._src.serving import sampling, scheduler
 
 @dataclasses.dataclass
 class EngineStats:
-  """Counts over the engine's lifetime (every `generate` / `stream` call adds to them)."""
+  """Counts over the engine's lifetime (every `generate` / `stream` call adds to them).
+
+  Read from `ServingEngine.stats`: `steps` and `ring_prefills` run, `compiles`; `prompt_tokens`,
+  `prefill_tokens_computed` and `shared_prefix_tokens` (prefix reuse), `generated_tokens`; `draft_proposed` /
+  `draft_accepted` (speculative decoding), `evictions`, wall `seconds` and the mean `cache_utilization`.
+  `tokens_per_s` and `as_dict()` summarise them.
+  """
 
   steps: int = 0  # ragged steps run (ring prefills not included)
   ring_prefills: int = 0  # prompts prefilled by the ring (context parallel)

@@ -6,6 +6,8 @@ own tests (`tests/tolerances.py` re-exports it) and offered to users' tests.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,3 +109,23 @@ def assert_matches_reference(fn, q, k, v, *, grads: bool = True, dtype=None, see
 
   for name, got, exp in zip(("dq", "dk", "dv"), vjp(fn), vjp(ref), strict=True):
     assert_close(got, exp, dtype, "grad", name=name)
+
+
+_COLLECTIVES = ("collective-permute", "all-to-all", "all-gather", "all-reduce", "reduce-scatter")
+_COLLECTIVE_OP = re.compile(r" (" + "|".join(_COLLECTIVES) + r")(?:-start)?\(")
+
+
+def collective_counts(fn, *args, **kwargs) -> dict[str, int]:
+  """The cross-device collectives in the compiled program of `fn(*args, **kwargs)`: {name: instructions}.
+
+  A one-line check that attention really runs sharded, e.g. on a jitted train step:
+  `assert collective_counts(train_step, model, optimizer, batch)["collective-permute"]` (the ring's hops;
+  Ulysses shows "all-to-all", all-gather attention "all-gather").  Counts instructions in the optimized HLO
+  text (a ring loop's hop is one instruction however many times it runs), for "collective-permute",
+  "all-to-all", "all-gather", "all-reduce" and "reduce-scatter".  `fn` is a jitted function (`jax.jit`,
+  `nnx.jit`: anything with `.lower`), else it is wrapped in `jax.jit`.  Compiles the program once more.
+  """
+  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+  text = jitted.lower(*args, **kwargs).compile().as_text()
+  found = _COLLECTIVE_OP.findall(text)
+  return {name: found.count(name) for name in _COLLECTIVES}
