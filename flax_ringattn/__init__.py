@@ -27,6 +27,7 @@ The public surface (see README.md for the table):
   `available_implementations(op="ring" | "paged")`
 """
 
+from flax_ringattn._src import public as _public
 from flax_ringattn._src.advisor import Hardware, StrategyAdvice, StrategyEstimate, suggest_strategy
 from flax_ringattn._src.backends.pallas_tpu.planners import plan_block_sizes
 from flax_ringattn._src.block_sizes import BlockSizes
@@ -41,6 +42,7 @@ from flax_ringattn._src.layout import zigzag_inverse, zigzag_order, zigzag_posit
 from flax_ringattn._src.masks import Mask
 from flax_ringattn._src.nnx.convert import ConversionReport, convert
 from flax_ringattn._src.nnx.paged_mha import PagedMultiHeadAttention
+from flax_ringattn._src.nnx.placement import place_on_mesh
 from flax_ringattn._src.nnx.ring_mha import RingMultiHeadAttention, make_ring_attention_fn
 from flax_ringattn._src.packing import Layout, apply_layout, balanced_layout, layout_imbalance, undo_layout
 from flax_ringattn._src.paged.cache import CacheOverflowError, PagedKVCache
@@ -53,7 +55,7 @@ from flax_ringattn._src.ring.op import ring_attention
 from flax_ringattn._src.serving.draft import NGramDraft
 from flax_ringattn._src.serving.engine import EngineStats, ServingEngine
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 __all__ = [
   "BlockSizes",
@@ -81,6 +83,7 @@ __all__ = [
   "paged_attention",
   "paged_reference_attention",
   "paged_ring_prefill",
+  "place_on_mesh",
   "plan_block_sizes",
   "reference_attention",
   "ring_attention",
@@ -93,3 +96,5 @@ __all__ = [
   "zigzag_order",
   "zigzag_positions",
 ]
+
+_public.expose_init_signatures(globals()[name] for name in __all__)
