@@ -73,10 +73,14 @@ def test_train_long_context_layer_then_load_and_serve(tmp_path):
   assert np.isfinite(np.asarray(logits)).all()
 
   # serve_paged.py converts the loaded model (convert(to="paged")) and serves every question through
-  # fr.ServingEngine: three contexts of two questions each on two slots, chunked prefill within 256 tokens.
+  # fr.ServingEngine: three contexts of two questions each on two slots, chunked prefill within 256 tokens.  With
+  # --context-parallel 8 it serves them on one device first (the reference), then with every layer's cache spread
+  # over 8 devices and the contexts (>= 256 tokens) prefilled sequence-parallel by the ring, and exits non-zero
+  # unless the answers are equal.  One run checks both halves.
   args = ["--requests", "3", "--queries", "2", "--prompt-lens", "512", "--max-seqs", "2", "--max-batched-tokens", "256"]
-  served = _run(EXAMPLES / "serve_paged.py", "--run-dir", str(tmp_path), *args)
-  assert "convert(to='paged'): 2 replaced" in served, served
+  out = _run(EXAMPLES / "serve_paged.py", "--run-dir", str(tmp_path), *args, "--context-parallel", "8")
+  served, ring = out.split("context parallel: the KV cache spread over 8 devices:")
+  assert "convert(to='paged'): 2 converted (2 nnx.MultiHeadAttention replaced" in served, served
   summary = re.search(
     r"^accuracy \d+/6 .*?; (\d+) prompt tokens \((\d+) computed, (\d+) shared\) .*utilisation mean ([\d.]+)%; "
     r"(\d+) evictions$",
@@ -103,16 +107,12 @@ def test_train_long_context_layer_then_load_and_serve(tmp_path):
   lines = re.findall(r"^request \d+: .*-> answers (.*)$", served, re.M)
   got = [int(g) for line in lines for g in re.sub(r"\(want \d+\)", "", line).split()]
   assert got == want, (got, want, served)
-
-  # The same prompts with every layer's cache spread over 8 devices, the contexts (>= 256 tokens) prefilled
-  # sequence-parallel by the ring: the example serves them on one device too and exits non-zero unless the
-  # answers are equal.
-  ring = _run(EXAMPLES / "serve_paged.py", "--run-dir", str(tmp_path), *args, "--context-parallel", "8")
+  # The spread run: ring prefills happened, and its answers are the single-device run's.
   assert "on 8 devices (each holds" in ring, ring
   assert re.search(r"in \d+ steps \(([1-9]\d*) ring prefills", ring), ring
   assert "context parallel over 8 devices: the 6 answers equal the single-device run's" in ring, ring
-  answers = lambda out: re.findall(r"^request \d+: .*$", out, re.M)  # noqa: E731
-  assert len(answers(served)) == 3 and answers(ring) == 2 * answers(served), (served, ring)
+  answers = lambda text: re.findall(r"^request \d+: .*$", text, re.M)  # noqa: E731
+  assert len(answers(served)) == 3 and answers(ring) == answers(served), (served, ring)
 
 
 @pytest.mark.slow
