@@ -1,5 +1,6 @@
 """Test setup: 8 simulated CPU devices, shared mesh helpers, the interpret-mode harness."""
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -41,6 +42,23 @@ from jax.sharding import AxisType  # noqa: E402
 
 # Per-test timeout (seconds) for tests marked `interpret`; an explicit @pytest.mark.timeout wins.
 INTERPRET_TIMEOUT_S = float(os.environ.get("FLAX_RINGATTN_INTERPRET_TIMEOUT", "180"))
+
+
+@contextlib.contextmanager
+def jax_events():
+  """The names of JAX's compile-pipeline events recorded inside the block, in order (traces:
+  "/jax/core/compile/jaxpr_trace_duration", backend compiles: "/jax/core/compile/backend_compile_duration")."""
+  events = []
+
+  def listen(name, secs, **kwargs):
+    del secs, kwargs
+    events.append(name)
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    yield events
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def make_mesh(shape, names, *, explicit: bool = True):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh
+from conftest import jax_events, make_mesh
 from dense_oracle import dense_oracle
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -362,24 +362,8 @@ def test_layer_length_error_shows_the_inputs():
 _TRACE, _COMPILE = "/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration"
 
 
-@contextlib.contextmanager
-def _jax_events():
-  """The names of JAX's compile-pipeline events recorded inside the block (traces, backend compiles)."""
-  events = []
-
-  def listen(name, secs, **kwargs):
-    del secs, kwargs
-    events.append(name)
-
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  try:
-    yield events
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listen)
-
-
 def _compiles_of(call):
-  with _jax_events() as events:
+  with jax_events() as events:
     jax.block_until_ready(call())
   return events.count(_TRACE), events.count(_COMPILE)
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import jax
@@ -11,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_mesh
+from conftest import jax_events, make_mesh
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -38,21 +37,6 @@ class Model(nnx.Module):
     return x + self.mlp(x)
 
 
-@contextlib.contextmanager
-def _backend_compiles():
-  events = []
-
-  def listen(name, secs, **kwargs):
-    del secs, kwargs
-    events.append(name)
-
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  try:
-    yield events
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listen)
-
-
 def _converted(mesh):
   model = Model(nnx.Rngs(0))
   fr.convert(model, mesh=mesh, implementation="xla")
@@ -71,7 +55,7 @@ def _train(model, optimizer, x, steps=3):
     optimizer.update(model, grads)
     return loss
 
-  with _backend_compiles() as events:
+  with jax_events() as events:
     losses = [float(step(model, optimizer, x)) for _ in range(steps)]
   return losses, len(traces), events.count(_COMPILE), step
 
