@@ -162,8 +162,8 @@ def make_engine(model, prompts, args) -> tuple[fr.ServingEngine, int]:
 
 def engine_cache_bytes(engine) -> int:
   caches = nnx.state(engine.model, nnx.Cache)
-  paged = [x for x in jax.tree.leaves(caches, is_leaf=lambda x: isinstance(x, fr.PagedKVCache))]
-  return sum(c.k_pages.nbytes + c.v_pages.nbytes for c in paged if isinstance(c, fr.PagedKVCache))
+  leaves = jax.tree.leaves(caches, is_leaf=lambda x: isinstance(x, fr.PagedKVCache))
+  return sum(c.k_pages.nbytes + c.v_pages.nbytes for c in leaves if isinstance(c, fr.PagedKVCache))
 
 
 def check(runs: dict[str, list[list[int]]], reference: str) -> list[bench.Check]:
