@@ -19,9 +19,9 @@ if "xla_force_host_platform_device_count" not in _flags:
 # FLAX_RINGATTN_TEST_FULL_OPT=1 keeps XLA's default optimisation.
 if os.environ.get("FLAX_RINGATTN_TEST_FULL_OPT", "0") == "0" and "xla_backend_optimization_level" not in _flags:
   _flags += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-  # And XLA:CPU's older loop emitters instead of its MLIR fusion emitters: about 30% off each compile (measured on
-  # 9 ring / converted-model tests and 9 interpret-mode ones, 2026-12-03), the same arithmetic.  XLA aborts on a
-  # flag it does not know, so only on the jaxlib line it was measured on.
+  # And XLA:CPU's older loop emitters instead of its MLIR fusion emitters: about 30% off the compiles of 9 ring /
+  # converted-model tests and 9 interpret-mode ones, 10% off the whole suite's CPU time (2026-12-03); no
+  # fast-math.  XLA aborts on a flag it does not know, so only on the jaxlib line it was measured on.
   if importlib.metadata.version("jaxlib").startswith("0.10.") and "xla_cpu_use_fusion_emitters" not in _flags:
     _flags += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = _flags.strip()
