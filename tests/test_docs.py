@@ -1,5 +1,5 @@
 """The documentation stays true: every Python block of the README and of the docs pages runs as written (in order,
-one fresh process per page, 8 CPU devices), every public name has a docstring and a page in the API reference, and
+one fresh process per page, 8 CPU devices, the suite's compile flags), every public name has a docstring and a page in the API reference, and
 the API table lists each call's parameters as the code has them.  The site's build with warnings as errors is
 `make docs`, the step after `make test` in `.ci/run`."""
 
@@ -53,7 +53,9 @@ def test_page_python_blocks_run_as_written(page, tmp_path):
   script = tmp_path / f"{page.stem}.py"
   script.write_text("\n\n".join(python_blocks(page.read_text())))
   env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  # 8 CPU devices as the pages say, and the suite's compile flags (conftest: cheap LLVM passes, loop emitters).
+  flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+  env["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_count=8"])
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
   proc = subprocess.run(
