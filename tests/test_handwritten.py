@@ -91,23 +91,25 @@ EXPECTED = {  # what the report must say was recognised
 }
 
 
-def _loss(model, tokens, pos, third, valid):
+def _loss(model, tokens, pos, third, valid, *, with_logits=False):
   logits = model(tokens, pos, third)  # sequence-sharded when converted: no slicing, only elementwise ops
   logp = jax.nn.log_softmax(logits.astype(F32), -1)
   targets = jnp.roll(tokens, -1, axis=1)
   nll = -jnp.sum(logp * jax.nn.one_hot(targets, hm.VOCAB), -1)
   w = (valid & jnp.roll(valid, -1, axis=1) & (jnp.arange(T) < T - 1)).astype(F32)
-  return jnp.sum(nll * w) / jnp.sum(w)
+  loss = jnp.sum(nll * w) / jnp.sum(w)
+  return (loss, logits) if with_logits else loss
 
 
 def _grads(model, *args):
+  """A jitted step params -> ((loss, logits), grads): one compile gives the forward and the backward."""
   graphdef, state = nnx.split(model, nnx.Param)
   rest = nnx.state(model, nnx.Not(nnx.Param))
 
   def f(params):
-    return _loss(nnx.merge(graphdef, params, rest), *args)
+    return _loss(nnx.merge(graphdef, params, rest), *args, with_logits=True)
 
-  return jax.jit(jax.value_and_grad(f)), state
+  return jax.jit(jax.value_and_grad(f, has_aux=True)), state
 
 
 @pytest.mark.parametrize("style", list(STYLES))
@@ -127,15 +129,12 @@ def test_converted_style_matches_unconverted(style):
     for key, want in EXPECTED[style].items():
       got = site.details[key]
       assert got == pytest.approx(want) if isinstance(want, float) else got == want, (key, got, want, str(report))
-  # Logits on every row that sees a key.
-  got = nnx.jit(lambda m, *a: m(*a))(model, tokens, pos, third)
-  want = nnx.jit(lambda m, *a: m(*a))(ref, tokens, pos, third)
-  assert_close(np.asarray(got)[sees], np.asarray(want)[sees], F32)
-  # Loss and every parameter gradient; the ring really runs (a collective permute in the lowered step: reading the
-  # lowering costs no second compile of the step).
+  # Logits on every row that sees a key, the loss and every parameter gradient, from one compiled step each; the
+  # ring really runs (a collective permute in the lowered step: reading the lowering costs no second compile).
   step, params = _grads(model, tokens, pos, third, valid)
   ref_step, ref_params = _grads(ref, tokens, pos, third, valid)
-  (loss, grads), (ref_loss, ref_grads) = step(params), ref_step(ref_params)
+  ((loss, got), grads), ((ref_loss, want), ref_grads) = step(params), ref_step(ref_params)
+  assert_close(np.asarray(got)[sees], np.asarray(want)[sees], F32)
   if kind == "bias_inf":  # the unconverted model's fully masked rows are NaN, and so are its gradients
     assert np.isfinite(np.asarray(loss)) and all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
     return
