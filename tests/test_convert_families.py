@@ -36,19 +36,18 @@ def _grads(model, *args):
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
   def step(params, rest):
-    return jax.value_and_grad(lambda p: _loss(nnx.merge(graphdef, p, rest), *args))(params)
+    f = lambda p: _loss(nnx.merge(graphdef, p, rest), *args, with_logits=True)
+    return jax.value_and_grad(f, has_aux=True)(params)  # ((loss, logits), grads)
 
   return jax.jit(lambda p: step(p, rest)), params
 
 
-def _check_matches(model, ref, args, sees, loss_args):
+def _check_matches(model, ref, sees, loss_args):
   """Logits on the rows that see a key, loss and every gradient; the ring's permutes only in the converted step."""
-  got = nnx.jit(lambda m, *a: m(*a))(model, *args)
-  want = nnx.jit(lambda m, *a: m(*a))(ref, *args)
-  assert_close(np.asarray(got)[sees], np.asarray(want)[sees], F32)
-  step, params = _grads(model, *loss_args)
+  step, params = _grads(model, *loss_args)  # logits, loss and gradients from one compiled step
   ref_step, ref_params = _grads(ref, *loss_args)
-  (loss, grads), (ref_loss, ref_grads) = step(params), ref_step(ref_params)
+  ((loss, got), grads), ((ref_loss, want), ref_grads) = step(params), ref_step(ref_params)
+  assert_close(np.asarray(got)[sees], np.asarray(want)[sees], F32)
   assert_close(loss, ref_loss, F32)
   # Leaves: convert rewrites the swapped layers' partitioning metadata (a tuple on its mesh), not the tree's paths.
   assert jax.tree.structure(nnx.to_pure_dict(grads)) == jax.tree.structure(nnx.to_pure_dict(ref_grads))
@@ -88,7 +87,7 @@ def test_attention_under_remat_inside_the_module_converts_and_keeps_the_remat(na
   report = fr.convert(model, mesh=make_mesh((8,), ("sp",)), example=lambda m: m(tokens, pos, mask))
   assert [s.path for s in report.converted] == ["blocks.0.attn"], str(report)
   assert not report.left_alone and not report.own_code, str(report)
-  _check_matches(model, ref, (tokens, pos, mask), sees, (tokens, pos, mask, valid))
+  _check_matches(model, ref, sees, (tokens, pos, mask, valid))
   # The converted call still runs each layer's attention inside a jax.checkpoint body, with the model's policy,
   # and the ring (a shard_map) is inside it.
   graphdef, state = nnx.split(model)
@@ -150,7 +149,7 @@ def test_tutorial_model_with_named_sharding_and_a_2d_mask():
   kernel = model.blocks[0].mha.query.kernel
   assert kernel.get_metadata()["out_sharding"] == (None, "model")  # read from the NamedSharding
   assert kernel[...].sharding.spec == P(None, "model")
-  _check_matches(model, ref, (tokens, pos, mask), np.ones((3, T), bool), (tokens, pos, mask, valid))
+  _check_matches(model, ref, np.ones((3, T), bool), (tokens, pos, mask, valid))
 
 
 def _snapshot(model):
@@ -278,7 +277,7 @@ def test_dead_weights_and_read_only_nnx_arguments_convert(name):
   report = fr.convert(model, mesh=make_mesh((8,), ("sp",)), example=lambda m: m(tokens, pos, mask))
   assert [s.path for s in report.converted] == ["blocks.0.attn"], str(report)
   assert not report.left_alone and not report.own_code, str(report)
-  _check_matches(model, ref, (tokens, pos, mask), sees, (tokens, pos, mask, valid))
+  _check_matches(model, ref, sees, (tokens, pos, mask, valid))
   # The model closed over by a plain jax.jit: any write to its variables would raise a trace-level error.
   got = jax.jit(lambda *a: model(*a))(tokens, pos, mask)
   assert_close(np.asarray(got)[sees], np.asarray(ref(tokens, pos, mask))[sees], F32)
