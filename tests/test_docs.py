@@ -1,6 +1,6 @@
 """The documentation stays true: every Python block of the README and of the docs pages runs as written (in order,
-one fresh process per page, 8 CPU devices, the suite's compile flags), every public name has a docstring and a page in the API reference, and
-the API table lists each call's parameters as the code has them.  The site's build with warnings as errors is
+one fresh process per page, 8 CPU devices, the suite's compile flags), every public name has a docstring and a page
+in the API reference, and the API table lists each call's parameters as the code has them.  The site's build with warnings as errors is
 `make docs`, the step after `make test` in `.ci/run`."""
 
 from __future__ import annotations
