@@ -340,13 +340,36 @@ def test_unsupported_shapes_raise_not_implemented():
     fr.paged_attention(*_small(page_size=4), implementation="pallas_tpu", interpret=True)
   with pytest.raises(NotImplementedError, match="page_size to be a multiple of 16 for bfloat16"):
     fr.paged_attention(*_small(page_size=8, dtype=BF16), implementation="pallas_tpu", interpret=True)
-  q = jnp.zeros((20, 4, 8), F32)  # 20 rows: no 8-aligned q block <= 16 divides them
-  with pytest.raises(NotImplementedError, match="no block_q tile <= 16 divides"):
-    fr.paged_attention(
-      q, *_small()[1:], implementation="pallas_tpu", interpret=True, block_sizes=fr.BlockSizes(block_q=16, block_kv=8)
+
+
+@interpret
+@pytest.mark.parametrize("rows, block_q", [(20, 16), (13, 8)])
+def test_any_token_count(rows, block_q):
+  """A row count no aligned q block divides (or below one sublane tile) runs, padded inside: forward and
+  gradients equal the XLA path's, and the padding rows come back as zeros."""
+  rng = np.random.default_rng(rows)
+  q = jnp.asarray(rng.normal(size=(rows, 4, 8)), F32)
+  k_pages, v_pages = (jnp.asarray(rng.normal(size=(6, PS, 2, 8)), F32) for _ in range(2))
+  kv_lens = jnp.array([9, 12, 0], jnp.int32)
+  table = jnp.array([[4, 1], [0, 5], [2, 3]], jnp.int32)
+  cu = jnp.array([0, 7, rows - 1, rows - 1], jnp.int32)  # the last row is padding
+  args = (q, k_pages, v_pages, kv_lens, table, cu, jnp.array([3], jnp.int32))
+  blocks = fr.BlockSizes(block_q=block_q, block_kv=8)
+
+  def loss(impl, q, k, v):
+    kw = dict(interpret=interpret_params()) if impl == "pallas_tpu" else {}
+    o = fr.paged_attention(q, k, v, *args[3:], implementation=impl, block_sizes=blocks, **kw)
+    return jnp.sum(o * jnp.cos(o)), o
+
+  with no_races():
+    (_, out), grads = jax.jit(jax.value_and_grad(functools.partial(loss, "pallas_tpu"), (0, 1, 2), has_aux=True))(
+      *args[:3]
     )
-  # The planner takes the whole axis instead (a block equal to the array is always legal).
-  assert _traces_pallas(q, *_small()[1:], implementation="pallas_tpu", interpret=True)
+  (_, ref), ref_grads = jax.value_and_grad(functools.partial(loss, "xla"), (0, 1, 2), has_aux=True)(*args[:3])
+  assert out.shape == (rows, 4, 8)
+  assert_close(out, ref, F32)
+  assert_close(grads, ref_grads, F32, "grad")
+  np.testing.assert_array_equal(np.asarray(out[rows - 1]), 0.0)
 
 
 # -- Mosaic lowering ------------------------------------------------------------------------

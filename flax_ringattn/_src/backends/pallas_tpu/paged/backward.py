@@ -106,7 +106,9 @@ def paged_bwd(
 ):
   """(dq [T, N, H], dk_pages [P, page_size, K, H], dv_pages [P, page_size, K, Hv]) in float32, as the XLA
   backend's `paged_bwd`."""
+  T = q.shape[0]
   d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec)
+  q, do, lse, delta, bidirectional_ids = (pp.pad_rows(x, d.T) for x in (q, do, lse, delta, bidirectional_ids))
   prefetch, scales = pp.operands(d, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
   dk0, dv0 = (jnp.zeros((d.P, d.ps, d.K, h), c.F32) for h in (d.H, d.Hv))
   spans = pp.span_operands(d, bidirectional_ids, kv_lens, cu_q_lens, num_seqs)
@@ -124,4 +126,4 @@ def paged_bwd(
     name="paged_bwd",
   )
   dq, dk, dv = run(*operands)
-  return dq, dk, dv
+  return dq[:T], dk, dv

@@ -44,6 +44,19 @@ class PagedDims:
     return self.T // self.block_tokens + 2 * self.S + 2
 
   @property
+  def tq(self) -> int:
+    """Tokens of the small row tile (`forward.py`): a sequence with few rows in the q block (a decode, a short
+    chunk) meets each kv block in tiles of tq tokens (tq * G = one or two sublane tiles of the folded rows)
+    instead of the whole block; bq when no such tile divides the block or aligns."""
+    if self.spans:  # the q block's span ids are int32 rows: keep their slices whole
+      return self.bq
+    target = 16 if self.q_dtype == jnp.dtype(jnp.bfloat16) else 8
+    tq = max(1, target // self.G)
+    if self.bq % tq or (tq * self.G) % 8:
+      return self.bq
+    return tq
+
+  @property
   def Hv(self) -> int:
     return self.H if self.v_head_dim is None else self.v_head_dim
 
@@ -72,13 +85,28 @@ def check_supported(q, k_pages, *, block_q, pages_per_block) -> tuple[int, int]:
       f"pallas_tpu paged attention needs page_size to be a multiple of {sub} for {jnp.dtype(q.dtype).name} q "
       f"(a page is a whole number of sublane tiles), got page_size={ps}; use implementation='xla'"
     )
-  try:
-    bq = c.tpu_tile(T, max(block_q, 1), sub, what="block_q")
-  except ValueError as e:
-    raise NotImplementedError(f"pallas_tpu paged attention: {e}") from None
-  if bq != T and bq % sub:
-    raise NotImplementedError(f"pallas_tpu paged attention: block_q={bq} must be a multiple of {sub}")
-  return bq, max(1, pages_per_block)
+  return q_block(T, block_q, sub), max(1, pages_per_block)
+
+
+def q_block(T: int, block_q: int, sub: int) -> int:
+  """Rows per grid step for T rows: the whole axis when it fits in block_q, else the multiple of `sub` up to
+  block_q with the fewest grid steps, then the least padding (`padded_rows`: the kernels pad q to a multiple of
+  it, so every token count works)."""
+  if T <= max(block_q, sub):
+    return T
+  options = range(sub, max(block_q, sub) + 1, sub)
+  return min(options, key=lambda b: (-(-T // b), -(-T // b) * b, -b))
+
+
+def padded_rows(T: int, bq: int) -> int:
+  return -(-T // bq) * bq
+
+
+def pad_rows(x, rows: int):
+  """x with its leading (row) axis zero-padded to `rows` (None stays None)."""
+  if x is None or x.shape[0] == rows:
+    return x
+  return jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
 
 
 def dims_of(q, k_pages, v_pages, page_indices, k_scale, v_scale, *, bq, ppb, write=False, spans=False) -> PagedDims:
@@ -265,7 +293,8 @@ def spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, write=F
   bq, ppb = check_supported(q, k_pages, block_q=block_q, pages_per_block=block_kv // k_pages.shape[1])
   scale_dims = [None if x is None else jnp.asarray(x) for x in (k_scale, v_scale)]
   spans = spec.mask.has_bidirectional
-  return dims_of(q, k_pages, v_pages, page_indices, *scale_dims, bq=bq, ppb=ppb, write=write, spans=spans)
+  d = dims_of(q, k_pages, v_pages, page_indices, *scale_dims, bq=bq, ppb=ppb, write=write, spans=spans)
+  return dataclasses.replace(d, T=padded_rows(d.T, bq))
 
 
 def span_operands(d: PagedDims, ids, kv_lens, cu_q_lens, num_seqs):

@@ -73,15 +73,17 @@ def _span_row(d: pp.PagedDims, r: Refs, s, b, first_pos, kv_len):
   return ok, jnp.clip(row, 0, d.span_rows - 1)
 
 
-def span_ids(d: pp.PagedDims, r: Refs, s, b, slot, g):
-  """(q ids [bq * G, 1], kv ids [1, bt]) of the q block and kv block b of sequence s (in VMEM slot `slot`), or
-  (None, None) without spans.  A block with none of the call's new tokens was not copied: its keys carry 0."""
+def span_ids(d: pp.PagedDims, r: Refs, s, b, slot, g, *, t0=0, n=None):
+  """(q ids [n * G, 1], kv ids [1, bt]) of rows [t0, t0 + n) of the q block (default: all of it) and kv block b
+  of sequence s (in VMEM slot `slot`), or (None, None) without spans.  A block with none of the call's new
+  tokens was not copied: its keys carry 0."""
   if not d.spans:
     return None, None
+  n = d.bq if n is None else n
   copied, _ = _span_row(d, r, s, b, g.first_pos, g.kv_len)
   kv = jnp.where(copied, r.kv_ids_buf[slot], 0)  # stale VMEM never reaches the mask
-  q = r.q_ids[...]
-  return fold(jnp.broadcast_to(q[:, None, :], (d.bq, d.G, 1)), d.G), kv
+  q = r.q_ids[pl.ds(t0, n), :]
+  return fold(jnp.broadcast_to(q[:, None, :], (n, d.G, 1)), d.G), kv
 
 
 def _block_copies(d: pp.PagedDims, r: Refs, s, b, slot, g):
@@ -123,6 +125,31 @@ def kv_valid_row(d: pp.PagedDims, copies, b, kv_len):
   return ok & (b * d.block_tokens + lane < kv_len)
 
 
+def _all_copied(copies):
+  ok = copies[0][0]
+  for page_ok, _, _ in copies[1:]:
+    ok = ok & page_ok
+  return ok
+
+
+def kv_valid_row_fast(d: pp.PagedDims, copies, b, kv_len):
+  """`kv_valid_row`, with the per-page test (ppb vector ops) only on a block where some page was not copied."""
+  lane = jax.lax.broadcasted_iota(jnp.int32, (1, d.block_tokens), 1)
+  below = b * d.block_tokens + lane < kv_len
+  return jax.lax.cond(_all_copied(copies), lambda: below, lambda: kv_valid_row(d, copies, b, kv_len))
+
+
+def zero_invalid_v(d: pp.PagedDims, r: Refs, copies, b, slot, kv_len):
+  """Zeroes, in VMEM slot `slot`, the v rows of kv block b that are not valid (`kv_valid`), on a block that has
+  any: past kv_len, or in a page that was not copied."""
+  whole = _all_copied(copies) & ((b + 1) * d.block_tokens <= kv_len)
+
+  @pl.when(~whole)
+  def _():
+    valid = kv_valid(d, copies, b, kv_len)[..., None]  # [ppb, ps, 1, 1]
+    r.v_buf[slot] = jnp.where(valid, r.v_buf[slot], jnp.zeros((), r.v_buf.dtype))
+
+
 def load_head(d: pp.PagedDims, buf, scale_buf, slot, k, valid):
   """[ppb * ps, H or Hv] float32 values of kv head k (dequantised, zero where not valid), and the scale
   [ppb, rows, 1]."""
@@ -140,10 +167,10 @@ def fold(x, G):
   return x.reshape(x.shape[0] * G, *x.shape[2:])
 
 
-def mask(d: pp.PagedDims, spec, q_lo, seq_start, seq_end, first_pos, b, valid_row, ids=(None, None)):
-  """[bq * G, block_tokens] visibility of kv block b for the rows of one sequence in this q block; `ids`: the
-  rows' and keys' bidirectional ids (`span_ids`)."""
-  rows = d.bq * d.G
+def mask(d: pp.PagedDims, spec, q_lo, seq_start, seq_end, first_pos, b, valid_row, ids=(None, None), *, n=None):
+  """[n * G, block_tokens] visibility of kv block b for the rows of one sequence among the n rows from q_lo
+  (default: the q block); `ids`: the rows' and keys' bidirectional ids (`span_ids`)."""
+  rows = (d.bq if n is None else n) * d.G
   t = q_lo + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), d.G)  # global row of q
   pos = first_pos + (t - seq_start)
   kv_pos = b * d.block_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, d.block_tokens), 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from flax_ringattn._src.backends.pallas_tpu import tiling as c
-from flax_ringattn._src.backends.pallas_tpu.planners.block import Footprint, candidates
+from flax_ringattn._src.backends.pallas_tpu.planners.block import Footprint
 from flax_ringattn._src.backends.pallas_tpu.planners.chip import MiB, budget_bytes, current_generation
 from flax_ringattn._src.block_sizes import BlockSizes
 
@@ -99,9 +99,10 @@ def plan_paged_block_sizes(
   budget = budget_bytes(generation)
   page_dtype = dtype if page_dtype is None else page_dtype
   sub = c.sublanes(dtype)
-  qs = [t for t in candidates(max_num_batched_tokens, sub) if t <= PAGED_MAX_BLOCK_Q and t % sub == 0]
-  if not qs:
-    qs = [max_num_batched_tokens] if max_num_batched_tokens <= PAGED_MAX_BLOCK_Q else []
+  # Any token count: the kernels pad q to a multiple of the q block (`paged.plans.q_block`).
+  T = max_num_batched_tokens
+  qs = [T] if T <= PAGED_MAX_BLOCK_Q else []
+  qs += [t for t in range(sub, min(PAGED_MAX_BLOCK_Q, T) + 1, sub) if t != T]
   pbs = [p for p in range(1, pages_per_seq + 1) if p * page_size <= max(PAGED_MAX_BLOCK_TOKENS, page_size)]
   dims = dict(
     page_size=page_size,
