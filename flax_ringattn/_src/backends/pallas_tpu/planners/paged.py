@@ -9,10 +9,13 @@ from flax_ringattn._src.backends.pallas_tpu.planners.block import Footprint
 from flax_ringattn._src.backends.pallas_tpu.planners.chip import MiB, budget_bytes, current_generation
 from flax_ringattn._src.block_sizes import BlockSizes
 
-# Pages per kv block stop paying past this many tokens: the copies of one block
-# already amortise their issue cost, and a larger block wastes more of a
-# sequence's last, partial block.
-PAGED_MAX_BLOCK_TOKENS = 512
+# Pages per kv block stop paying past this many tokens.  Each block costs a
+# fixed walk step (its copies' waits, the tile masks, the softmax state's loads
+# and stores) whatever its size; up to a whole 2048-token decode history in one
+# block keeps that small beside its 8 MiB of bf16 K/V at 8 kv heads (JAX's own
+# ragged kernel defaults to 128 pages of 16 too), and a sequence's last, partial
+# block masks what it does not hold.
+PAGED_MAX_BLOCK_TOKENS = 2048
 PAGED_MAX_BLOCK_Q = 256
 
 
@@ -101,8 +104,10 @@ def plan_paged_block_sizes(
   sub = c.sublanes(dtype)
   # Any token count: the kernels pad q to a multiple of the q block (`paged.plans.q_block`).
   T = max_num_batched_tokens
+  # Blocks that divide T rounded up to whole sublane tiles: no more padding than that rounding.
+  padded = -(-T // sub) * sub
   qs = [T] if T <= PAGED_MAX_BLOCK_Q else []
-  qs += [t for t in range(sub, min(PAGED_MAX_BLOCK_Q, T) + 1, sub) if t != T]
+  qs += [t for t in range(sub, min(PAGED_MAX_BLOCK_Q, T) + 1, sub) if t != T and padded % t == 0]
   pbs = [p for p in range(1, pages_per_seq + 1) if p * page_size <= max(PAGED_MAX_BLOCK_TOKENS, page_size)]
   dims = dict(
     page_size=page_size,
