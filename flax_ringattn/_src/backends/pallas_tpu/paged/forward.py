@@ -37,65 +37,28 @@ def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *res
   l_sc[...] = jnp.zeros(l_sc.shape, c.F32)
   acc_sc[...] = jnp.zeros(acc_sc.shape, c.F32)
 
-  quantized = any(x is not None for x in scale_bufs)
-
   def visit(s, b, slot, copies, g):
-    valid_row = w.kv_valid_row_fast(d, copies, b, g.kv_len)
-    if quantized:
-      valid = w.kv_valid(d, copies, b, g.kv_len)
-    else:
-      # Unquantized pages are read as stored: stale or foreign values in K only reach scores that the mask
-      # replaces, but 0 * NaN in p @ v would not vanish, so v's invalid slots are zeroed, in the buffer, on the
-      # blocks that have any (a sequence's last block, or a bad page id); whole blocks pay nothing.
-      w.zero_invalid_v(d, r, copies, b, slot, g.kv_len)
-
-    def tile(t0, tq):
-      """Rows [t0, t0 + tq) of the q block (tokens) against kv block b, every kv head."""
-      rows = tq * G
-      r0 = t0 * G if tq == d.bq else pl.multiple_of(t0 * G, rows)
-      ids = w.span_ids(d, r, s, b, slot, g, t0=t0, n=tq)
-      vis = w.mask(d, spec, q_lo + t0, g.start, g.end, g.first_pos, b, valid_row, ids, n=tq)
-      for k in range(d.K):
-        if quantized:
-          kk, _ = w.load_head(d, k_buf, scale_bufs[0], slot, k, valid)
-          vv, _ = w.load_head(d, v_buf, scale_bufs[1], slot, k, valid)
-        else:
-          kk = k_buf[slot, :, :, k, :].reshape(d.block_tokens, d.H)
-          vv = v_buf[slot, :, :, k, :].reshape(d.block_tokens, d.Hv)
-        q = w.fold(q_ref[pl.ds(t0, tq), k * G : (k + 1) * G, :], G)  # [tq * G, H]
-        s_ = w.dot(q, kk, ((1,), (1,)), d.q_dtype) * spec.scale
-        if spec.logits_soft_cap is not None:
-          s_ = spec.logits_soft_cap * jnp.tanh(s_ / spec.logits_soft_cap)
-        s_ = jnp.where(vis, s_, -jnp.inf)
-        m_prev = m_sc[k, pl.ds(r0, rows), :][:, :1]
-        l_prev = l_sc[k, pl.ds(r0, rows), :][:, :1]
-        m_new = jnp.maximum(m_prev, s_.max(axis=-1, keepdims=True))
-        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows that see nothing yet: exp(-inf) = 0, not NaN
-        alpha = jnp.exp(m_prev - m_safe)
-        p = jnp.exp(s_ - m_safe)
-        l_sc[k, pl.ds(r0, rows), :] = jnp.broadcast_to(alpha * l_prev + p.sum(axis=-1, keepdims=True), (rows, c.LANES))
-        m_sc[k, pl.ds(r0, rows), :] = jnp.broadcast_to(m_new, (rows, c.LANES))
-        pv = w.dot(p, vv, ((1,), (0,)), d.q_dtype)  # [tq * G, Hv]
-        acc = acc_sc[pl.ds(t0, tq), k * G : (k + 1) * G, :]
-        acc_sc[pl.ds(t0, tq), k * G : (k + 1) * G, :] = alpha.reshape(tq, G, 1) * acc + pv.reshape(tq, G, d.Hv)
-
-    tq = d.tq
-    if tq == d.bq:
-      tile(0, d.bq)
-      return
-    # A sequence with few rows here (a decode, the end of a chunk) costs tiles of tq tokens, not the whole block:
-    # the tiles that hold its rows [lo_row, hi_row), or the whole block when they would cover a quarter of it.
-    first = jax.lax.div(g.lo_row - q_lo, tq)
-    last = jax.lax.div(g.hi_row - q_lo + tq - 1, tq)
-    small = (last - first) * tq * 4 <= d.bq
-
-    @pl.when(small)
-    def _():
-      jax.lax.fori_loop(first, last, lambda i, cy: (tile(pl.multiple_of(i * tq, tq), tq), cy)[1], 0)
-
-    @pl.when(~small)
-    def _():
-      tile(0, d.bq)
+    valid = w.kv_valid(d, copies, b, g.kv_len)
+    ids = w.span_ids(d, r, s, b, slot, g)
+    vis = w.mask(d, spec, q_lo, g.start, g.end, g.first_pos, b, w.kv_valid_row(d, copies, b, g.kv_len), ids)
+    for k in range(d.K):
+      kk, _ = w.load_head(d, k_buf, scale_bufs[0], slot, k, valid)
+      vv, _ = w.load_head(d, v_buf, scale_bufs[1], slot, k, valid)
+      q = w.fold(q_ref[:, k * G : (k + 1) * G, :], G)  # [bq * G, H]
+      s_ = w.dot(q, kk, ((1,), (1,)), d.q_dtype) * spec.scale
+      if spec.logits_soft_cap is not None:
+        s_ = spec.logits_soft_cap * jnp.tanh(s_ / spec.logits_soft_cap)
+      s_ = jnp.where(vis, s_, -jnp.inf)
+      m_prev, l_prev = m_sc[k][:, :1], l_sc[k][:, :1]
+      m_new = jnp.maximum(m_prev, s_.max(axis=-1, keepdims=True))
+      m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows that see nothing yet: exp(-inf) = 0, not NaN
+      alpha = jnp.exp(m_prev - m_safe)
+      p = jnp.exp(s_ - m_safe)
+      l_sc[k] = jnp.broadcast_to(alpha * l_prev + p.sum(axis=-1, keepdims=True), (d.bq * G, c.LANES))
+      m_sc[k] = jnp.broadcast_to(m_new, (d.bq * G, c.LANES))
+      pv = w.dot(p, vv, ((1,), (0,)), d.q_dtype)  # [bq * G, Hv]
+      acc = acc_sc[:, k * G : (k + 1) * G, :]
+      acc_sc[:, k * G : (k + 1) * G, :] = alpha.reshape(d.bq, G, 1) * acc + pv.reshape(d.bq, G, d.Hv)
 
   if d.write:
     _write_block(d, spec, r, new_refs, q_lo)

@@ -44,19 +44,6 @@ class PagedDims:
     return self.T // self.block_tokens + 2 * self.S + 2
 
   @property
-  def tq(self) -> int:
-    """Tokens of the small row tile (`forward.py`): a sequence with few rows in the q block (a decode, a short
-    chunk) meets each kv block in tiles of tq tokens (tq * G = one or two sublane tiles of the folded rows)
-    instead of the whole block; bq when no such tile divides the block or aligns."""
-    if self.spans:  # the q block's span ids are int32 rows: keep their slices whole
-      return self.bq
-    target = 16 if self.q_dtype == jnp.dtype(jnp.bfloat16) else 8
-    tq = max(1, target // self.G)
-    if self.bq % tq or (tq * self.G) % 8:
-      return self.bq
-    return tq
-
-  @property
   def Hv(self) -> int:
     return self.H if self.v_head_dim is None else self.v_head_dim
 

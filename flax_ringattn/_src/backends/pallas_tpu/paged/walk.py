@@ -44,15 +44,15 @@ def _page_copies(d: pp.PagedDims, r: Refs, s, b, slot, kv_len):
     pid = r.table[s * d.ppt + entry]
     ok = (pid >= 0) & (pid < d.P) & (entry * d.ps < kv_len)
     safe = jnp.clip(pid, 0, d.P - 1)
-    out.append((ok, safe, _page_descs(r, safe, slot, j)))
+    descs = [
+      pltpu.make_async_copy(r.k_hbm.at[safe], r.k_buf.at[slot, j], r.sem.at[slot]),
+      pltpu.make_async_copy(r.v_hbm.at[safe], r.v_buf.at[slot, j], r.sem.at[slot]),
+    ]
+    for src, dst in zip(r.scales_hbm, r.scale_bufs, strict=True):
+      if src is not None:
+        descs.append(pltpu.make_async_copy(src.at[safe], dst.at[slot, j], r.sem.at[slot]))
+    out.append((ok, safe, descs))
   return out
-
-
-def _page_descs(r: Refs, page, slot, j):
-  """The copies of page `page` (K, V and their scales) into page j of VMEM slot `slot`."""
-  pairs = [(r.k_hbm, r.k_buf), (r.v_hbm, r.v_buf)]
-  pairs += [(src, dst) for src, dst in zip(r.scales_hbm, r.scale_bufs, strict=True) if src is not None]
-  return [pltpu.make_async_copy(src.at[page], dst.at[slot, j], r.sem.at[slot]) for src, dst in pairs]
 
 
 def _span_copy(d: pp.PagedDims, r: Refs, s, b, slot, first_pos, kv_len):
@@ -73,61 +73,20 @@ def _span_row(d: pp.PagedDims, r: Refs, s, b, first_pos, kv_len):
   return ok, jnp.clip(row, 0, d.span_rows - 1)
 
 
-def span_ids(d: pp.PagedDims, r: Refs, s, b, slot, g, *, t0=0, n=None):
-  """(q ids [n * G, 1], kv ids [1, bt]) of rows [t0, t0 + n) of the q block (default: all of it) and kv block b
-  of sequence s (in VMEM slot `slot`), or (None, None) without spans.  A block with none of the call's new
-  tokens was not copied: its keys carry 0."""
+def span_ids(d: pp.PagedDims, r: Refs, s, b, slot, g):
+  """(q ids [bq * G, 1], kv ids [1, bt]) of the q block and kv block b of sequence s (in VMEM slot `slot`), or
+  (None, None) without spans.  A block with none of the call's new tokens was not copied: its keys carry 0."""
   if not d.spans:
     return None, None
-  n = d.bq if n is None else n
   copied, _ = _span_row(d, r, s, b, g.first_pos, g.kv_len)
   kv = jnp.where(copied, r.kv_ids_buf[slot], 0)  # stale VMEM never reaches the mask
-  q = r.q_ids[pl.ds(t0, n), :]
-  return fold(jnp.broadcast_to(q[:, None, :], (n, d.G, 1)), d.G), kv
+  q = r.q_ids[...]
+  return fold(jnp.broadcast_to(q[:, None, :], (d.bq, d.G, 1)), d.G), kv
 
 
-class BlockCopies:
-  """The page copies of kv block b of sequence s into VMEM slot `slot`, as `visit` sees them: `all_ok` (every
-  page the block holds below kv_len had a valid id and was copied) and, iterated, [(copy this page?, page id,
-  descriptors)] for the ppb pages (built on each iteration, in the control flow that iterates)."""
-
-  def __init__(self, d: pp.PagedDims, r: Refs, s, b, slot, kv_len, all_ok):
-    self.d, self.r, self.s, self.b, self.slot, self.kv_len, self.all_ok = d, r, s, b, slot, kv_len, all_ok
-
-  def __iter__(self):
-    return iter(_page_copies(self.d, self.r, self.s, self.b, self.slot, self.kv_len))
-
-
-def _n_pages(d: pp.PagedDims, b, kv_len):
-  """Pages of kv block b below kv_len (lax.div truncates: a negative remainder still gives <= 0)."""
-  return jnp.clip(jax.lax.div(kv_len - b * d.block_tokens + d.ps - 1, d.ps), 0, d.ppb)
-
-
-def _pages(d: pp.PagedDims, r: Refs, s, b, slot, kv_len, method):
-  """Starts or waits for the copies of the pages of kv block b below kv_len, in a scalar loop (one descriptor
-  site whatever ppb is: the unrolled form cost more scalar work than the copies took); returns whether every
-  one of them had a valid page id."""
-
-  def body(j, all_ok):
-    pid = r.table[s * d.ppt + b * d.ppb + j]
-    ok = (pid >= 0) & (pid < d.P)
-    descs = _page_descs(r, jnp.clip(pid, 0, d.P - 1), slot, j)
-    pl.when(ok)(functools.partial(_each, descs, method))
-    return jnp.where(ok, all_ok, 0)  # an int32 carry: scalar booleans stay out of Mosaic's loops
-
-  return jax.lax.fori_loop(0, _n_pages(d, b, kv_len), body, jnp.ones((), jnp.int32)) != 0
-
-
-def _start_block(d: pp.PagedDims, r: Refs, s, b, slot, g):
-  """Starts every copy of kv block b of sequence s: its pages, and its keys' ids with spans."""
-  _pages(d, r, s, b, slot, g.kv_len, "start")
-  _start(_span_copy(d, r, s, b, slot, g.first_pos, g.kv_len))
-
-
-def _wait_block(d: pp.PagedDims, r: Refs, s, b, slot, g) -> BlockCopies:
-  all_ok = _pages(d, r, s, b, slot, g.kv_len, "wait")
-  _wait(_span_copy(d, r, s, b, slot, g.first_pos, g.kv_len))
-  return BlockCopies(d, r, s, b, slot, g.kv_len, all_ok)
+def _block_copies(d: pp.PagedDims, r: Refs, s, b, slot, g):
+  """Every copy of kv block b of sequence s: its pages, and its keys' ids with spans."""
+  return _page_copies(d, r, s, b, slot, g.kv_len) + _span_copy(d, r, s, b, slot, g.first_pos, g.kv_len)
 
 
 def _start(copies):
@@ -164,32 +123,6 @@ def kv_valid_row(d: pp.PagedDims, copies, b, kv_len):
   return ok & (b * d.block_tokens + lane < kv_len)
 
 
-def kv_valid_row_fast(d: pp.PagedDims, copies, b, kv_len):
-  """`kv_valid_row`, with the per-page test (ppb vector ops) only on a block where some page was not copied."""
-  lane = jax.lax.broadcasted_iota(jnp.int32, (1, d.block_tokens), 1)
-  below = b * d.block_tokens + lane < kv_len
-  # Mosaic's scf.if yields no bool vectors: the branches return int32.
-  ok = jax.lax.cond(
-    copies.all_ok,
-    lambda: below.astype(jnp.int32),
-    lambda: kv_valid_row(d, copies, b, kv_len).astype(jnp.int32),
-  )
-  return ok != 0
-
-
-def zero_invalid_v(d: pp.PagedDims, r: Refs, copies, b, slot, kv_len):
-  """Zeroes, in VMEM slot `slot`, the v rows of kv block b that are not valid (`kv_valid`), on a block that has
-  any: past kv_len, or in a page that was not copied."""
-  whole = copies.all_ok & ((b + 1) * d.block_tokens <= kv_len)
-
-  @pl.when(~whole)
-  def _():
-    valid = kv_valid(d, copies, b, kv_len)  # [ppb, ps, 1]
-    for k in range(d.K):  # head by head, as `load_head` reads them
-      x = r.v_buf[slot, :, :, k, :].astype(c.F32)
-      r.v_buf[slot, :, :, k, :] = jnp.where(valid, x, 0.0).astype(r.v_buf.dtype)
-
-
 def load_head(d: pp.PagedDims, buf, scale_buf, slot, k, valid):
   """[ppb * ps, H or Hv] float32 values of kv head k (dequantised, zero where not valid), and the scale
   [ppb, rows, 1]."""
@@ -207,10 +140,10 @@ def fold(x, G):
   return x.reshape(x.shape[0] * G, *x.shape[2:])
 
 
-def mask(d: pp.PagedDims, spec, q_lo, seq_start, seq_end, first_pos, b, valid_row, ids=(None, None), *, n=None):
-  """[n * G, block_tokens] visibility of kv block b for the rows of one sequence among the n rows from q_lo
-  (default: the q block); `ids`: the rows' and keys' bidirectional ids (`span_ids`)."""
-  rows = (d.bq if n is None else n) * d.G
+def mask(d: pp.PagedDims, spec, q_lo, seq_start, seq_end, first_pos, b, valid_row, ids=(None, None)):
+  """[bq * G, block_tokens] visibility of kv block b for the rows of one sequence in this q block; `ids`: the
+  rows' and keys' bidirectional ids (`span_ids`)."""
+  rows = d.bq * d.G
   t = q_lo + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), d.G)  # global row of q
   pos = first_pos + (t - seq_start)
   kv_pos = b * d.block_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, d.block_tokens), 1)
@@ -263,7 +196,7 @@ def first_seq(d: pp.PagedDims, r: Refs, q_lo, n):
 
 
 def walk(d: pp.PagedDims, spec, r: Refs, q_lo, visit):
-  """Calls visit(s, b, slot, copies (`BlockCopies`), seq) for every (sequence, kv block) that the rows [q_lo, q_lo + bq) can
+  """Calls visit(s, b, slot, copies, seq) for every (sequence, kv block) that the rows [q_lo, q_lo + bq) can
   see, with block b's pages in VMEM slot `slot`.
 
   One copy is always in flight ahead of the compute: the next block of the sequence, or, during its last
@@ -280,7 +213,7 @@ def walk(d: pp.PagedDims, spec, r: Refs, q_lo, visit):
 
     @pl.when(has_work & ~started)
     def _():
-      _start_block(d, r, s, g.lo, slot, g)
+      _start(_block_copies(d, r, s, g.lo, slot, g))
 
     s2 = jnp.minimum(s + 1, d.S - 1)
     g2 = seq_in_block(d, spec, r, s2, q_lo)
@@ -291,13 +224,15 @@ def walk(d: pp.PagedDims, spec, r: Refs, q_lo, visit):
 
       @pl.when(b + 1 < g.hi)
       def _():
-        _start_block(d, r, s, b + 1, nxt, g)
+        _start(_block_copies(d, r, s, b + 1, nxt, g))
 
       @pl.when((b + 1 == g.hi) & next_ok)
       def _():
-        _start_block(d, r, s2, g2.lo, nxt, g2)
+        _start(_block_copies(d, r, s2, g2.lo, nxt, g2))
 
-      visit(s, b, cur, _wait_block(d, r, s, b, cur, g), g)
+      copies = _page_copies(d, r, s, b, cur, g.kv_len)
+      _wait(copies + _span_copy(d, r, s, b, cur, g.first_pos, g.kv_len))
+      visit(s, b, cur, copies, g)
       return nxt
 
     slot = jax.lax.fori_loop(g.lo, g.hi, kv_step, slot)

@@ -9,14 +9,19 @@ from flax_ringattn._src.backends.pallas_tpu.planners.block import Footprint
 from flax_ringattn._src.backends.pallas_tpu.planners.chip import MiB, budget_bytes, current_generation
 from flax_ringattn._src.block_sizes import BlockSizes
 
-# Pages per kv block stop paying past this many tokens.  Each block costs a
-# fixed walk step (its copies' waits, the tile masks, the softmax state's loads
-# and stores) whatever its size; up to a whole 2048-token decode history in one
-# block keeps that small beside its 8 MiB of bf16 K/V at 8 kv heads (JAX's own
-# ragged kernel defaults to 128 pages of 16 too), and a sequence's last, partial
-# block masks what it does not hold.
-PAGED_MAX_BLOCK_TOKENS = 2048
-PAGED_MAX_BLOCK_Q = 256
+# Pages per kv block stop paying past this many tokens: the copies of one block
+# already amortise their issue cost, and a larger block wastes more of a
+# sequence's last, partial block.  On a v5e (2026-12-05, bf16, N=32, K=8,
+# pages of 16; docs/performance.md) 2048-token blocks ran a 16 x 16384 decode
+# only 3% faster than 512-token ones.
+PAGED_MAX_BLOCK_TOKENS = 512
+# Every sequence a q block holds costs the whole block's rows in its matmuls and
+# softmax, so a decode batch wants short q blocks: on a v5e, 16-row blocks ran a
+# 64 x 2048 decode 1.57x faster than 64-row ones, and 64-row blocks a mixed
+# 1024-row step 1.53x faster than 256-row ones.  The q block is at most
+# PAGED_MAX_BLOCK_Q rows and at most a quarter of the batch's (one sublane tile
+# at least).
+PAGED_MAX_BLOCK_Q = 64
 
 
 def paged_footprint(
@@ -94,8 +99,8 @@ def plan_paged_block_sizes(
   """`BlockSizes(block_q=rows per grid step, block_kv=tokens per kv block)` for the paged kernel.
 
   The largest kv block up to PAGED_MAX_BLOCK_TOKENS tokens (whole pages, at most a sequence's pages), then the
-  tallest q block up to PAGED_MAX_BLOCK_Q rows (a prefill spanning several q blocks reads its pages once per
-  block), such that both the forward and the backward kernels fit `generation`'s VMEM budget.  `v_head_dim`:
+  tallest q block up to min(PAGED_MAX_BLOCK_Q, max_num_batched_tokens // 4) rows (a prefill spanning several
+  q blocks reads its pages once per block; any token count: the kernels pad q to a multiple of it), such that both the forward and the backward kernels fit `generation`'s VMEM budget.  `v_head_dim`:
   v's head dim when it differs from `head_dim` (MLA), and `bidirectional` (span ids), as in `paged_footprint`.
   """
   generation = current_generation() if generation is None else generation
@@ -104,10 +109,9 @@ def plan_paged_block_sizes(
   sub = c.sublanes(dtype)
   # Any token count: the kernels pad q to a multiple of the q block (`paged.plans.q_block`).
   T = max_num_batched_tokens
-  # Blocks that divide T rounded up to whole sublane tiles: no more padding than that rounding.
-  padded = -(-T // sub) * sub
-  qs = [T] if T <= PAGED_MAX_BLOCK_Q else []
-  qs += [t for t in range(sub, min(PAGED_MAX_BLOCK_Q, T) + 1, sub) if t != T and padded % t == 0]
+  cap = min(PAGED_MAX_BLOCK_Q, max(sub, T // 4))
+  qs = [T] if T <= cap else []
+  qs += [t for t in range(sub, min(cap, T) + 1, sub) if t != T]
   pbs = [p for p in range(1, pages_per_seq + 1) if p * page_size <= max(PAGED_MAX_BLOCK_TOKENS, page_size)]
   dims = dict(
     page_size=page_size,
