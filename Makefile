@@ -1,12 +1,15 @@
-# Entry points: `make demo`, `make test` and `make docs`.  Each bootstraps .venv.
+# Entry points: `make demo`, `make test` and `make docs`.  Each bootstraps .venv.  (`make test-tpu`, on a TPU host,
+# does not: see below.)
 PYTHON ?= python3
+# The interpreter of `make test-tpu`: one with jax, libtpu, pytest, numpy and the package's dependencies importable.
+TPU_PY ?= $(PYTHON)
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q -c constraints.txt
 # Tests are compile-bound and single-threaded: one worker per core.
 TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: demo test lint bench docs clean
+.PHONY: demo test test-tpu lint bench docs clean
 
 $(VENV)/.stamp-base: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +28,13 @@ demo: $(VENV)/.stamp-base
 test: $(VENV)/.stamp-test
 	$(PY) -m ruff check flax_ringattn tests examples benchmarks
 	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist worksteal --durations=25
+
+# The compiled-on-TPU tier: the Pallas TPU kernels compiled on the chip against the float64 oracles, forward and
+# gradients, in one process (one program at a time holds the chip).  No venv and nothing installed: the package
+# comes from this checkout through PYTHONPATH.  Every test skips without a TPU (`make test` collects them too).
+test-tpu:
+	FLAX_RINGATTN_TPU_TIER=1 PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" \
+	  $(TPU_PY) -m pytest -q -ra -m tpu tests/test_tpu_compiled.py -p no:cacheprovider
 
 lint: $(VENV)/.stamp-test
 	$(PY) -m ruff check flax_ringattn tests examples benchmarks

@@ -9,7 +9,12 @@ import threading
 import traceback
 from pathlib import Path
 
-# Must happen before JAX initialises its backends.
+# `make test-tpu` (tests/test_tpu_compiled.py, compiled on the chip) sets FLAX_RINGATTN_TPU_TIER=1: XLA keeps its
+# default compile flags and the process is not re-executed under the CPU shim below.  Nothing here hides the TPU
+# from JAX (no JAX_PLATFORMS).
+TPU_TIER = os.environ.get("FLAX_RINGATTN_TPU_TIER", "0") != "0"
+
+# Must happen before JAX initialises its backends.  (8 host devices cost nothing on a TPU host.)
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
   _flags += " --xla_force_host_platform_device_count=8"
@@ -17,7 +22,8 @@ if "xla_force_host_platform_device_count" not in _flags:
 # ring's forward and backward; interpret-mode kernels, which are execution-bound, run as fast).  Floating-point
 # semantics are unchanged (no fast-math).  Subprocesses (examples, README, multi-process tests) inherit it.
 # FLAX_RINGATTN_TEST_FULL_OPT=1 keeps XLA's default optimisation.
-if os.environ.get("FLAX_RINGATTN_TEST_FULL_OPT", "0") == "0" and "xla_backend_optimization_level" not in _flags:
+_full_opt = TPU_TIER or os.environ.get("FLAX_RINGATTN_TEST_FULL_OPT", "0") != "0"
+if not _full_opt and "xla_backend_optimization_level" not in _flags:
   _flags += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
   # And XLA:CPU's older loop emitters instead of its MLIR fusion emitters: about 30% off the compiles of 9 ring /
   # converted-model tests and 9 interpret-mode ones, 10% off the whole suite's CPU time (2026-12-03); no
@@ -40,7 +46,8 @@ def _load_harness():
 # Multi-device Pallas interpret-mode kernels deadlock when XLA's CPU thread pool is small (few cores): re-exec
 # this process with more (fake) CPUs before JAX starts.  xdist workers inherit the environment and do not re-exec.
 _harness = _load_harness()
-_harness.ensure_cpu_threads()
+if not TPU_TIER:
+  _harness.ensure_cpu_threads()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -96,6 +103,7 @@ def _eight_devices():
     assert jax.device_count() >= 8, f"tests need 8 CPU devices, got {jax.devices()}"
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: the TPU tier runs where xdist may not be installed
 def pytest_xdist_auto_num_workers(config):
   """`-n auto`: one worker per real CPU, not per CPU the shim reports (PYTEST_XDIST_AUTO_NUM_WORKERS still wins)."""
   del config
@@ -133,7 +141,7 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # pytest-timeout's hook (optional: as above)
 def pytest_timeout_set_timer(item, settings):
   """For `interpret` tests: pytest-timeout's thread method, followed by the likely causes of the hang."""
   if item.get_closest_marker("interpret") is None or settings.method != "thread":

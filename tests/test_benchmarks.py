@@ -203,6 +203,50 @@ def test_roofline_json_report_parses(roofline):
 
 
 # --------------------------------------------------------------------------------------------
+# tpu_kernels.py: off a TPU its kernels run in interpret mode on tiny shapes (it implies --quick there).
+
+SMOKE_RUN = "a benchmark's smoke run: its kernels run without the race detector (the kernel tests read it)"
+
+
+@pytest.fixture(scope="module")
+def tpu_kernels():
+  return load("tpu_kernels")
+
+
+@pytest.mark.interpret
+@pytest.mark.races_not_read(SMOKE_RUN)
+def test_tpu_kernels_quick_run_checks_and_prints_both_tables(tpu_kernels, tmp_path):
+  """--quick on CPU: every row checked before timing (ours vs splash and flash_attention; the paged rows vs JAX's
+  jnp reference), both tables printed, and --json PATH writes the same rows as JSON beside the Markdown."""
+  path = tmp_path / "tpu_kernels.json"
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    assert tpu_kernels.main(["--quick", "--repeats", "1", "--json", str(path)]) == 0
+  text = out.getvalue()
+  assert "## Block kernels: ring_attention(implementation='pallas_tpu') on one device vs splash" in text, text
+  assert "## Ragged paged attention: paged_attention(implementation='pallas_tpu') vs JAX's" in text, text
+  assert "ok: block T=256 causal fwd+bwd: ours vs flash (worst: " in text and "FAILED" not in text, text
+  block, paged = (s for s in json.loads(path.read_text())["sections"] if "table" in s)
+  assert [(r["T"], r["pass"]) for r in block["rows"]] == [(256, "fwd"), (256, "fwd+bwd")]
+  assert [r["rows"] for r in paged["rows"]] == [4, 16, 15]  # the last: exactly the new tokens, no padding row
+  for r in block["rows"] + paged["rows"]:
+    assert r["notes"] == "" and r["ours ms"] > 0 and r["max err"] is not None, r  # checked, then timed
+
+
+@pytest.mark.interpret
+@pytest.mark.races_not_read(SMOKE_RUN)
+def test_tpu_kernels_wrong_result_exits_1_before_timing(tpu_kernels, monkeypatch):
+  real = tpu_kernels.ours_block_fn
+  monkeypatch.setattr(tpu_kernels, "ours_block_fn", lambda *a: lambda q, k, v: real(*a)(q, k, v) * 1.1)
+  monkeypatch.setattr(tpu_kernels, "time_interleaved", never)
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+    tpu_kernels.main(["--quick", "--tables", "block", "--no-flash"])
+  assert exit_info.value.code == tpu_kernels.EXIT_WRONG_RESULT == 1
+  assert "FAILED: block T=256 causal fwd: ours vs splash" in out.getvalue(), out.getvalue()
+
+
+# --------------------------------------------------------------------------------------------
 # The harness.
 
 

@@ -1,0 +1,694 @@
+"""This project's Pallas TPU kernels against JAX's own TPU kernels, measured on one TPU chip in one process.
+
+What it prints
+--------------
+1. Block kernels: `ring_attention(..., implementation="pallas_tpu")` on one
+   device (a ring of one: the block kernels, the planner's tiles) against
+   JAX's splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`,
+   every block 512) and, as a second column, JAX's `flash_attention` (every
+   block 512).  B=1, N=8 (MHA), H=128, bf16, scale 1/sqrt(H); rows T=8192
+   causal and full forward, T=8192 and T=32768 causal and full forward +
+   backward.  Columns: ms per call, ratio = peer / ours (> 1: ours is faster),
+   our TFLOP/s (forward 4 B N T^2 H, forward + backward 3.5x that, causal
+   counted as half) and its share of the chip's bf16 peak.
+2. Ragged paged attention: `paged_attention(..., implementation="pallas_tpu")`
+   (separate k_pages / v_pages [P, page, K, H]) against JAX's
+   `ragged_paged_attention` (one combined cache [P, page, 2K, H], K at even
+   and V at odd heads, built from the same pages before timing; its tuned
+   default blocks, vmem_limit_bytes 64 MiB).  N=32, K=8, H=128, page 16,
+   bf16, pages handed out in a shuffled order; rows: decode 64 x 2048, decode
+   16 x 16384, 2 prefills + 32 decodes in 1024 rows, 1054 new tokens in 1056
+   rows and the same in exactly 1054 rows.  Columns: ms, ratio = jax / ours,
+   our GB/s (the K/V bytes of every sequence's kv_len, plus q and out) and its
+   share of the chip's HBM bandwidth.
+
+Every candidate is checked against the peers before anything is timed (max
+|ours - peer| <= 2e-2 * max(1, max |peer|) per output and gradient; a
+mismatch prints the check and exits 1).  A candidate that raises gets its
+error in the row and the run carries on.  Calls are jitted and timed
+interleaved (`benchmarking.time_interleaved`: every round runs each
+candidate once, in a rotating order, `block_until_ready`'d), medians of
+`--repeats` rounds; ratios are paired medians.
+
+Off a TPU (or with `--interpret`) our kernels run in Pallas TPU interpret mode
+on tiny shapes (`--quick` is implied), splash and flash_attention too; JAX's
+ragged_paged_attention does not run in interpret mode, so the paged rows are
+checked against JAX's `ref_ragged_paged_attention` and it is not timed.  The
+numbers then mean nothing: that mode shows that the script works.
+
+Run it (repository root)::
+
+  PYTHONPATH=. python benchmarks/tpu_kernels.py                  # on a TPU: both tables, a few minutes
+  PYTHONPATH=. python benchmarks/tpu_kernels.py --quick          # on a TPU: small shapes, well under a minute
+  PYTHONPATH=. python benchmarks/tpu_kernels.py --json out.json  # Markdown on stdout, the report as JSON in out.json
+  python benchmarks/tpu_kernels.py --quick                       # on CPU: interpret mode, < 1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+try:
+  import flax_ringattn  # noqa: F401 -- installed, or this checkout (below)
+except ImportError:  # running from a checkout that is not installed
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import flax_ringattn as fr
+from flax_ringattn import benchmarking as bench
+from flax_ringattn.benchmarking import Problem, cost, hardware, median, paired_ratio, time_interleaved
+
+EXIT_WRONG_RESULT = bench.EXIT_WRONG_RESULT
+MIB = 2**20
+TOL = 2e-2  # bf16: max |ours - peer| <= TOL * max(1, max |peer|), per output and gradient
+PEER_BLOCK = 512  # splash's and flash_attention's blocks, every one of them (capped at T)
+V5E = hardware.tpu("v5e")  # the figures used when the attached TPU is not in the package's table
+
+
+# ------------------------------------------------------------------------------------------
+# Shapes.
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRow:
+  T: int
+  causal: bool
+  pas: str  # "fwd" or "fwd+bwd"
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """One ragged paged call: sequence i has q_lens[i] new tokens at the end of its kv_lens[i] cached ones (new
+  tokens included), packed back to back into `rows` q rows (T = max_num_batched_tokens; the rest is padding)."""
+
+  name: str
+  q_lens: tuple[int, ...]
+  kv_lens: tuple[int, ...]
+  rows: int
+
+  @property
+  def new_tokens(self) -> int:
+    return sum(self.q_lens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """The shapes of one run: full size, --quick on a TPU, or the interpret-mode smoke size."""
+
+  block: dict  # B, N, H of the block table
+  block_rows: tuple[BlockRow, ...]
+  paged: dict  # N, K, H of the paged table
+  steps: tuple[Step, ...]
+
+
+def decode(seqs: int, kv: int) -> Step:
+  return Step(f"decode {seqs} x {kv}", (1,) * seqs, (kv,) * seqs, seqs)
+
+
+def spread(lo: int, hi: int, n: int) -> tuple[int, ...]:
+  return tuple(int(x) for x in np.linspace(lo, hi, n).round())
+
+
+def mixed(prefills: Sequence[tuple[int, int]], decode_kv: Sequence[int], rows: int, name: str) -> Step:
+  """Prefills of (new tokens, cached tokens before them), then one-token decodes with kv_len `decode_kv`."""
+  q_lens = tuple(new for new, _ in prefills) + (1,) * len(decode_kv)
+  kv_lens = tuple(new + cached for new, cached in prefills) + tuple(decode_kv)
+  return Step(name, q_lens, kv_lens, rows)
+
+
+def block_rows(seq_lens, fwd_seq_lens, masks) -> tuple[BlockRow, ...]:
+  fwd = [BlockRow(T, m == "causal", "fwd") for T in fwd_seq_lens for m in masks]
+  return tuple(fwd + [BlockRow(T, m == "causal", "fwd+bwd") for T in seq_lens for m in masks])
+
+
+def config(args) -> Config:
+  if args.interpret:  # tiny: every kernel runs in CPU interpret mode
+    block = dict(B=1, N=2, H=128)
+    rows = block_rows([256], [256], ["causal"])
+    paged = dict(N=4, K=2, H=128)
+    mix = mixed([(12, 20)], (17, 40, 64), 16, "1 prefill (12 new after 20 cached) + 3 decodes (kv 17, 40, 64)")
+    steps = (decode(4, 64), mix, dataclasses.replace(mix, rows=mix.new_tokens))
+    return Config(block, rows, paged, steps)
+  block = dict(B=args.batch, N=args.num_heads, H=args.head_dim)
+  paged = dict(N=32, K=8, H=128)
+  if args.quick:
+    rows = block_rows([1024], [1024], args.masks)
+    mix = mixed([(24, 40), (24, 0)], spread(64, 512, 8), 64, "2 prefills (24 new after 40 / 0 cached) + 8 decodes")
+    return Config(block, rows, paged, (decode(8, 512), mix, dataclasses.replace(mix, rows=mix.new_tokens)))
+  rows = block_rows(args.seq_lens, args.fwd_seq_lens, args.masks)
+  # The 1054-token step is paged_throughput.py's: 2 fresh prompts of 512 and 30 decodes whose histories are
+  # spread evenly over 64..2048 tokens.
+  step_1054 = mixed(
+    [(512, 0), (512, 0)],
+    tuple(h + 1 for h in spread(64, 2048, 30)),
+    1056,
+    "2 prefills (512 new, no history) + 30 decodes (history 64..2048)",
+  )
+  steps = (
+    decode(64, 2048),
+    decode(16, 16384),
+    mixed(
+      [(496, 512), (496, 1536)],
+      spread(256, 4096, 32),
+      1024,
+      "2 prefills (496 new after 512 / 1536 cached) + 32 decodes (kv 256..4096)",
+    ),
+    step_1054,
+    dataclasses.replace(step_1054, rows=step_1054.new_tokens),
+  )
+  return Config(block, rows, paged, steps)
+
+
+# ------------------------------------------------------------------------------------------
+# Running candidates: build, check, time.
+
+
+def error_text(e: Exception) -> str:
+  lines = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {lines[0] if lines else ''}"[:200]
+
+
+def tpu_interpret(fn: Callable, on: bool) -> Callable:
+  """`fn` with every pallas_call traced while it runs in TPU interpret mode (for a peer without an `interpret`
+  argument: flash_attention).  Pass the jitted call: jit traces on its first call, inside this context."""
+  if not on:
+    return fn
+  from jax.experimental.pallas import tpu as pltpu
+
+  def run(*args):
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams()):
+      return fn(*args)
+
+  return run
+
+
+@dataclasses.dataclass
+class Candidate:
+  """A jitted call on its own inputs; `to_ours` maps its result to our layout (numpy f32) for the check."""
+
+  fn: Callable
+  args: tuple
+  to_ours: Callable = lambda x: x
+  timed: bool = True  # False: a reference that is only checked against
+  result: object = None
+  error: str | None = None
+
+  def run(self) -> None:
+    """The first call (compiles); an exception becomes `error`, reported in the row."""
+    if self.error is not None:
+      return
+    try:
+      got = jax.block_until_ready(self.fn(*self.args))
+      self.result = jax.tree.map(lambda a: np.asarray(a, np.float32), self.to_ours(got))
+    except Exception as e:
+      self.error = error_text(e)
+
+
+def check(name: str, got, want, leaves: Sequence[str]) -> bench.Check:
+  """The worst leaf (output or gradient) of `got` against `want`, by its error over its tolerance
+  TOL * max(1, max |want|): bf16 outputs near 0 are held to TOL absolute, large gradients relative to their
+  scale."""
+  worst = None
+  for leaf, a, b in zip(leaves, jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    err = bench.error(a, b)
+    tol = TOL * max(1.0, float(np.abs(b).max(initial=0.0)))
+    if worst is None or err / tol > worst[0] / worst[1] or not np.isfinite(err):
+      worst = (err, tol, leaf)
+  err, tol, leaf = worst
+  return bench.Check(f"{name} (worst: {leaf})" if len(leaves) > 1 else name, err, tol)
+
+
+def check_and_time(report, row: str, ours: Candidate, peers: dict[str, Candidate], leaves, args) -> dict:
+  """Run every candidate once, check ours against each peer that ran (exit 1 on a mismatch), then time ours and
+  the peers interleaved.  Returns {"times": {name: [s]}, "err": ours vs the first peer, "errors": {name: text}}."""
+  for c in (ours, *peers.values()):
+    c.run()
+  errors = {name: c.error for name, c in {"ours": ours, **peers}.items() if c.error}
+  ran = {name: c for name, c in peers.items() if c.error is None}
+  out = {"times": {}, "err": None, "errors": errors}
+  if ours.error is None and ran:
+    checks = [check(f"{row}: ours vs {name}", ours.result, c.result, leaves) for name, c in ran.items()]
+    report.require(checks)  # exits 1 before anything is timed if one fails
+    out["err"] = checks[0].error
+  elif ours.error is None:
+    errors["ours"] = "not checked (no peer ran): not timed"
+  for c in (ours, *peers.values()):
+    c.result = None  # host copies of outputs and gradients: 0.5 GiB per candidate at T=32768
+  timed = {"ours": ours, **ran}
+  calls = {name: functools.partial(c.fn, *c.args) for name, c in timed.items() if c.timed and name not in errors}
+  if calls:
+    report.progress(f"timing {row}: {', '.join(calls)}")
+    out["times"] = time_interleaved(
+      calls, args.repeats, warmup=args.warmup, on_error=lambda name, e: errors.setdefault(name, error_text(e))
+    )
+  return out
+
+
+def ms(times: dict, name: str | None) -> float | None:
+  t = median(times.get(name, []))
+  return None if t is None else t * 1e3
+
+
+def ratio(times: dict, peer: str | None) -> float | None:
+  """peer / ours, the median of the per-round ratios (> 1: ours is faster)."""
+  a, b = times.get(peer, []), times.get("ours", [])
+  return paired_ratio(a, b).ratio if a and len(a) == len(b) else None
+
+
+def notes_cell(errors: dict) -> str:
+  return "; ".join(f"{name}: {text}" for name, text in errors.items())
+
+
+# ------------------------------------------------------------------------------------------
+# Table 1: block kernels vs splash (and flash_attention).
+
+
+def ours_block_fn(causal: bool, scale: float, interpret) -> Callable:
+  """Our block kernels on [B, T, N, H]: ring_attention without an axis is one device, one hop, no collective."""
+  return lambda q, k, v: fr.ring_attention(
+    q, k, v, is_causal=causal, scale=scale, implementation="pallas_tpu", interpret=interpret
+  )
+
+
+def splash_fn(p: Problem, fused_bwd: bool, interpret: bool) -> Callable:
+  """Splash on [B, N, T, H] (its per-example layout [N, T, H]; B = 1 drops the batch dim, else vmap), q already
+  scaled: splash applies no softmax scale."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+  b = min(PEER_BLOCK, p.T)
+  dq = None if fused_bwd else b  # the fused backward computes dq in the dk/dv kernel: no dq blocks
+  sizes = splash.BlockSizes(
+    block_q=b,
+    block_kv=b,
+    block_kv_compute=b,
+    block_q_dkv=b,
+    block_kv_dkv=b,
+    block_kv_dkv_compute=b,
+    block_q_dq=dq,
+    block_kv_dq=dq,
+    use_fused_bwd_kernel=fused_bwd,
+  )
+  head = masks.CausalMask((p.T, p.T)) if p.is_causal else masks.FullMask((p.T, p.T))
+  kernel = splash.make_splash_mha_single_device(
+    masks.MultiHeadMask([head] * p.N), block_sizes=sizes, interpret=interpret
+  )
+  if p.B == 1:
+    return lambda q, k, v: kernel(q[0], k[0], v[0])[None]
+  return jax.vmap(kernel)
+
+
+def flash_fn(p: Problem, scale: float) -> Callable:
+  """JAX's flash_attention on [B, N, T, H], which applies `sm_scale` itself."""
+  from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+  b = min(PEER_BLOCK, p.T)
+  sizes = fa.BlockSizes(
+    block_q=b,
+    block_k_major=b,
+    block_k=b,
+    block_b=1,
+    block_q_major_dkv=b,
+    block_k_major_dkv=b,
+    block_k_dkv=b,
+    block_q_dkv=b,
+    block_k_major_dq=b,
+    block_k_dq=b,
+    block_q_dq=b,
+  )
+  return lambda q, k, v: fa.flash_attention(q, k, v, causal=p.is_causal, sm_scale=scale, block_sizes=sizes)
+
+
+def to_our_layout(result, dq_scale: float = 1.0):
+  """A peer's (out) or (out, (dq, dk, dv)) in [B, N, T, H], as ours: [B, T, N, H], dq times `dq_scale`."""
+  back = lambda x: x.transpose(0, 2, 1, 3)
+  if not isinstance(result, tuple):
+    return back(result)
+  out, (dq, dk, dv) = result
+  return back(out), (back(dq).astype(jnp.float32) * dq_scale, back(dk), back(dv))
+
+
+def block_table(report, cfg: Config, args, chip) -> None:
+  B, N, H = cfg.block["B"], cfg.block["N"], cfg.block["H"]
+  scale = H**-0.5
+  peak = chip.peak_flops("bfloat16") if chip else None
+  interp = True if args.interpret else None
+  rows, inputs = [], {}
+  for r in cfg.block_rows:
+    p = Problem(B=B, T=r.T, N=N, K=N, H=H, dtype="bfloat16", is_causal=r.causal)
+    if r.T not in inputs:
+      inputs.clear()  # one length's inputs at a time (the mask does not change them)
+      q, k, v, do = p.inputs(0)
+      # The peers' layout [B, N, T, H], and splash's q scaled beforehand (as a model folds the scale into its q
+      # projection): every kernel gets its native layout, and no transpose or scaling is timed.
+      qt, kt, vt, dot = (x.transpose(0, 2, 1, 3) for x in (q, k, v, do))
+      qs = (qt.astype(jnp.float32) * scale).astype(qt.dtype)
+      inputs[r.T] = (q, k, v, do, qt, kt, vt, dot, qs)
+    q, k, v, do, qt, kt, vt, dot, qs = inputs[r.T]
+    bwd = r.pas == "fwd+bwd"
+    wrap = bench.fwd_bwd if bwd else jax.jit
+    # Splash's dq is the gradient by the scaled q: times the scale, by ours.
+    from_splash = functools.partial(to_our_layout, dq_scale=scale)
+    from_flash = to_our_layout
+    cotangent = lambda x, bwd=bwd: (x,) if bwd else ()  # fwd_bwd's extra argument: dO in the candidate's layout
+    peers = {}
+    try:
+      splash = wrap(splash_fn(p, args.splash_fused_bwd, args.interpret))
+      peers["splash"] = Candidate(splash, (qs, kt, vt, *cotangent(dot)), from_splash)
+    except Exception as e:  # building the kernel (the mask's block tables) can fail too
+      peers["splash"] = Candidate(None, (), error=error_text(e))
+    if not args.no_flash:
+      # Interpret mode wraps the jitted call: its backward kernels are traced when jit differentiates, outside
+      # flash_fn's own frames.
+      flash = tpu_interpret(wrap(flash_fn(p, scale)), args.interpret)
+      peers["flash"] = Candidate(flash, (qt, kt, vt, *cotangent(dot)), from_flash)
+    leaves = ("out", "dq", "dk", "dv") if bwd else ("out",)
+    mask = "causal" if r.causal else "full"
+    ours = Candidate(wrap(ours_block_fn(r.causal, scale, interp)), (q, k, v, *cotangent(do)))
+    got = check_and_time(report, f"block T={r.T} {mask} {r.pas}", ours, peers, leaves, args)
+    t = got["times"]
+    flops = cost.attention_flops(B=B, T=r.T, N=N, H=H, is_causal=r.causal, direction=r.pas)
+    t_ours = ms(t, "ours")
+    tflops = flops / t_ours / 1e9 if t_ours else None
+    row = [r.T, mask, r.pas, t_ours, ms(t, "splash"), ratio(t, "splash")]
+    if not args.no_flash:
+      row += [ms(t, "flash"), ratio(t, "flash")]
+    row += [tflops, tflops and peak and 100 * tflops * 1e12 / peak, got["err"], notes_cell(got["errors"])]
+    rows.append(row)
+  header = ["T", "mask", "pass", "ours ms", "splash ms", "splash/ours"]
+  if not args.no_flash:
+    header += ["flash ms", "flash/ours"]
+  header += ["ours TFLOP/s", "% peak", "max err", "notes"]
+  b = PEER_BLOCK
+  splash_blocks = f"splash BlockSizes(block_q={b}, block_kv={b}, block_kv_compute={b}, block_q_dkv={b}, "
+  splash_blocks += f"block_kv_dkv={b}, block_kv_dkv_compute={b}, " + (
+    "use_fused_bwd_kernel=True)" if args.splash_fused_bwd else f"block_q_dq={b}, block_kv_dq={b})"
+  )
+  report.table(
+    f"Block kernels: ring_attention(implementation='pallas_tpu') on one device vs splash attention (every block "
+    f"{b}, capped at T){' and flash_attention' * (not args.no_flash)}; B={B} N={N} H={H} bfloat16, scale 1/sqrt(H)",
+    header,
+    rows,
+    formats={"ours ms": ".3f", "splash ms": ".3f", "flash ms": ".3f", "splash/ours": ".2f", "flash/ours": ".2f"}
+    | {"ours TFLOP/s": ".1f", "% peak": ".1f", "max err": ".1e"},
+    notes=[
+      f"{splash_blocks}; mask CausalMask / FullMask per head (make_splash_mha_single_device).",
+      f"flash_attention BlockSizes: every block {b}, block_b=1.  Ours: the planner's tiles (block_sizes=None).",
+      "Layouts: ours q/k/v [B, T, N, H]; the peers [B, N, T, H] (transposed before timing); splash gets q * scale",
+      "(it has no softmax scale; scaled before timing, its dq compared times the scale).  peer/ours: the median of",
+      "the per-round ratios (> 1: ours is faster).  TFLOP/s: useful FLOPs, forward 4 B N T^2 H, forward+backward",
+      "3.5x the forward (benchmarking.cost), causal counted as half; % peak of the chip's bf16 peak.",
+      f"max err: max |ours - splash| of the worst output / gradient (the check: <= {TOL:g} x max(1, max |peer|)).",
+    ],
+  )
+
+
+# ------------------------------------------------------------------------------------------
+# Table 2: ragged paged attention vs JAX's ragged_paged_attention.
+
+
+def pages_for(tokens, page_size: int) -> np.ndarray:
+  return -(-np.asarray(tokens) // page_size)
+
+
+@dataclasses.dataclass
+class PagedInputs:
+  q: jax.Array  # [T, N, H]
+  k: jax.Array  # [P, page, K, H]
+  v: jax.Array
+  meta: tuple  # kv_lens [S], page_indices [S, pages_per_seq], cu_q_lens [S + 1], num_seqs [1], all int32
+
+
+def paged_inputs(step: Step, N: int, K: int, H: int, page_size: int, seed: int) -> PagedInputs:
+  """Exactly the pages the step needs, handed out in a shuffled order so no sequence's pages are contiguous."""
+  rng = np.random.default_rng(seed)
+  need = pages_for(step.kv_lens, page_size)
+  P = int(need.sum())
+  perm = rng.permutation(P)
+  table = np.zeros((len(need), int(need.max())), np.int32)  # unused slots name page 0: never read
+  starts = np.concatenate([[0], np.cumsum(need)])
+  for i, n in enumerate(need):
+    table[i, :n] = perm[starts[i] : starts[i] + n]
+  cu = np.concatenate([[0], np.cumsum(step.q_lens)])
+  keys = jax.random.split(jax.random.key(seed), 3)
+  dt = jnp.bfloat16
+  q = jax.random.normal(keys[0], (step.rows, N, H), dt)
+  k, v = (jax.random.normal(key, (P, page_size, K, H), dt) for key in keys[1:])
+  meta = tuple(jnp.asarray(x, jnp.int32) for x in (step.kv_lens, table, cu, [len(need)]))
+  return PagedInputs(q, k, v, meta)
+
+
+def combined_cache(k: jax.Array, v: jax.Array) -> jax.Array:
+  """ragged_paged_attention's cache [P, page, 2K, H]: kv head i's K at index 2 i, its V at 2 i + 1."""
+  P, page, K, H = k.shape
+  return jnp.stack([k, v], axis=3).reshape(P, page, 2 * K, H)
+
+
+def jax_paged_blocks(x: PagedInputs) -> str | None:
+  """The (q rows x kv tokens) blocks ragged_paged_attention picks with its defaults (its tuned table), or None
+  where it cannot say (off a TPU)."""
+  try:
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
+
+    T, N, H = x.q.shape
+    _, page, K, _ = x.k.shape
+    q_heads, kv_heads = rpa.get_min_heads_per_blk(N, 2 * K, x.q.dtype, x.k.dtype)
+    pps = x.meta[1].shape[1]
+    kv_pages, bq = rpa.get_tuned_block_sizes(x.q.dtype, x.k.dtype, q_heads, kv_heads // 2, H, page, T, pps)
+    return f"{bq}x{kv_pages * page}"
+  except Exception:
+    return None
+
+
+def our_paged_blocks(x: PagedInputs, blocks) -> str | None:
+  """The (q rows x kv tokens) blocks our op runs: `--paged-blocks`, else its planner's pick (display only)."""
+  if blocks is not None:
+    return f"{blocks.block_q}x{blocks.block_kv}"
+  try:
+    from flax_ringattn._src.backends.pallas_tpu import planners
+
+    T, N, H = x.q.shape
+    _, page, K, _ = x.k.shape
+    bs = planners.plan_paged_block_sizes(T, page, x.meta[1].shape[1], N, K, H, x.q.dtype)
+    return f"{bs.block_q}x{bs.block_kv}"
+  except Exception:
+    return None
+
+
+PAGED_HEADER = ["batch", "rows", "seqs", "new tokens", "KV MB", "ours ms", "jax ms", "jax/ours", "ours GB/s", "% HBM"]
+PAGED_HEADER += ["max err", "ours blocks", "jax blocks", "notes"]
+
+
+def paged_table(report, cfg: Config, args, chip) -> None:
+  N, K, H = cfg.paged["N"], cfg.paged["K"], cfg.paged["H"]
+  scale, page, item = H**-0.5, args.page_size, 2
+  bw = chip.memory_bandwidth if chip else None
+  blocks = None
+  if args.paged_blocks:
+    bq, bkv = (int(s) for s in args.paged_blocks.split(","))
+    blocks = fr.BlockSizes(block_q=bq, block_kv=bkv)
+  ours = jax.jit(
+    functools.partial(
+      fr.paged_attention,
+      scale=scale,
+      implementation="pallas_tpu",
+      block_sizes=blocks,
+      interpret=True if args.interpret else None,
+    )
+  )
+  rows = []
+  for i, step in enumerate(cfg.steps):
+    x = paged_inputs(step, N, K, H, page, args.seed + i)
+    kv = combined_cache(x.k, x.v)
+    live = step.new_tokens  # rows past the sequences' are padding: not compared
+    to_ours = lambda o, live=live: o[:live]
+    if args.interpret:
+      # JAX's kernel does not run in TPU interpret mode: its jnp reference (one loop step per sequence, on the
+      # same combined cache) stands in for it, checked and not timed.
+      from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+
+      ref = lambda *a: ref_ragged_paged_attention(*a, sm_scale=scale)
+      peers, timed_peer = {"jax ref": Candidate(ref, (x.q, kv, *x.meta), to_ours, timed=False)}, None
+    else:
+      from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+      rpa = functools.partial(ragged_paged_attention, sm_scale=scale, vmem_limit_bytes=args.vmem_limit_mib * MIB)
+      peers, timed_peer = {"jax": Candidate(jax.jit(rpa), (x.q, kv, *x.meta), to_ours)}, "jax"
+    name = f"paged {step.name}, {step.rows} rows"
+    got = check_and_time(report, name, Candidate(ours, (x.q, x.k, x.v, *x.meta), to_ours), peers, ("out",), args)
+    t = got["times"]
+    kv_bytes = sum(step.kv_lens) * K * H * item * 2  # K and V of every cached token each sequence attends to
+    total = kv_bytes + 2 * step.rows * N * H * item  # + q read, out written
+    t_ours = ms(t, "ours")
+    gbs = total / t_ours / 1e6 if t_ours else None
+    rows.append([step.name, step.rows, len(step.q_lens), step.new_tokens, kv_bytes / 1e6, t_ours,
+                 ms(t, timed_peer), ratio(t, timed_peer), gbs,
+                 gbs and bw and 100 * gbs * 1e9 / bw, got["err"], our_paged_blocks(x, blocks), jax_paged_blocks(x),
+                 notes_cell(got["errors"])])  # fmt: skip
+    del x, kv  # the 16 x 16384 step's pages and combined cache alone take 2 GiB
+  peer_note = (
+    "JAX's ragged_paged_attention does not run in interpret mode: checked against its ref_ragged_paged_attention "
+    "(jnp) instead, not timed."
+    if args.interpret
+    else f"jax: ragged_paged_attention(..., sm_scale, vmem_limit_bytes={args.vmem_limit_mib} MiB), its tuned "
+    "default blocks."
+  )
+  report.table(
+    f"Ragged paged attention: paged_attention(implementation='pallas_tpu') vs JAX's ragged_paged_attention; "
+    f"N={N} K={K} H={H} bfloat16, page {page}, shuffled pages",
+    PAGED_HEADER,
+    rows,
+    formats={"KV MB": ".1f", "ours ms": ".3f", "jax ms": ".3f", "jax/ours": ".2f", "ours GB/s": ".0f"}
+    | {"% HBM": ".1f", "max err": ".1e"},
+    notes=[
+      "rows: q rows of the call (T = max_num_batched_tokens; rows past the new tokens are padding, not compared).",
+      "Ours: k_pages / v_pages [P, page, K, H]; jax: one cache [P, page, 2K, H] (K at even, V at odd heads) built",
+      f"from the same pages before timing.  {peer_note}",
+      "Pages: exactly those the batch needs, in a random permutation.  KV MB / GB/s: the K and V bytes of each",
+      "sequence's kv_len (no page padding), plus q and out, over our median time; % HBM of the chip's bandwidth.",
+      "blocks: q rows x kv tokens per grid step (ours: the planner's, or --paged-blocks).  jax/ours: the median",
+      f"of the per-round ratios (> 1: ours is faster).  max err: max |ours - jax| (the check: <= {TOL:g} x max(1,",
+      "max |jax|)).",
+    ],
+  )
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def attached_chip():
+  """(generation, the package's hardware figures) of the attached TPU, v5e's figures where the package does not
+  know it; (None, None) off a TPU."""
+  if jax.default_backend() != "tpu":
+    return None, None
+  try:
+    from flax_ringattn._src.backends.pallas_tpu import planners
+
+    gen = planners.current_generation()
+  except Exception:
+    gen = None
+  if gen in hardware.TPU_GENERATIONS:
+    return gen, hardware.tpu(gen)
+  return gen, V5E
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  add = parser.add_argument
+  add("--quick", action="store_true", help="small shapes (T=1024 block rows, small paged batches)")
+  add("--interpret", action="store_true", help="kernels in Pallas TPU interpret mode, tiny shapes (default off a TPU)")
+  add("--tables", default="block,paged", help="comma-separated, of block,paged")
+  add("--repeats", type=int, default=None, help="timed rounds per row (default 20; 2 in interpret mode)")
+  add("--warmup", type=int, default=2, help="untimed rounds before them (after the check's first call)")
+  add("--seq-lens", default="8192,32768", help="block table: T of the forward+backward rows")
+  add("--fwd-seq-lens", default="8192", help="block table: T of the forward-only rows")
+  add("--masks", default="causal,full", help="block table: comma-separated, of causal,full")
+  add("--batch", type=int, default=1, help="block table: B")
+  add("--num-heads", type=int, default=8, help="block table: N (= K)")
+  add("--head-dim", type=int, default=128, help="block table: H")
+  add("--no-flash", action="store_true", help="block table: leave out JAX's flash_attention")
+  add("--splash-fused-bwd", action="store_true", help="block table: splash's fused dq/dk/dv backward kernel")
+  add("--page-size", type=int, default=16, help="paged table: tokens per page")
+  add("--paged-blocks", default=None, help="paged table: our BlockSizes 'block_q,block_kv' (default: the planner)")
+  add("--vmem-limit-mib", type=int, default=64, help="paged table: ragged_paged_attention's vmem_limit_bytes")
+  add("--seed", type=int, default=0)
+  # --json as the other scripts take it (the JSON document on stdout), or --json PATH: Markdown on stdout and the
+  # same document written to PATH, so one TPU run leaves both.
+  add("--json", nargs="?", const="-", default=None, metavar="PATH", help="the report as JSON: on stdout, or to PATH")
+  args = parser.parse_args(argv)
+  ints = lambda text: [int(s) for s in text.split(",") if s.strip()]
+  names = lambda text: [s.strip() for s in text.split(",") if s.strip()]
+  args.seq_lens, args.fwd_seq_lens = ints(args.seq_lens), ints(args.fwd_seq_lens)
+  args.masks, args.tables = names(args.masks), names(args.tables)
+  for m in args.masks:
+    if m not in ("causal", "full"):
+      parser.error(f"unknown mask {m!r}; known: causal, full")
+  for t in args.tables:
+    if t not in ("block", "paged"):
+      parser.error(f"unknown table {t!r}; known: block, paged")
+  if jax.default_backend() != "tpu":
+    args.interpret = True  # no TPU: only interpret mode can run the kernels
+  if args.interpret:
+    args.quick = True
+  if args.repeats is None:
+    args.repeats = 2 if args.interpret else 20
+  if args.interpret:
+    args.warmup = min(args.warmup, 1)
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  start = time.perf_counter()
+  args = parse_args(argv)
+  cfg = config(args)
+  gen, chip = attached_chip()
+  dev = jax.devices()[0]
+  if args.interpret:
+    mode = f"Pallas TPU interpret mode on {jax.default_backend()} (tiny shapes; the timings mean nothing)"
+  else:
+    mode = f"compiled for the TPU; figures of {chip.label} from benchmarking.hardware"
+    if gen not in hardware.TPU_GENERATIONS:
+      mode += f" (generation {gen!r} is not in the table: v5e's figures)"
+  meta = {
+    "chip": f"{dev.device_kind} ({dev.platform}, generation {gen or '-'})",
+    "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    "jax": f"{jax.__version__}, jaxlib {jax.lib.__version__}",
+    "machine": bench.machine(),
+    "mode": mode,
+    "timing": f"median of {args.repeats} interleaved rounds after {args.warmup} warm-up rounds; every call jitted "
+    "and block_until_ready'd",
+  }
+  if chip:
+    meta["chip figures"] = f"bf16 peak {chip.peak_flops('bfloat16') / 1e12:.0f} TFLOP/s, HBM "
+    meta["chip figures"] += f"{chip.memory_bandwidth / 1e9:.0f} GB/s"
+  report = bench.Report(
+    "tpu_kernels: this project's Pallas TPU kernels vs JAX's (splash, flash_attention, ragged_paged_attention)",
+    json=args.json == "-",
+    meta=meta,
+  )
+  try:
+    if "block" in args.tables:
+      block_table(report, cfg, args, chip)
+    if "paged" in args.tables:
+      paged_table(report, cfg, args, chip)
+  except SystemExit:  # a wrong result (Report.require): the JSON file still gets the failed check
+    write_json(report, args.json)
+    raise
+  load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+  where = (
+    "The kernels share the host's cores with everything else."
+    if args.interpret
+    else "The chip runs this process alone; host load can only delay dispatch, which the interleaved rounds "
+    "spread over every candidate alike."
+  )
+  report.note(f"\nHost load average at the end: {load} (the machine line has the start).  {where}")
+  report.progress(f"ran {time.perf_counter() - start:.0f} s")
+  code = report.finish()
+  write_json(report, args.json)
+  return code
+
+
+def write_json(report: bench.Report, path: str | None) -> None:
+  """--json PATH: the finished report once more, as its JSON document, into PATH (`finish` prints the document
+  where `stream` points when `json` is set, and prints nothing else a second time)."""
+  if path in (None, "-"):
+    return
+  with open(path, "w") as f:
+    report.json, report.stream = True, f
+    report.finish()
+  report.progress(f"JSON report written to {path}")
+
+
+if __name__ == "__main__":
+  sys.exit(main())
