@@ -82,7 +82,7 @@ def q_block(T: int, block_q: int, sub: int) -> int:
   if T <= max(block_q, sub):
     return T
   options = range(sub, max(block_q, sub) + 1, sub)
-  return min(options, key=lambda b: (-(-T // b), -(-T // b) * b, -b))
+  return min(options, key=lambda b: (padded_rows(T, b) // b, padded_rows(T, b), -b))
 
 
 def padded_rows(T: int, bq: int) -> int:

@@ -100,8 +100,9 @@ def plan_paged_block_sizes(
 
   The largest kv block up to PAGED_MAX_BLOCK_TOKENS tokens (whole pages, at most a sequence's pages), then the
   tallest q block up to min(PAGED_MAX_BLOCK_Q, max_num_batched_tokens // 4) rows (a prefill spanning several
-  q blocks reads its pages once per block; any token count: the kernels pad q to a multiple of it), such that both the forward and the backward kernels fit `generation`'s VMEM budget.  `v_head_dim`:
-  v's head dim when it differs from `head_dim` (MLA), and `bidirectional` (span ids), as in `paged_footprint`.
+  q blocks reads its pages once per block; any token count: the kernels pad q to a multiple of it), such that
+  both the forward and the backward kernels fit `generation`'s VMEM budget.  `v_head_dim`: v's head dim when it
+  differs from `head_dim` (MLA), and `bidirectional` (span ids), as in `paged_footprint`.
   """
   generation = current_generation() if generation is None else generation
   budget = budget_bytes(generation)
