@@ -30,6 +30,7 @@ from flax_ringattn._src.backends.pallas_tpu.tiling import (  # noqa: F401  (the 
   LANES,
   SMEM_TABLE_BYTES,
   CallPlan,
+  flat_kv_pages,
   padded_bytes,
   plan_vmem_bytes,
   sublanes,

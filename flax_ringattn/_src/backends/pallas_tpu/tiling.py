@@ -22,6 +22,15 @@ SMEM_TABLE_BYTES = 512 * 1024
 F32 = jnp.float32
 
 
+def flat_kv_pages(page_dtype, num_kv_heads: int) -> bool:
+  """Whether the paged kernels keep a kv block as one flat [tokens * K, H] VMEM buffer (row t * K + k: token t,
+  kv head k) and read a head with a sublane-strided load: 32-bit pages, and bf16 pages with an even K (a 32-bit
+  word then holds heads 2i and 2i + 1 of one token, `paged/walk.py`).  Other pages (8-bit, float16, bf16 with
+  an odd K) stay [pages, page_size, K, H] and a head is read as a slice."""
+  dtype = jnp.dtype(page_dtype)
+  return dtype.itemsize == 4 or (dtype == jnp.bfloat16 and num_kv_heads % 2 == 0)
+
+
 def sublanes(dtype) -> int:
   """Second-minor alignment of a tile of `dtype`: 8 rows of 32 bits, packed for narrower types."""
   return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)

@@ -21,21 +21,21 @@ def _bwd_kernel(
   (q_ids, kv_ids_hbm), rest = w.split_spans(d, rest)
   _dk_in, _dv_in, dq_ref, dk_hbm, dv_hbm, *rest = rest
   del _dk_in, _dv_in  # the same buffers as dk_hbm / dv_hbm (aliased)
-  k_buf, v_buf, scale_bufs, kv_ids_buf, rest = w.split_scratch(d, rest)
+  k_buf, v_buf, scale_bufs, kv_ids_buf, keys_sc, rest = w.split_scratch(d, rest)
   dq_sc, dk_blk, dv_blk, *page_bufs, sem = rest
   dk_page, dv_page = page_bufs[0], page_bufs[-1]  # one buffer for both unless v's head dim differs (MLA)
   r = w.Refs(cu_ref, kv_lens_ref, table_ref, n_ref, k_hbm, v_hbm, scales_hbm, k_buf, v_buf, scale_bufs, sem)
-  r = dataclasses.replace(r, q_ids=q_ids, kv_ids_hbm=kv_ids_hbm, kv_ids_buf=kv_ids_buf)
+  r = dataclasses.replace(r, q_ids=q_ids, kv_ids_hbm=kv_ids_hbm, kv_ids_buf=kv_ids_buf, keys_sc=keys_sc)
   G, q_lo, rows = d.G, pl.program_id(0) * d.bq, d.bq * d.G
   dq_sc[...] = jnp.zeros(dq_sc.shape, c.F32)
 
-  def visit(s, b, slot, copies, g):
-    valid = w.kv_valid(d, copies, b, g.kv_len)
+  def visit(s, b, slot, copies, g, keys):
     ids = w.span_ids(d, r, s, b, slot, g)
-    vis = w.mask(d, spec, q_lo, g.start, g.end, g.first_pos, b, w.kv_valid_row(d, copies, b, g.kv_len), ids)
+    vis = w.mask(d, spec, q_lo, g.start, g.end, g.first_pos, b, keys, ids)
     for k in range(d.K):
-      kk, k_sc = w.load_head(d, k_buf, scale_bufs[0], slot, k, valid)
-      vv, v_sc = w.load_head(d, v_buf, scale_bufs[1], slot, k, valid)
+      # Slots without a key are zeroed (`block_keys`) and p is exactly 0 there: their dK, dV rows are 0.
+      kk, k_sc = w.load_head(d, k_buf, scale_bufs[0], slot, k)
+      vv, v_sc = w.load_head(d, v_buf, scale_bufs[1], slot, k)
       heads = slice(k * G, (k + 1) * G)
       q = w.fold(q_ref[:, heads, :], G)
       do = w.fold(do_ref[:, heads, :], G)
@@ -65,8 +65,8 @@ def _bwd_kernel(
         dk = dk * k_sc
       if v_sc is not None:
         dv = dv * v_sc
-      dk_blk[:, :, k, :] = jnp.where(valid, dk, 0.0)
-      dv_blk[:, :, k, :] = jnp.where(valid, dv, 0.0)
+      dk_blk[:, :, k, :] = dk
+      dv_blk[:, :, k, :] = dv
 
     # Read-add-write of every page read, one at a time (a page may repeat in a table row).
     def add_page(j, pid):
@@ -107,7 +107,8 @@ def paged_bwd(
   """(dq [T, N, H], dk_pages [P, page_size, K, H], dv_pages [P, page_size, K, Hv]) in float32, as the XLA
   backend's `paged_bwd`."""
   T = q.shape[0]
-  d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec)
+  d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret)
+  k_pages, v_pages = pp.to_kernel_pages(d, k_pages), pp.to_kernel_pages(d, v_pages)
   q, do, lse, delta, bidirectional_ids = (pp.pad_rows(x, d.T) for x in (q, do, lse, delta, bidirectional_ids))
   prefetch, scales = pp.operands(d, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
   dk0, dv0 = (jnp.zeros((d.P, d.ps, d.K, h), c.F32) for h in (d.H, d.Hv))

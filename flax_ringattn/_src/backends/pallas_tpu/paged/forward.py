@@ -28,24 +28,24 @@ def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *res
     # The page buffers are aliased to these outputs: read and write them there.
     k_hbm, v_hbm, *rest = rest
     scales_hbm, rest = w.split_refs(d, rest)
-  k_buf, v_buf, scale_bufs, kv_ids_buf, rest = w.split_scratch(d, rest)
-  m_sc, l_sc, acc_sc, sem = rest
+  k_buf, v_buf, scale_bufs, kv_ids_buf, keys_sc, rest = w.split_scratch(d, rest)
+  q_sc, m_sc, l_sc, acc_sc, sem = rest
   r = w.Refs(cu_ref, kv_lens_ref, table_ref, n_ref, k_hbm, v_hbm, scales_hbm, k_buf, v_buf, scale_bufs, sem)
-  r = dataclasses.replace(r, q_ids=q_ids, kv_ids_hbm=kv_ids_hbm, kv_ids_buf=kv_ids_buf)
+  r = dataclasses.replace(r, q_ids=q_ids, kv_ids_hbm=kv_ids_hbm, kv_ids_buf=kv_ids_buf, keys_sc=keys_sc)
   G, q_lo = d.G, pl.program_id(0) * d.bq
+  for k in range(d.K):  # fold each head group once per q block, not once per kv block
+    q_sc[k] = w.fold(q_ref[:, k * G : (k + 1) * G, :], G)  # [bq * G, H]
   m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, c.F32)
   l_sc[...] = jnp.zeros(l_sc.shape, c.F32)
   acc_sc[...] = jnp.zeros(acc_sc.shape, c.F32)
 
-  def visit(s, b, slot, copies, g):
-    valid = w.kv_valid(d, copies, b, g.kv_len)
+  def visit(s, b, slot, copies, g, keys):
     ids = w.span_ids(d, r, s, b, slot, g)
-    vis = w.mask(d, spec, q_lo, g.start, g.end, g.first_pos, b, w.kv_valid_row(d, copies, b, g.kv_len), ids)
+    vis = w.mask(d, spec, q_lo, g.start, g.end, g.first_pos, b, keys, ids)
     for k in range(d.K):
-      kk, _ = w.load_head(d, k_buf, scale_bufs[0], slot, k, valid)
-      vv, _ = w.load_head(d, v_buf, scale_bufs[1], slot, k, valid)
-      q = w.fold(q_ref[:, k * G : (k + 1) * G, :], G)  # [bq * G, H]
-      s_ = w.dot(q, kk, ((1,), (1,)), d.q_dtype) * spec.scale
+      kk, _ = w.load_head(d, k_buf, scale_bufs[0], slot, k)
+      vv, _ = w.load_head(d, v_buf, scale_bufs[1], slot, k)
+      s_ = w.dot(q_sc[k], kk, ((1,), (1,)), d.q_dtype) * spec.scale
       if spec.logits_soft_cap is not None:
         s_ = spec.logits_soft_cap * jnp.tanh(s_ / spec.logits_soft_cap)
       s_ = jnp.where(vis, s_, -jnp.inf)
@@ -56,21 +56,18 @@ def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *res
       p = jnp.exp(s_ - m_safe)
       l_sc[k] = jnp.broadcast_to(alpha * l_prev + p.sum(axis=-1, keepdims=True), (d.bq * G, c.LANES))
       m_sc[k] = jnp.broadcast_to(m_new, (d.bq * G, c.LANES))
-      pv = w.dot(p, vv, ((1,), (0,)), d.q_dtype)  # [bq * G, Hv]
-      acc = acc_sc[:, k * G : (k + 1) * G, :]
-      acc_sc[:, k * G : (k + 1) * G, :] = alpha.reshape(d.bq, G, 1) * acc + pv.reshape(d.bq, G, d.Hv)
+      acc_sc[k] = alpha * acc_sc[k] + w.dot(p, vv, ((1,), (0,)), d.q_dtype)  # [bq * G, Hv]
 
   if d.write:
     _write_block(d, spec, r, new_refs, q_lo)
   w.walk(d, spec, r, q_lo, visit)
   for k in range(d.K):
-    l = l_sc[k][:, :1].reshape(d.bq, G, 1)
-    m = m_sc[k][:, :1].reshape(d.bq, G, 1)
+    l, m = l_sc[k][:, :1], m_sc[k][:, :1]
     # No visible key (padding rows, empty sequences): o = 0, lse = -inf (with sinks, flash.py then gives the row
     # lse' = s_h, a finite lse whose backward must still read no key: see backward.py).
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
-    o_ref[:, k * G : (k + 1) * G, :] = (acc_sc[:, k * G : (k + 1) * G, :] / l_safe).astype(o_ref.dtype)
+    o_ref[:, k * G : (k + 1) * G, :] = (acc_sc[k] / l_safe).reshape(d.bq, G, d.Hv).astype(o_ref.dtype)
     lse_ref[:, k * G : (k + 1) * G] = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe)).reshape(d.bq, G)
 
 
@@ -108,13 +105,20 @@ def _write_rows(d: pp.PagedDims, r: w.Refs, new_refs, q_lo, s, seq_start, lo_row
     @pl.when(ok)
     def _():
       for src, dst in pairs:
-        copy = pltpu.make_async_copy(src.at[t - q_lo], dst.at[safe, slot], r.sem.at[2])
+        copy = pltpu.make_async_copy(src.at[t - q_lo], _page_row(d, dst, safe, slot, src), r.sem.at[2])
         copy.start()
         copy.wait()
 
     return carry
 
   jax.lax.fori_loop(lo_row, hi_row, row, 0)
+
+
+def _page_row(d: pp.PagedDims, dst, pid, slot, src):
+  """Slot `slot` of page pid in a page buffer or scale array: K rows of a flat page buffer, else one index."""
+  if d.flat and len(src.shape) == 3:  # a K or V row [bq, K, h] (the scales are [bq, K])
+    return dst.at[pid, pl.ds(slot * d.K, d.K)]
+  return dst.at[pid, slot]
 
 
 def paged_fwd(
@@ -134,8 +138,9 @@ def paged_fwd(
 ):
   """Returns (out [T, N, Hv] in q.dtype, lse [T, N] float32; -inf for rows not in the batch)."""
   T = q.shape[0]
-  d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec)
+  d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret)
   q, bidirectional_ids = (pp.pad_rows(x, d.T) for x in (q, bidirectional_ids))
+  k_pages, v_pages = pp.to_kernel_pages(d, k_pages), pp.to_kernel_pages(d, v_pages)
   prefetch, scales = pp.operands(d, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
   scales += pp.span_operands(d, bidirectional_ids, kv_lens, cu_q_lens, num_seqs)
   kernel = functools.partial(_fwd_kernel, d=d, spec=spec)
@@ -183,7 +188,8 @@ def paged_fwd_write(
         f"the fused cache write stores per-token scales [P, page_size, K], got {name}.ndim={sc.ndim}"
       )
   T = q.shape[0]
-  d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, write=True)
+  d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret, write=True)
+  k_pages, v_pages = pp.to_kernel_pages(d, k_pages), pp.to_kernel_pages(d, v_pages)
   q, k_new, v_new, k_new_scale, v_new_scale = (
     pp.pad_rows(x, d.T) for x in (q, k_new, v_new, k_new_scale, v_new_scale)
   )  # padding rows belong to no sequence: never written
@@ -214,7 +220,7 @@ def paged_fwd_write(
   )
   out, lse, k_pages, v_pages, *new = run(*operands)
   k_scale, v_scale = (new.pop(0) if x is not None else None for x in (k_scale, v_scale))
-  return out[:T], lse[:T], k_pages, v_pages, k_scale, v_scale
+  return out[:T], lse[:T], pp.from_kernel_pages(d, k_pages), pp.from_kernel_pages(d, v_pages), k_scale, v_scale
 
 
 # -- backward -----------------------------------------------------------------------------

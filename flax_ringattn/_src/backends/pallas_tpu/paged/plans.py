@@ -35,6 +35,12 @@ class PagedDims:
   write: bool = False  # fused cache write: the new tokens' K/V (and per-token scales) go into their pages first
   v_head_dim: int | None = None  # v's (and the output's) head dim when it differs from H (MLA); None: H
   spans: bool = False  # bidirectional ids: the q block's ids in, the kv blocks' ids copied with the pages
+  compiled: bool = False  # compiled for a TPU (not interpret mode): flat pages are read through 32-bit words
+
+  @property
+  def flat(self) -> bool:
+    """Pages travel as [P, ps * K, H] into flat [2, ppb * ps * K, H] kv buffers (`tiling.flat_kv_pages`)."""
+    return c.flat_kv_pages(self.page_dtype, self.K)
 
   @property
   def span_rows(self) -> int:
@@ -133,11 +139,30 @@ def _any():
   return pl.BlockSpec(memory_space=pl.ANY)
 
 
+def kv_buffer_shape(d: PagedDims, h: int) -> tuple:
+  """The two-slot VMEM buffer of one kv block's K (h = H) or V (h = Hv) pages."""
+  return (2, d.ppb * d.ps * d.K, h) if d.flat else (2, d.ppb, d.ps, d.K, h)
+
+
+def page_shape(d: PagedDims, h: int) -> tuple:
+  """The page buffers as the kernels take them: [P, ps * K, h] when flat (a free reshape), else as given."""
+  return (d.P, d.ps * d.K, h) if d.flat else (d.P, d.ps, d.K, h)
+
+
+def to_kernel_pages(d: PagedDims, x):
+  return x if x is None else x.reshape(page_shape(d, x.shape[-1]))
+
+
+def from_kernel_pages(d: PagedDims, x):
+  return x.reshape(d.P, d.ps, d.K, x.shape[-1])
+
+
 def _kv_scratch(d: PagedDims):
-  bufs = [((2, d.ppb, d.ps, d.K, d.H), d.page_dtype), ((2, d.ppb, d.ps, d.K, d.Hv), d.page_dtype)]
+  bufs = [(kv_buffer_shape(d, d.H), d.page_dtype), (kv_buffer_shape(d, d.Hv), d.page_dtype)]
   bufs += [((2, d.ppb, r, d.K), c.F32) for r in d.scale_rows if r]
   if d.spans:
     bufs.append(((2, 1, d.block_tokens), jnp.int32))  # the kv block's bidirectional ids, along the lanes
+  bufs.append(((1, d.block_tokens), jnp.int32))  # which key slots of the block hold a key (`walk.block_keys`)
   return bufs
 
 
@@ -160,7 +185,7 @@ def fwd_plan(d: PagedDims) -> c.CallPlan:
     in_specs += [_row_block(d, (d.K, d.H)), _row_block(d, (d.K, d.Hv))] + [_row_block(d, (d.K,))] * num_scales
     in_dtypes += [d.page_dtype] * 2 + [c.F32] * num_scales
     out_specs += [_any()] * (2 + num_scales)
-    out_shapes += [jax.ShapeDtypeStruct((d.P, d.ps, d.K, h), d.page_dtype) for h in (d.H, d.Hv)]
+    out_shapes += [jax.ShapeDtypeStruct(page_shape(d, h), d.page_dtype) for h in (d.H, d.Hv)]
     out_shapes += [jax.ShapeDtypeStruct((d.P, d.ps, d.K), c.F32)] * num_scales
   return c.CallPlan(
     grid=(d.T // d.bq,),
@@ -170,9 +195,10 @@ def fwd_plan(d: PagedDims) -> c.CallPlan:
     out_shapes=tuple(out_shapes),
     scratch=(
       *_kv_scratch(d),
+      ((d.K, rows, d.H), d.q_dtype),  # q, kv head major, each head group folded (`walk.fold`) once per q block
       ((d.K, rows, c.LANES), c.F32),  # m
       ((d.K, rows, c.LANES), c.F32),  # l
-      ((d.bq, d.N, d.Hv), c.F32),  # acc, laid out as the output block
+      ((d.K, rows, d.Hv), c.F32),  # acc, folded as q
     ),
   )
 
@@ -275,13 +301,13 @@ def operands(d: PagedDims, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, 
   return prefetch, tuple(scales)
 
 
-def spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, write=False):
+def spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret, write=False):
   block_q, block_kv = spec.block_sizes.block_q, spec.block_sizes.block_kv
   bq, ppb = check_supported(q, k_pages, block_q=block_q, pages_per_block=block_kv // k_pages.shape[1])
   scale_dims = [None if x is None else jnp.asarray(x) for x in (k_scale, v_scale)]
   spans = spec.mask.has_bidirectional
   d = dims_of(q, k_pages, v_pages, page_indices, *scale_dims, bq=bq, ppb=ppb, write=write, spans=spans)
-  return dataclasses.replace(d, T=padded_rows(d.T, bq))
+  return dataclasses.replace(d, T=padded_rows(d.T, bq), compiled=interpret is None)
 
 
 def span_operands(d: PagedDims, ids, kv_lens, cu_q_lens, num_seqs):

@@ -34,6 +34,14 @@ class Refs:
   q_ids: object = None  # [bq, 1] the q block's bidirectional ids (VMEM), or None
   kv_ids_hbm: object = None  # [span_rows, 1, bt] the kv id table (`plans.span_operands`)
   kv_ids_buf: object = None  # [2, 1, bt] the kv block's ids, one slot per kv slot
+  keys_sc: object = None  # [1, bt] int32: the current block's `block_keys`
+
+
+def _page_slot(d: pp.PagedDims, buf, slot, j):
+  """Page j of kv slot `slot` of a K or V buffer: [ps * K, h] when flat, else [ps, K, h]."""
+  if d.flat:
+    return buf.at[slot, pl.ds(j * d.ps * d.K, d.ps * d.K)]
+  return buf.at[slot, j]
 
 
 def _page_copies(d: pp.PagedDims, r: Refs, s, b, slot, kv_len):
@@ -45,8 +53,8 @@ def _page_copies(d: pp.PagedDims, r: Refs, s, b, slot, kv_len):
     ok = (pid >= 0) & (pid < d.P) & (entry * d.ps < kv_len)
     safe = jnp.clip(pid, 0, d.P - 1)
     descs = [
-      pltpu.make_async_copy(r.k_hbm.at[safe], r.k_buf.at[slot, j], r.sem.at[slot]),
-      pltpu.make_async_copy(r.v_hbm.at[safe], r.v_buf.at[slot, j], r.sem.at[slot]),
+      pltpu.make_async_copy(r.k_hbm.at[safe], _page_slot(d, r.k_buf, slot, j), r.sem.at[slot]),
+      pltpu.make_async_copy(r.v_hbm.at[safe], _page_slot(d, r.v_buf, slot, j), r.sem.at[slot]),
     ]
     for src, dst in zip(r.scales_hbm, r.scale_bufs, strict=True):
       if src is not None:
@@ -104,35 +112,73 @@ def _each(descs, method):
     getattr(desc, method)()
 
 
-def kv_valid(d: pp.PagedDims, copies, b, kv_len):
-  """[ppb, ps, 1] bool: the slot was copied and is below kv_len."""
-  page = jax.lax.broadcasted_iota(jnp.int32, (d.ppb, d.ps, 1), 0)
-  slot = jax.lax.broadcasted_iota(jnp.int32, (d.ppb, d.ps, 1), 1)
-  ok = jnp.zeros((d.ppb, d.ps, 1), jnp.bool_)
-  for j, (page_ok, _, _) in enumerate(copies):
-    ok = ok | ((page == j) & page_ok)
-  return ok & (b * d.block_tokens + page * d.ps + slot < kv_len)
+def block_keys(d: pp.PagedDims, r: Refs, copies, b, slot, kv_len):
+  """[1, block_tokens] bool: which key slots of kv block b (in VMEM slot `slot`) hold a key: below kv_len, on a
+  page that was copied.  Every other slot of the K, V and scale buffers is zeroed here, so stale VMEM or NaN in
+  a page's tail can reach no product (p is exactly 0 there, but 0 * NaN is not).
 
-
-def kv_valid_row(d: pp.PagedDims, copies, b, kv_len):
-  """[1, ppb * ps] bool: `kv_valid` laid out along the lanes (the score tile's kv axis)."""
+  A block whose pages were all copied and lie below kv_len (every block of a sequence but its last, in a cache
+  without holes) costs a few scalar ops; pages missing from the table (-1 ids) cost a lane mask and a
+  read-modify-write of those pages, on that block only.
+  """
+  n = jnp.clip(kv_len - b * d.block_tokens, 0, d.block_tokens)  # slots below kv_len
+  clean = n == d.block_tokens
+  good = jnp.bool_(True)  # every page below kv_len was copied
+  for j, (ok, _, _) in enumerate(copies):
+    clean = clean & ok
+    good = good & (ok | (j * d.ps >= n))
   lane = jax.lax.broadcasted_iota(jnp.int32, (1, d.block_tokens), 1)
-  ok = jnp.zeros((1, d.block_tokens), jnp.bool_)
-  for j, (page_ok, _, _) in enumerate(copies):
-    ok = ok | ((jax.lax.div(lane, d.ps) == j) & page_ok)
-  return ok & (b * d.block_tokens + lane < kv_len)
+  r.keys_sc[...] = (lane < n).astype(jnp.int32)
+
+  @pl.when(~good)
+  def _():
+    keep = lane < n
+    for j, (ok, _, _) in enumerate(copies):
+      keep = keep & ((jax.lax.div(lane, d.ps) != j) | ok)
+    r.keys_sc[...] = keep.astype(jnp.int32)
+
+  @pl.when(~clean)
+  def _():
+    for j, (ok, _, _) in enumerate(copies):
+      keep = n - j * d.ps  # the page's slots below kv_len
+
+      @pl.when(~ok | (keep < d.ps))
+      def _(j=j, ok=ok, keep=keep):
+        rows_per_slot = d.K if d.flat else 1  # a flat page is [ps * K, h], a plain one [ps, K, h]
+        views = [(_page_slot(d, buf, slot, j), rows_per_slot) for buf in (r.k_buf, r.v_buf)]
+        views += [(sc.at[slot, j], 1) for sc in r.scale_bufs if sc is not None]  # [rows, K]
+        for view, rows_per_slot in views:
+          x = view[...]
+          slot_of_row = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, x.shape, 0), rows_per_slot)
+          view[...] = jnp.where(ok & (slot_of_row < keep), x, jnp.zeros_like(x))
+
+  return r.keys_sc[...] != 0
 
 
-def load_head(d: pp.PagedDims, buf, scale_buf, slot, k, valid):
-  """[ppb * ps, H or Hv] float32 values of kv head k (dequantised, zero where not valid), and the scale
-  [ppb, rows, 1]."""
-  x = buf[slot, :, :, k, :].astype(c.F32)  # [ppb, ps, H or Hv]
+def load_head(d: pp.PagedDims, buf, scale_buf, slot, k):
+  """[block_tokens, H or Hv] float32 values of kv head k (dequantised), and the scale [ppb, rows, 1] or None."""
+  if d.flat:
+    x = _flat_head(d, buf, slot, k)
+  else:
+    x = buf[slot, :, :, k, :].astype(c.F32).reshape(d.block_tokens, -1)  # [ppb, ps, h] -> [bt, h]
   sc = None
   if scale_buf is not None:
     sc = scale_buf[slot, :, :, k][..., None]  # [ppb, rows, 1]
-    x = x * sc
-  x = jnp.where(valid, x, 0.0)
-  return x.reshape(d.block_tokens, x.shape[-1]), sc
+    x = (x.reshape(d.ppb, d.ps, -1) * sc).reshape(d.block_tokens, -1)
+  return x, sc
+
+
+def _flat_head(d: pp.PagedDims, buf, slot, k):
+  """Head k of a flat kv buffer (rows t * K + k) as float32: one sublane-strided load.  Compiled, bf16 pages are
+  read as 32-bit words (a word holds heads 2i and 2i + 1 of a token, 2i in its low half; Mosaic strides 32-bit
+  rows), and a bf16 half moved to the top of a word is that value as float32."""
+  n = d.block_tokens
+  if d.page_dtype.itemsize == 4 or not d.compiled:  # the interpreter strides any dtype
+    return buf[slot, pl.ds(k, n, stride=d.K), :].astype(c.F32)
+  # The interpreter cannot bitcast a ref: this path runs compiled only (`make test-tpu`).
+  words = buf.at[slot].bitcast(jnp.uint32)[pl.ds(k // 2, n, stride=d.K // 2), :]
+  top = words << 16 if k % 2 == 0 else words & jnp.uint32(0xFFFF0000)
+  return pltpu.bitcast(top, c.F32)
 
 
 def fold(x, G):
@@ -196,8 +242,8 @@ def first_seq(d: pp.PagedDims, r: Refs, q_lo, n):
 
 
 def walk(d: pp.PagedDims, spec, r: Refs, q_lo, visit):
-  """Calls visit(s, b, slot, copies, seq) for every (sequence, kv block) that the rows [q_lo, q_lo + bq) can
-  see, with block b's pages in VMEM slot `slot`.
+  """Calls visit(s, b, slot, copies, seq, keys) for every (sequence, kv block) that the rows [q_lo, q_lo + bq)
+  can see, with block b's pages in VMEM slot `slot` and `keys` its `block_keys`.
 
   One copy is always in flight ahead of the compute: the next block of the sequence, or, during its last
   block, the first block of the next sequence (a decode batch is mostly one-block sequences).
@@ -232,7 +278,7 @@ def walk(d: pp.PagedDims, spec, r: Refs, q_lo, visit):
 
       copies = _page_copies(d, r, s, b, cur, g.kv_len)
       _wait(copies + _span_copy(d, r, s, b, cur, g.first_pos, g.kv_len))
-      visit(s, b, cur, copies, g)
+      visit(s, b, cur, copies, g, block_keys(d, r, copies, b, cur, g.kv_len))
       return nxt
 
     slot = jax.lax.fori_loop(g.lo, g.hi, kv_step, slot)
@@ -260,12 +306,12 @@ def split_spans(d: pp.PagedDims, refs):
 
 
 def split_scratch(d: pp.PagedDims, refs):
-  """(k_buf, v_buf, scale_bufs, kv_ids_buf or None, the rest)."""
+  """(k_buf, v_buf, scale_bufs, kv_ids_buf or None, keys_sc, the rest)."""
   refs = list(refs)
   k_buf, v_buf = refs.pop(0), refs.pop(0)
   scale_bufs = tuple(refs.pop(0) if rows else None for rows in d.scale_rows)
   ids_buf = refs.pop(0) if d.spans else None
-  return k_buf, v_buf, scale_bufs, ids_buf, refs
+  return k_buf, v_buf, scale_bufs, ids_buf, refs.pop(0), refs
 
 
 # -- forward ------------------------------------------------------------------------------

@@ -53,8 +53,12 @@ def paged_footprint(
   G, L, f32 = N // K, pages_per_block * page_size, jnp.float32
   q_block = c.padded_bytes((bq, N, H), dtype)
   o_block = c.padded_bytes((bq, N, Hv), dtype)  # o, or do
-  kv_slots = c.padded_bytes((2, ppb, ps, K, H), page_dtype) + c.padded_bytes((2, ppb, ps, K, Hv), page_dtype)
+  if c.flat_kv_pages(page_dtype, K):  # one flat [ppb * ps * K, h] buffer per slot
+    kv_slots = c.padded_bytes((2, ppb * ps * K, H), page_dtype) + c.padded_bytes((2, ppb * ps * K, Hv), page_dtype)
+  else:
+    kv_slots = c.padded_bytes((2, ppb, ps, K, H), page_dtype) + c.padded_bytes((2, ppb, ps, K, Hv), page_dtype)
   kv_slots += sum(c.padded_bytes((2, ppb, r, K), f32) for r in scale_rows if r)
+  kv_slots += c.padded_bytes((1, L), jnp.int32)  # which slots hold a key
   span_block = 0
   if bidirectional:
     kv_slots += c.padded_bytes((2, 1, L), jnp.int32)
@@ -63,7 +67,8 @@ def paged_footprint(
   head_kv = L * (H + Hv) * 4  # one kv head's K and V block, dequantised to f32
   if kernel == "paged_fwd":
     pipelined = q_block + o_block + c.padded_bytes((bq, N), f32) + span_block  # q; o, lse; span ids
-    scratch = kv_slots + 2 * c.padded_bytes((K, bq * G, c.LANES), f32) + c.padded_bytes((bq, N, Hv), f32)
+    scratch = kv_slots + 2 * c.padded_bytes((K, bq * G, c.LANES), f32) + c.padded_bytes((K, bq * G, Hv), f32)
+    scratch += c.padded_bytes((K, bq * G, H), dtype)  # q folded per head group
     temporaries = 3 * score + head_kv
   elif kernel == "paged_bwd":
     # q, do, lse, delta; dq
