@@ -169,6 +169,28 @@ def test_bfloat16():
 
 
 @interpret
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_flat_kv_buffers(dtype):
+  """8 kv heads: pages travel as [P, page_size * K, H] into flat kv buffers and a head is one strided load
+  (`tiling.flat_kv_pages`); with holes in the table (-1 and out-of-range ids, whose slots are zeroed in VMEM), a
+  shared prefix, partial pages and (f32) scales, forward and gradients, foreign pages NaN-poisoned."""
+  assert common.flat_kv_pages(dtype, 8) and not common.flat_kv_pages(dtype, 2)
+  rng = np.random.default_rng(79)
+  geom = dict(GEOM, num_heads=16)
+  blocks = BLOCKS
+  if dtype == BF16:
+    geom.update(page_size=16, pages_per_seq=2)
+    blocks = fr.BlockSizes(block_q=16, block_kv=32)
+  seqs = [(1, 25), (5, 5), (3, 17), (0, 4), (9, 30)] if dtype == BF16 else [(11, 27), (6, 22), (1, 1), (9, 9)]
+  scales = ("page", "token") if dtype == F32 else None
+  b = make_batch(rng, seqs, share_prefix=True, num_kv_heads=8, dtype=dtype, scale_shape=scales, **geom)
+  table = np.asarray(b.page_indices).copy()
+  table[2, 0], table[3, 1] = -1, geom["num_pages"] + 3
+  b = b.replace(page_indices=jnp.asarray(table, jnp.int32))
+  _check_vjp(b, dtype, blocks=blocks)
+
+
+@interpret
 @pytest.mark.parametrize(
   "page_dtype, scales, blocks",
   [("int8", ("token", "page"), BLOCKS), ("float8_e4m3fn", ("scalar", "token"), None)],
@@ -382,6 +404,7 @@ def test_any_token_count(rows, block_q):
     (BF16, "int8", ("token", "page"), {}),
     (BF16, "float8_e4m3fn", ("scalar", "scalar"), {}),
     (BF16, BF16, None, dict(head_dim=24, v_head_dim=16)),  # MLA head shapes
+    (BF16, BF16, None, dict(num_kv_heads=8)),  # flat kv buffers, bf16 read through 32-bit words
   ],
 )
 def test_lowers_for_tpu(dtype, page_dtype, scales, kw):
@@ -392,7 +415,7 @@ def test_lowers_for_tpu(dtype, page_dtype, scales, kw):
   b = make_batch(
     rng,
     [(1, 9)],
-    num_kv_heads=2,
+    num_kv_heads=kw.pop("num_kv_heads", 2),
     dtype=dtype,
     page_dtype=jnp.dtype(page_dtype),
     scale_shape=scales,
@@ -522,10 +545,10 @@ KV, HD = 2, 8
 CACHE = dict(num_pages=24, page_size=PS, max_num_seqs=4, pages_per_seq=4, num_kv_heads=KV, head_dim=HD)
 
 
-def _ragged(rng, lens, num_tokens=16, heads=8):
+def _ragged(rng, lens, num_tokens=16, heads=8, kv=KV):
   total = int(sum(lens))
   cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens), [total] * (4 - len(lens))]), jnp.int32)
-  k, v = (jnp.asarray(rng.normal(size=(num_tokens, KV, HD)), F32) for _ in range(2))
+  k, v = (jnp.asarray(rng.normal(size=(num_tokens, kv, HD)), F32) for _ in range(2))
   q = jnp.asarray(rng.normal(size=(num_tokens, heads, HD)), F32)
   return q, k, v, cu, jnp.asarray([len(lens)], jnp.int32)
 
@@ -586,6 +609,24 @@ def test_fused_write_equals_separate_append_int8_copy_on_write():
     with no_races():
       out, cache = jax.block_until_ready(_fused(cache, *batch))
     for name in ("k_pages", "v_pages", "k_scale", "v_scale", "page_indices", "kv_lens", "ref_counts"):
+      np.testing.assert_array_equal(np.asarray(getattr(cache, name)), np.asarray(getattr(expected, name)), name)
+    assert_close(out, expected_out, F32)
+
+
+@interpret
+def test_fused_write_flat_pages():
+  """The fused write into flat pages (8 kv heads, bf16: a token's K rows of a [P, page_size * K, H] view) leaves
+  the cache PagedKVCache.append leaves, across q blocks and a prefix-shared page."""
+  rng = np.random.default_rng(82)
+  cache = fr.PagedKVCache.create(**dict(CACHE, num_kv_heads=8, page_size=16), dtype=BF16)
+  _, cache = _separate(cache, *_ragged(rng, [13, 3], heads=16, kv=8))
+  cache = jax.jit(fr.PagedKVCache.share_prefix)(cache, 0, 2, 11)
+  for lens in ([1, 2, 4], [5, 1, 1, 9]):
+    batch = _ragged(rng, lens, heads=16, kv=8)
+    expected_out, expected = _separate(cache, *batch)
+    with no_races():
+      out, cache = jax.block_until_ready(_fused(cache, *batch))
+    for name in ("k_pages", "v_pages", "page_indices", "kv_lens"):
       np.testing.assert_array_equal(np.asarray(getattr(cache, name)), np.asarray(getattr(expected, name)), name)
     assert_close(out, expected_out, F32)
 

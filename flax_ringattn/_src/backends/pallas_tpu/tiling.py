@@ -24,11 +24,13 @@ F32 = jnp.float32
 
 def flat_kv_pages(page_dtype, num_kv_heads: int) -> bool:
   """Whether the paged kernels keep a kv block as one flat [tokens * K, H] VMEM buffer (row t * K + k: token t,
-  kv head k) and read a head with a sublane-strided load: 32-bit pages, and bf16 pages with an even K (a 32-bit
-  word then holds heads 2i and 2i + 1 of one token, `paged/walk.py`).  Other pages (8-bit, float16, bf16 with
-  an odd K) stay [pages, page_size, K, H] and a head is read as a slice."""
+  kv head k) and read a head with one sublane-strided load (`paged/walk.py`; bf16 through 32-bit words, which
+  hold heads 2i and 2i + 1 of a token): 32-bit and bf16 pages with K a multiple of 8.  Then a page
+  [page_size, K, H] is whole (8, 128) tiles in HBM as XLA lays it out, and viewing the cache as
+  [P, page_size * K, H] is free; with fewer heads XLA tiles a page (K, 128) and that view would copy the cache
+  (seen on a v5e).  Other pages stay [P, page_size, K, H] and a head is read as a slice."""
   dtype = jnp.dtype(page_dtype)
-  return dtype.itemsize == 4 or (dtype == jnp.bfloat16 and num_kv_heads % 2 == 0)
+  return (dtype.itemsize == 4 or dtype == jnp.bfloat16) and num_kv_heads % 8 == 0
 
 
 def sublanes(dtype) -> int:

@@ -13,7 +13,12 @@ metadata (SMEM), with no precomputed schedule:
   3. for each kv block of `ppb` pages: async copies of the pages (all kv
      heads of a page are contiguous, so one copy per page and per K/V) into a
      two-slot VMEM buffer; the next block (of the same sequence, or the first
-     block of the next sequence) is in flight while block b is used;
+     block of the next sequence) is in flight while block b is used.  bf16
+     and 32-bit pages with K a multiple of 8 travel as a free [P, ps * K, H]
+     view into a flat [ppb * ps * K, H] buffer, where a kv head is one
+     sublane-strided load (bf16 as 32-bit words holding heads 2i and 2i + 1);
+     other pages keep [ppb, ps, K, H] and a head is a slice
+     (`tiling.flat_kv_pages`);
   4. for each kv head: the G = N / K q heads of its group, folded to one
      (bq * G, H) operand (row r is token r // G, head r % G), meet the block
      in one matmul, so decode under 8:1 GQA fills 8 rows of the MXU per token.
@@ -27,8 +32,9 @@ key) still gives those rows exact-zero gradients.
 
 Isolation: a page slot is copied only if the page id is in [0, P) and the
 slot is below kv_lens[s]; anything else is never read.  Copied slots past
-kv_lens and slots not copied (stale VMEM) are zeroed before the matmuls and
-masked, so NaN in foreign pages or tails cannot reach an output.
+kv_lens and slots not copied (stale VMEM) are zeroed in VMEM (`walk.block_keys`,
+on the blocks that have any) and masked, so NaN in foreign pages or tails
+cannot reach an output.
 
 Backward (one kernel, sequential grid): the same walk recomputes p from the
 forward's lse and accumulates dq for the block in VMEM, while dK/dV of each
@@ -37,7 +43,9 @@ read-add-write copies, one page at a time, so pages shared by several
 sequences (prefix sharing) collect the gradient of every reader.
 
 JAX 0.10.2's TPU interpreter cannot index through reshaped refs, so refs are
-only indexed (`ref.at[...]`, `ref[...]`) and loaded values are reshaped.
+only indexed (`ref.at[...]`, `ref[...]`) and loaded values are reshaped.  Nor
+can it bitcast a ref: in interpret mode a flat bf16 head is a strided bf16
+load, compiled it goes through 32-bit words (`walk._flat_head`).
 """
 
 from flax_ringattn._src.backends.pallas_tpu.paged.backward import paged_bwd

@@ -15,7 +15,7 @@ from flax_ringattn._src.backends.pallas_tpu.paged import walk as w
 
 
 def _bwd_kernel(
-  cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, do_ref, lse_ref, delta_ref, k_hbm, v_hbm, *rest, d: pp.PagedDims, spec
+  cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, do_ref, stats_ref, k_hbm, v_hbm, *rest, d: pp.PagedDims, spec
 ):
   scales_hbm, rest = w.split_refs(d, rest)
   (q_ids, kv_ids_hbm), rest = w.split_spans(d, rest)
@@ -26,7 +26,7 @@ def _bwd_kernel(
   dk_page, dv_page = page_bufs[0], page_bufs[-1]  # one buffer for both unless v's head dim differs (MLA)
   r = w.Refs(cu_ref, kv_lens_ref, table_ref, n_ref, k_hbm, v_hbm, scales_hbm, k_buf, v_buf, scale_bufs, sem)
   r = dataclasses.replace(r, q_ids=q_ids, kv_ids_hbm=kv_ids_hbm, kv_ids_buf=kv_ids_buf, keys_sc=keys_sc)
-  G, q_lo, rows = d.G, pl.program_id(0) * d.bq, d.bq * d.G
+  G, q_lo = d.G, pl.program_id(0) * d.bq
   dq_sc[...] = jnp.zeros(dq_sc.shape, c.F32)
 
   def visit(s, b, slot, copies, g, keys):
@@ -41,9 +41,9 @@ def _bwd_kernel(
       do = w.fold(do_ref[:, heads, :], G)
       # lse is the final one (flash.py): with sinks it is finite even on rows that see no key (s_h), without them
       # -inf there.  Either way only `vis` decides which p are read, so those rows get exact-zero gradients.
-      lse = lse_ref[:, heads].reshape(rows, 1)
+      stats = stats_ref[k]  # [rows, 2]: (lse, delta), folded as q (`plans.fold_row_stats`)
+      lse, delta = stats[:, :1], stats[:, 1:]
       lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
-      delta = delta_ref[:, heads].reshape(rows, 1)
       s_ = w.dot(q, kk, ((1,), (1,)), d.q_dtype) * spec.scale
       t = None
       if spec.logits_soft_cap is not None:
@@ -113,7 +113,8 @@ def paged_bwd(
   prefetch, scales = pp.operands(d, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
   dk0, dv0 = (jnp.zeros((d.P, d.ps, d.K, h), c.F32) for h in (d.H, d.Hv))
   spans = pp.span_operands(d, bidirectional_ids, kv_lens, cu_q_lens, num_seqs)
-  operands = (*prefetch, q, do.astype(q.dtype), lse, delta, k_pages, v_pages, *scales, *spans, dk0, dv0)
+  stats = pp.fold_row_stats(d, lse, delta)
+  operands = (*prefetch, q, do.astype(q.dtype), stats, k_pages, v_pages, *scales, *spans, dk0, dv0)
   n = len(operands)
   kernel = functools.partial(_bwd_kernel, d=d, spec=spec)
   # dK/dV pages are read-modified-written across grid steps: the steps run in order on one core.

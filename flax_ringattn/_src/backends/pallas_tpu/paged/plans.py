@@ -203,6 +203,13 @@ def fwd_plan(d: PagedDims) -> c.CallPlan:
   )
 
 
+def fold_row_stats(d: PagedDims, lse, delta):
+  """[T, N] lse and delta -> [K, T * G, 2], row r of head group k: token r // G, q head k * G + r % G (`walk.fold`),
+  so the backward reads each group's (lse, delta) columns without a lane-to-sublane reshape (Mosaic has none)."""
+  x = jnp.stack([lse, delta], axis=-1).reshape(d.T, d.K, d.G, 2)
+  return x.transpose(1, 0, 2, 3).reshape(d.K, d.T * d.G, 2)
+
+
 def page_grad_buffers(d: PagedDims) -> tuple:
   """Head dims of the one-page VMEM buffers the backward's read-add-write goes through: one for dK and dV, or
   one each when v's head dim differs (MLA)."""
@@ -217,8 +224,7 @@ def bwd_plan(d: PagedDims) -> c.CallPlan:
     in_specs=(
       _row_block(d, (d.N, d.H)),  # q
       _row_block(d, (d.N, d.Hv)),  # do
-      _row_block(d, (d.N,)),  # lse
-      _row_block(d, (d.N,)),  # delta
+      pl.BlockSpec((d.K, d.bq * d.G, 2), lambda i, *_: (0, i, 0)),  # (lse, delta) (`fold_row_stats`)
       _any(),
       _any(),
       *(_any() for _ in range(num_scales)),
@@ -229,7 +235,6 @@ def bwd_plan(d: PagedDims) -> c.CallPlan:
     in_dtypes=(
       d.q_dtype,
       d.q_dtype,
-      c.F32,
       c.F32,
       d.page_dtype,
       d.page_dtype,

@@ -72,7 +72,8 @@ def paged_footprint(
     temporaries = 3 * score + head_kv
   elif kernel == "paged_bwd":
     # q, do, lse, delta; dq
-    pipelined = q_block + o_block + 2 * c.padded_bytes((bq, N), f32) + c.padded_bytes((bq, N, H), f32) + span_block
+    stats = c.padded_bytes((K, bq * G, 2), f32)  # (lse, delta), folded per head group
+    pipelined = q_block + o_block + stats + c.padded_bytes((bq, N, H), f32) + span_block
     scratch = kv_slots + c.padded_bytes((bq, N, H), f32)
     scratch += c.padded_bytes((ppb, ps, K, H), f32) + c.padded_bytes((ppb, ps, K, Hv), f32)  # dK, dV of a block
     # One page of the read-add-write: one buffer for dK and dV, or one each when their head dims differ.
