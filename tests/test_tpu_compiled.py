@@ -297,6 +297,13 @@ PAGED = {
     scales=("scalar", "token"),
   ),
   "spans_chunk_f32": Paged(_paged_case("spans_chunk"), F32, 8, chunk=_n(64), spans=True),
+  # 8 kv heads: flat kv buffers (`tiling.flat_kv_pages`), bf16 heads read through 32-bit words, f32 strided.
+  "flat_bf16": Paged(make_case("flat", "causal", "gqa", N=16, group=2, H=128), BF16, 16),
+  "flat_window_cap_f32": Paged(
+    make_case("flat_window_cap", "causal_window", "gqa", N=16, group=2, H=128, window=(_n(63), 0), soft_cap=5.0),
+    F32,
+    16,
+  ),
 }
 
 
@@ -368,6 +375,7 @@ FUSED = {
   "int8_token_scales_mla": Paged(
     _paged_case("fused_int8", H=192, Hv=128), BF16, 16, page_dtype="int8", scales=("token", "token")
   ),
+  "bf16_flat": Paged(make_case("fused_flat", "causal", "gqa", N=16, group=2, H=128), BF16, 16),
 }
 
 
