@@ -27,8 +27,8 @@ class Refs:
   k_hbm: object
   v_hbm: object
   scales_hbm: tuple  # k_scale / v_scale [P, rows, K] (None when absent)
-  k_buf: object  # [2, ppb, ps, K, H]
-  v_buf: object  # [2, ppb, ps, K, Hv]
+  k_buf: object  # [2, ppb * ps * K, H] (flat, `plans.kv_buffer_shape`) or [2, ppb, ps, K, H]
+  v_buf: object  # the same with Hv
   scale_bufs: tuple  # [2, ppb, rows, K] (None when absent)
   sem: object  # DMA semaphores; [0] and [1]: the kv slots
   q_ids: object = None  # [bq, 1] the q block's bidirectional ids (VMEM), or None
