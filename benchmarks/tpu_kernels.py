@@ -250,6 +250,9 @@ def check_and_time(report, row: str, ours: Candidate, peers: dict[str, Candidate
     out["times"] = time_interleaved(
       calls, args.repeats, warmup=args.warmup, on_error=lambda name, e: errors.setdefault(name, error_text(e))
     )
+    # Each row's medians as soon as it is timed: a run stopped before its tables print still leaves them.
+    medians = [f"{name} {ms(out['times'], name):.3f} ms" for name in calls if out["times"].get(name)]
+    report.progress(f"timed {row}: " + ", ".join(medians))
   return out
 
 
