@@ -32,6 +32,7 @@ from flax_ringattn._src.backends.pallas_tpu.tiling import (  # noqa: F401  (the 
   CallPlan,
   flat_kv_pages,
   padded_bytes,
+  paged_kv_buffer_shape,
   plan_vmem_bytes,
   sublanes,
   tpu_tile,

@@ -33,6 +33,13 @@ def flat_kv_pages(page_dtype, num_kv_heads: int) -> bool:
   return (dtype.itemsize == 4 or dtype == jnp.bfloat16) and num_kv_heads % 8 == 0
 
 
+def paged_kv_buffer_shape(pages_per_block: int, page_size: int, num_kv_heads: int, head_dim: int, page_dtype):
+  """The paged kernels' two-slot VMEM buffer of one kv block's K (head_dim H) or V (Hv) pages: flat
+  [2, ppb * ps * K, h] when `flat_kv_pages`, else [2, ppb, ps, K, h]."""
+  ppb, ps, K = pages_per_block, page_size, num_kv_heads
+  return (2, ppb * ps * K, head_dim) if flat_kv_pages(page_dtype, K) else (2, ppb, ps, K, head_dim)
+
+
 def sublanes(dtype) -> int:
   """Second-minor alignment of a tile of `dtype`: 8 rows of 32 bits, packed for narrower types."""
   return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)

@@ -91,8 +91,8 @@ def _write_block(d: pp.PagedDims, spec, r: w.Refs, new_refs, q_lo):
 
 def _write_rows(d: pp.PagedDims, r: w.Refs, new_refs, q_lo, s, seq_start, lo_row, hi_row, first_pos):
   new_k, new_v, new_scales = new_refs
-  pairs = [(new_k, r.k_hbm), (new_v, r.v_hbm)]
-  pairs += [(a, b) for a, b in zip(new_scales, r.scales_hbm, strict=True) if a is not None]
+  pairs = [(new_k, r.k_hbm, True), (new_v, r.v_hbm, True)]  # (new rows, pages or scales, pages?)
+  pairs += [(a, b, False) for a, b in zip(new_scales, r.scales_hbm, strict=True) if a is not None]
 
   def row(t, carry):
     pos = first_pos + (t - seq_start)
@@ -104,8 +104,8 @@ def _write_rows(d: pp.PagedDims, r: w.Refs, new_refs, q_lo, s, seq_start, lo_row
 
     @pl.when(ok)
     def _():
-      for src, dst in pairs:
-        copy = pltpu.make_async_copy(src.at[t - q_lo], _page_row(d, dst, safe, slot, src), r.sem.at[2])
+      for src, dst, pages in pairs:
+        copy = pltpu.make_async_copy(src.at[t - q_lo], _page_row(d, dst, safe, slot, pages), r.sem.at[2])
         copy.start()
         copy.wait()
 
@@ -114,9 +114,10 @@ def _write_rows(d: pp.PagedDims, r: w.Refs, new_refs, q_lo, s, seq_start, lo_row
   jax.lax.fori_loop(lo_row, hi_row, row, 0)
 
 
-def _page_row(d: pp.PagedDims, dst, pid, slot, src):
-  """Slot `slot` of page pid in a page buffer or scale array: K rows of a flat page buffer, else one index."""
-  if d.flat and len(src.shape) == 3:  # a K or V row [bq, K, h] (the scales are [bq, K])
+def _page_row(d: pp.PagedDims, dst, pid, slot, pages: bool):
+  """Slot `slot` of page pid in a page buffer (`pages`) or a scale array: K rows of a flat page buffer, else one
+  index."""
+  if d.flat and pages:
     return dst.at[pid, pl.ds(slot * d.K, d.K)]
   return dst.at[pid, slot]
 

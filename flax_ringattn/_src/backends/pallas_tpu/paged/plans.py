@@ -141,7 +141,7 @@ def _any():
 
 def kv_buffer_shape(d: PagedDims, h: int) -> tuple:
   """The two-slot VMEM buffer of one kv block's K (h = H) or V (h = Hv) pages."""
-  return (2, d.ppb * d.ps * d.K, h) if d.flat else (2, d.ppb, d.ps, d.K, h)
+  return c.paged_kv_buffer_shape(d.ppb, d.ps, d.K, h, d.page_dtype)
 
 
 def page_shape(d: PagedDims, h: int) -> tuple:

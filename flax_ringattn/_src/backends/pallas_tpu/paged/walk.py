@@ -144,12 +144,12 @@ def block_keys(d: pp.PagedDims, r: Refs, copies, b, slot, kv_len):
 
       @pl.when(~ok | (keep < d.ps))
       def _(j=j, ok=ok, keep=keep):
-        rows_per_slot = d.K if d.flat else 1  # a flat page is [ps * K, h], a plain one [ps, K, h]
-        views = [(_page_slot(d, buf, slot, j), rows_per_slot) for buf in (r.k_buf, r.v_buf)]
+        page_rows = d.K if d.flat else 1  # rows per slot: a flat page is [ps * K, h], a plain one [ps, K, h]
+        views = [(_page_slot(d, buf, slot, j), page_rows) for buf in (r.k_buf, r.v_buf)]
         views += [(sc.at[slot, j], 1) for sc in r.scale_bufs if sc is not None]  # [rows, K]
-        for view, rows_per_slot in views:
+        for view, rows in views:
           x = view[...]
-          slot_of_row = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, x.shape, 0), rows_per_slot)
+          slot_of_row = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, x.shape, 0), rows)
           view[...] = jnp.where(ok & (slot_of_row < keep), x, jnp.zeros_like(x))
 
   return r.keys_sc[...] != 0

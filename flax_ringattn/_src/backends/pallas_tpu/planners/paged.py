@@ -53,10 +53,7 @@ def paged_footprint(
   G, L, f32 = N // K, pages_per_block * page_size, jnp.float32
   q_block = c.padded_bytes((bq, N, H), dtype)
   o_block = c.padded_bytes((bq, N, Hv), dtype)  # o, or do
-  if c.flat_kv_pages(page_dtype, K):  # one flat [ppb * ps * K, h] buffer per slot
-    kv_slots = c.padded_bytes((2, ppb * ps * K, H), page_dtype) + c.padded_bytes((2, ppb * ps * K, Hv), page_dtype)
-  else:
-    kv_slots = c.padded_bytes((2, ppb, ps, K, H), page_dtype) + c.padded_bytes((2, ppb, ps, K, Hv), page_dtype)
+  kv_slots = sum(c.padded_bytes(c.paged_kv_buffer_shape(ppb, ps, K, h, page_dtype), page_dtype) for h in (H, Hv))
   kv_slots += sum(c.padded_bytes((2, ppb, r, K), f32) for r in scale_rows if r)
   kv_slots += c.padded_bytes((1, L), jnp.int32)  # which slots hold a key
   span_block = 0
