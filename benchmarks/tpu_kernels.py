@@ -510,6 +510,8 @@ def paged_table(report, cfg: Config, args, chip) -> None:
   )
   rows = []
   for i, step in enumerate(cfg.steps):
+    if args.paged_rows is not None and i not in args.paged_rows:
+      continue
     x = paged_inputs(step, N, K, H, page, args.seed + i)
     kv = combined_cache(x.k, x.v)
     live = step.new_tokens  # rows past the sequences' are padding: not compared
@@ -604,6 +606,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   add("--splash-fused-bwd", action="store_true", help="block table: splash's fused dq/dk/dv backward kernel")
   add("--page-size", type=int, default=16, help="paged table: tokens per page")
   add("--paged-blocks", default=None, help="paged table: our BlockSizes 'block_q,block_kv' (default: the planner)")
+  add("--paged-rows", default=None, help="paged table: comma-separated row numbers to run, from 0 (default: all)")
   add("--vmem-limit-mib", type=int, default=64, help="paged table: ragged_paged_attention's vmem_limit_bytes")
   add("--seed", type=int, default=0)
   # --json as the other scripts take it (the JSON document on stdout), or --json PATH: Markdown on stdout and the
@@ -614,6 +617,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   names = lambda text: [s.strip() for s in text.split(",") if s.strip()]
   args.seq_lens, args.fwd_seq_lens = ints(args.seq_lens), ints(args.fwd_seq_lens)
   args.masks, args.tables = names(args.masks), names(args.tables)
+  args.paged_rows = None if args.paged_rows is None else ints(args.paged_rows)
   for m in args.masks:
     if m not in ("causal", "full"):
       parser.error(f"unknown mask {m!r}; known: causal, full")

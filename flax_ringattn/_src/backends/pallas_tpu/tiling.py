@@ -35,9 +35,9 @@ def flat_kv_pages(page_dtype, num_kv_heads: int) -> bool:
 
 def paged_kv_buffer_shape(pages_per_block: int, page_size: int, num_kv_heads: int, head_dim: int, page_dtype):
   """The paged kernels' two-slot VMEM buffer of one kv block's K (head_dim H) or V (Hv) pages: flat
-  [2, ppb * ps * K, h] when `flat_kv_pages`, else [2, ppb, ps, K, h]."""
+  [2, ppb * ps * K, h] when `flat_kv_pages`, else [2, ppb * ps, K, h] (a token per row)."""
   ppb, ps, K = pages_per_block, page_size, num_kv_heads
-  return (2, ppb * ps * K, head_dim) if flat_kv_pages(page_dtype, K) else (2, ppb, ps, K, head_dim)
+  return (2, ppb * ps * K, head_dim) if flat_kv_pages(page_dtype, K) else (2, ppb * ps, K, head_dim)
 
 
 def sublanes(dtype) -> int:

@@ -29,7 +29,7 @@ def _bwd_kernel(
   G, q_lo = d.G, pl.program_id(0) * d.bq
   dq_sc[...] = jnp.zeros(dq_sc.shape, c.F32)
 
-  def visit(s, b, slot, copies, g, keys):
+  def visit(s, b, slot, pages, g, keys):
     ids = w.span_ids(d, r, s, b, slot, g)
     vis = w.mask(d, spec, q_lo, g.start, g.end, g.first_pos, b, keys, ids)
     for k in range(d.K):
@@ -79,8 +79,8 @@ def _bwd_kernel(
         wr.start()
         wr.wait()
 
-    for j, (ok, pid, _) in enumerate(copies):
-      pl.when(ok)(functools.partial(add_page, j, pid))
+    for j, page in enumerate(pages):
+      pl.when(page.ok)(functools.partial(add_page, j, page.pid))
 
   w.walk(d, spec, r, q_lo, visit)
   dq_ref[...] = dq_sc[...]

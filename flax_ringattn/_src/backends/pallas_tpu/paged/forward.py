@@ -39,7 +39,7 @@ def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *res
   l_sc[...] = jnp.zeros(l_sc.shape, c.F32)
   acc_sc[...] = jnp.zeros(acc_sc.shape, c.F32)
 
-  def visit(s, b, slot, copies, g, keys):
+  def visit(s, b, slot, pages, g, keys):
     ids = w.span_ids(d, r, s, b, slot, g)
     vis = w.mask(d, spec, q_lo, g.start, g.end, g.first_pos, b, keys, ids)
     for k in range(d.K):

@@ -27,7 +27,7 @@ class Refs:
   k_hbm: object
   v_hbm: object
   scales_hbm: tuple  # k_scale / v_scale [P, rows, K] (None when absent)
-  k_buf: object  # [2, ppb * ps * K, H] (flat, `plans.kv_buffer_shape`) or [2, ppb, ps, K, H]
+  k_buf: object  # [2, ppb * ps * K, H] (flat, `plans.kv_buffer_shape`) or [2, ppb * ps, K, H]
   v_buf: object  # the same with Hv
   scale_bufs: tuple  # [2, ppb, rows, K] (None when absent)
   sem: object  # DMA semaphores; [0] and [1]: the kv slots
@@ -37,30 +37,74 @@ class Refs:
   keys_sc: object = None  # [1, bt] int32: the current block's `block_keys`
 
 
-def _page_slot(d: pp.PagedDims, buf, slot, j):
-  """Page j of kv slot `slot` of a K or V buffer: [ps * K, h] when flat, else [ps, K, h]."""
-  if d.flat:
-    return buf.at[slot, pl.ds(j * d.ps * d.K, d.ps * d.K)]
-  return buf.at[slot, j]
+@dataclasses.dataclass(frozen=True)
+class Page:
+  """Page j of a kv block: whether it holds keys of the block (a valid id, below kv_len), its clamped id, and
+  how many of its tokens are copied (0 when not `ok`)."""
+
+  ok: jax.Array
+  pid: jax.Array
+  tokens: jax.Array
 
 
-def _page_copies(d: pp.PagedDims, r: Refs, s, b, slot, kv_len):
-  """[(copy this page?, descriptors)] for the ppb pages of kv block b of sequence s."""
+def _pages(d: pp.PagedDims, r: Refs, s, b, kv_len) -> list[Page]:
+  """The ppb pages of kv block b of sequence s."""
   out = []
   for j in range(d.ppb):
     entry = b * d.ppb + j
     pid = r.table[s * d.ppt + entry]
-    ok = (pid >= 0) & (pid < d.P) & (entry * d.ps < kv_len)
-    safe = jnp.clip(pid, 0, d.P - 1)
-    descs = [
-      pltpu.make_async_copy(r.k_hbm.at[safe], _page_slot(d, r.k_buf, slot, j), r.sem.at[slot]),
-      pltpu.make_async_copy(r.v_hbm.at[safe], _page_slot(d, r.v_buf, slot, j), r.sem.at[slot]),
-    ]
-    for src, dst in zip(r.scales_hbm, r.scale_bufs, strict=True):
-      if src is not None:
-        descs.append(pltpu.make_async_copy(src.at[safe], dst.at[slot, j], r.sem.at[slot]))
-    out.append((ok, safe, descs))
+    tokens = jnp.clip(kv_len - entry * d.ps, 0, d.ps)
+    ok = (pid >= 0) & (pid < d.P) & (tokens > 0)
+    out.append(Page(ok, jnp.clip(pid, 0, d.P - 1), jnp.where(ok, tokens, 0)))
   return out
+
+
+def _page_slot(d: pp.PagedDims, buf, slot, j):
+  """Page j of kv slot `slot` of a K or V buffer: [ps * K, h] when flat, else [ps, K, h]."""
+  rows = d.ps * d.K if d.flat else d.ps
+  return buf.at[slot, pl.ds(j * rows, rows)]
+
+
+def _start_pages(d: pp.PagedDims, r: Refs, pages: list[Page], slot):
+  """Starts the copies of a block's pages into kv slot `slot`, each exactly its `tokens` (a copy of none moves no
+  bytes): no branch per page, and a block's K (V) bytes are one count for `_wait_pages`.  Scales (small, and
+  per page) are copied whole, on the pages that are `ok`."""
+  per = d.K if d.flat else 1  # buffer rows per token
+  for j, page in enumerate(pages):
+    n = page.tokens * per
+    for hbm, buf in ((r.k_hbm, r.k_buf), (r.v_hbm, r.v_buf)):
+      dst = buf.at[slot, pl.ds(j * d.ps * per, n)]
+      pltpu.make_async_copy(hbm.at[page.pid, pl.ds(0, n)], dst, r.sem.at[slot]).start()
+  _run(_scale_copies(r, pages, slot), "start")
+
+
+def _scale_copies(r: Refs, pages: list[Page], slot):
+  """[(ok, None, descriptors)] of the pages' scale rows."""
+  out = []
+  for j, page in enumerate(pages):
+    descs = [
+      pltpu.make_async_copy(src.at[page.pid], dst.at[slot, j], r.sem.at[slot])
+      for src, dst in zip(r.scales_hbm, r.scale_bufs, strict=True)
+      if src is not None
+    ]
+    if descs:
+      out.append((page.ok, None, descs))
+  return out
+
+
+def _wait_pages(d: pp.PagedDims, r: Refs, pages: list[Page], slot):
+  """Waits for every copy `_start_pages` started into kv slot `slot`: one wait per K and V buffer for the block's
+  byte count (the DMA semaphore counts bytes; the view waited on only supplies the count)."""
+  per = d.K if d.flat else 1
+  tokens = sum(p.tokens for p in pages)
+
+  @pl.when(tokens > 0)
+  def _():
+    for buf in (r.k_buf, r.v_buf):
+      view = buf.at[slot, pl.ds(0, tokens * per)]
+      pltpu.make_async_copy(view, view, r.sem.at[slot]).wait()
+
+  _run(_scale_copies(r, pages, slot), "wait")
 
 
 def _span_copy(d: pp.PagedDims, r: Refs, s, b, slot, first_pos, kv_len):
@@ -92,19 +136,15 @@ def span_ids(d: pp.PagedDims, r: Refs, s, b, slot, g):
   return fold(jnp.broadcast_to(q[:, None, :], (d.bq, d.G, 1)), d.G), kv
 
 
-def _block_copies(d: pp.PagedDims, r: Refs, s, b, slot, g):
-  """Every copy of kv block b of sequence s: its pages, and its keys' ids with spans."""
-  return _page_copies(d, r, s, b, slot, g.kv_len) + _span_copy(d, r, s, b, slot, g.first_pos, g.kv_len)
+def _start_block(d: pp.PagedDims, r: Refs, s, b, slot, g):
+  """Starts every copy of kv block b of sequence s: its pages, and its keys' ids with spans."""
+  _start_pages(d, r, _pages(d, r, s, b, g.kv_len), slot)
+  _run(_span_copy(d, r, s, b, slot, g.first_pos, g.kv_len), "start")
 
 
-def _start(copies):
+def _run(copies, method):
   for ok, _, descs in copies:
-    pl.when(ok)(functools.partial(_each, descs, "start"))
-
-
-def _wait(copies):
-  for ok, _, descs in copies:
-    pl.when(ok)(functools.partial(_each, descs, "wait"))
+    pl.when(ok)(functools.partial(_each, descs, method))
 
 
 def _each(descs, method):
@@ -112,45 +152,44 @@ def _each(descs, method):
     getattr(desc, method)()
 
 
-def block_keys(d: pp.PagedDims, r: Refs, copies, b, slot, kv_len):
+def block_keys(d: pp.PagedDims, r: Refs, pages: list[Page], b, slot, kv_len):
   """[1, block_tokens] bool: which key slots of kv block b (in VMEM slot `slot`) hold a key: below kv_len, on a
   page that was copied.  Every other slot of the K, V and scale buffers is zeroed here, so stale VMEM or NaN in
   a page's tail can reach no product (p is exactly 0 there, but 0 * NaN is not).
 
-  A block whose pages were all copied and lie below kv_len (every block of a sequence but its last, in a cache
-  without holes) costs a few scalar ops; pages missing from the table (-1 ids) cost a lane mask and a
+  A block whose pages were all copied whole (every block of a sequence but its last, in a cache without holes)
+  costs a few scalar ops; pages missing from the table (-1 ids) cost a lane mask, and pages not copied whole a
   read-modify-write of those pages, on that block only.
   """
   n = jnp.clip(kv_len - b * d.block_tokens, 0, d.block_tokens)  # slots below kv_len
-  clean = n == d.block_tokens
+  clean = jnp.bool_(True)  # every page copied whole
   good = jnp.bool_(True)  # every page below kv_len was copied
-  for j, (ok, _, _) in enumerate(copies):
-    clean = clean & ok
-    good = good & (ok | (j * d.ps >= n))
+  for j, page in enumerate(pages):
+    clean = clean & (page.tokens == d.ps)
+    good = good & (page.ok | (j * d.ps >= n))
   lane = jax.lax.broadcasted_iota(jnp.int32, (1, d.block_tokens), 1)
   r.keys_sc[...] = (lane < n).astype(jnp.int32)
 
   @pl.when(~good)
   def _():
     keep = lane < n
-    for j, (ok, _, _) in enumerate(copies):
-      keep = keep & ((jax.lax.div(lane, d.ps) != j) | ok)
+    for j, page in enumerate(pages):
+      keep = keep & ((jax.lax.div(lane, d.ps) != j) | page.ok)
     r.keys_sc[...] = keep.astype(jnp.int32)
 
   @pl.when(~clean)
   def _():
-    for j, (ok, _, _) in enumerate(copies):
-      keep = n - j * d.ps  # the page's slots below kv_len
+    for j, page in enumerate(pages):
 
-      @pl.when(~ok | (keep < d.ps))
-      def _(j=j, ok=ok, keep=keep):
+      @pl.when(page.tokens < d.ps)
+      def _(j=j, keep=page.tokens):
         page_rows = d.K if d.flat else 1  # rows per slot: a flat page is [ps * K, h], a plain one [ps, K, h]
         views = [(_page_slot(d, buf, slot, j), page_rows) for buf in (r.k_buf, r.v_buf)]
         views += [(sc.at[slot, j], 1) for sc in r.scale_bufs if sc is not None]  # [rows, K]
         for view, rows in views:
           x = view[...]
           slot_of_row = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, x.shape, 0), rows)
-          view[...] = jnp.where(ok & (slot_of_row < keep), x, jnp.zeros_like(x))
+          view[...] = jnp.where(slot_of_row < keep, x, jnp.zeros_like(x))
 
   return r.keys_sc[...] != 0
 
@@ -160,7 +199,7 @@ def load_head(d: pp.PagedDims, buf, scale_buf, slot, k):
   if d.flat:
     x = _flat_head(d, buf, slot, k)
   else:
-    x = buf[slot, :, :, k, :].astype(c.F32).reshape(d.block_tokens, -1)  # [ppb, ps, h] -> [bt, h]
+    x = buf[slot, :, k, :].astype(c.F32)  # [bt, h]
   sc = None
   if scale_buf is not None:
     sc = scale_buf[slot, :, :, k][..., None]  # [ppb, rows, 1]
@@ -242,7 +281,7 @@ def first_seq(d: pp.PagedDims, r: Refs, q_lo, n):
 
 
 def walk(d: pp.PagedDims, spec, r: Refs, q_lo, visit):
-  """Calls visit(s, b, slot, copies, seq, keys) for every (sequence, kv block) that the rows [q_lo, q_lo + bq)
+  """Calls visit(s, b, slot, pages, seq, keys) for every (sequence, kv block) that the rows [q_lo, q_lo + bq)
   can see, with block b's pages in VMEM slot `slot` and `keys` its `block_keys`.
 
   One copy is always in flight ahead of the compute: the next block of the sequence, or, during its last
@@ -259,7 +298,7 @@ def walk(d: pp.PagedDims, spec, r: Refs, q_lo, visit):
 
     @pl.when(has_work & ~started)
     def _():
-      _start(_block_copies(d, r, s, g.lo, slot, g))
+      _start_block(d, r, s, g.lo, slot, g)
 
     s2 = jnp.minimum(s + 1, d.S - 1)
     g2 = seq_in_block(d, spec, r, s2, q_lo)
@@ -270,15 +309,16 @@ def walk(d: pp.PagedDims, spec, r: Refs, q_lo, visit):
 
       @pl.when(b + 1 < g.hi)
       def _():
-        _start(_block_copies(d, r, s, b + 1, nxt, g))
+        _start_block(d, r, s, b + 1, nxt, g)
 
       @pl.when((b + 1 == g.hi) & next_ok)
       def _():
-        _start(_block_copies(d, r, s2, g2.lo, nxt, g2))
+        _start_block(d, r, s2, g2.lo, nxt, g2)
 
-      copies = _page_copies(d, r, s, b, cur, g.kv_len)
-      _wait(copies + _span_copy(d, r, s, b, cur, g.first_pos, g.kv_len))
-      visit(s, b, cur, copies, g, block_keys(d, r, copies, b, cur, g.kv_len))
+      pages = _pages(d, r, s, b, g.kv_len)
+      _wait_pages(d, r, pages, cur)
+      _run(_span_copy(d, r, s, b, cur, g.first_pos, g.kv_len), "wait")
+      visit(s, b, cur, pages, g, block_keys(d, r, pages, b, cur, g.kv_len))
       return nxt
 
     slot = jax.lax.fori_loop(g.lo, g.hi, kv_step, slot)

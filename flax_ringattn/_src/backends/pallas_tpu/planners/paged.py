@@ -14,7 +14,7 @@ from flax_ringattn._src.block_sizes import BlockSizes
 # sequence's last, partial block.  On a v5e (2026-12-05, bf16, N=32, K=8,
 # pages of 16; docs/performance.md) 2048-token blocks ran a 16 x 16384 decode
 # only 3% faster than 512-token ones.
-PAGED_MAX_BLOCK_TOKENS = 512
+PAGED_MAX_BLOCK_TOKENS = 1024
 # Every sequence a q block holds costs the whole block's rows in its matmuls and
 # softmax, so a decode batch wants short q blocks: on a v5e, 16-row blocks ran a
 # 64 x 2048 decode 1.57x faster than 64-row ones, and 64-row blocks a mixed
