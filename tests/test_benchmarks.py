@@ -235,6 +235,16 @@ def test_tpu_kernels_quick_run_checks_and_prints_both_tables(tpu_kernels, tmp_pa
 
 @pytest.mark.interpret
 @pytest.mark.races_not_read(SMOKE_RUN)
+def test_tpu_kernels_paged_rows_runs_only_those(tpu_kernels, tmp_path):
+  path = tmp_path / "paged.json"
+  with contextlib.redirect_stdout(io.StringIO()):
+    assert tpu_kernels.main(["--tables", "paged", "--paged-rows", "2", "--repeats", "1", "--json", str(path)]) == 0
+  (paged,) = (s for s in json.loads(path.read_text())["sections"] if "table" in s)
+  assert [r["rows"] for r in paged["rows"]] == [15], paged["rows"]  # row 2 of [4, 16, 15]: only that one ran
+
+
+@pytest.mark.interpret
+@pytest.mark.races_not_read(SMOKE_RUN)
 def test_tpu_kernels_wrong_result_exits_1_before_timing(tpu_kernels, monkeypatch):
   real = tpu_kernels.ours_block_fn
   monkeypatch.setattr(tpu_kernels, "ours_block_fn", lambda *a: lambda q, k, v: real(*a)(q, k, v) * 1.1)

@@ -13,11 +13,15 @@ metadata (SMEM), with no precomputed schedule:
   3. for each kv block of `ppb` pages: async copies of the pages (all kv
      heads of a page are contiguous, so one copy per page and per K/V) into a
      two-slot VMEM buffer; the next block (of the same sequence, or the first
-     block of the next sequence) is in flight while block b is used.  bf16
+     block of the next sequence) is in flight while block b is used.  Each
+     copy moves exactly the page's tokens below kv_len (a dynamic size, 0 for
+     a page past kv_len or missing from the table), so the starts take no
+     branch per page, and the DMA semaphore, which counts bytes, is waited on
+     once per K and V buffer for the block's token count.  bf16
      and 32-bit pages with K a multiple of 8 travel as a free [P, ps * K, H]
      view into a flat [ppb * ps * K, H] buffer, where a kv head is one
      sublane-strided load (bf16 as 32-bit words holding heads 2i and 2i + 1);
-     other pages keep [ppb, ps, K, H] and a head is a slice
+     other pages land in a [ppb * ps, K, H] buffer and a head is a slice
      (`tiling.flat_kv_pages`);
   4. for each kv head: the G = N / K q heads of its group, folded to one
      (bq * G, H) operand (row r is token r // G, head r % G), meet the block
@@ -30,11 +34,10 @@ applies them after the forward, and the backward only reads p where a key is
 visible, so the sink-inclusive lse it receives (finite, s_h, on rows that see no
 key) still gives those rows exact-zero gradients.
 
-Isolation: a page slot is copied only if the page id is in [0, P) and the
-slot is below kv_lens[s]; anything else is never read.  Copied slots past
-kv_lens and slots not copied (stale VMEM) are zeroed in VMEM (`walk.block_keys`,
-on the blocks that have any) and masked, so NaN in foreign pages or tails
-cannot reach an output.
+Isolation: a page's tokens are copied only if the page id is in [0, P) and
+only those below kv_lens[s]; nothing else is read.  Slots not copied (stale
+VMEM) are zeroed in VMEM (`walk.block_keys`, on the blocks that have any) and
+masked, so NaN in foreign pages or tails cannot reach an output.
 
 Backward (one kernel, sequential grid): the same walk recomputes p from the
 forward's lse and accumulates dq for the block in VMEM, while dK/dV of each

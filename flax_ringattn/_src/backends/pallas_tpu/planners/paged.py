@@ -9,19 +9,22 @@ from flax_ringattn._src.backends.pallas_tpu.planners.block import Footprint
 from flax_ringattn._src.backends.pallas_tpu.planners.chip import MiB, budget_bytes, current_generation
 from flax_ringattn._src.block_sizes import BlockSizes
 
-# Pages per kv block stop paying past this many tokens: the copies of one block
-# already amortise their issue cost, and a larger block wastes more of a
-# sequence's last, partial block.  On a v5e (2026-12-05, bf16, N=32, K=8,
-# pages of 16; docs/performance.md) 2048-token blocks ran a 16 x 16384 decode
-# only 3% faster than 512-token ones.
+# Pages per kv block stop paying past this many tokens: a block's copies already
+# keep the DMA engines busy while the previous block is used, and a larger block
+# wastes more of a sequence's last, partial block.  On a v5e (2026-12-05, bf16,
+# N=32, K=8, pages of 16, shuffled; docs/performance.md), against 512-token
+# blocks, 1024-token ones ran a 64 x 2048 decode 1.16x faster (1.59 ms vs
+# 1.84 ms), and 2048-token ones were slower than 1024 on both decodes (1.65 vs
+# 1.59 ms; 2.55 vs 2.39 ms for 16 x 16384).
 PAGED_MAX_BLOCK_TOKENS = 1024
 # Every sequence a q block holds costs the whole block's rows in its matmuls and
-# softmax, so a decode batch wants short q blocks: on a v5e, 16-row blocks ran a
-# 64 x 2048 decode 1.57x faster than 64-row ones, and 64-row blocks a mixed
-# 1024-row step 1.53x faster than 256-row ones.  The q block is at most
-# PAGED_MAX_BLOCK_Q rows and at most a quarter of the batch's (one sublane tile
-# at least).
-PAGED_MAX_BLOCK_Q = 64
+# softmax, so a ragged batch wants short q blocks: on a v5e, with 1024-token kv
+# blocks, 32-row q blocks ran a mixed 1024-row step (2 prefills + 32 decodes)
+# 1.11x faster than 64-row ones (1.93 vs 2.15 ms) and the 1054-token step 1.16x
+# (1.45 vs 1.68 ms).  The q block is at most PAGED_MAX_BLOCK_Q rows and at most
+# a quarter of the batch's (one sublane tile at least): a 64-sequence decode
+# runs 16-row blocks (8-row ones measured within 2% of them).
+PAGED_MAX_BLOCK_Q = 32
 
 
 def paged_footprint(
