@@ -79,7 +79,7 @@ def _start_pages(d: pp.PagedDims, r: Refs, pages: list[Page], slot):
 
 
 def _scale_copies(r: Refs, pages: list[Page], slot):
-  """[(ok, None, descriptors)] of the pages' scale rows."""
+  """[(ok, descriptors)] of the pages' scale rows."""
   out = []
   for j, page in enumerate(pages):
     descs = [
@@ -88,7 +88,7 @@ def _scale_copies(r: Refs, pages: list[Page], slot):
       if src is not None
     ]
     if descs:
-      out.append((page.ok, None, descs))
+      out.append((page.ok, descs))
   return out
 
 
@@ -108,12 +108,12 @@ def _wait_pages(d: pp.PagedDims, r: Refs, pages: list[Page], slot):
 
 
 def _span_copy(d: pp.PagedDims, r: Refs, s, b, slot, first_pos, kv_len):
-  """[(copy?, None, descriptors)] of the ids of kv block b of sequence s when it holds some of the call's new
+  """[(copy?, descriptors)] of the ids of kv block b of sequence s when it holds some of the call's new
   tokens (positions first_pos .. kv_len - 1); [] without spans."""
   if not d.spans:
     return []
   ok, row = _span_row(d, r, s, b, first_pos, kv_len)
-  return [(ok, None, [pltpu.make_async_copy(r.kv_ids_hbm.at[row], r.kv_ids_buf.at[slot], r.sem.at[slot])])]
+  return [(ok, [pltpu.make_async_copy(r.kv_ids_hbm.at[row], r.kv_ids_buf.at[slot], r.sem.at[slot])])]
 
 
 def _span_row(d: pp.PagedDims, r: Refs, s, b, first_pos, kv_len):
@@ -143,7 +143,7 @@ def _start_block(d: pp.PagedDims, r: Refs, s, b, slot, g):
 
 
 def _run(copies, method):
-  for ok, _, descs in copies:
+  for ok, descs in copies:
     pl.when(ok)(functools.partial(_each, descs, method))
 
 
