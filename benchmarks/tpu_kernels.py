@@ -41,6 +41,7 @@ Run it (repository root)::
   PYTHONPATH=. python benchmarks/tpu_kernels.py                  # on a TPU: both tables, a few minutes
   PYTHONPATH=. python benchmarks/tpu_kernels.py --quick          # on a TPU: small shapes, well under a minute
   PYTHONPATH=. python benchmarks/tpu_kernels.py --json out.json  # Markdown on stdout, the report as JSON in out.json
+  PYTHONPATH=. python benchmarks/tpu_kernels.py --tables paged --paged-blocks 16,1024 32,1024  # a block sweep
   python benchmarks/tpu_kernels.py --quick                       # on CPU: interpret mode, < 1 min
 """
 
@@ -495,19 +496,32 @@ def paged_table(report, cfg: Config, args, chip) -> None:
   N, K, H = cfg.paged["N"], cfg.paged["K"], cfg.paged["H"]
   scale, page, item = H**-0.5, args.page_size, 2
   bw = chip.memory_bandwidth if chip else None
-  blocks = None
-  if args.paged_blocks:
-    bq, bkv = (int(s) for s in args.paged_blocks.split(","))
-    blocks = fr.BlockSizes(block_q=bq, block_kv=bkv)
-  ours = jax.jit(
-    functools.partial(
-      fr.paged_attention,
-      scale=scale,
-      implementation="pallas_tpu",
-      block_sizes=blocks,
-      interpret=True if args.interpret else None,
+  choices = args.paged_blocks or [None]  # None: the planner's blocks
+
+  def ours_fn(blocks):
+    return jax.jit(
+      functools.partial(
+        fr.paged_attention,
+        scale=scale,
+        implementation="pallas_tpu",
+        block_sizes=blocks,
+        interpret=True if args.interpret else None,
+      )
     )
-  )
+
+  ours_fns = [ours_fn(blocks) for blocks in choices]
+  if args.interpret:
+    # JAX's kernel does not run in TPU interpret mode: its jnp reference (one loop step per sequence, on the
+    # same combined cache) stands in for it, checked and not timed.
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+
+    peer_name, timed_peer = "jax ref", None
+    peer_fn = lambda *a: ref_ragged_paged_attention(*a, sm_scale=scale)  # noqa: E731
+  else:
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+    rpa = functools.partial(ragged_paged_attention, sm_scale=scale, vmem_limit_bytes=args.vmem_limit_mib * MIB)
+    peer_name, timed_peer, peer_fn = "jax", "jax", jax.jit(rpa)  # one jit: compiled once per shape
   rows = []
   for i, step in enumerate(cfg.steps):
     if args.paged_rows is not None and i not in args.paged_rows:
@@ -516,29 +530,22 @@ def paged_table(report, cfg: Config, args, chip) -> None:
     kv = combined_cache(x.k, x.v)
     live = step.new_tokens  # rows past the sequences' are padding: not compared
     to_ours = lambda o, live=live: o[:live]
-    if args.interpret:
-      # JAX's kernel does not run in TPU interpret mode: its jnp reference (one loop step per sequence, on the
-      # same combined cache) stands in for it, checked and not timed.
-      from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
-
-      ref = lambda *a: ref_ragged_paged_attention(*a, sm_scale=scale)
-      peers, timed_peer = {"jax ref": Candidate(ref, (x.q, kv, *x.meta), to_ours, timed=False)}, None
-    else:
-      from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
-
-      rpa = functools.partial(ragged_paged_attention, sm_scale=scale, vmem_limit_bytes=args.vmem_limit_mib * MIB)
-      peers, timed_peer = {"jax": Candidate(jax.jit(rpa), (x.q, kv, *x.meta), to_ours)}, "jax"
-    name = f"paged {step.name}, {step.rows} rows"
-    got = check_and_time(report, name, Candidate(ours, (x.q, x.k, x.v, *x.meta), to_ours), peers, ("out",), args)
-    t = got["times"]
-    kv_bytes = sum(step.kv_lens) * K * H * item * 2  # K and V of every cached token each sequence attends to
-    total = kv_bytes + 2 * step.rows * N * H * item  # + q read, out written
-    t_ours = ms(t, "ours")
-    gbs = total / t_ours / 1e6 if t_ours else None
-    rows.append([step.name, step.rows, len(step.q_lens), step.new_tokens, kv_bytes / 1e6, t_ours,
-                 ms(t, timed_peer), ratio(t, timed_peer), gbs,
-                 gbs and bw and 100 * gbs * 1e9 / bw, got["err"], our_paged_blocks(x, blocks), jax_paged_blocks(x),
-                 notes_cell(got["errors"])])  # fmt: skip
+    # Several --paged-blocks: one row per choice, each checked and timed against the same (compiled once) peer.
+    for blocks, ours in zip(choices, ours_fns, strict=True):
+      peers = {peer_name: Candidate(peer_fn, (x.q, kv, *x.meta), to_ours, timed=timed_peer is not None)}
+      name = f"paged {step.name}, {step.rows} rows"
+      if len(choices) > 1:
+        name += f", ours {our_paged_blocks(x, blocks)}"
+      got = check_and_time(report, name, Candidate(ours, (x.q, x.k, x.v, *x.meta), to_ours), peers, ("out",), args)
+      t = got["times"]
+      kv_bytes = sum(step.kv_lens) * K * H * item * 2  # K and V of every cached token each sequence attends to
+      total = kv_bytes + 2 * step.rows * N * H * item  # + q read, out written
+      t_ours = ms(t, "ours")
+      gbs = total / t_ours / 1e6 if t_ours else None
+      rows.append([step.name, step.rows, len(step.q_lens), step.new_tokens, kv_bytes / 1e6, t_ours,
+                   ms(t, timed_peer), ratio(t, timed_peer), gbs,
+                   gbs and bw and 100 * gbs * 1e9 / bw, got["err"], our_paged_blocks(x, blocks),
+                   jax_paged_blocks(x), notes_cell(got["errors"])])  # fmt: skip
     del x, kv  # the 16 x 16384 step's pages and combined cache alone take 2 GiB
   peer_note = (
     "JAX's ragged_paged_attention does not run in interpret mode: checked against its ref_ragged_paged_attention "
@@ -605,7 +612,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   add("--no-flash", action="store_true", help="block table: leave out JAX's flash_attention")
   add("--splash-fused-bwd", action="store_true", help="block table: splash's fused dq/dk/dv backward kernel")
   add("--page-size", type=int, default=16, help="paged table: tokens per page")
-  add("--paged-blocks", default=None, help="paged table: our BlockSizes 'block_q,block_kv' (default: the planner)")
+  add(
+    "--paged-blocks",
+    nargs="+",
+    default=None,
+    metavar="BQ,BKV",
+    help="paged table: our BlockSizes as block_q,block_kv (default: the planner); several: a sweep, one row per "
+    "choice and batch, each timed against the same compiled jax kernel",
+  )
   add("--paged-rows", default=None, help="paged table: comma-separated row numbers to run, from 0 (default: all)")
   add("--vmem-limit-mib", type=int, default=64, help="paged table: ragged_paged_attention's vmem_limit_bytes")
   add("--seed", type=int, default=0)
@@ -618,6 +632,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   args.seq_lens, args.fwd_seq_lens = ints(args.seq_lens), ints(args.fwd_seq_lens)
   args.masks, args.tables = names(args.masks), names(args.tables)
   args.paged_rows = None if args.paged_rows is None else ints(args.paged_rows)
+  if args.paged_blocks is not None:
+    pairs = [ints(text) for text in args.paged_blocks]
+    if any(len(p) != 2 for p in pairs):
+      parser.error(f"--paged-blocks takes block_q,block_kv pairs, got {' '.join(args.paged_blocks)}")
+    args.paged_blocks = [fr.BlockSizes(block_q=bq, block_kv=bkv) for bq, bkv in pairs]
   for m in args.masks:
     if m not in ("causal", "full"):
       parser.error(f"unknown mask {m!r}; known: causal, full")

@@ -235,12 +235,18 @@ def test_tpu_kernels_quick_run_checks_and_prints_both_tables(tpu_kernels, tmp_pa
 
 @pytest.mark.interpret
 @pytest.mark.races_not_read(SMOKE_RUN)
-def test_tpu_kernels_paged_rows_runs_only_those(tpu_kernels, tmp_path):
+def test_tpu_kernels_paged_rows_and_a_blocks_sweep(tpu_kernels, tmp_path):
+  """--paged-rows runs only those batches; several --paged-blocks give one checked, timed row per choice."""
   path = tmp_path / "paged.json"
+  argv = ["--tables", "paged", "--paged-rows", "2", "--paged-blocks", "8,16", "16,32", "--repeats", "1"]
   with contextlib.redirect_stdout(io.StringIO()):
-    assert tpu_kernels.main(["--tables", "paged", "--paged-rows", "2", "--repeats", "1", "--json", str(path)]) == 0
+    assert tpu_kernels.main([*argv, "--json", str(path)]) == 0
   (paged,) = (s for s in json.loads(path.read_text())["sections"] if "table" in s)
-  assert [r["rows"] for r in paged["rows"]] == [15], paged["rows"]  # row 2 of [4, 16, 15]: only that one ran
+  got = [(r["rows"], r["ours blocks"]) for r in paged["rows"]]
+  assert got == [(15, "8x16"), (15, "16x32")], got  # row 2 of [4, 16, 15] only, once per block choice
+  assert all(r["notes"] == "" and r["max err"] is not None for r in paged["rows"]), paged["rows"]
+  with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+    tpu_kernels.parse_args(["--paged-blocks", "16"])
 
 
 @pytest.mark.interpret
