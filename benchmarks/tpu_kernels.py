@@ -474,16 +474,19 @@ def jax_paged_blocks(x: PagedInputs) -> str | None:
 
 
 def our_paged_blocks(x: PagedInputs, blocks) -> str | None:
-  """The (q rows x kv tokens) blocks our op runs: `--paged-blocks`, else its planner's pick (display only)."""
-  if blocks is not None:
-    return f"{blocks.block_q}x{blocks.block_kv}"
+  """The (q rows x kv tokens) blocks our op runs (display only): `--paged-blocks`, else its planner's pick, as
+  the kernel takes them (`plans.check_supported`: a q block of at least one sublane tile of q's dtype, or all
+  the rows; whole pages)."""
   try:
     from flax_ringattn._src.backends.pallas_tpu import planners
+    from flax_ringattn._src.backends.pallas_tpu.paged import plans
 
     T, N, H = x.q.shape
     _, page, K, _ = x.k.shape
-    bs = planners.plan_paged_block_sizes(T, page, x.meta[1].shape[1], N, K, H, x.q.dtype)
-    return f"{bs.block_q}x{bs.block_kv}"
+    if blocks is None:
+      blocks = planners.plan_paged_block_sizes(T, page, x.meta[1].shape[1], N, K, H, x.q.dtype)
+    bq, ppb = plans.check_supported(x.q, x.k, block_q=blocks.block_q, pages_per_block=blocks.block_kv // page)
+    return f"{bq}x{ppb * page}"
   except Exception:
     return None
 
@@ -522,6 +525,9 @@ def paged_table(report, cfg: Config, args, chip) -> None:
 
     rpa = functools.partial(ragged_paged_attention, sm_scale=scale, vmem_limit_bytes=args.vmem_limit_mib * MIB)
     peer_name, timed_peer, peer_fn = "jax", "jax", jax.jit(rpa)  # one jit: compiled once per shape
+  bad = sorted(set(args.paged_rows or ()) - set(range(len(cfg.steps))))
+  if bad:
+    raise SystemExit(f"--paged-rows: no row {bad} (this run's paged table has rows 0 to {len(cfg.steps) - 1})")
   rows = []
   for i, step in enumerate(cfg.steps):
     if args.paged_rows is not None and i not in args.paged_rows:
@@ -631,9 +637,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   names = lambda text: [s.strip() for s in text.split(",") if s.strip()]
   args.seq_lens, args.fwd_seq_lens = ints(args.seq_lens), ints(args.fwd_seq_lens)
   args.masks, args.tables = names(args.masks), names(args.tables)
-  args.paged_rows = None if args.paged_rows is None else ints(args.paged_rows)
+  try:
+    args.paged_rows = None if args.paged_rows is None else ints(args.paged_rows)
+  except ValueError:
+    parser.error(f"--paged-rows takes row numbers, got {args.paged_rows!r}")
   if args.paged_blocks is not None:
-    pairs = [ints(text) for text in args.paged_blocks]
+    try:
+      pairs = [ints(text) for text in args.paged_blocks]
+    except ValueError:
+      pairs = [()]
     if any(len(p) != 2 for p in pairs):
       parser.error(f"--paged-blocks takes block_q,block_kv pairs, got {' '.join(args.paged_blocks)}")
     args.paged_blocks = [fr.BlockSizes(block_q=bq, block_kv=bkv) for bq, bkv in pairs]

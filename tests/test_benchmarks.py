@@ -238,15 +238,20 @@ def test_tpu_kernels_quick_run_checks_and_prints_both_tables(tpu_kernels, tmp_pa
 def test_tpu_kernels_paged_rows_and_a_blocks_sweep(tpu_kernels, tmp_path):
   """--paged-rows runs only those batches; several --paged-blocks give one checked, timed row per choice."""
   path = tmp_path / "paged.json"
-  argv = ["--tables", "paged", "--paged-rows", "2", "--paged-blocks", "8,16", "16,32", "--repeats", "1"]
+  argv = ["--tables", "paged", "--paged-rows", "1", "--paged-blocks", "8,16", "16,32", "--repeats", "1"]
   with contextlib.redirect_stdout(io.StringIO()):
     assert tpu_kernels.main([*argv, "--json", str(path)]) == 0
   (paged,) = (s for s in json.loads(path.read_text())["sections"] if "table" in s)
   got = [(r["rows"], r["ours blocks"]) for r in paged["rows"]]
-  assert got == [(15, "8x16"), (15, "16x32")], got  # row 2 of [4, 16, 15] only, once per block choice
+  # Row 1 of [4, 16, 15] only, once per block choice; the blocks as the kernel runs them (bf16 q: a q block of
+  # at least 16 rows, so "8,16" runs 16 x 16).
+  assert got == [(16, "16x16"), (16, "16x32")], got
   assert all(r["notes"] == "" and r["max err"] is not None for r in paged["rows"]), paged["rows"]
-  with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
-    tpu_kernels.parse_args(["--paged-blocks", "16"])
+  for bad in (["--paged-blocks", "16"], ["--paged-blocks", "a,b"], ["--paged-rows", "x"]):
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+      tpu_kernels.parse_args(bad)
+  with pytest.raises(SystemExit, match="no row"), contextlib.redirect_stdout(io.StringIO()):
+    tpu_kernels.main(["--tables", "paged", "--paged-rows", "7"])
 
 
 @pytest.mark.interpret

@@ -34,10 +34,11 @@ applies them after the forward, and the backward only reads p where a key is
 visible, so the sink-inclusive lse it receives (finite, s_h, on rows that see no
 key) still gives those rows exact-zero gradients.
 
-Isolation: a page's tokens are copied only if the page id is in [0, P) and
-only those below kv_lens[s]; nothing else is read.  Slots not copied (stale
-VMEM) are zeroed in VMEM (`walk.block_keys`, on the blocks that have any) and
-masked, so NaN in foreign pages or tails cannot reach an output.
+Isolation: a page's tokens are copied only if the page id is in [0, P), and
+only those below kv_lens[s] (an int8/fp8 cache's scales: the page's whole
+scale rows).  Slots not copied (stale VMEM) and scale rows past kv_lens are
+zeroed in VMEM (`walk.block_keys`, on the blocks that have any) and masked, so
+NaN in foreign pages or tails cannot reach an output.
 
 Backward (one kernel, sequential grid): the same walk recomputes p from the
 forward's lse and accumulates dq for the block in VMEM, while dK/dV of each

@@ -22,8 +22,8 @@ PAGED_MAX_BLOCK_TOKENS = 1024
 # blocks, 32-row q blocks ran a mixed 1024-row step (2 prefills + 32 decodes)
 # 1.11x faster than 64-row ones (1.93 vs 2.15 ms) and the 1054-token step 1.16x
 # (1.45 vs 1.68 ms).  The q block is at most PAGED_MAX_BLOCK_Q rows and at most
-# a quarter of the batch's (one sublane tile at least): a 64-sequence decode
-# runs 16-row blocks (8-row ones measured within 2% of them).
+# a quarter of the batch's (one sublane tile of q's dtype at least: a bf16
+# decode of 64 sequences runs 16-row blocks).
 PAGED_MAX_BLOCK_Q = 32
 
 
