@@ -536,6 +536,8 @@ def paged_table(report, cfg: Config, args, chip) -> None:
     kv = combined_cache(x.k, x.v)
     live = step.new_tokens  # rows past the sequences' are padding: not compared
     to_ours = lambda o, live=live: o[:live]
+    kv_bytes = sum(step.kv_lens) * K * H * item * 2  # K and V of every cached token each sequence attends to
+    total = kv_bytes + 2 * step.rows * N * H * item  # + q read, out written
     # Several --paged-blocks: one row per choice, each checked and timed against the same (compiled once) peer.
     for blocks, ours in zip(choices, ours_fns, strict=True):
       peers = {peer_name: Candidate(peer_fn, (x.q, kv, *x.meta), to_ours, timed=timed_peer is not None)}
@@ -544,8 +546,6 @@ def paged_table(report, cfg: Config, args, chip) -> None:
         name += f", ours {our_paged_blocks(x, blocks)}"
       got = check_and_time(report, name, Candidate(ours, (x.q, x.k, x.v, *x.meta), to_ours), peers, ("out",), args)
       t = got["times"]
-      kv_bytes = sum(step.kv_lens) * K * H * item * 2  # K and V of every cached token each sequence attends to
-      total = kv_bytes + 2 * step.rows * N * H * item  # + q read, out written
       t_ours = ms(t, "ours")
       gbs = total / t_ours / 1e6 if t_ours else None
       rows.append([step.name, step.rows, len(step.q_lens), step.new_tokens, kv_bytes / 1e6, t_ours,

@@ -43,6 +43,11 @@ class PagedDims:
     return c.flat_kv_pages(self.page_dtype, self.K)
 
   @property
+  def rows_per_token(self) -> int:
+    """Rows of a kv buffer (`kv_buffer_shape`) per token: K when flat, else 1 ([ppb * ps, K, h])."""
+    return self.K if self.flat else 1
+
+  @property
   def span_rows(self) -> int:
     """Rows of the kv id table (`span_operands`): sequence s's kv block b is row cu[s] // bt + 2 s + b - (its first
     new token's block); a sequence of q_len new tokens touches at most (q_len - 1) // bt + 2 blocks, which the

@@ -61,7 +61,7 @@ def _pages(d: pp.PagedDims, r: Refs, s, b, kv_len) -> list[Page]:
 
 def _page_slot(d: pp.PagedDims, buf, slot, j):
   """Page j of kv slot `slot` of a K or V buffer: [ps * K, h] when flat, else [ps, K, h]."""
-  rows = d.ps * d.K if d.flat else d.ps
+  rows = d.ps * d.rows_per_token
   return buf.at[slot, pl.ds(j * rows, rows)]
 
 
@@ -69,7 +69,7 @@ def _start_pages(d: pp.PagedDims, r: Refs, pages: list[Page], slot):
   """Starts the copies of a block's pages into kv slot `slot`, each exactly its `tokens` (a copy of none moves no
   bytes): no branch per page, and a block's K (V) bytes are one count for `_wait_pages`.  Scales (small, and
   per page) are copied whole, on the pages that are `ok`."""
-  per = d.K if d.flat else 1  # buffer rows per token
+  per = d.rows_per_token
   for j, page in enumerate(pages):
     n = page.tokens * per
     for hbm, buf in ((r.k_hbm, r.k_buf), (r.v_hbm, r.v_buf)):
@@ -95,7 +95,7 @@ def _scale_copies(r: Refs, pages: list[Page], slot):
 def _wait_pages(d: pp.PagedDims, r: Refs, pages: list[Page], slot):
   """Waits for every copy `_start_pages` started into kv slot `slot`: one wait per K and V buffer for the block's
   byte count (the DMA semaphore counts bytes; the view waited on only supplies the count)."""
-  per = d.K if d.flat else 1
+  per = d.rows_per_token
   tokens = sum(p.tokens for p in pages)
 
   @pl.when(tokens > 0)
@@ -183,8 +183,7 @@ def block_keys(d: pp.PagedDims, r: Refs, pages: list[Page], b, slot, kv_len):
 
       @pl.when(page.tokens < d.ps)
       def _(j=j, keep=page.tokens):
-        page_rows = d.K if d.flat else 1  # rows per slot: a flat page is [ps * K, h], a plain one [ps, K, h]
-        views = [(_page_slot(d, buf, slot, j), page_rows) for buf in (r.k_buf, r.v_buf)]
+        views = [(_page_slot(d, buf, slot, j), d.rows_per_token) for buf in (r.k_buf, r.v_buf)]
         views += [(sc.at[slot, j], 1) for sc in r.scale_bufs if sc is not None]  # [rows, K]
         for view, rows in views:
           x = view[...]
