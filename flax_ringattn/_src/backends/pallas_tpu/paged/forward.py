@@ -34,29 +34,40 @@ def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *res
   r = dataclasses.replace(r, q_ids=q_ids, kv_ids_hbm=kv_ids_hbm, kv_ids_buf=kv_ids_buf, keys_sc=keys_sc)
   G, q_lo = d.G, pl.program_id(0) * d.bq
   for k in range(d.K):  # fold each head group once per q block, not once per kv block
-    q_sc[k] = w.fold(q_ref[:, k * G : (k + 1) * G, :], G)  # [bq * G, H]
+    q_sc[k] = w.fold(q_ref[:, k * G : (k + 1) * G, :], G).astype(c.F32)  # [bq * G, H]
   m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, c.F32)
   l_sc[...] = jnp.zeros(l_sc.shape, c.F32)
   acc_sc[...] = jnp.zeros(acc_sc.shape, c.F32)
 
-  def visit(s, b, slot, pages, g, keys):
+  def update(s, b, slot, g, keys, row0, rows):
+    """Online softmax of kv block b over the folded rows [row0, row0 + rows)."""
     ids = w.span_ids(d, r, s, b, slot, g)
-    vis = w.mask(d, spec, q_lo, g.start, g.end, g.first_pos, b, keys, ids)
+    vis = w.mask(d, spec, q_lo, g.start, g.end, g.first_pos, b, keys, ids, row0=row0, rows=rows)
+    at = pl.ds(row0, rows)
     for k in range(d.K):
       kk, _ = w.load_head(d, k_buf, scale_bufs[0], slot, k)
       vv, _ = w.load_head(d, v_buf, scale_bufs[1], slot, k)
-      s_ = w.dot(q_sc[k], kk, ((1,), (1,)), d.q_dtype) * spec.scale
+      s_ = w.dot(q_sc[k, at, :], kk, ((1,), (1,)), d.q_dtype) * spec.scale
       if spec.logits_soft_cap is not None:
         s_ = spec.logits_soft_cap * jnp.tanh(s_ / spec.logits_soft_cap)
       s_ = jnp.where(vis, s_, -jnp.inf)
-      m_prev, l_prev = m_sc[k][:, :1], l_sc[k][:, :1]
+      m_prev, l_prev = m_sc[k, at, :][:, :1], l_sc[k, at, :][:, :1]
       m_new = jnp.maximum(m_prev, s_.max(axis=-1, keepdims=True))
       m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows that see nothing yet: exp(-inf) = 0, not NaN
       alpha = jnp.exp(m_prev - m_safe)
       p = jnp.exp(s_ - m_safe)
-      l_sc[k] = jnp.broadcast_to(alpha * l_prev + p.sum(axis=-1, keepdims=True), (d.bq * G, c.LANES))
-      m_sc[k] = jnp.broadcast_to(m_new, (d.bq * G, c.LANES))
-      acc_sc[k] = alpha * acc_sc[k] + w.dot(p, vv, ((1,), (0,)), d.q_dtype)  # [bq * G, Hv]
+      l_sc[k, at, :] = jnp.broadcast_to(alpha * l_prev + p.sum(axis=-1, keepdims=True), (rows, c.LANES))
+      m_sc[k, at, :] = jnp.broadcast_to(m_new, (rows, c.LANES))
+      acc_sc[k, at, :] = alpha * acc_sc[k, at, :] + w.dot(p, vv, ((1,), (0,)), d.q_dtype)  # [rows, Hv]
+
+  def visit(s, b, slot, pages, g, keys):
+    if d.window_rows is None:
+      update(s, b, slot, g, keys, 0, d.bq * G)
+      return
+    # A sequence with few rows here (a decode token: G rows) is computed on its window alone.
+    narrow, row0 = w.row_window(d, g, q_lo)
+    pl.when(narrow)(lambda: update(s, b, slot, g, keys, row0, d.window_rows))
+    pl.when(~narrow)(lambda: update(s, b, slot, g, keys, 0, d.bq * G))
 
   if d.write:
     _write_block(d, spec, r, new_refs, q_lo)

@@ -63,6 +63,17 @@ class PagedDims:
     return self.N // self.K
 
   @property
+  def window_rows(self) -> int | None:
+    """Folded rows (`walk.fold`) of the forward's narrow path, or None: a sequence whose rows in a q block fit in
+    `window_rows` rows starting at a multiple of 8 (an f32 sublane tile) is computed on those rows alone, not on
+    the block's bq * G, so a decode token costs about G rows, not bq * G.  The least multiple of 8 that holds any
+    one token's G rows from the tile they start in; None when that is the whole block, or with span ids (their
+    q ids are folded whole)."""
+    w = max((t * self.G) % 8 + self.G for t in range(8))
+    w = -(-w // 8) * 8
+    return None if w >= self.bq * self.G or self.spans else w
+
+  @property
   def block_tokens(self) -> int:
     return self.ppb * self.ps
 
@@ -200,7 +211,9 @@ def fwd_plan(d: PagedDims) -> c.CallPlan:
     out_shapes=tuple(out_shapes),
     scratch=(
       *_kv_scratch(d),
-      ((d.K, rows, d.H), d.q_dtype),  # q, kv head major, each head group folded (`walk.fold`) once per q block
+      # q, kv head major, each head group folded (`walk.fold`) once per q block; f32, so the narrow path
+      # (`PagedDims.window_rows`) slices it at any multiple of 8 rows (a bf16 tile is 16)
+      ((d.K, rows, d.H), c.F32),
       ((d.K, rows, c.LANES), c.F32),  # m
       ((d.K, rows, c.LANES), c.F32),  # l
       ((d.K, rows, d.Hv), c.F32),  # acc, folded as q

@@ -224,14 +224,22 @@ def fold(x, G):
   return x.reshape(x.shape[0] * G, *x.shape[2:])
 
 
-def mask(d: pp.PagedDims, spec, q_lo, seq_start, seq_end, first_pos, b, valid_row, ids=(None, None)):
-  """[bq * G, block_tokens] visibility of kv block b for the rows of one sequence in this q block; `ids`: the
-  rows' and keys' bidirectional ids (`span_ids`)."""
-  rows = d.bq * d.G
-  t = q_lo + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), d.G)  # global row of q
+def mask(d: pp.PagedDims, spec, q_lo, seq_start, seq_end, first_pos, b, valid_row, ids=(None, None), row0=0, rows=None):
+  """[rows, block_tokens] visibility of kv block b for the rows of one sequence in this q block, on the folded
+  rows [row0, row0 + rows) (default: all bq * G); `ids`: the rows' and keys' bidirectional ids (`span_ids`)."""
+  rows = d.bq * d.G if rows is None else rows
+  t = q_lo + jax.lax.div(row0 + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), d.G)  # global row of q
   pos = first_pos + (t - seq_start)
   kv_pos = b * d.block_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, d.block_tokens), 1)
   return (t >= seq_start) & (t < seq_end) & valid_row & masks.pair_visible(spec.mask, pos, kv_pos, None, None, *ids)
+
+
+def row_window(d: pp.PagedDims, g, q_lo):
+  """(whether sequence g's folded rows in the q block fit in `PagedDims.window_rows` rows from a multiple of 8,
+  that first row); only with a window."""
+  lo, hi = (g.lo_row - q_lo) * d.G, (g.hi_row - q_lo) * d.G
+  row0 = jax.lax.div(lo, 8) * 8
+  return (hi <= row0 + d.window_rows) & (row0 + d.window_rows <= d.bq * d.G), pl.multiple_of(row0, 8)
 
 
 def dot(a, b, contract, dtype):

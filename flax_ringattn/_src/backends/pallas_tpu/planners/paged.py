@@ -68,7 +68,7 @@ def paged_footprint(
   if kernel == "paged_fwd":
     pipelined = q_block + o_block + c.padded_bytes((bq, N), f32) + span_block  # q; o, lse; span ids
     scratch = kv_slots + 2 * c.padded_bytes((K, bq * G, c.LANES), f32) + c.padded_bytes((K, bq * G, Hv), f32)
-    scratch += c.padded_bytes((K, bq * G, H), dtype)  # q folded per head group
+    scratch += c.padded_bytes((K, bq * G, H), f32)  # q folded per head group (f32: `PagedDims.window_rows`)
     temporaries = 3 * score + head_kv
   elif kernel == "paged_bwd":
     # q, do, lse, delta; dq
