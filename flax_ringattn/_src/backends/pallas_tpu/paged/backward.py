@@ -22,14 +22,14 @@ def _bwd_kernel(
   _dk_in, _dv_in, dq_ref, dk_hbm, dv_hbm, *rest = rest
   del _dk_in, _dv_in  # the same buffers as dk_hbm / dv_hbm (aliased)
   k_buf, v_buf, scale_bufs, kv_ids_buf, keys_sc, rest = w.split_scratch(d, rest)
-  dq_sc, dk_blk, dv_blk, *page_bufs, sem = rest
+  dq_sc, dk_blk, dv_blk, *page_bufs, sem, tokens_sc = rest
   dk_page, dv_page = page_bufs[0], page_bufs[-1]  # one buffer for both unless v's head dim differs (MLA)
-  r = w.Refs(cu_ref, kv_lens_ref, table_ref, n_ref, k_hbm, v_hbm, scales_hbm, k_buf, v_buf, scale_bufs, sem)
+  r = w.Refs(cu_ref, kv_lens_ref, table_ref, n_ref, k_hbm, v_hbm, scales_hbm, k_buf, v_buf, scale_bufs, sem, tokens_sc)
   r = dataclasses.replace(r, q_ids=q_ids, kv_ids_hbm=kv_ids_hbm, kv_ids_buf=kv_ids_buf, keys_sc=keys_sc)
   G, q_lo = d.G, pl.program_id(0) * d.bq
   dq_sc[...] = jnp.zeros(dq_sc.shape, c.F32)
 
-  def visit(s, b, slot, pages, g, keys):
+  def visit(s, b, slot, g, keys):
     ids = w.span_ids(d, r, s, b, slot, g)
     vis = w.mask(d, spec, q_lo, g.start, g.end, g.first_pos, b, keys, ids)
     for k in range(d.K):
@@ -79,7 +79,7 @@ def _bwd_kernel(
         wr.start()
         wr.wait()
 
-    for j, page in enumerate(pages):
+    for j, page in enumerate(w.block_pages(d, r, s, b, g.kv_len)):
       pl.when(page.ok)(functools.partial(add_page, j, page.pid))
 
   w.walk(d, spec, r, q_lo, visit)

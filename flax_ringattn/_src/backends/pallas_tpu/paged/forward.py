@@ -29,8 +29,8 @@ def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *res
     k_hbm, v_hbm, *rest = rest
     scales_hbm, rest = w.split_refs(d, rest)
   k_buf, v_buf, scale_bufs, kv_ids_buf, keys_sc, rest = w.split_scratch(d, rest)
-  q_sc, m_sc, l_sc, acc_sc, sem = rest
-  r = w.Refs(cu_ref, kv_lens_ref, table_ref, n_ref, k_hbm, v_hbm, scales_hbm, k_buf, v_buf, scale_bufs, sem)
+  q_sc, m_sc, l_sc, acc_sc, sem, tokens_sc = rest
+  r = w.Refs(cu_ref, kv_lens_ref, table_ref, n_ref, k_hbm, v_hbm, scales_hbm, k_buf, v_buf, scale_bufs, sem, tokens_sc)
   r = dataclasses.replace(r, q_ids=q_ids, kv_ids_hbm=kv_ids_hbm, kv_ids_buf=kv_ids_buf, keys_sc=keys_sc)
   G, q_lo = d.G, pl.program_id(0) * d.bq
   for k in range(d.K):  # fold each head group once per q block, not once per kv block
@@ -60,7 +60,7 @@ def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *res
       m_sc[k, at, :] = jnp.broadcast_to(m_new, (rows, c.LANES))
       acc_sc[k, at, :] = alpha * acc_sc[k, at, :] + w.dot(p, vv, ((1,), (0,)), d.q_dtype)  # [rows, Hv]
 
-  def visit(s, b, slot, pages, g, keys):
+  def visit(s, b, slot, g, keys):
     if d.window_rows is None:
       update(s, b, slot, g, keys, 0, d.bq * G)
       return

@@ -31,6 +31,7 @@ class Refs:
   v_buf: object  # the same with Hv
   scale_bufs: tuple  # [2, ppb, rows, K] (None when absent)
   sem: object  # DMA semaphores; [0] and [1]: the kv slots
+  tokens_sc: object = None  # [2] int32 (SMEM): tokens copied into each kv slot by its last `_start_pages`
   q_ids: object = None  # [bq, 1] the q block's bidirectional ids (VMEM), or None
   kv_ids_hbm: object = None  # [span_rows, 1, bt] the kv id table (`plans.span_operands`)
   kv_ids_buf: object = None  # [2, 1, bt] the kv block's ids, one slot per kv slot
@@ -47,8 +48,9 @@ class Page:
   tokens: jax.Array
 
 
-def _pages(d: pp.PagedDims, r: Refs, s, b, kv_len) -> list[Page]:
-  """The ppb pages of kv block b of sequence s."""
+def block_pages(d: pp.PagedDims, r: Refs, s, b, kv_len) -> list[Page]:
+  """The ppb pages of kv block b of sequence s (scalar work per page: computed where a page's own data is
+  needed; the walk's common path needs only the block's token count, `Refs.tokens_sc`)."""
   out = []
   for j in range(d.ppb):
     entry = b * d.ppb + j
@@ -67,9 +69,10 @@ def _page_slot(d: pp.PagedDims, buf, slot, j):
 
 def _start_pages(d: pp.PagedDims, r: Refs, pages: list[Page], slot):
   """Starts the copies of a block's pages into kv slot `slot`, each exactly its `tokens` (a copy of none moves no
-  bytes): no branch per page, and a block's K (V) bytes are one count for `_wait_pages`.  Scales (small, and
-  per page) are copied whole, on the pages that are `ok`."""
+  bytes): no branch per page, and a block's K (V) bytes are one count for `_wait_pages`, kept in
+  `Refs.tokens_sc`.  Scales (small, and per page) are copied whole, on the pages that are `ok`."""
   per = d.rows_per_token
+  r.tokens_sc[slot] = sum(p.tokens for p in pages)
   for j, page in enumerate(pages):
     n = page.tokens * per
     for hbm, buf in ((r.k_hbm, r.k_buf), (r.v_hbm, r.v_buf)):
@@ -92,11 +95,12 @@ def _scale_copies(r: Refs, pages: list[Page], slot):
   return out
 
 
-def _wait_pages(d: pp.PagedDims, r: Refs, pages: list[Page], slot):
-  """Waits for every copy `_start_pages` started into kv slot `slot`: one wait per K and V buffer for the block's
-  byte count (the DMA semaphore counts bytes; the view waited on only supplies the count)."""
+def _wait_pages(d: pp.PagedDims, r: Refs, s, b, kv_len, slot):
+  """Waits for every copy `_start_pages` started into kv slot `slot` (block b of sequence s): one wait per K and
+  V buffer for the block's byte count (the DMA semaphore counts bytes; the view waited on only supplies the
+  count)."""
   per = d.rows_per_token
-  tokens = sum(p.tokens for p in pages)
+  tokens = r.tokens_sc[slot]
 
   @pl.when(tokens > 0)
   def _():
@@ -104,7 +108,8 @@ def _wait_pages(d: pp.PagedDims, r: Refs, pages: list[Page], slot):
       view = buf.at[slot, pl.ds(0, tokens * per)]
       pltpu.make_async_copy(view, view, r.sem.at[slot]).wait()
 
-  _run(_scale_copies(r, pages, slot), "wait")
+  if any(x is not None for x in r.scales_hbm):
+    _run(_scale_copies(r, block_pages(d, r, s, b, kv_len), slot), "wait")
 
 
 def _span_copy(d: pp.PagedDims, r: Refs, s, b, slot, first_pos, kv_len):
@@ -138,7 +143,7 @@ def span_ids(d: pp.PagedDims, r: Refs, s, b, slot, g):
 
 def _start_block(d: pp.PagedDims, r: Refs, s, b, slot, g):
   """Starts every copy of kv block b of sequence s: its pages, and its keys' ids with spans."""
-  _start_pages(d, r, _pages(d, r, s, b, g.kv_len), slot)
+  _start_pages(d, r, block_pages(d, r, s, b, g.kv_len), slot)
   _run(_span_copy(d, r, s, b, slot, g.first_pos, g.kv_len), "start")
 
 
@@ -152,34 +157,33 @@ def _each(descs, method):
     getattr(desc, method)()
 
 
-def block_keys(d: pp.PagedDims, r: Refs, pages: list[Page], b, slot, kv_len):
+def block_keys(d: pp.PagedDims, r: Refs, s, b, slot, kv_len):
   """[1, block_tokens] bool: which key slots of kv block b (in VMEM slot `slot`) hold a key: below kv_len, on a
   page that was copied.  Every other slot of the K, V and scale buffers is zeroed here, so stale VMEM or NaN in
   a page's tail can reach no product (p is exactly 0 there, but 0 * NaN is not).
 
   A block whose pages were all copied whole (every block of a sequence but its last, in a cache without holes)
   costs a few scalar ops; pages missing from the table (-1 ids) cost a lane mask, and pages not copied whole a
-  read-modify-write of those pages, on that block only.
+  read-modify-write of those pages, on that block only.  Both are read off the block's token count: each page
+  adds at most its page_size, and exactly its tokens below kv_len when it is copied.
   """
   n = jnp.clip(kv_len - b * d.block_tokens, 0, d.block_tokens)  # slots below kv_len
-  clean = jnp.bool_(True)  # every page copied whole
-  good = jnp.bool_(True)  # every page below kv_len was copied
-  for j, page in enumerate(pages):
-    clean = clean & (page.tokens == d.ps)
-    good = good & (page.ok | (j * d.ps >= n))
+  copied = r.tokens_sc[slot]
+  clean = copied == d.block_tokens  # every page copied whole
+  good = copied == n  # every page below kv_len was copied
   lane = jax.lax.broadcasted_iota(jnp.int32, (1, d.block_tokens), 1)
   r.keys_sc[...] = (lane < n).astype(jnp.int32)
 
   @pl.when(~good)
   def _():
     keep = lane < n
-    for j, page in enumerate(pages):
+    for j, page in enumerate(block_pages(d, r, s, b, kv_len)):
       keep = keep & ((jax.lax.div(lane, d.ps) != j) | page.ok)
     r.keys_sc[...] = keep.astype(jnp.int32)
 
   @pl.when(~clean)
   def _():
-    for j, page in enumerate(pages):
+    for j, page in enumerate(block_pages(d, r, s, b, kv_len)):
 
       @pl.when(page.tokens < d.ps)
       def _(j=j, keep=page.tokens):
@@ -288,7 +292,7 @@ def first_seq(d: pp.PagedDims, r: Refs, q_lo, n):
 
 
 def walk(d: pp.PagedDims, spec, r: Refs, q_lo, visit):
-  """Calls visit(s, b, slot, pages, seq, keys) for every (sequence, kv block) that the rows [q_lo, q_lo + bq)
+  """Calls visit(s, b, slot, seq, keys) for every (sequence, kv block) that the rows [q_lo, q_lo + bq)
   can see, with block b's pages in VMEM slot `slot` and `keys` its `block_keys`.
 
   One copy is always in flight ahead of the compute: the next block of the sequence, or, during its last
@@ -322,10 +326,9 @@ def walk(d: pp.PagedDims, spec, r: Refs, q_lo, visit):
       def _():
         _start_block(d, r, s2, g2.lo, nxt, g2)
 
-      pages = _pages(d, r, s, b, g.kv_len)
-      _wait_pages(d, r, pages, cur)
+      _wait_pages(d, r, s, b, g.kv_len, cur)
       _run(_span_copy(d, r, s, b, cur, g.first_pos, g.kv_len), "wait")
-      visit(s, b, cur, pages, g, block_keys(d, r, pages, b, cur, g.kv_len))
+      visit(s, b, cur, g, block_keys(d, r, s, b, cur, g.kv_len))
       return nxt
 
     slot = jax.lax.fori_loop(g.lo, g.hi, kv_step, slot)
