@@ -27,8 +27,14 @@ Every candidate is checked against the peers before anything is timed (max
 mismatch prints the check and exits 1).  A candidate that raises gets its
 error in the row and the run carries on.  Calls are jitted and timed
 interleaved (`benchmarking.time_interleaved`: every round runs each
-candidate once, in a rotating order, `block_until_ready`'d), medians of
-`--repeats` rounds; ratios are paired medians.
+candidate in a rotating order), medians of `--repeats` rounds; ratios are
+paired medians.  On a TPU each candidate's turn is `--calls-per-round` (10)
+calls dispatched back to back and one wait, so a figure is the chip's time
+per call: on the v5e host this was measured on, waiting for each call added
+about 0.5 ms of host round trip to every call (the last note line measures
+it with a tiny call), which hid short kernels' differences.  The figures in
+`docs/performance.md` up to 2026-12-06 were timed one call per round
+(`--calls-per-round 1`).
 
 Off a TPU (or with `--interpret`) our kernels run in Pallas TPU interpret mode
 on tiny shapes (`--quick` is implied), splash and flash_attention too; JAX's
@@ -249,7 +255,11 @@ def check_and_time(report, row: str, ours: Candidate, peers: dict[str, Candidate
   if calls:
     report.progress(f"timing {row}: {', '.join(calls)}")
     out["times"] = time_interleaved(
-      calls, args.repeats, warmup=args.warmup, on_error=lambda name, e: errors.setdefault(name, error_text(e))
+      calls,
+      args.repeats,
+      warmup=args.warmup,
+      on_error=lambda name, e: errors.setdefault(name, error_text(e)),
+      calls_per_round=args.calls_per_round,
     )
     # Each row's medians as soon as it is timed: a run stopped before its tables print still leaves them.
     medians = [f"{name} {ms(out['times'], name):.3f} ms" for name in calls if out["times"].get(name)]
@@ -609,6 +619,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   add("--tables", default="block,paged", help="comma-separated, of block,paged")
   add("--repeats", type=int, default=None, help="timed rounds per row (default 20; 2 in interpret mode)")
   add("--warmup", type=int, default=2, help="untimed rounds before them (after the check's first call)")
+  add(
+    "--calls-per-round",
+    type=int,
+    default=None,
+    help="calls per candidate and round, dispatched back to back with one wait at the end; the time is per call "
+    "(default 10 on a TPU: device time, without a host round trip per call; 1 in interpret mode)",
+  )
   add("--seq-lens", default="8192,32768", help="block table: T of the forward+backward rows")
   add("--fwd-seq-lens", default="8192", help="block table: T of the forward-only rows")
   add("--masks", default="causal,full", help="block table: comma-separated, of causal,full")
@@ -661,6 +678,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.quick = True
   if args.repeats is None:
     args.repeats = 2 if args.interpret else 20
+  if args.calls_per_round is None:
+    args.calls_per_round = 1 if args.interpret else 10
+  if args.calls_per_round < 1:
+    parser.error(f"--calls-per-round must be >= 1, got {args.calls_per_round}")
   if args.interpret:
     args.warmup = min(args.warmup, 1)
   return args
@@ -684,8 +705,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     "jax": f"{jax.__version__}, jaxlib {jax.lib.__version__}",
     "machine": bench.machine(),
     "mode": mode,
-    "timing": f"median of {args.repeats} interleaved rounds after {args.warmup} warm-up rounds; every call jitted "
-    "and block_until_ready'd",
+    "timing": f"median of {args.repeats} interleaved rounds after {args.warmup} warm-up rounds; every call jitted; "
+    + (
+      "each call block_until_ready'd"
+      if args.calls_per_round == 1
+      else f"{args.calls_per_round} calls back to back per candidate and round, the last block_until_ready'd, "
+      "time per call"
+    ),
   }
   if chip:
     meta["chip figures"] = f"bf16 peak {chip.peak_flops('bfloat16') / 1e12:.0f} TFLOP/s, HBM "
@@ -711,10 +737,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     "spread over every candidate alike."
   )
   report.note(f"\nHost load average at the end: {load} (the machine line has the start).  {where}")
+  report.note(f"Host round trip, timed after the rows: {round_trip(args)}.")
   report.progress(f"ran {time.perf_counter() - start:.0f} s")
   code = report.finish()
   write_json(report, args.json)
   return code
+
+
+def round_trip(args) -> str:
+  """What the host adds to a call that is waited for: a tiny jitted call timed once per round, and back to back
+  as the rows are (`--calls-per-round`)."""
+  x = jnp.zeros((8, 128), jnp.float32)
+  tiny = jax.jit(lambda x: x + 1.0)
+  jax.block_until_ready(tiny(x))
+  one = median(time_interleaved({"tiny": lambda: tiny(x)}, 20, warmup=2)["tiny"]) * 1e3
+  text = f"a tiny jitted call waited for each time: {one:.3f} ms"
+  if args.calls_per_round > 1:
+    n = args.calls_per_round
+    many = median(time_interleaved({"tiny": lambda: tiny(x)}, 20, warmup=2, calls_per_round=n)["tiny"]) * 1e3
+    text += f"; {n} back to back: {many:.3f} ms per call"
+  return text
 
 
 def write_json(report: bench.Report, path: str | None) -> None:

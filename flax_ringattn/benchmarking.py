@@ -1,8 +1,8 @@
 """What the scripts in `benchmarks/` share, for your own benchmarks too (imported on demand).
 
-* timing: `time_interleaved(calls, repeats, *, warmup, on_error)` runs the
-  candidates in interleaved rounds (A B, B A, ...), each call
-  `block_until_ready`'d; `paired_ratio(slow, fast)` gives the median of the
+* timing: `time_interleaved(calls, repeats, *, warmup, on_error,
+  calls_per_round)` runs the candidates in interleaved rounds (A B, B A, ...),
+  each call `block_until_ready`'d (or `calls_per_round` calls, then one wait); `paired_ratio(slow, fast)` gives the median of the
   per-round ratios (`Paired.ratio`) and the rounds the faster one lost;
   `measure_matmul_flops` the rate of one device; `machine()` a line on the
   host, JAX and its devices; `count_compiles(fn, calls)` the traces of a jitted

@@ -17,6 +17,7 @@ from bench_scripts import load, never
 
 import flax_ringattn as fr
 from flax_ringattn import benchmarking as bench
+from flax_ringattn._src.perf import harness
 from flax_ringattn.benchmarking import cost, hardware
 
 
@@ -287,6 +288,19 @@ def test_time_interleaved_rotates_warms_up_and_drops_a_failing_candidate():
   assert errors == {"c": "boom"} and [len(times[n]) for n in "abc"] == [3, 3, 0]
   with pytest.raises(ZeroDivisionError):  # without on_error a failure propagates
     bench.time_interleaved({"d": lambda: 1 / 0}, 1, warmup=0)
+
+
+def test_time_interleaved_calls_per_round_dispatches_several_and_divides(monkeypatch):
+  """calls_per_round=n: n calls per turn, only the last one waited for, the time per call."""
+  waited, calls = [], []
+  monkeypatch.setattr(jax, "block_until_ready", lambda x: waited.append(x) or x)
+  clock = iter(range(0, 1000, 6))  # each turn: 6 "seconds" between its two clock reads
+  monkeypatch.setattr(harness.time, "perf_counter", lambda: next(clock))
+  times = bench.time_interleaved({"a": lambda: calls.append(len(calls)) or len(calls)}, 2, warmup=1, calls_per_round=3)
+  assert len(calls) == 9 and waited == [3, 6, 9]  # 3 rounds x 3 calls; the last call of each turn waited for
+  assert times == {"a": [2.0, 2.0]}  # 6 s over 3 calls, the warm-up round dropped
+  with pytest.raises(ValueError, match="calls_per_round must be >= 1, got 0"):
+    bench.time_interleaved({"a": lambda: 1}, 1, calls_per_round=0)
 
 
 def test_count_compiles_counts_traces_and_times_the_calls_after_the_first():

@@ -9,7 +9,8 @@ what happened:
 * `time_interleaved`: every round runs each candidate once (A B C, then B C A,
   ...) after untimed warm-up rounds, each call `jax.block_until_ready`'d, so a
   change of machine load hits every candidate alike and round r of A can be
-  paired with round r of B.
+  paired with round r of B (`calls_per_round`: several calls per turn, one
+  wait, for device time without the host round trip).
 * `paired_ratio`: the median of the per-round ratios, and the rounds the
   faster one lost; steadier than a ratio of medians on a shared machine.
 * `compare` / `Report.require`: the check before timing.
@@ -47,12 +48,21 @@ def time_interleaved(
   *,
   warmup: int = 1,
   on_error: Callable[[str, Exception], None] | None = None,
+  calls_per_round: int = 1,
 ) -> dict[str, list[float]]:
   """Seconds per call of each candidate, `repeats` interleaved rounds after `warmup` untimed ones.
 
   Round r runs the candidates in the order rotated by r.  A candidate that raises is passed to `on_error`
   and dropped from the rounds after (its list keeps the times it has); without `on_error` the error propagates.
+
+  `calls_per_round` > 1: a candidate's turn dispatches that many calls back to back and waits for the last one
+  only, and its time is the total over the count.  One device runs its calls in order, so this is the device's
+  time per call without one host round trip (dispatch, then the wait for the result) in each: on a remote or
+  busy host that round trip can be a large part of a short kernel's time.  The calls must not depend on each
+  other's results (each is the same jitted call).
   """
+  if calls_per_round < 1:
+    raise ValueError(f"time_interleaved: calls_per_round must be >= 1, got {calls_per_round}")
   import jax
 
   names = list(calls)
@@ -63,8 +73,11 @@ def time_interleaved(
     for name in order:
       try:
         t0 = time.perf_counter()
-        jax.block_until_ready(calls[name]())
-        dt = time.perf_counter() - t0
+        out = None
+        for _ in range(calls_per_round):
+          out = calls[name]()  # the earlier results are dropped: only the last one is waited for
+        jax.block_until_ready(out)
+        dt = (time.perf_counter() - t0) / calls_per_round
       except Exception as e:
         if on_error is None:
           raise
