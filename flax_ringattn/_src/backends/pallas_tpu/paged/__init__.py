@@ -17,7 +17,8 @@ metadata (SMEM), with no precomputed schedule:
      copy moves exactly the page's tokens below kv_len (a dynamic size, 0 for
      a page past kv_len or missing from the table), so the starts take no
      branch per page, and the DMA semaphore, which counts bytes, is waited on
-     once per K and V buffer for the block's token count.  bf16
+     once per K and V buffer for the block's token count (kept in SMEM
+     from the start of its copies).  bf16
      and 32-bit pages with K a multiple of 8 travel as a free [P, ps * K, H]
      view into a flat [ppb * ps * K, H] buffer, where a kv head is one
      sublane-strided load (bf16 as 32-bit words holding heads 2i and 2i + 1);
@@ -26,6 +27,9 @@ metadata (SMEM), with no precomputed schedule:
   4. for each kv head: the G = N / K q heads of its group, folded to one
      (bq * G, H) operand (row r is token r // G, head r % G), meet the block
      in one matmul, so decode under 8:1 GQA fills 8 rows of the MXU per token.
+     The forward keeps q folded in f32 scratch; a sequence whose rows fit in
+     `PagedDims.window_rows` rows from a multiple of 8 (a decode token's G
+     rows) is computed on that window alone, not on all bq * G rows.
 
 MLA head shapes: v pages may be [P, page_size, K, Hv] with Hv != H (q and k's).
 The v buffers, their copies, the o / dV accumulators and the outputs are Hv wide;

@@ -17,13 +17,17 @@ from flax_ringattn._src.block_sizes import BlockSizes
 # 1.84 ms), and 2048-token ones were slower than 1024 on both decodes (1.65 vs
 # 1.59 ms; 2.55 vs 2.39 ms for 16 x 16384).
 PAGED_MAX_BLOCK_TOKENS = 1024
-# Every sequence a q block holds costs the whole block's rows in its matmuls and
-# softmax, so a ragged batch wants short q blocks: on a v5e, with 1024-token kv
-# blocks, 32-row q blocks ran a mixed 1024-row step (2 prefills + 32 decodes)
-# 1.11x faster than 64-row ones (1.93 vs 2.15 ms) and the 1054-token step 1.16x
-# (1.45 vs 1.68 ms).  The q block is at most PAGED_MAX_BLOCK_Q rows and at most
-# a quarter of the batch's (one sublane tile of q's dtype at least: a bf16
-# decode of 64 sequences runs 16-row blocks).
+# A sequence with more rows in a q block than fit in the forward's 8-row window
+# (`PagedDims.window_rows`; a prefill) costs the whole block's rows in its
+# matmuls and softmax.  Before the window, every sequence did, and on a v5e
+# 32-row q blocks ran a mixed 1024-row step (2 prefills + 32 decodes) 1.11x
+# faster than 64-row ones (1.93 vs 2.15 ms) and the 1054-token step 1.16x
+# (1.45 vs 1.68 ms).  With the window (2026-12-06), 64-row blocks ran the
+# 1024-row step 1.07x faster than 32-row ones (1.65 vs 1.75-1.77 ms); the
+# 1054-token step has not been measured at 64 since, so the cap stays.  The q
+# block is at most PAGED_MAX_BLOCK_Q rows and at most a quarter of the batch's
+# (one sublane tile of q's dtype at least: a bf16 decode of 64 sequences runs
+# 16-row blocks).
 PAGED_MAX_BLOCK_Q = 32
 
 
