@@ -125,6 +125,44 @@ def test_matches_reference_gqa(name):
   _check_vjp(b)
 
 
+def _dims(N, K, bq, spans=False):
+  return pallas_paged.PagedDims(
+    T=4 * bq, N=N, K=K, H=8, P=P, ps=PS, S=S, ppt=PPS, bq=bq, ppb=2, q_dtype=F32, page_dtype=F32,
+    scale_rows=(0, 0), spans=spans,
+  )  # fmt: skip
+
+
+def test_window_rows_hold_any_tokens_heads_from_their_tile():
+  """The forward's narrow window: the least multiple of 8 rows that holds any one token's G folded rows from the
+  8-row tile they start in; None when that is the whole q block or with span ids."""
+  got = {G: _dims(8 * G, 8, bq=16).window_rows for G in (1, 2, 3, 4, 5, 8, 12, 16)}
+  assert got == {1: 8, 2: 8, 3: 16, 4: 8, 5: 16, 8: 8, 12: 16, 16: 16}, got
+  for G in got:  # every token t of a block: rows [t G, t G + G) lie in [8 (t G // 8), that + window)
+    w = got[G]
+    assert all((t * G) % 8 + G <= w for t in range(16)), G
+  assert _dims(8, 2, bq=2).window_rows is None  # 8 rows in all: the window is the block
+  assert _dims(8, 2, bq=8, spans=True).window_rows is None
+
+
+@interpret
+@pytest.mark.parametrize("heads", [(6, 2), (8, 8)], ids=["G3", "G1"])
+def test_decode_window_any_group_size(heads):
+  """Decodes (computed on their window) beside prefills crossing q blocks (the whole block), with G = 3 (a token's
+  rows may straddle an 8-row tile: a 16-row window) and G = 1 (8 tokens share a window); foreign pages and tails
+  NaN-poisoned."""
+  N, K = heads
+  bq = 8 if N // K == 3 else 16  # q blocks of 24 and 16 folded rows: the window is narrower
+  assert _dims(N, K, bq=bq).window_rows == (16 if N // K == 3 else 8)
+  rng = np.random.default_rng([73, N])
+  b = make_batch(rng, [(1, 17), (1, 9), (11, 27), (1, 32), (1, 1), (3, 12)], num_kv_heads=K, **dict(GEOM, num_heads=N))
+  want = fwd_fn(b.args, **b.operands, impl="reference")
+  blocks = fr.BlockSizes(block_q=bq, block_kv=16)
+  with no_races():
+    out = jax.block_until_ready(fwd_fn(poison(b, np.nan).args, **b.operands, impl="pallas_tpu", blocks=blocks))
+  assert_close(out, want, F32)
+  np.testing.assert_array_equal(np.asarray(out[b.total :]), 0.0)
+
+
 @interpret
 def test_rows_spanning_q_blocks_and_shared_prefix():
   """Sequences cross the 8-row q blocks; two read the same prefix pages (their dK/dV add up)."""
