@@ -5,8 +5,11 @@ What it prints
 1. Block kernels: `ring_attention(..., implementation="pallas_tpu")` on one
    device (a ring of one: the block kernels, the planner's tiles) against
    JAX's splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`,
-   every block 512) and, as a second column, JAX's `flash_attention` (every
-   block 512).  B=1, N=8 (MHA), H=128, bf16, scale 1/sqrt(H); rows T=8192
+   every block 512) on its [N, T, H] layout, the same splash called on
+   [B, T, N, H] with the transposes and q's scaling inside the timed call
+   ("splash BTNH": what a model with our layout pays to use it), and JAX's
+   `flash_attention` (every block 512).  `--block-sizes` fixes our tiles
+   (several: a sweep, a row per choice against the same compiled peers).  B=1, N=8 (MHA), H=128, bf16, scale 1/sqrt(H); rows T=8192
    causal and full forward, T=8192 and T=32768 causal and full forward +
    backward.  Columns: ms per call, ratio = peer / ours (> 1: ours is faster),
    our TFLOP/s (forward 4 B N T^2 H, forward + backward 3.5x that, causal
@@ -48,6 +51,7 @@ Run it (repository root)::
   PYTHONPATH=. python benchmarks/tpu_kernels.py --quick          # on a TPU: small shapes, well under a minute
   PYTHONPATH=. python benchmarks/tpu_kernels.py --json out.json  # Markdown on stdout, the report as JSON in out.json
   PYTHONPATH=. python benchmarks/tpu_kernels.py --tables paged --paged-blocks 16,1024 32,1024  # a block sweep
+  PYTHONPATH=. python benchmarks/tpu_kernels.py --tables block --block-sizes 1024,1024 2048,2048,1024,2048
   python benchmarks/tpu_kernels.py --quick                       # on CPU: interpret mode, < 1 min
 """
 
@@ -286,11 +290,32 @@ def notes_cell(errors: dict) -> str:
 # Table 1: block kernels vs splash (and flash_attention).
 
 
-def ours_block_fn(causal: bool, scale: float, interpret) -> Callable:
-  """Our block kernels on [B, T, N, H]: ring_attention without an axis is one device, one hop, no collective."""
+def ours_block_fn(causal: bool, scale: float, interpret, block_sizes=None) -> Callable:
+  """Our block kernels on [B, T, N, H]: ring_attention without an axis is one device, one hop, no collective;
+  `block_sizes` None: the planner's tiles."""
   return lambda q, k, v: fr.ring_attention(
-    q, k, v, is_causal=causal, scale=scale, implementation="pallas_tpu", interpret=interpret
+    q, k, v, is_causal=causal, scale=scale, implementation="pallas_tpu", interpret=interpret, block_sizes=block_sizes
   )
+
+
+def on_our_layout(kernel: Callable, scale: float) -> Callable:
+  """A [B, N, T, H] kernel without a softmax scale (splash) as a user with [B, T, N, H] activations calls it: q,
+  k and v transposed and q scaled inside, the output transposed back; gradients come back by our inputs."""
+  heads = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731  [B, T, N, H] <-> [B, N, T, H]
+  return lambda q, k, v: heads(kernel(heads((q.astype(jnp.float32) * scale).astype(q.dtype)), heads(k), heads(v)))
+
+
+def our_block_tiles(T: int, N: int, H: int, block_sizes) -> str | None:
+  """The tiles our op runs (display only): (forward q x kv; backward q x kv), `--block-sizes` or the planner's."""
+  try:
+    from flax_ringattn._src.backends.pallas_tpu import planners
+    from flax_ringattn._src.block_sizes import effective_tile
+
+    b = block_sizes or planners.plan_block_sizes(T, T, N, N, H, jnp.bfloat16)
+    tiles = [effective_tile(T, x) for x in (b.block_q, b.block_kv, *b.bwd)]  # clamped to T as the kernels do
+    return "{}x{}; {}x{}".format(*tiles)
+  except Exception:
+    return None
 
 
 def splash_fn(p: Problem, fused_bwd: bool, interpret: bool) -> Callable:
@@ -376,8 +401,10 @@ def block_table(report, cfg: Config, args, chip) -> None:
     cotangent = lambda x, bwd=bwd: (x,) if bwd else ()  # fwd_bwd's extra argument: dO in the candidate's layout
     peers = {}
     try:
-      splash = wrap(splash_fn(p, args.splash_fused_bwd, args.interpret))
-      peers["splash"] = Candidate(splash, (qs, kt, vt, *cotangent(dot)), from_splash)
+      kernel = splash_fn(p, args.splash_fused_bwd, args.interpret)
+      peers["splash"] = Candidate(wrap(kernel), (qs, kt, vt, *cotangent(dot)), from_splash)
+      if not args.no_splash_layout:  # splash as a [B, T, N, H] model calls it: the layout work timed too
+        peers["splash BTNH"] = Candidate(wrap(on_our_layout(kernel, scale)), (q, k, v, *cotangent(do)))
     except Exception as e:  # building the kernel (the mask's block tables) can fail too
       peers["splash"] = Candidate(None, (), error=error_text(e))
     if not args.no_flash:
@@ -387,18 +414,27 @@ def block_table(report, cfg: Config, args, chip) -> None:
       peers["flash"] = Candidate(flash, (qt, kt, vt, *cotangent(dot)), from_flash)
     leaves = ("out", "dq", "dk", "dv") if bwd else ("out",)
     mask = "causal" if r.causal else "full"
-    ours = Candidate(wrap(ours_block_fn(r.causal, scale, interp)), (q, k, v, *cotangent(do)))
-    got = check_and_time(report, f"block T={r.T} {mask} {r.pas}", ours, peers, leaves, args)
-    t = got["times"]
-    flops = cost.attention_flops(B=B, T=r.T, N=N, H=H, is_causal=r.causal, direction=r.pas)
-    t_ours = ms(t, "ours")
-    tflops = flops / t_ours / 1e9 if t_ours else None
-    row = [r.T, mask, r.pas, t_ours, ms(t, "splash"), ratio(t, "splash")]
-    if not args.no_flash:
-      row += [ms(t, "flash"), ratio(t, "flash")]
-    row += [tflops, tflops and peak and 100 * tflops * 1e12 / peak, got["err"], notes_cell(got["errors"])]
-    rows.append(row)
-  header = ["T", "mask", "pass", "ours ms", "splash ms", "splash/ours"]
+    # Several --block-sizes: one checked, timed row per choice, against the same (compiled once) peers.
+    for blocks in args.block_sizes or [None]:
+      ours = Candidate(wrap(ours_block_fn(r.causal, scale, interp, blocks)), (q, k, v, *cotangent(do)))
+      name = f"block T={r.T} {mask} {r.pas}"
+      if args.block_sizes and len(args.block_sizes) > 1:
+        name += f", ours {our_block_tiles(r.T, N, H, blocks)}"
+      got = check_and_time(report, name, ours, peers, leaves, args)
+      t = got["times"]
+      flops = cost.attention_flops(B=B, T=r.T, N=N, H=H, is_causal=r.causal, direction=r.pas)
+      t_ours = ms(t, "ours")
+      tflops = flops / t_ours / 1e9 if t_ours else None
+      row = [r.T, mask, r.pas, our_block_tiles(r.T, N, H, blocks), t_ours, ms(t, "splash"), ratio(t, "splash")]
+      if not args.no_splash_layout:
+        row += [ms(t, "splash BTNH"), ratio(t, "splash BTNH")]
+      if not args.no_flash:
+        row += [ms(t, "flash"), ratio(t, "flash")]
+      row += [tflops, tflops and peak and 100 * tflops * 1e12 / peak, got["err"], notes_cell(got["errors"])]
+      rows.append(row)
+  header = ["T", "mask", "pass", "ours tiles", "ours ms", "splash ms", "splash/ours"]
+  if not args.no_splash_layout:
+    header += ["splash BTNH ms", "splash BTNH/ours"]
   if not args.no_flash:
     header += ["flash ms", "flash/ours"]
   header += ["ours TFLOP/s", "% peak", "max err", "notes"]
@@ -413,12 +449,15 @@ def block_table(report, cfg: Config, args, chip) -> None:
     header,
     rows,
     formats={"ours ms": ".3f", "splash ms": ".3f", "flash ms": ".3f", "splash/ours": ".2f", "flash/ours": ".2f"}
-    | {"ours TFLOP/s": ".1f", "% peak": ".1f", "max err": ".1e"},
+    | {"splash BTNH ms": ".3f", "splash BTNH/ours": ".2f", "ours TFLOP/s": ".1f", "% peak": ".1f", "max err": ".1e"},
     notes=[
       f"{splash_blocks}; mask CausalMask / FullMask per head (make_splash_mha_single_device).",
-      f"flash_attention BlockSizes: every block {b}, block_b=1.  Ours: the planner's tiles (block_sizes=None).",
+      f"flash_attention BlockSizes: every block {b}, block_b=1.  Ours: the planner's tiles (block_sizes=None) or",
+      "--block-sizes; ours tiles: forward q x kv; backward q x kv.",
       "Layouts: ours q/k/v [B, T, N, H]; the peers [B, N, T, H] (transposed before timing); splash gets q * scale",
-      "(it has no softmax scale; scaled before timing, its dq compared times the scale).  peer/ours: the median of",
+      "(it has no softmax scale; scaled before timing, its dq compared times the scale).  splash BTNH: the same",
+      "splash on [B, T, N, H] q, k, v, transposing and scaling them and transposing its output back inside the timed",
+      "call, as a model with that layout (ours) would call it.  peer/ours: the median of",
       "the per-round ratios (> 1: ours is faster).  TFLOP/s: useful FLOPs, forward 4 B N T^2 H, forward+backward",
       "3.5x the forward (benchmarking.cost), causal counted as half; % peak of the chip's bf16 peak.",
       f"max err: max |ours - splash| of the worst output / gradient (the check: <= {TOL:g} x max(1, max |peer|)).",
@@ -634,6 +673,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   add("--head-dim", type=int, default=128, help="block table: H")
   add("--no-flash", action="store_true", help="block table: leave out JAX's flash_attention")
   add("--splash-fused-bwd", action="store_true", help="block table: splash's fused dq/dk/dv backward kernel")
+  add(
+    "--no-splash-layout",
+    action="store_true",
+    help="block table: leave out 'splash BTNH' (splash called on [B, T, N, H], the layout work timed)",
+  )
+  add(
+    "--block-sizes",
+    nargs="+",
+    default=None,
+    metavar="BQ,BK[,BQB,BKB]",
+    help="block table: our tiles, forward (and backward) q,kv (default: the planner); several: a sweep, one row per "
+    "choice and shape, each timed against the same compiled peers",
+  )
   add("--page-size", type=int, default=16, help="paged table: tokens per page")
   add(
     "--paged-blocks",
@@ -658,6 +710,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.paged_rows = None if args.paged_rows is None else ints(args.paged_rows)
   except ValueError:
     parser.error(f"--paged-rows takes row numbers, got {args.paged_rows!r}")
+  if args.block_sizes is not None:
+    try:
+      tiles = [ints(text) for text in args.block_sizes]
+    except ValueError:
+      tiles = [()]
+    if any(len(t) not in (2, 4) for t in tiles):
+      parser.error(f"--block-sizes takes BQ,BK or BQ,BK,BQB,BKB, got {' '.join(args.block_sizes)}")
+    names = ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd")
+    args.block_sizes = [fr.BlockSizes(**dict(zip(names, t, strict=False))) for t in tiles]
   if args.paged_blocks is not None:
     try:
       pairs = [ints(text) for text in args.paged_blocks]

@@ -222,13 +222,16 @@ def test_tpu_kernels_quick_run_checks_and_prints_both_tables(tpu_kernels, tmp_pa
   path = tmp_path / "tpu_kernels.json"
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
-    assert tpu_kernels.main(["--quick", "--repeats", "1", "--json", str(path)]) == 0
+    argv = ["--quick", "--repeats", "1", "--block-sizes", "256,128,128,256", "--json", str(path)]
+    assert tpu_kernels.main(argv) == 0
   text = out.getvalue()
   assert "## Block kernels: ring_attention(implementation='pallas_tpu') on one device vs splash" in text, text
   assert "## Ragged paged attention: paged_attention(implementation='pallas_tpu') vs JAX's" in text, text
   assert "ok: block T=256 causal fwd+bwd: ours vs flash (worst: " in text and "FAILED" not in text, text
   block, paged = (s for s in json.loads(path.read_text())["sections"] if "table" in s)
   assert [(r["T"], r["pass"]) for r in block["rows"]] == [(256, "fwd"), (256, "fwd+bwd")]
+  assert {r["ours tiles"] for r in block["rows"]} == {"256x128; 128x256"}  # --block-sizes: forward; backward
+  assert all(r["splash BTNH ms"] > 0 for r in block["rows"])  # splash on our layout: checked against ours, timed
   assert [r["rows"] for r in paged["rows"]] == [4, 16, 15]  # the last: exactly the new tokens, no padding row
   for r in block["rows"] + paged["rows"]:
     assert r["notes"] == "" and r["ours ms"] > 0 and r["max err"] is not None, r  # checked, then timed
@@ -248,7 +251,8 @@ def test_tpu_kernels_paged_rows_and_a_blocks_sweep(tpu_kernels, tmp_path):
   # at least 16 rows, so "8,16" runs 16 x 16).
   assert got == [(16, "16x16"), (16, "16x32")], got
   assert all(r["notes"] == "" and r["max err"] is not None for r in paged["rows"]), paged["rows"]
-  for bad in (["--paged-blocks", "16"], ["--paged-blocks", "a,b"], ["--paged-rows", "x"]):
+  bad_args = [["--paged-blocks", "16"], ["--paged-blocks", "a,b"], ["--paged-rows", "x"], ["--block-sizes", "1,2,3"]]
+  for bad in bad_args + [["--calls-per-round", "0"]]:
     with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
       tpu_kernels.parse_args(bad)
   with pytest.raises(SystemExit, match="no row"), contextlib.redirect_stdout(io.StringIO()):
