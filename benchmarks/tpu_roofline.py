@@ -67,6 +67,7 @@ import tpu_dma_walk as walk  # the block kernels' DMA walk over the ring, checke
 import flax_ringattn as fr
 from flax_ringattn._src.backends.pallas_tpu import common
 from flax_ringattn._src.backends.pallas_tpu import planners as planner
+from flax_ringattn._src.backends.pallas_tpu.paged import plans as paged_plans
 from flax_ringattn.benchmarking import (
   PROBLEM_SETS,
   Report,
@@ -387,8 +388,9 @@ def kernel_ring_hbm_table(report: Report, gens, p: Problem, tiled: bool, shards=
 #
 # Model of the kernel's walk: a grid step per q block of bq rows; for each sequence with rows in the block, the
 # kv blocks its rows can see (ppb pages each) are copied page by page, only pages below kv_len (so a sequence's
-# pages are read once per q block holding its rows), and every kv head's matmuls run on the whole folded
-# (bq * G, ppb * page) tile, whatever share of the rows belongs to the sequence.
+# pages are read once per q block holding its rows), and every kv head's matmuls run on the folded (bq * G,
+# ppb * page) tile, or, for a sequence whose folded rows fit the forward's window (`plans.window_rows`: a
+# decode), on the window's rows alone.
 
 
 def paged_workload(num_decodes: int, prefill: int, num_prefills: int, max_history: int) -> list[tuple[int, int]]:
@@ -404,20 +406,27 @@ def paged_step_cost(seqs, bq: int, ppb: int, ps: int, p: Problem, tiled: bool) -
   flops = kv_bytes = 0
   row = 0
   fwd = functools.partial(cost.pair_flops, N=p.N, H=p.H, matmuls=cost.KERNEL_MATMULS["fwd"])
+  window, rows_computed = paged_plans.window_rows(p.G, bq), []
   for q_len, kv_len in seqs:
     first = kv_len - q_len
     for blk in range(row // bq, -(-(row + q_len) // bq) if q_len else row // bq):
-      hi = min(row + q_len, (blk + 1) * bq)  # last row of the sequence in this q block, + 1
+      lo, hi = max(row, blk * bq), min(row + q_len, (blk + 1) * bq)  # the sequence's rows in this q block
       blocks = (first + (hi - 1 - row)) // (ppb * ps) + 1
       kv_bytes += 2 * min(blocks * ppb, -(-kv_len // ps)) * page_bytes  # K and V pages below kv_len
-      flops += fwd(bq * blocks * ppb * ps)  # every kv head on the whole folded tile
+      lo_f, hi_f = (lo - blk * bq) * p.G, (hi - blk * bq) * p.G  # folded rows (`walk.row_window`)
+      row0 = lo_f // 8 * 8
+      narrow = window is not None and hi_f <= row0 + window <= bq * p.G
+      folded = window if narrow else bq * p.G
+      rows_computed.append(folded / ((hi - lo) * p.G))
+      flops += fwd(folded / p.G * blocks * ppb * ps)  # every kv head on its folded rows
     row += q_len
   io = 2 * walk.block_bytes((T, p.N, p.H), p.dtype, tiled) + walk.block_bytes(
     (T, p.N), "float32", tiled
   )  # q in; o, lse
   useful = fwd(sum(sum(kv - q + j + 1 for j in range(q)) for q, kv in seqs))  # causal pairs of the new rows
   min_kv = sum(2 * kv * p.K * p.H * p.itemsize for _, kv in seqs)  # each live K/V byte once
-  return dict(T=T, flops=flops, kv_bytes=kv_bytes, bytes=kv_bytes + io, min_kv=min_kv, useful=useful, steps=T // bq)
+  return dict(T=T, flops=flops, kv_bytes=kv_bytes, bytes=kv_bytes + io, min_kv=min_kv, useful=useful, steps=T // bq,
+              rows_per_useful=max(rows_computed, default=0.0))  # fmt: skip
 
 
 def padded_flops(seqs, p: Problem) -> float:
@@ -441,19 +450,20 @@ def paged_table(report: Report, gens: Sequence[str], p: Problem, args, tiled: bo
       rows.append([g, f"error: {e}", *[None] * 12])
       continue
     # The planner's q block (tall: a prefill re-reads its pages once per q block) and the shortest legal one
-    # (a decode computes bq * G rows for G useful ones): the kernel's decode/prefill trade-off.
+    # (fewer steps of a prefill's rows; a decode computes its window either way).
     for label, bq in (("plan", bs.block_q), ("min", common.sublanes(jnp.dtype(p.dtype)))):
       ppb = bs.block_kv // ps
       dc, mx = (paged_step_cost(w, bq, ppb, ps, p, tiled) for w in (decode, mixed))
       t_proj, t_mixed = (max(c["flops"] / peak, c["bytes"] / bw) + c["steps"] * STEP_OVERHEAD_S for c in (dc, mx))
       t_bound = (dc["min_kv"] + 2 * len(decode) * p.N * p.H * p.itemsize) / bw
       rows.append([g, label, bq, ppb, dc["kv_bytes"] / MB, dc["kv_bytes"] / dc["min_kv"],
-                   100 * min(p.G, rows_mxu) / rows_mxu, 100 / rows_mxu, bq, mx["flops"] / padded_flops(mixed, p),
+                   100 * min(p.G, rows_mxu) / rows_mxu, 100 / rows_mxu, dc["rows_per_useful"],
+                   mx["flops"] / padded_flops(mixed, p),
                    t_proj * 1e6, t_bound * 1e6, t_bound / t_proj, t_mixed * 1e6])  # fmt: skip
   header = ["gen", "q blk", "bq", "pages/blk", "KV MB", "KV x min", "MXU grouped %", "ungrouped %", "rows/useful"]
   header += ["ragged/padded", "t_proj us", "HBM bound us", "bound/proj", "mixed us"]
   fmt = {"KV MB": ".1f", "KV x min": ".2f", "MXU grouped %": ".1f", "ungrouped %": ".1f", "ragged/padded": ".3f"}
-  fmt |= {"t_proj us": ".1f", "HBM bound us": ".1f", "bound/proj": ".2f", "mixed us": ".1f"}
+  fmt |= {"t_proj us": ".1f", "HBM bound us": ".1f", "bound/proj": ".2f", "mixed us": ".1f", "rows/useful": ".1f"}
   report.table(
     f"Paged kernel (model): page {ps}, {args.paged_decodes} decodes with histories 64..{args.paged_history} (decode "
     f"step), the same + 2 prefills of {args.paged_prefill} (mixed step); N={p.N} K={p.K} H={p.H} {p.dtype}",
@@ -461,9 +471,12 @@ def paged_table(report: Report, gens: Sequence[str], p: Problem, args, tiled: bo
     rows,
     formats=fmt,
     notes=[
-      "KV x min: K/V bytes the kernel copies / each live K/V byte once (tiled pages pad K to the sublanes).",
+      "KV x min: K/V bytes the kernel copies / each live K/V byte once (tiled pages pad K to the sublanes; the v5e's",
+      "compiled HLO, 2026-12-06, tiled bf16 [..., 8, 128] arrays (8, 128) with row pairs packed, without padding:",
+      "--logical-bytes counts that way).",
       "MXU: useful rows of the decode QK^T matmul per MXU pass, grouped (G q heads of a kv head in one matmul) vs",
-      "one q head; rows/useful: rows the decode matmul computes per useful row (= bq).  ragged/padded: FLOPs of the",
+      "one q head; rows/useful: folded rows the decode's matmuls compute per useful row (its window: 8 rows for G",
+      "= 4, so 2; before the window, bq).  ragged/padded: FLOPs of the",
       "mixed step vs a batch padded to the longest q and kv.  t_proj: decode step, max(FLOPs / peak, bytes / HBM) +",
       "grid-step overhead; HBM bound: live K/V + q/o once at HBM speed.  q blk: plan = plan_paged_block_sizes, min =",
       "one sublane tile.",

@@ -228,6 +228,7 @@ def test_tpu_kernels_quick_run_checks_and_prints_both_tables(tpu_kernels, tmp_pa
   assert "## Block kernels: ring_attention(implementation='pallas_tpu') on one device vs splash" in text, text
   assert "## Ragged paged attention: paged_attention(implementation='pallas_tpu') vs JAX's" in text, text
   assert "ok: block T=256 causal fwd+bwd: ours vs flash (worst: " in text and "FAILED" not in text, text
+  assert "Host round trip, timed after the rows: a tiny jitted call waited for each time: " in text, text
   block, paged = (s for s in json.loads(path.read_text())["sections"] if "table" in s)
   assert [(r["T"], r["pass"]) for r in block["rows"]] == [(256, "fwd"), (256, "fwd+bwd")]
   assert {r["ours tiles"] for r in block["rows"]} == {"256x128; 128x256"}  # --block-sizes: forward; backward
@@ -251,6 +252,9 @@ def test_tpu_kernels_paged_rows_and_a_blocks_sweep(tpu_kernels, tmp_path):
   # at least 16 rows, so "8,16" runs 16 x 16).
   assert got == [(16, "16x16"), (16, "16x32")], got
   assert all(r["notes"] == "" and r["max err"] is not None for r in paged["rows"]), paged["rows"]
+  # Off a TPU (interpret mode) every call is waited for; --calls-per-round sets the calls per turn.
+  assert tpu_kernels.parse_args([]).calls_per_round == 1
+  assert tpu_kernels.parse_args(["--calls-per-round", "3"]).calls_per_round == 3
   bad_args = [["--paged-blocks", "16"], ["--paged-blocks", "a,b"], ["--paged-rows", "x"], ["--block-sizes", "1,2,3"]]
   for bad in bad_args + [["--calls-per-round", "0"]]:
     with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):

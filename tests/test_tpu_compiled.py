@@ -304,6 +304,10 @@ PAGED = {
     F32,
     16,
   ),
+  # The forward's window (`plans.window_rows`) where a token's rows straddle an 8-row tile (G = 3: 16-row
+  # windows at dynamic offsets) and where 8 tokens share one (MHA).
+  "group3_bf16": Paged(make_case("group3", "causal", "gqa", N=6, group=3, H=128), BF16, 16),
+  "mha_f32": Paged(make_case("mha", "causal", "mha", N=4, H=128), F32, 8),
 }
 
 

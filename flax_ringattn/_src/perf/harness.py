@@ -56,10 +56,11 @@ def time_interleaved(
   and dropped from the rounds after (its list keeps the times it has); without `on_error` the error propagates.
 
   `calls_per_round` > 1: a candidate's turn dispatches that many calls back to back and waits for the last one
-  only, and its time is the total over the count.  One device runs its calls in order, so this is the device's
-  time per call without one host round trip (dispatch, then the wait for the result) in each: on a remote or
-  busy host that round trip can be a large part of a short kernel's time.  The calls must not depend on each
-  other's results (each is the same jitted call).
+  only, and its time is the total over the count.  One device runs its calls in order, so this is about the
+  device's time per call, with one host round trip (dispatch, then the wait for the result) spread over the
+  turn instead of one in each call: on a remote or busy host that round trip can be a large part of a short
+  kernel's time.  Where dispatching a call takes longer than running it, it measures the dispatch.  The calls
+  must not depend on each other's results (each is the same jitted call).
   """
   if calls_per_round < 1:
     raise ValueError(f"time_interleaved: calls_per_round must be >= 1, got {calls_per_round}")

@@ -64,14 +64,8 @@ class PagedDims:
 
   @property
   def window_rows(self) -> int | None:
-    """Folded rows (`walk.fold`) of the forward's narrow path, or None: a sequence whose rows in a q block fit in
-    `window_rows` rows starting at a multiple of 8 (an f32 sublane tile) is computed on those rows alone, not on
-    the block's bq * G, so a decode token costs about G rows, not bq * G.  The least multiple of 8 that holds any
-    one token's G rows from the tile they start in; None when that is the whole block, or with span ids (their
-    q ids are folded whole)."""
-    w = max((t * self.G) % 8 + self.G for t in range(8))
-    w = -(-w // 8) * 8
-    return None if w >= self.bq * self.G or self.spans else w
+    """Folded rows (`walk.fold`) of the forward's narrow path, or None (`window_rows`)."""
+    return window_rows(self.G, self.bq, spans=self.spans)
 
   @property
   def block_tokens(self) -> int:
@@ -80,6 +74,19 @@ class PagedDims:
   @property
   def max_blocks(self) -> int:
     return self.ppt // self.ppb
+
+
+def window_rows(G: int, bq: int, *, spans: bool = False) -> int | None:
+  """Folded rows of the forward's narrow path for G q heads per kv head and q blocks of bq rows, or None.
+
+  A sequence whose rows in a q block fit in this many folded rows starting at a multiple of 8 (an f32 sublane
+  tile) is computed on those rows alone, not on the block's bq * G, so a decode token costs about G rows, not
+  bq * G.  The least multiple of 8 that holds any one token's G rows from the tile they start in (8 for G in 1,
+  2, 4, 8; 16 for G = 3, 5, 6, 7, 12, ...); None when that is the whole block, or with span ids (their q ids
+  are folded whole)."""
+  w = max((t * G) % 8 + G for t in range(8))
+  w = -(-w // 8) * 8
+  return None if w >= bq * G or spans else w
 
 
 def check_supported(q, k_pages, *, block_q, pages_per_block) -> tuple[int, int]:

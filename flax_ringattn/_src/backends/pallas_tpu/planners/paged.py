@@ -15,10 +15,11 @@ from flax_ringattn._src.block_sizes import BlockSizes
 # N=32, K=8, pages of 16, shuffled; docs/performance.md), against 512-token
 # blocks, 1024-token ones ran a 64 x 2048 decode 1.16x faster (1.59 ms vs
 # 1.84 ms), and 2048-token ones were slower than 1024 on both decodes (1.65 vs
-# 1.59 ms; 2.55 vs 2.39 ms for 16 x 16384).
+# 1.59 ms; 2.55 vs 2.39 ms for 16 x 16384), and with the forward's window too
+# (2026-12-06: 2.23 vs 2.16-2.18 ms for 16 x 16384).
 PAGED_MAX_BLOCK_TOKENS = 1024
-# A sequence with more rows in a q block than fit in the forward's 8-row window
-# (`PagedDims.window_rows`; a prefill) costs the whole block's rows in its
+# A sequence with more rows in a q block than fit in the forward's window
+# (`plans.window_rows`, 8 rows for G = 4; a prefill) costs the whole block's rows in its
 # matmuls and softmax.  Before the window, every sequence did, and on a v5e
 # 32-row q blocks ran a mixed 1024-row step (2 prefills + 32 decodes) 1.11x
 # faster than 64-row ones (1.93 vs 2.15 ms) and the 1054-token step 1.16x
