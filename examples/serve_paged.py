@@ -179,7 +179,8 @@ def serve(args, requests, mesh=None):
     f"accuracy {correct}/{len(answers)} = {correct / len(answers):.2f} (chance {1 / 64:.3f}); "
     f"{stats.prompt_tokens} prompt tokens ({computed} computed, {stats.shared_prefix_tokens} shared) in "
     f"{stats.steps} steps ({stats.ring_prefills} ring prefills, {stats.compiles} compiles), {stats.seconds:.1f} s "
-    f"= {computed / stats.seconds:,.0f} prefill tokens/s; page-cache utilisation mean {stats.cache_utilization:.1%}; "
+    f"({stats.compile_seconds:.1f} s in the calls that compiled) = {computed / stats.seconds:,.0f} prefill tokens/s; "
+    f"page-cache utilisation mean {stats.cache_utilization:.1%}; "
     f"{stats.evictions} evictions"
   )
   return answers

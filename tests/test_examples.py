@@ -82,14 +82,15 @@ def test_train_long_context_layer_then_load_and_serve(tmp_path):
   served, ring = out.split("context parallel: the KV cache spread over 8 devices:")
   assert "convert(to='paged'): 2 converted (2 nnx.MultiHeadAttention replaced" in served, served
   summary = re.search(
-    r"^accuracy \d+/6 .*?; (\d+) prompt tokens \((\d+) computed, (\d+) shared\) .*utilisation mean ([\d.]+)%; "
-    r"(\d+) evictions$",
+    r"^accuracy \d+/6 .*?; (\d+) prompt tokens \((\d+) computed, (\d+) shared\) .*, ([\d.]+) s \(([\d.]+) s in the "
+    r"calls that compiled\) .*utilisation mean ([\d.]+)%; (\d+) evictions$",
     served,
     re.M,
   )
   assert summary, served
-  prompt, computed, shared, util, evictions = (float(x) for x in summary.groups())
+  prompt, computed, shared, seconds, compiling, util, evictions = (float(x) for x in summary.groups())
   assert shared > 0 and computed + shared == prompt, served  # a context's questions share its pages
+  assert 0 < compiling <= seconds, served  # its first steps compiled, inside the serving time
   assert util > 50.0 and evictions == 0, served
   # The engine's answers are the loaded model's own greedy next tokens (full forward, no cache, no engine).
   sys.path.insert(0, str(EXAMPLES))
@@ -162,4 +163,4 @@ def test_serve_handwritten_matches_full_recompute():
   assert runs["ngram draft"][0] < runs["plain"][0], out  # the draft saves steps
   accepted = re.search(r"^ngram draft: .*draft (\d+)/(\d+) accepted$", out, re.M)
   assert accepted and 0 < int(accepted.group(1)) <= int(accepted.group(2)), out
-  assert re.search(r"^compiles over both runs: [1-9]\d* ", out, re.M), out
+  assert re.search(r"^compiles over both runs: [1-9]\d*, [\d.]+ s in the calls that compiled ", out, re.M), out

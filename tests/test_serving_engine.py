@@ -84,9 +84,11 @@ def test_window_band_from_constants_keeps_its_causal_side():
 def test_a_second_generate_compiles_nothing_new(llama):
   llama.engine.generate(PROMPTS[:2], max_new_tokens=2)
   compiles, stats = llama.engine.stats.compiles, llama.engine.stats
-  generated = stats.generated_tokens
+  generated, compile_seconds, seconds = stats.generated_tokens, stats.compile_seconds, stats.seconds
+  assert 0 < compile_seconds < seconds  # the first steps compiled (inside generate's wall time)
   got = llama.engine.generate(_prompts(1, (7, 2, 11)), max_new_tokens=3)
   assert stats.compiles == compiles
+  assert stats.compile_seconds == compile_seconds and stats.seconds > seconds  # no compile: no compile time
   assert stats.generated_tokens - generated == sum(map(len, got)) == 9
 
 

@@ -13,6 +13,7 @@ split off once per `generate` and donated to every step; the model holds them ag
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -39,8 +40,8 @@ class EngineStats:
 
   Read from `ServingEngine.stats`: `steps` and `ring_prefills` run, `compiles`; `prompt_tokens`,
   `prefill_tokens_computed` and `shared_prefix_tokens` (prefix reuse), `generated_tokens`; `draft_proposed` /
-  `draft_accepted` (speculative decoding), `evictions`, wall `seconds` and the mean `cache_utilization`.
-  `tokens_per_s` and `as_dict()` summarise them.
+  `draft_accepted` (speculative decoding), `evictions`, wall `seconds` (of it `compile_seconds`) and the mean
+  `cache_utilization`.  `tokens_per_s` and `as_dict()` summarise them.
   """
 
   steps: int = 0  # ragged steps run (ring prefills not included)
@@ -54,6 +55,9 @@ class EngineStats:
   draft_accepted: int = 0  # ... and kept
   evictions: int = 0  # sequences freed and re-queued because their tokens did not fit
   seconds: float = 0.0  # wall time inside generate / stream
+  # ... of it, the host calls that traced and compiled a program (with that call's own run): seconds minus this
+  # is the steady state
+  compile_seconds: float = 0.0
   cache_utilization: float = 0.0  # mean over steps of the cache's used / allocated token slots
 
   @property
@@ -194,6 +198,16 @@ class ServingEngine:
     )
 
   # -- programs -----------------------------------------------------------------------------------------
+  @contextlib.contextmanager
+  def _compile_clock(self):
+    """Adds the wall time of the enclosed host call to `stats.compile_seconds` when it traced a program."""
+    before, start = self.stats.compiles, time.perf_counter()
+    try:
+      yield
+    finally:
+      if self.stats.compiles > before:
+        self.stats.compile_seconds += time.perf_counter() - start
+
   def _counted(self, fn):
     def traced(*args):
       self.stats.compiles += 1
@@ -248,11 +262,14 @@ class ServingEngine:
 
   # -- the host's calls -----------------------------------------------------------------------------------
   def ragged_step(self, tokens, positions, cu_q_lens, row_ids, options):
-    (out, overflowed, utilization), self._caches = self._step(
-      self._caches, self._rest, tokens, positions, cu_q_lens, row_ids, *options[:2], top_k=options[2], top_p=options[3]
-    )
+    with self._compile_clock():
+      (out, overflowed, utilization), self._caches = self._step(
+        self._caches, self._rest, tokens, positions, cu_q_lens, row_ids, *options[:2], top_k=options[2],
+        top_p=options[3],
+      )  # fmt: skip
+      got = np.asarray(out), np.asarray(overflowed), float(utilization)
     self.stats.steps += 1
-    return np.asarray(out), np.asarray(overflowed), float(utilization)
+    return got
 
   def ring_prefill(self, slot: int, prompt, start: int, row_id, options) -> int:
     """Prefills `prompt` (the slot's tokens from `start`, a multiple of page_size) by the ring; returns the
@@ -268,30 +285,35 @@ class ServingEngine:
     tokens = jax.device_put(layout.zigzag_order(tokens, n, axis=0), rows)
     positions = jax.device_put((start + layout.zigzag_positions(padded, n)).astype(np.int32), rows)
     last_row = int(np.nonzero(order == count - 1)[0][0])
-    token, self._caches = self._prefill(
-      self._caches,
-      self._rest,
-      tokens,
-      positions,
-      jnp.int32(slot),
-      jnp.int32(count),
-      jnp.int32(last_row),
-      jnp.asarray(row_id, jnp.int32),
-      *options[:2],
-      top_k=options[2],
-      top_p=options[3],
-    )
+    with self._compile_clock():
+      token, self._caches = self._prefill(
+        self._caches,
+        self._rest,
+        tokens,
+        positions,
+        jnp.int32(slot),
+        jnp.int32(count),
+        jnp.int32(last_row),
+        jnp.asarray(row_id, jnp.int32),
+        *options[:2],
+        top_k=options[2],
+        top_p=options[3],
+      )
+      token = int(token)
     self.stats.ring_prefills += 1
-    return int(token)
+    return token
 
   def free(self, slots):
-    self._caches = self._free(self._caches, jnp.asarray(slots, bool))
+    with self._compile_clock():
+      self._caches = self._free(self._caches, jnp.asarray(slots, bool))
 
   def share(self, src: int, dst: int, num_tokens: int):
-    self._caches = self._share(self._caches, jnp.int32(src), jnp.int32(dst), jnp.int32(num_tokens))
+    with self._compile_clock():
+      self._caches = self._share(self._caches, jnp.int32(src), jnp.int32(dst), jnp.int32(num_tokens))
 
   def rollback(self, drop):
-    self._caches = self._rollback(self._caches, jnp.asarray(drop, jnp.int32))
+    with self._compile_clock():
+      self._caches = self._rollback(self._caches, jnp.asarray(drop, jnp.int32))
 
   def fits(self, new_lens) -> np.ndarray:
     return np.asarray(first_cache(self._caches).fits(jnp.asarray(new_lens, jnp.int32)))
