@@ -414,8 +414,7 @@ def paged_step_cost(seqs, bq: int, ppb: int, ps: int, p: Problem, tiled: bool) -
       blocks = (first + (hi - 1 - row)) // (ppb * ps) + 1
       kv_bytes += 2 * min(blocks * ppb, -(-kv_len // ps)) * page_bytes  # K and V pages below kv_len
       lo_f, hi_f = (lo - blk * bq) * p.G, (hi - blk * bq) * p.G  # folded rows (`walk.row_window`)
-      row0 = lo_f // 8 * 8
-      narrow = window is not None and hi_f <= row0 + window <= bq * p.G
+      narrow = window is not None and paged_plans.fits_window(lo_f, hi_f, window, bq * p.G)[0]
       folded = window if narrow else bq * p.G
       rows_computed.append(folded / ((hi - lo) * p.G))
       flops += fwd(folded / p.G * blocks * ppb * ps)  # every kv head on its folded rows

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +88,14 @@ def window_rows(G: int, bq: int, *, spans: bool = False) -> int | None:
   w = max((t * G) % 8 + G for t in range(8))
   w = -(-w // 8) * 8
   return None if w >= bq * G or spans else w
+
+
+def fits_window(lo, hi, window: int, rows: int, div=operator.floordiv):
+  """(whether folded rows [lo, hi) of a q block of `rows` folded rows fit in `window` rows from a multiple of 8,
+  that first row).  The kernel passes traced values and `jax.lax.div` (Mosaic lowers floor division through
+  sign()); the roofline model Python ints."""
+  row0 = div(lo, 8) * 8
+  return (hi <= row0 + window) & (row0 + window <= rows), row0
 
 
 def check_supported(q, k_pages, *, block_q, pages_per_block) -> tuple[int, int]:

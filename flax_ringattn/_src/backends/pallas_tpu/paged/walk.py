@@ -242,8 +242,8 @@ def row_window(d: pp.PagedDims, g, q_lo):
   """(whether sequence g's folded rows in the q block fit in `PagedDims.window_rows` rows from a multiple of 8,
   that first row); only with a window."""
   lo, hi = (g.lo_row - q_lo) * d.G, (g.hi_row - q_lo) * d.G
-  row0 = jax.lax.div(lo, 8) * 8
-  return (hi <= row0 + d.window_rows) & (row0 + d.window_rows <= d.bq * d.G), pl.multiple_of(row0, 8)
+  narrow, row0 = pp.fits_window(lo, hi, d.window_rows, d.bq * d.G, div=jax.lax.div)
+  return narrow, pl.multiple_of(row0, 8)
 
 
 def dot(a, b, contract, dtype):
