@@ -35,6 +35,7 @@ from flax_ringattn._src.backends.pallas_tpu.tiling import (  # noqa: F401  (the 
   paged_kv_buffer_shape,
   plan_vmem_bytes,
   sublanes,
+  token_major_forward,
   tpu_tile,
 )
 from flax_ringattn._src.options import ProblemShape
@@ -119,6 +120,19 @@ def fetch_index(kinds):
   before = jax.lax.cummax(jnp.where(live, j, -1), axis=kinds.ndim - 1)
   after = jax.lax.cummin(jnp.where(live, j, n), axis=kinds.ndim - 1, reverse=True)
   return jnp.where(before >= 0, before, jnp.where(after < n, after, 0)).astype(jnp.int32)
+
+
+def strided_rows(ref, start: int, count: int, stride: int, *, compiled: bool):
+  """Rows start, start + stride, ... (`count` of them) of a 2-D VMEM ref as float32: one sublane-strided load
+  (a head of a token-major buffer whose row t * stride + n is token t, head n).  Compiled, bf16 is read as
+  32-bit words (a word holds rows 2i and 2i + 1, 2i in its low half; Mosaic strides 32-bit rows, so `stride`
+  must be even), and a bf16 half moved to the top of a word is that value as float32.  The interpreter strides
+  any dtype but cannot bitcast a ref, so it loads directly."""
+  if ref.dtype.itemsize == 4 or not compiled:
+    return ref[pl.ds(start, count, stride=stride), :].astype(F32)
+  words = ref.bitcast(jnp.uint32)[pl.ds(start // 2, count, stride=stride // 2), :]
+  top = words << 16 if start % 2 == 0 else words & jnp.uint32(0xFFFF0000)
+  return pltpu.bitcast(top, F32)
 
 
 def heads_major(x):
@@ -253,7 +267,7 @@ def call(kernel, plan: CallPlan, num_prefetch: int, *, interpret, name: str):
   Inside `jax.shard_map(check_vma=True)` the operands are made to vary over the
   same manual axes and the results are declared to vary over them too.
   """
-  semantics = ("parallel",) * (len(plan.grid) - 1) + ("arbitrary",)
+  semantics = plan.semantics or ("parallel",) * (len(plan.grid) - 1) + ("arbitrary",)
 
   def run(*args):
     args = vma.unify(*args)

@@ -40,6 +40,15 @@ def paged_kv_buffer_shape(pages_per_block: int, page_size: int, num_kv_heads: in
   return (2, ppb * ps * K, head_dim) if flat_kv_pages(page_dtype, K) else (2, ppb * ps, K, head_dim)
 
 
+def token_major_forward(num_heads: int, bq: int) -> bool:
+  """Whether the block forward reads q and writes o in the caller's token-major layout (`block/forward.py`):
+  q [B, T, N, H] viewed as [B, T * N, H] and o as [B, T * N, Hv] (row t * N + n: token t, head n), lse written
+  lane-dense as [N, bq] blocks of [B, N, T].  It needs N a multiple of 8, so that the view is free under XLA's
+  (8, 128) tiles of a [.., N, H] array, and q tiles a multiple of 128 (lse's lane blocks).  Other shapes are
+  transposed to heads-major around the kernel."""
+  return num_heads % 8 == 0 and bq % LANES == 0
+
+
 def sublanes(dtype) -> int:
   """Second-minor alignment of a tile of `dtype`: 8 rows of 32 bits, packed for narrower types."""
   return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
@@ -55,6 +64,8 @@ class CallPlan:
   out_specs: tuple
   out_shapes: tuple  # jax.ShapeDtypeStruct
   scratch: tuple  # (shape, dtype) of VMEM scratch buffers
+  # Grid dimension semantics; None: every axis "parallel" but the innermost, "arbitrary".
+  semantics: tuple | None = None
 
 
 def padded_bytes(shape, dtype) -> int:

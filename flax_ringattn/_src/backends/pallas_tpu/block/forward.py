@@ -41,9 +41,36 @@ def fwd_plan(
   Hv=None,
 ) -> c.CallPlan:
   G, Hv = N // K, H if Hv is None else Hv
+  drop_specs, drop_dtypes = c.dropout_specs(has_dropout)
+  in_dtypes = (dtype, dtype, dtype) + c.mask_dtypes(mask) + drop_dtypes
+  stats = (((G, bq, c.LANES), c.F32), ((G, bq, c.LANES), c.F32), ((G, bq, Hv), c.F32))  # m, l, acc
+  if c.token_major_forward(N, bq):
+    # Grid (b, i, h, j): the q tile of all heads and its o / lse blocks stay in VMEM while every kv head's
+    # group works through it (one q DMA per tile); h is "arbitrary" because the groups share those blocks.
+    q_map = lambda b, i, h, j, kinds, fetch: (b, i)  # noqa: E731
+    kv_map = lambda b, i, h, j, kinds, fetch: (b, fetch[i, j])  # noqa: E731
+    kv_spec = lambda w: pl.BlockSpec((None, None, bk, w), lambda b, i, h, j, kinds, fetch: (b, h, fetch[i, j], 0))  # noqa: E731
+    return c.CallPlan(
+      grid=(B, T // bq, K, S // bk),
+      in_specs=(
+        # A leading block dim of 1, not None: Mosaic bitcasts the ref (`common.strided_rows`) with all its dims.
+        pl.BlockSpec((1, bq * N, H), lambda b, i, h, j, kinds, fetch: (b, i, 0)),
+        kv_spec(H),
+        kv_spec(Hv),
+        *c.mask_specs(mask, bq, bk, q_map, kv_map),
+        *drop_specs,
+      ),
+      in_dtypes=in_dtypes,
+      out_specs=(
+        pl.BlockSpec((None, bq * N, Hv), lambda b, i, h, j, kinds, fetch: (b, i, 0)),
+        pl.BlockSpec((None, N, bq), lambda b, i, h, j, kinds, fetch: (b, 0, i)),
+      ),
+      out_shapes=(jax.ShapeDtypeStruct((B, T * N, Hv), c.F32), jax.ShapeDtypeStruct((B, N, T), c.F32)),
+      scratch=(*stats, ((G, bq, H), dtype)),  # + the group's q heads, gathered once per q tile
+      semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
+    )
   q_map = lambda b, h, i, j, kinds, fetch: (b, i)  # noqa: E731
   kv_map = lambda b, h, i, j, kinds, fetch: (b, fetch[i, j])  # noqa: E731
-  drop_specs, drop_dtypes = c.dropout_specs(has_dropout)
   in_specs = [
     pl.BlockSpec((None, G, bq, H), lambda b, h, i, j, kinds, fetch: (b, h, i, 0)),
     pl.BlockSpec((None, None, bk, H), lambda b, h, i, j, kinds, fetch: (b, h, fetch[i, j], 0)),
@@ -51,7 +78,6 @@ def fwd_plan(
     *c.mask_specs(mask, bq, bk, q_map, kv_map),
     *drop_specs,
   ]
-  in_dtypes = (dtype, dtype, dtype) + c.mask_dtypes(mask) + drop_dtypes
   row = lambda b, h, i, j, kinds, fetch: (b, h, i, 0)  # noqa: E731
   return c.CallPlan(
     grid=(B, K, T // bq, S // bk),
@@ -59,34 +85,82 @@ def fwd_plan(
     in_dtypes=in_dtypes,
     out_specs=(pl.BlockSpec((None, G, bq, Hv), row), pl.BlockSpec((None, G, bq, 1), row)),
     out_shapes=(jax.ShapeDtypeStruct((B, N, T, Hv), c.F32), jax.ShapeDtypeStruct((B, N, T, 1), c.F32)),
-    scratch=(((G, bq, c.LANES), c.F32), ((G, bq, c.LANES), c.F32), ((G, bq, Hv), c.F32)),
+    scratch=stats,
   )
 
 
-def _kernel(kinds_ref, fetch_ref, q_ref, k_ref, v_ref, *refs, spec, num_mask_refs):
+def _kernel(kinds_ref, fetch_ref, q_ref, k_ref, v_ref, *refs, spec, num_mask_refs, rows, compiled):
+  """`rows`: the token-major layout of `fwd_plan` (q_ref (1, bq * N, H), o_ref (bq * N, Hv), lse_ref (N, bq), and
+  the group's q gathered into a last scratch); else heads-major (q_ref (G, bq, H))."""
   del fetch_ref  # used by the BlockSpecs only
   mask_refs = refs[:num_mask_refs]
   drop_ref, refs = c.split_dropout_ref(spec, refs[num_mask_refs:])
-  o_ref, lse_ref, m_sc, l_sc, acc_sc = refs
-  b, h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+  if rows:
+    o_ref, lse_ref, m_sc, l_sc, acc_sc, q_tile = refs
+    b, i, h, j = (pl.program_id(a) for a in range(4))
+  else:
+    o_ref, lse_ref, m_sc, l_sc, acc_sc = refs
+    b, h, i, j = (pl.program_id(a) for a in range(4))
+    q_tile = q_ref
 
   @pl.when(j == 0)
   def _init():
     m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, c.F32)
     l_sc[...] = jnp.zeros(l_sc.shape, c.F32)
     acc_sc[...] = jnp.zeros(acc_sc.shape, c.F32)
+    if rows:
+      _gather_group(q_ref, q_tile, h, compiled=compiled)
 
   def update(masked):
-    drop = c.tile_dropout(spec, drop_ref, b, h, q_ref, mask_refs)
+    drop = c.tile_dropout(spec, drop_ref, b, h, q_tile, mask_refs)
     online_softmax_step(
-      q_ref, k_ref, v_ref, mask_refs if masked else None, m_sc, l_sc, acc_sc, spec=spec, masked=masked, drop=drop
+      q_tile, k_ref, v_ref, mask_refs if masked else None, m_sc, l_sc, acc_sc, spec=spec, masked=masked, drop=drop
     )
 
   c.by_tile_kind(kinds_ref[i, j], update)
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
-    finish(m_sc, l_sc, acc_sc, o_ref, lse_ref)
+    if rows:
+      _finish_rows(m_sc, l_sc, acc_sc, o_ref, lse_ref, h)
+    else:
+      finish(m_sc, l_sc, acc_sc, o_ref, lse_ref)
+
+
+def _for_group(h, num_groups: int, body):
+  """body(g0) for the group of kv head h, g0 its first q head, as a static int: one branch per group, so
+  every head index inside is static (strided loads and stores at static rows)."""
+  for kk in range(num_groups):
+    pl.when(h == kk)(lambda kk=kk: body(kk))
+
+
+def _gather_group(q_ref, q_tile, h, *, compiled):
+  """q_tile[g] = head h * G + g of the token-major q tile (rows t * N + n)."""
+  G, bq, _ = q_tile.shape
+  N = q_ref.shape[1] // bq
+
+  def body(kk):
+    for g in range(G):
+      q_tile[g] = c.strided_rows(q_ref.at[0], kk * G + g, bq, N, compiled=compiled).astype(q_tile.dtype)
+
+  _for_group(h, N // G, body)
+
+
+def _finish_rows(m_ref, l_ref, acc_ref, o_ref, lse_ref, h):
+  """`finish` into the token-major blocks: o rows t * N + n (sublane-strided stores) and lse rows [N, bq]
+  (lane-dense: each head's lane-replicated column, transposed)."""
+  o, lse = finished(m_ref, l_ref, acc_ref)
+  G, bq, _ = o.shape
+  N = o_ref.shape[0] // bq
+  lse_rows = [lse[g].T[:1] for g in range(G)]  # [1, bq] each
+
+  def body(kk):
+    for g in range(G):
+      n = kk * G + g
+      o_ref[pl.ds(n, bq, stride=N), :] = o[g]
+      lse_ref[n : n + 1, :] = lse_rows[g]
+
+  _for_group(h, N // G, body)
 
 
 def online_softmax_step(q_ref, k_ref, v_ref, mask_refs, m_ref, l_ref, acc_ref, *, spec, masked, drop=None):
@@ -122,27 +196,39 @@ def online_softmax_step(q_ref, k_ref, v_ref, mask_refs, m_ref, l_ref, acc_ref, *
   l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
 
 
-def finish(m_ref, l_ref, acc_ref, o_ref, lse_ref):
-  """o = acc / l and lse = m + log l; a row with no visible key gets o = 0, lse = -inf."""
-  l = l_ref[...][..., :1]
+def finished(m_ref, l_ref, acc_ref):
+  """(o [G, bq, Hv], lse [G, bq, 128] lane-replicated) of the finished online softmax: o = acc / l and
+  lse = m + log l; a row with no visible key gets o = 0, lse = -inf."""
+  l = l_ref[...]
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
-  o_ref[...] = acc_ref[...] / l_safe
-  lse_ref[...] = jnp.where(empty, -jnp.inf, m_ref[...][..., :1] + jnp.log(l_safe))
+  o = acc_ref[...] / l_safe[..., :1]
+  return o, jnp.where(empty, -jnp.inf, m_ref[...] + jnp.log(l_safe))
+
+
+def finish(m_ref, l_ref, acc_ref, o_ref, lse_ref):
+  """`finished` into heads-major blocks: o (G, bq, Hv) and lse (G, bq, 1)."""
+  o, lse = finished(m_ref, l_ref, acc_ref)
+  o_ref[...] = o
+  lse_ref[...] = lse[..., :1]
 
 
 def block_fwd(q, k, v, q_tok, kv_tok, *, spec, interpret, dropout=None):
   """See `backends/base.py` for the contract."""
   dims, kinds, mask_ops = c.block_setup(spec, q, k, v, q_tok, kv_tok, backward=False)
   plan = fwd_plan(**dims)
-  kernel = functools.partial(_kernel, spec=spec, num_mask_refs=len(mask_ops))
+  B, T, N, H = q.shape
+  rows = c.token_major_forward(N, dims["bq"])
+  kernel = functools.partial(_kernel, spec=spec, num_mask_refs=len(mask_ops), rows=rows, compiled=interpret is None)
   o, lse = c.call(kernel, plan, 2, interpret=interpret, name="ring_block_fwd")(
     kinds,
     c.fetch_index(kinds),
-    c.heads_major(q),
+    q.reshape(B, T * N, H) if rows else c.heads_major(q),
     c.heads_major(k),
     c.heads_major(v),
     *mask_ops,
     *c.dropout_operands(spec, dropout),
   )
+  if rows:
+    return o.reshape(B, T, N, -1), lse
   return c.heads_major(o), lse[..., 0]

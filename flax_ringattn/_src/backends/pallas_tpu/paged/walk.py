@@ -211,16 +211,9 @@ def load_head(d: pp.PagedDims, buf, scale_buf, slot, k):
 
 
 def _flat_head(d: pp.PagedDims, buf, slot, k):
-  """Head k of a flat kv buffer (rows t * K + k) as float32: one sublane-strided load.  Compiled, bf16 pages are
-  read as 32-bit words (a word holds heads 2i and 2i + 1 of a token, 2i in its low half; Mosaic strides 32-bit
-  rows), and a bf16 half moved to the top of a word is that value as float32."""
-  n = d.block_tokens
-  if d.page_dtype.itemsize == 4 or not d.compiled:  # the interpreter strides any dtype
-    return buf[slot, pl.ds(k, n, stride=d.K), :].astype(c.F32)
-  # The interpreter cannot bitcast a ref: this path runs compiled only (`make test-tpu`).
-  words = buf.at[slot].bitcast(jnp.uint32)[pl.ds(k // 2, n, stride=d.K // 2), :]
-  top = words << 16 if k % 2 == 0 else words & jnp.uint32(0xFFFF0000)
-  return pltpu.bitcast(top, c.F32)
+  """Head k of a flat kv buffer (rows t * K + k) as float32: one sublane-strided load (`common.strided_rows`;
+  compiled, bf16 pages go through 32-bit words)."""
+  return c.strided_rows(buf.at[slot], k, d.block_tokens, d.K, compiled=d.compiled)
 
 
 def fold(x, G):

@@ -76,9 +76,14 @@ def footprint(
   mask = (_tile(bq, 1, i32) + _tile(1, bk, i32)) * pairs
   score = G * bq * bk * 4  # one f32 [G * bq, bk] tile
   if kernel == "fwd":
-    inputs = q_tile + k_tile + v_tile + mask
-    outputs = _tile(bq, Hv, f32, G) + row_stat
     scratch = 2 * _tile(bq, c.LANES, f32, G) + _tile(bq, Hv, f32, G)  # m, l, acc
+    if c.token_major_forward(num_heads, bq):  # q and o tiles of all N heads, lse [N, bq], the group's q
+      inputs = _tile(bq * num_heads, H, dtype) + k_tile + v_tile + mask
+      outputs = _tile(bq * num_heads, Hv, f32) + _tile(num_heads, bq, f32)
+      scratch += q_tile
+    else:
+      inputs = q_tile + k_tile + v_tile + mask
+      outputs = _tile(bq, Hv, f32, G) + row_stat
     temporaries = 3 * score  # s, its masked copy, p (and p cast to the input dtype)
   elif kernel == "dq":
     inputs = q_tile + do_tile + 2 * row_stat + k_tile + v_tile + mask
