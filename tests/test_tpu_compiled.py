@@ -133,12 +133,14 @@ def _dense(name, mask="none", heads="mha", *, N=4, group=2, T=512, H=128, **fiel
 
 
 # ring_attention(implementation="pallas_tpu") on one device: each case is one program per dtype.
+# N = 8 runs the forward token-major (`tiling.token_major_forward`: q tiles of 128 rows or more, as the planner
+# picks at these lengths), N = 4 heads-major.
 BLOCK = [
-  Dense(_dense("full", B=2)),
-  Dense(_dense("causal_gqa", "causal", "gqa", T=1024, B=1)),
+  Dense(_dense("full", N=8, B=2)),
+  Dense(_dense("causal_gqa", "causal", "gqa", N=8, T=1024, B=1)),
   Dense(_dense("segments_window_cap_gqa", "segments", "gqa", T=1024, B=1, window=(_n(255), 0), soft_cap=5.0)),
   # two-sided window, not causal; sinks; MLA head dims (DeepSeek: qk 192, v 128)
-  Dense(_dense("window_sinks_mla", "window", "gqa", B=1, window=(_n(200), _n(56)), sinks=True, H=192, Hv=128)),
+  Dense(_dense("window_sinks_mla", "window", "gqa", N=8, B=1, window=(_n(200), _n(56)), sinks=True, H=192, Hv=128)),
   Dense(_dense("chunk_hd64", "causal", T=1024, B=2, H=64), chunk=_n(256)),
 ]
 
