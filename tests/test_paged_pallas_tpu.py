@@ -212,9 +212,10 @@ def test_flat_kv_buffers(dtype):
   """8 kv heads: pages travel as [P, page_size * K, H] into flat kv buffers and a head is one strided load
   (`tiling.flat_kv_pages`); with holes in the table (-1 and out-of-range ids, whose slots are zeroed in VMEM), a
   shared prefix, partial pages and (f32) scales, forward and gradients, foreign pages NaN-poisoned."""
-  assert common.flat_kv_pages(dtype, 8) and not common.flat_kv_pages(dtype, 2)
+  assert common.flat_kv_pages(dtype, 8, (128, 128)) and not common.flat_kv_pages(dtype, 2, (128, 128))
+  assert not common.flat_kv_pages(dtype, 8, (192, 128))  # Mosaic strides buffers exactly 128 lanes wide only
   rng = np.random.default_rng(79)
-  geom = dict(GEOM, num_heads=16)
+  geom = dict(GEOM, num_heads=16, head_dim=128)
   blocks = BLOCKS
   if dtype == BF16:
     geom.update(page_size=16, pages_per_seq=2)
@@ -442,7 +443,7 @@ def test_any_token_count(rows, block_q):
     (BF16, "int8", ("token", "page"), {}),
     (BF16, "float8_e4m3fn", ("scalar", "scalar"), {}),
     (BF16, BF16, None, dict(head_dim=24, v_head_dim=16)),  # MLA head shapes
-    (BF16, BF16, None, dict(num_kv_heads=8)),  # flat kv buffers, bf16 read through 32-bit words
+    (BF16, BF16, None, dict(num_kv_heads=8, head_dim=128)),  # flat kv buffers, bf16 read through 32-bit words
   ],
 )
 def test_lowers_for_tpu(dtype, page_dtype, scales, kw):
@@ -583,11 +584,11 @@ KV, HD = 2, 8
 CACHE = dict(num_pages=24, page_size=PS, max_num_seqs=4, pages_per_seq=4, num_kv_heads=KV, head_dim=HD)
 
 
-def _ragged(rng, lens, num_tokens=16, heads=8, kv=KV):
+def _ragged(rng, lens, num_tokens=16, heads=8, kv=KV, hd=HD):
   total = int(sum(lens))
   cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens), [total] * (4 - len(lens))]), jnp.int32)
-  k, v = (jnp.asarray(rng.normal(size=(num_tokens, kv, HD)), F32) for _ in range(2))
-  q = jnp.asarray(rng.normal(size=(num_tokens, heads, HD)), F32)
+  k, v = (jnp.asarray(rng.normal(size=(num_tokens, kv, hd)), F32) for _ in range(2))
+  q = jnp.asarray(rng.normal(size=(num_tokens, heads, hd)), F32)
   return q, k, v, cu, jnp.asarray([len(lens)], jnp.int32)
 
 
@@ -656,11 +657,11 @@ def test_fused_write_flat_pages():
   """The fused write into flat pages (8 kv heads, bf16: a token's K rows of a [P, page_size * K, H] view) leaves
   the cache PagedKVCache.append leaves, across q blocks and a prefix-shared page."""
   rng = np.random.default_rng(82)
-  cache = fr.PagedKVCache.create(**dict(CACHE, num_kv_heads=8, page_size=16), dtype=BF16)
-  _, cache = _separate(cache, *_ragged(rng, [13, 3], heads=16, kv=8))
+  cache = fr.PagedKVCache.create(**dict(CACHE, num_kv_heads=8, page_size=16, head_dim=128), dtype=BF16)
+  _, cache = _separate(cache, *_ragged(rng, [13, 3], heads=16, kv=8, hd=128))
   cache = jax.jit(fr.PagedKVCache.share_prefix)(cache, 0, 2, 11)
   for lens in ([1, 2, 4], [5, 1, 1, 9]):
-    batch = _ragged(rng, lens, heads=16, kv=8)
+    batch = _ragged(rng, lens, heads=16, kv=8, hd=128)
     expected_out, expected = _separate(cache, *batch)
     with no_races():
       out, cache = jax.block_until_ready(_fused(cache, *batch))

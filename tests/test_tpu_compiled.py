@@ -310,6 +310,8 @@ PAGED = {
   # windows at dynamic offsets) and where 8 tokens share one (MHA).
   "group3_bf16": Paged(make_case("group3", "causal", "gqa", N=6, group=3, H=128), BF16, 16),
   "mha_f32": Paged(make_case("mha", "causal", "mha", N=4, H=128), F32, 8),
+  # 8 kv heads of 256 (Gemma 2's): not flat, since Mosaic strides only 128-lane buffers (`tiling.flat_kv_pages`).
+  "kv8_hd256_bf16": Paged(make_case("kv8_hd256", "causal", "gqa", N=16, group=2, H=256), BF16, 16),
 }
 
 

@@ -22,31 +22,39 @@ SMEM_TABLE_BYTES = 512 * 1024
 F32 = jnp.float32
 
 
-def flat_kv_pages(page_dtype, num_kv_heads: int) -> bool:
+def flat_kv_pages(page_dtype, num_kv_heads: int, head_dims: tuple[int, ...]) -> bool:
   """Whether the paged kernels keep a kv block as one flat [tokens * K, H] VMEM buffer (row t * K + k: token t,
   kv head k) and read a head with one sublane-strided load (`paged/walk.py`; bf16 through 32-bit words, which
-  hold heads 2i and 2i + 1 of a token): 32-bit and bf16 pages with K a multiple of 8.  Then a page
-  [page_size, K, H] is whole (8, 128) tiles in HBM as XLA lays it out, and viewing the cache as
-  [P, page_size * K, H] is free; with fewer heads XLA tiles a page (K, 128) and that view would copy the cache
-  (seen on a v5e).  Other pages stay [P, page_size, K, H] and a head is read as a slice."""
+  hold heads 2i and 2i + 1 of a token): 32-bit and bf16 pages with K a multiple of 8 and K's and V's head dims
+  (`head_dims`) all 128.  Then a page [page_size, K, H] is whole (8, 128) tiles in HBM as XLA lays it out, and
+  viewing the cache as [P, page_size * K, H] is free; with fewer heads XLA tiles a page (K, 128) and that view
+  would copy the cache (seen on a v5e).  Mosaic's strided loads need a buffer exactly 128 lanes wide ("the last
+  dim size is not 128 in original base memref" on a v5e, for 192).  Other pages stay [P, page_size, K, H] and a
+  head is read as a slice."""
   dtype = jnp.dtype(page_dtype)
-  return (dtype.itemsize == 4 or dtype == jnp.bfloat16) and num_kv_heads % 8 == 0
+  lanes = all(h == LANES for h in head_dims)
+  return (dtype.itemsize == 4 or dtype == jnp.bfloat16) and num_kv_heads % 8 == 0 and lanes
 
 
-def paged_kv_buffer_shape(pages_per_block: int, page_size: int, num_kv_heads: int, head_dim: int, page_dtype):
+def paged_kv_buffer_shape(
+  pages_per_block: int, page_size: int, num_kv_heads: int, head_dim: int, page_dtype, head_dims: tuple[int, ...]
+):
   """The paged kernels' two-slot VMEM buffer of one kv block's K (head_dim H) or V (Hv) pages: flat
-  [2, ppb * ps * K, h] when `flat_kv_pages`, else [2, ppb * ps, K, h] (a token per row)."""
+  [2, ppb * ps * K, h] when `flat_kv_pages` (of both head dims, `head_dims`), else [2, ppb * ps, K, h] (a token
+  per row)."""
   ppb, ps, K = pages_per_block, page_size, num_kv_heads
-  return (2, ppb * ps * K, head_dim) if flat_kv_pages(page_dtype, K) else (2, ppb * ps, K, head_dim)
+  flat = flat_kv_pages(page_dtype, K, head_dims)
+  return (2, ppb * ps * K, head_dim) if flat else (2, ppb * ps, K, head_dim)
 
 
-def token_major_forward(num_heads: int, bq: int) -> bool:
+def token_major_forward(num_heads: int, bq: int, head_dims: tuple[int, ...]) -> bool:
   """Whether the block forward reads q and writes o in the caller's token-major layout (`block/forward.py`):
   q [B, T, N, H] viewed as [B, T * N, H] and o as [B, T * N, Hv] (row t * N + n: token t, head n), lse written
   lane-dense as [N, bq] blocks of [B, N, T].  It needs N a multiple of 8, so that the view is free under XLA's
-  (8, 128) tiles of a [.., N, H] array, and q tiles a multiple of 128 (lse's lane blocks).  Other shapes are
-  transposed to heads-major around the kernel."""
-  return num_heads % 8 == 0 and bq % LANES == 0
+  (8, 128) tiles of a [.., N, H] array, q tiles a multiple of 128 (lse's lane blocks), and q's and o's head dims
+  (`head_dims`) 128: a head is a sublane-strided load or store, which Mosaic only does on buffers exactly 128
+  lanes wide.  Other shapes are transposed to heads-major around the kernel."""
+  return num_heads % 8 == 0 and bq % LANES == 0 and all(h == LANES for h in head_dims)
 
 
 def sublanes(dtype) -> int:

@@ -44,7 +44,7 @@ def fwd_plan(
   drop_specs, drop_dtypes = c.dropout_specs(has_dropout)
   in_dtypes = (dtype, dtype, dtype) + c.mask_dtypes(mask) + drop_dtypes
   stats = (((G, bq, c.LANES), c.F32), ((G, bq, c.LANES), c.F32), ((G, bq, Hv), c.F32))  # m, l, acc
-  if c.token_major_forward(N, bq):
+  if c.token_major_forward(N, bq, (H, Hv)):
     # Grid (b, i, h, j): the q tile of all heads and its o / lse blocks stay in VMEM while every kv head's
     # group works through it (one q DMA per tile); h is "arbitrary" because the groups share those blocks.
     q_map = lambda b, i, h, j, kinds, fetch: (b, i)  # noqa: E731
@@ -218,7 +218,7 @@ def block_fwd(q, k, v, q_tok, kv_tok, *, spec, interpret, dropout=None):
   dims, kinds, mask_ops = c.block_setup(spec, q, k, v, q_tok, kv_tok, backward=False)
   plan = fwd_plan(**dims)
   B, T, N, H = q.shape
-  rows = c.token_major_forward(N, dims["bq"])
+  rows = c.token_major_forward(N, dims["bq"], (H, dims["Hv"]))
   kernel = functools.partial(_kernel, spec=spec, num_mask_refs=len(mask_ops), rows=rows, compiled=interpret is None)
   o, lse = c.call(kernel, plan, 2, interpret=interpret, name="ring_block_fwd")(
     kinds,

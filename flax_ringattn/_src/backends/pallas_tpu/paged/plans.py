@@ -41,7 +41,7 @@ class PagedDims:
   @property
   def flat(self) -> bool:
     """Pages travel as [P, ps * K, H] into flat [2, ppb * ps * K, H] kv buffers (`tiling.flat_kv_pages`)."""
-    return c.flat_kv_pages(self.page_dtype, self.K)
+    return c.flat_kv_pages(self.page_dtype, self.K, (self.H, self.Hv))
 
   @property
   def rows_per_token(self) -> int:
@@ -173,7 +173,7 @@ def _any():
 
 def kv_buffer_shape(d: PagedDims, h: int) -> tuple:
   """The two-slot VMEM buffer of one kv block's K (h = H) or V (h = Hv) pages."""
-  return c.paged_kv_buffer_shape(d.ppb, d.ps, d.K, h, d.page_dtype)
+  return c.paged_kv_buffer_shape(d.ppb, d.ps, d.K, h, d.page_dtype, (d.H, d.Hv))
 
 
 def page_shape(d: PagedDims, h: int) -> tuple:

@@ -77,7 +77,7 @@ def footprint(
   score = G * bq * bk * 4  # one f32 [G * bq, bk] tile
   if kernel == "fwd":
     scratch = 2 * _tile(bq, c.LANES, f32, G) + _tile(bq, Hv, f32, G)  # m, l, acc
-    if c.token_major_forward(num_heads, bq):  # q and o tiles of all N heads, lse [N, bq], the group's q
+    if c.token_major_forward(num_heads, bq, (H, Hv)):  # q and o tiles of all N heads, lse [N, bq], the group's q
       inputs = _tile(bq * num_heads, H, dtype) + k_tile + v_tile + mask
       outputs = _tile(bq * num_heads, Hv, f32) + _tile(num_heads, bq, f32)
       scratch += q_tile

@@ -61,7 +61,9 @@ def paged_footprint(
   G, L, f32 = N // K, pages_per_block * page_size, jnp.float32
   q_block = c.padded_bytes((bq, N, H), dtype)
   o_block = c.padded_bytes((bq, N, Hv), dtype)  # o, or do
-  kv_slots = sum(c.padded_bytes(c.paged_kv_buffer_shape(ppb, ps, K, h, page_dtype), page_dtype) for h in (H, Hv))
+  kv_slots = sum(
+    c.padded_bytes(c.paged_kv_buffer_shape(ppb, ps, K, h, page_dtype, (H, Hv)), page_dtype) for h in (H, Hv)
+  )
   kv_slots += sum(c.padded_bytes((2, ppb, r, K), f32) for r in scale_rows if r)
   kv_slots += c.padded_bytes((1, L), jnp.int32)  # which slots hold a key
   span_block = 0
