@@ -142,52 +142,6 @@ def test_token_major_forward(K, dtype, n, opts):
   assert_close(grads, ref_vjp(do), dtype, "grad")
 
 
-SUB_TILED = [
-  # (N, K, H, dtype, options): heads-major GQA with documents, token-major bf16 with a causal window
-  (2, 1, 32, jnp.float32, dict(is_causal=True, segments=True)),
-  (8, 2, 128, jnp.bfloat16, dict(is_causal=True, local_window_size=(300, 0))),
-]
-
-
-@interpret
-@pytest.mark.parametrize("N, K, H, dtype, opts", SUB_TILED, ids=["heads-major-seg", "token-major-window"])
-def test_partial_tiles_in_sub_tiles(N, K, H, dtype, opts):
-  """A 1024 x 1024 PARTIAL tile is computed as 2 x 2 sub-tiles of 512, each by its own class (`tiling.sub_tiles`):
-  above the causal diagonal skipped, below it unmasked, on it masked; forward and gradients against the reference.
-  The call also lowers for TPU with the sub-tile table."""
-  opts = dict(opts)
-  T = 1024
-  assert common.sub_tiles(T, T, T, T) == (512, 512)
-  q, k, v, do = _inputs(1, T, T, N, K, H, dtype)
-  seg = None
-  if opts.pop("segments", False):
-    seg = ((jnp.arange(T) >= 700).astype(jnp.int32))[None]  # a document edge inside the lower sub-tiles
-  blocks = fr.BlockSizes(block_q=T, block_kv=T)
-
-  def attn(q, k, v):
-    return fr.ring_attention(
-      q, k, v, segment_ids=seg, implementation="pallas_tpu", interpret=interpret_params(), block_sizes=blocks, **opts
-    )
-
-  with no_races():
-    out, vjp = jax.vjp(jax.jit(attn), q, k, v)
-    grads = vjp(do)
-  ref_out, ref_vjp = jax.vjp(lambda q, k, v: fr.reference_attention(q, k, v, segment_ids=seg, **opts), q, k, v)
-  assert_close(out, ref_out, dtype)
-  assert_close(grads, ref_vjp(do), dtype, "grad")
-  # The forward kernel with its sub-tile table lowers for TPU (block_fwd directly: ring_attention needs a TPU).
-  spec = AttentionSpec(
-    mask=masks.MaskSpec(is_causal=True, window=opts.get("local_window_size"), has_segments=seg is not None),
-    scale=H**-0.5,
-    logits_soft_cap=None,
-    block_sizes=blocks,
-  )
-  tok = masks.Tokens(jnp.arange(T, dtype=jnp.int32), seg, None)
-  fwd = jax.jit(lambda q, k, v: block_fwd(q, k, v, tok, tok, spec=spec, interpret=None))
-  sds = [jax.ShapeDtypeStruct(x.shape, dtype) for x in (q, k, v)]
-  assert "tpu_custom_call" in export.export(fwd, platforms=("tpu",))(*sds).mlir_module()
-
-
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize(
   "segments,cap,dropout,Hv",

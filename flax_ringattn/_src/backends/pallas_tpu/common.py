@@ -34,7 +34,6 @@ from flax_ringattn._src.backends.pallas_tpu.tiling import (  # noqa: F401  (the 
   padded_bytes,
   paged_kv_buffer_shape,
   plan_vmem_bytes,
-  sub_tiles,
   sublanes,
   token_major_forward,
   tpu_tile,

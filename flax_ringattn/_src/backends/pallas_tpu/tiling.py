@@ -57,20 +57,6 @@ def token_major_forward(num_heads: int, bq: int, head_dims: tuple[int, ...]) -> 
   return num_heads % 8 == 0 and bq % LANES == 0 and all(h == LANES for h in head_dims)
 
 
-# The side of the sub-tiles a PARTIAL tile of the block forward is computed in (`sub_tiles`).
-SUB_TILE = 512
-
-
-def sub_tiles(q_len: int, kv_len: int, bq: int, bk: int) -> tuple[int, int]:
-  """(sq, sk): the sub-tiles the block forward computes a PARTIAL (bq, bk) tile in, each by its own class
-  (EMPTY skipped, FULL unmasked): SUB_TILE on a side that is a larger multiple of it, else the whole side; the
-  whole tile when the sub-tile class table would not fit SMEM beside the two tile tables."""
-  sq = SUB_TILE if bq > SUB_TILE and bq % SUB_TILE == 0 else bq
-  sk = SUB_TILE if bk > SUB_TILE and bk % SUB_TILE == 0 else bk
-  tables = 2 * (q_len // bq) * (kv_len // bk) * 4 + (q_len // sq) * (kv_len // sk) * 4
-  return (sq, sk) if tables <= SMEM_TABLE_BYTES else (bq, bk)
-
-
 def sublanes(dtype) -> int:
   """Second-minor alignment of a tile of `dtype`: 8 rows of 32 bits, packed for narrower types."""
   return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)

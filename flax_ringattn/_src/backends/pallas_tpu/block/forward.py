@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from flax_ringattn._src import masks
 from flax_ringattn._src.backends.pallas_tpu import common as c
 
 
@@ -48,14 +47,14 @@ def fwd_plan(
   if c.token_major_forward(N, bq, (H, Hv)):
     # Grid (b, i, h, j): the q tile of all heads and its o / lse blocks stay in VMEM while every kv head's
     # group works through it (one q DMA per tile); h is "arbitrary" because the groups share those blocks.
-    q_map = lambda b, i, h, j, kinds, fetch, sub: (b, i)  # noqa: E731
-    kv_map = lambda b, i, h, j, kinds, fetch, sub: (b, fetch[i, j])  # noqa: E731
-    kv_spec = lambda w: pl.BlockSpec((None, None, bk, w), lambda b, i, h, j, kinds, fetch, sub: (b, h, fetch[i, j], 0))  # noqa: E731
+    q_map = lambda b, i, h, j, kinds, fetch: (b, i)  # noqa: E731
+    kv_map = lambda b, i, h, j, kinds, fetch: (b, fetch[i, j])  # noqa: E731
+    kv_spec = lambda w: pl.BlockSpec((None, None, bk, w), lambda b, i, h, j, kinds, fetch: (b, h, fetch[i, j], 0))  # noqa: E731
     return c.CallPlan(
       grid=(B, T // bq, K, S // bk),
       in_specs=(
         # A leading block dim of 1, not None: Mosaic bitcasts the ref (`common.strided_rows`) with all its dims.
-        pl.BlockSpec((1, bq * N, H), lambda b, i, h, j, kinds, fetch, sub: (b, i, 0)),
+        pl.BlockSpec((1, bq * N, H), lambda b, i, h, j, kinds, fetch: (b, i, 0)),
         kv_spec(H),
         kv_spec(Hv),
         *c.mask_specs(mask, bq, bk, q_map, kv_map),
@@ -63,23 +62,23 @@ def fwd_plan(
       ),
       in_dtypes=in_dtypes,
       out_specs=(
-        pl.BlockSpec((None, bq * N, Hv), lambda b, i, h, j, kinds, fetch, sub: (b, i, 0)),
-        pl.BlockSpec((None, N, bq), lambda b, i, h, j, kinds, fetch, sub: (b, 0, i)),
+        pl.BlockSpec((None, bq * N, Hv), lambda b, i, h, j, kinds, fetch: (b, i, 0)),
+        pl.BlockSpec((None, N, bq), lambda b, i, h, j, kinds, fetch: (b, 0, i)),
       ),
       out_shapes=(jax.ShapeDtypeStruct((B, T * N, Hv), c.F32), jax.ShapeDtypeStruct((B, N, T), c.F32)),
       scratch=(*stats, ((G, bq, H), dtype)),  # + the group's q heads, gathered once per q tile
       semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
     )
-  q_map = lambda b, h, i, j, kinds, fetch, sub: (b, i)  # noqa: E731
-  kv_map = lambda b, h, i, j, kinds, fetch, sub: (b, fetch[i, j])  # noqa: E731
+  q_map = lambda b, h, i, j, kinds, fetch: (b, i)  # noqa: E731
+  kv_map = lambda b, h, i, j, kinds, fetch: (b, fetch[i, j])  # noqa: E731
   in_specs = [
-    pl.BlockSpec((None, G, bq, H), lambda b, h, i, j, kinds, fetch, sub: (b, h, i, 0)),
-    pl.BlockSpec((None, None, bk, H), lambda b, h, i, j, kinds, fetch, sub: (b, h, fetch[i, j], 0)),
-    pl.BlockSpec((None, None, bk, Hv), lambda b, h, i, j, kinds, fetch, sub: (b, h, fetch[i, j], 0)),
+    pl.BlockSpec((None, G, bq, H), lambda b, h, i, j, kinds, fetch: (b, h, i, 0)),
+    pl.BlockSpec((None, None, bk, H), lambda b, h, i, j, kinds, fetch: (b, h, fetch[i, j], 0)),
+    pl.BlockSpec((None, None, bk, Hv), lambda b, h, i, j, kinds, fetch: (b, h, fetch[i, j], 0)),
     *c.mask_specs(mask, bq, bk, q_map, kv_map),
     *drop_specs,
   ]
-  row = lambda b, h, i, j, kinds, fetch, sub: (b, h, i, 0)  # noqa: E731
+  row = lambda b, h, i, j, kinds, fetch: (b, h, i, 0)  # noqa: E731
   return c.CallPlan(
     grid=(B, K, T // bq, S // bk),
     in_specs=tuple(in_specs),
@@ -90,10 +89,9 @@ def fwd_plan(
   )
 
 
-def _kernel(kinds_ref, fetch_ref, sub_ref, q_ref, k_ref, v_ref, *refs, spec, num_mask_refs, rows, compiled, sub):
+def _kernel(kinds_ref, fetch_ref, q_ref, k_ref, v_ref, *refs, spec, num_mask_refs, rows, compiled):
   """`rows`: the token-major layout of `fwd_plan` (q_ref (1, bq * N, H), o_ref (bq * N, Hv), lse_ref (N, bq), and
-  the group's q gathered into a last scratch); else heads-major (q_ref (G, bq, H)).  `sub`: (sq, sk), the
-  sub-tiles a PARTIAL tile is computed in, whose classes `sub_ref` holds (`tiling.sub_tiles`)."""
+  the group's q gathered into a last scratch); else heads-major (q_ref (G, bq, H))."""
   del fetch_ref  # used by the BlockSpecs only
   mask_refs = refs[:num_mask_refs]
   drop_ref, refs = c.split_dropout_ref(spec, refs[num_mask_refs:])
@@ -113,31 +111,13 @@ def _kernel(kinds_ref, fetch_ref, sub_ref, q_ref, k_ref, v_ref, *refs, spec, num
     if rows:
       _gather_group(q_ref, q_tile, h, compiled=compiled)
 
-  def update(masked, rs=slice(None), ks=slice(None)):
-    """One online-softmax step on q rows `rs` and kv rows `ks` of the tile (static slices; default all)."""
-    sub_masks = [ref.at[rs, :] if n % 2 == 0 else ref.at[:, ks] for n, ref in enumerate(mask_refs)]  # (q, kv) pairs
-    q_sub = q_tile.at[:, rs, :]
-    drop = c.tile_dropout(spec, drop_ref, b, h, q_sub, sub_masks)
-    stats = (m_sc.at[:, rs, :], l_sc.at[:, rs, :], acc_sc.at[:, rs, :])
-    kv = (k_ref.at[ks, :], v_ref.at[ks, :])
-    online_softmax_step(q_sub, *kv, sub_masks if masked else None, *stats, spec=spec, masked=masked, drop=drop)
+  def update(masked):
+    drop = c.tile_dropout(spec, drop_ref, b, h, q_tile, mask_refs)
+    online_softmax_step(
+      q_tile, k_ref, v_ref, mask_refs if masked else None, m_sc, l_sc, acc_sc, spec=spec, masked=masked, drop=drop
+    )
 
-  kind = kinds_ref[i, j]
-  pl.when(kind == masks.FULL)(lambda: update(False))
-  sq, sk = sub
-  R, C = q_tile.shape[1] // sq, k_ref.shape[0] // sk
-
-  @pl.when(kind == masks.PARTIAL)
-  def _partial():
-    if R * C == 1:
-      update(True)
-      return
-    # Each sub-tile by its own class: a causal diagonal tile skips its sub-tiles above the diagonal and masks
-    # only those on it, so large tiles (few grid steps) waste no more work than small ones.
-    for r in range(R):
-      for cc in range(C):
-        rs, ks = slice(r * sq, (r + 1) * sq), slice(cc * sk, (cc + 1) * sk)
-        c.by_tile_kind(sub_ref[i * R + r, j * C + cc], functools.partial(update, rs=rs, ks=ks))
+  c.by_tile_kind(kinds_ref[i, j], update)
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
@@ -238,18 +218,11 @@ def block_fwd(q, k, v, q_tok, kv_tok, *, spec, interpret, dropout=None):
   dims, kinds, mask_ops = c.block_setup(spec, q, k, v, q_tok, kv_tok, backward=False)
   plan = fwd_plan(**dims)
   B, T, N, H = q.shape
-  bq, bk, S = dims["bq"], dims["bk"], k.shape[1]
-  rows = c.token_major_forward(N, bq, (H, dims["Hv"]))
-  sub = c.sub_tiles(T, S, bq, bk)
-  # The sub-tiles' classes; a (1, 1) placeholder when tiles are not split.
-  sub_kinds = jnp.zeros((1, 1), jnp.int32) if sub == (bq, bk) else masks.tile_kinds(spec.mask, q_tok, kv_tok, *sub)
-  kernel = functools.partial(
-    _kernel, spec=spec, num_mask_refs=len(mask_ops), rows=rows, compiled=interpret is None, sub=sub
-  )
-  o, lse = c.call(kernel, plan, 3, interpret=interpret, name="ring_block_fwd")(
+  rows = c.token_major_forward(N, dims["bq"], (H, dims["Hv"]))
+  kernel = functools.partial(_kernel, spec=spec, num_mask_refs=len(mask_ops), rows=rows, compiled=interpret is None)
+  o, lse = c.call(kernel, plan, 2, interpret=interpret, name="ring_block_fwd")(
     kinds,
     c.fetch_index(kinds),
-    sub_kinds,
     q.reshape(B, T * N, H) if rows else c.heads_major(q),
     c.heads_major(k),
     c.heads_major(v),
