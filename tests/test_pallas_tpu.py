@@ -96,28 +96,31 @@ def test_many_tiles_per_shard(opts, n):
 
 
 TOKEN_MAJOR = [
-  # (K, dtype, ring size, options): GQA on a ring of 2 (per-hop partials merged), MHA bf16, MQA with dropout
-  (2, jnp.float32, 2, dict(is_causal=True, segments=True)),
-  (8, jnp.bfloat16, 1, dict(is_causal=True, logits_soft_cap=5.0)),
-  (1, jnp.float32, 1, dict(local_window_size=(40, 100), dropout_rate=0.25, dropout_rng=jax.random.key(3))),
+  # (B, K, dtype, ring size, options): GQA on a ring of 2 (per-hop partials merged), MHA bf16, MQA with dropout
+  # over two batch rows (the batch index of every token-major block, and dropout's batch offset)
+  (1, 2, jnp.float32, 2, dict(is_causal=True, segments=True)),
+  (1, 8, jnp.bfloat16, 1, dict(is_causal=True, logits_soft_cap=5.0)),
+  (2, 1, jnp.float32, 1, dict(local_window_size=(40, 100), dropout_rate=0.25, dropout_rng=jax.random.key(3))),
 ]
 
 
 @interpret
-@pytest.mark.parametrize("K, dtype, n, opts", TOKEN_MAJOR, ids=["gqa-ring2-seg", "mha-bf16-cap", "mqa-window-drop"])
-def test_token_major_forward(K, dtype, n, opts):
+@pytest.mark.parametrize(
+  "B, K, dtype, n, opts", TOKEN_MAJOR, ids=["gqa-ring2-seg", "mha-bf16-cap", "mqa-window-drop-b2"]
+)
+def test_token_major_forward(B, K, dtype, n, opts):
   """N = 8 heads of 128 and 128-row q tiles: the forward reads q and writes o and lse in the caller's token-major
   layout (`tiling.token_major_forward`), gathering each kv group's heads with strided loads and storing o with
   strided stores; forward and gradients against the reference, 2 x 2 tiles per shard."""
   opts = dict(opts)
-  B, N, H, per_shard = 1, 8, 128, 256
+  N, H, per_shard = 8, 128, 256
   T = per_shard * n
   assert common.token_major_forward(N, 128, (H, H))
   q, k, v, do = _inputs(B, T, T, N, K, H, dtype)
   seg = None
   if opts.pop("segments", False):
     t = jnp.arange(T)
-    seg = ((t >= 90).astype(jnp.int32) + (t >= 300))[None]
+    seg = jnp.broadcast_to((t >= 90).astype(jnp.int32) + (t >= 300), (B, T))
   mesh = make_mesh((n,), ("sp",)) if n > 1 else None
   blocks = fr.BlockSizes(block_q=128, block_kv=128)
 

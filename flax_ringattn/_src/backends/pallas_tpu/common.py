@@ -10,7 +10,10 @@ so a tile's two minor dimensions are (tokens, head_dim).  Per-row statistics
 lane-replicated `[G, bq, 128]`, as TPU flash kernels do, so no kernel needs a
 lane <-> sublane relayout.  A kernel instance handles the G = N / K q heads of
 one kv head, so the kv tile is read once per group and the group's heads share
-one matmul.
+one matmul.  The exceptions read the caller's token-major layout and gather a
+head with sublane-strided loads (`strided_rows`): the block forward's q, o and
+lse where `tiling.token_major_forward` allows, and the paged kernels (q as
+projected, [T, N, H]; flat kv pages).
 """
 
 from __future__ import annotations

@@ -12,6 +12,19 @@ q and k tiles are (tokens, H), v, o and acc (tokens, Hv): v's head dim may
 differ from q/k's (MLA), and the kernel never assumes they match.
 With attention dropout the int32[4] dropout operand sits in SMEM and each
 tile's keep mask is hashed from its global indices (`common.dropout_scale`).
+
+Token-major forward (`tiling.token_major_forward`: N a multiple of 8, q tiles
+a multiple of 128, head dims of 128): q is read and o written in the caller's
+[B, T, N, H] layout, viewed (free) as [B, T * N, H], and lse is written
+lane-dense as [B, N, T], so neither q nor o is transposed outside the kernel
+and lse is not padded 128-fold.  The grid is (B, T / bq, K, S / bk): the q
+tile of all N heads and its o and lse blocks stay in VMEM while each kv
+head's group works through it.  At a group's first kv step its G heads are
+gathered from the q tile with sublane-strided loads (`common.strided_rows`;
+bf16 through 32-bit words) into (G, bq, H) scratch, and at its last they are
+stored back with strided stores.  The tile step between is the same.  K and
+V stay heads-major (XLA transposes them): a kv head of a token-major tile
+would be a strided read at every kv step.
 """
 
 from __future__ import annotations
