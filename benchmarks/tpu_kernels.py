@@ -77,6 +77,7 @@ except ImportError:  # running from a checkout that is not installed
 import flax_ringattn as fr
 from flax_ringattn import benchmarking as bench
 from flax_ringattn.benchmarking import Problem, cost, hardware, median, paired_ratio, time_interleaved
+from flax_ringattn.testing import kernel_debug
 
 EXIT_WRONG_RESULT = bench.EXIT_WRONG_RESULT
 MIB = 2**20
@@ -298,6 +299,29 @@ def ours_block_fn(causal: bool, scale: float, interpret, block_sizes=None) -> Ca
   )
 
 
+VARIANT_FIELDS = {"heads_major": ("forward_layout", "heads_major"), "lane_stats": ("lane_stats", True)}
+
+
+def variant_debug(variant: str) -> dict:
+  """The `kernel_debug` fields of a '+'-joined variant name ("heads_major+lane_stats")."""
+  parts = variant.split("+")
+  unknown = [x for x in parts if x not in VARIANT_FIELDS]
+  if unknown or not parts:
+    raise ValueError(f"unknown variant {variant!r}: use {', '.join(VARIANT_FIELDS)}, '+'-joined")
+  return dict(VARIANT_FIELDS[x] for x in parts)
+
+
+def with_variant(fn: Callable, variant: str) -> Callable:
+  """`fn` (jitted) traced and run inside `kernel_debug(**variant_debug(variant))`: its first call traces it there,
+  and later calls reuse that trace."""
+
+  def run(*args):
+    with kernel_debug(**variant_debug(variant)):
+      return fn(*args)
+
+  return run
+
+
 def on_our_layout(kernel: Callable, scale: float) -> Callable:
   """A [B, N, T, H] kernel without a softmax scale (splash) as a user with [B, T, N, H] activations calls it: q,
   k and v transposed and q scaled inside, the output transposed back; gradients come back by our inputs."""
@@ -417,6 +441,9 @@ def block_table(report, cfg: Config, args, chip) -> None:
     # Several --block-sizes: one checked, timed row per choice, against the same (compiled once) peers.
     for blocks in args.block_sizes or [None]:
       ours = Candidate(wrap(ours_block_fn(r.causal, scale, interp, blocks)), (q, k, v, *cotangent(do)))
+      for variant in args.ours_variants:  # checked against ours like a peer, timed in the same rounds
+        fn = with_variant(wrap(ours_block_fn(r.causal, scale, interp, blocks)), variant)
+        peers[f"ours {variant}"] = Candidate(fn, (q, k, v, *cotangent(do)))
       name = f"block T={r.T} {mask} {r.pas}"
       if args.block_sizes and len(args.block_sizes) > 1:
         name += f", ours {our_block_tiles(r.T, N, H, blocks)}"
@@ -430,6 +457,8 @@ def block_table(report, cfg: Config, args, chip) -> None:
         row += [ms(t, "splash BTNH"), ratio(t, "splash BTNH")]
       if not args.no_flash:
         row += [ms(t, "flash"), ratio(t, "flash")]
+      for variant in args.ours_variants:
+        row += [ms(t, f"ours {variant}"), ratio(t, f"ours {variant}")]
       row += [tflops, tflops and peak and 100 * tflops * 1e12 / peak, got["err"], notes_cell(got["errors"])]
       rows.append(row)
   header = ["T", "mask", "pass", "ours tiles", "ours ms", "splash ms", "splash/ours"]
@@ -437,6 +466,8 @@ def block_table(report, cfg: Config, args, chip) -> None:
     header += ["splash BTNH ms", "splash BTNH/ours"]
   if not args.no_flash:
     header += ["flash ms", "flash/ours"]
+  for variant in args.ours_variants:
+    header += [f"ours {variant} ms", f"{variant}/ours"]
   header += ["ours TFLOP/s", "% peak", "max err", "notes"]
   b = PEER_BLOCK
   splash_blocks = f"splash BlockSizes(block_q={b}, block_kv={b}, block_kv_compute={b}, block_q_dkv={b}, "
@@ -449,7 +480,9 @@ def block_table(report, cfg: Config, args, chip) -> None:
     header,
     rows,
     formats={"ours ms": ".3f", "splash ms": ".3f", "flash ms": ".3f", "splash/ours": ".2f", "flash/ours": ".2f"}
-    | {"splash BTNH ms": ".3f", "splash BTNH/ours": ".2f", "ours TFLOP/s": ".1f", "% peak": ".1f", "max err": ".1e"},
+    | {"splash BTNH ms": ".3f", "splash BTNH/ours": ".2f", "ours TFLOP/s": ".1f", "% peak": ".1f", "max err": ".1e"}
+    | {f"ours {v} ms": ".3f" for v in args.ours_variants}
+    | {f"{v}/ours": ".2f" for v in args.ours_variants},
     notes=[
       f"{splash_blocks}; mask CausalMask / FullMask per head (make_splash_mha_single_device).",
       f"flash_attention BlockSizes: every block {b}, block_b=1.  Ours: the planner's tiles (block_sizes=None) or",
@@ -461,6 +494,14 @@ def block_table(report, cfg: Config, args, chip) -> None:
       "the per-round ratios (> 1: ours is faster).  TFLOP/s: useful FLOPs, forward 4 B N T^2 H, forward+backward",
       "3.5x the forward (benchmarking.cost), causal counted as half; % peak of the chip's bf16 peak.",
       f"max err: max |ours - splash| of the worst output / gradient (the check: <= {TOL:g} x max(1, max |peer|)).",
+      *(
+        [
+          "ours V: our op with forward variant V (--ours-variants; test hooks of the kernels, `KernelDebug`), checked",
+          "against ours; V/ours > 1: the default is faster.",
+        ]
+        if args.ours_variants
+        else []
+      ),
     ],
   )
 
@@ -679,6 +720,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     help="block table: leave out 'splash BTNH' (splash called on [B, T, N, H], the layout work timed)",
   )
   add(
+    "--ours-variants",
+    default="",
+    metavar="V[,V...]",
+    help="block table: also time our op with these forward variants (KernelDebug fields, '+'-joined: heads_major, "
+    "lane_stats, heads_major+lane_stats), each checked against ours and given its ms and variant/ours columns",
+  )
+  add(
     "--block-sizes",
     nargs="+",
     default=None,
@@ -706,6 +754,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   names = lambda text: [s.strip() for s in text.split(",") if s.strip()]
   args.seq_lens, args.fwd_seq_lens = ints(args.seq_lens), ints(args.fwd_seq_lens)
   args.masks, args.tables = names(args.masks), names(args.tables)
+  args.ours_variants = names(args.ours_variants)
+  for variant in args.ours_variants:
+    try:
+      variant_debug(variant)
+    except ValueError as e:
+      parser.error(f"--ours-variants: {e}")
   try:
     args.paged_rows = None if args.paged_rows is None else ints(args.paged_rows)
   except ValueError:

@@ -23,6 +23,7 @@ from flax_ringattn._src.backends.pallas_tpu import common
 from flax_ringattn._src.backends.pallas_tpu.block.backward import block_bwd
 from flax_ringattn._src.backends.pallas_tpu.block.forward import block_fwd
 from flax_ringattn._src.testing.interpret import interpret_params, no_races
+from flax_ringattn.testing import kernel_debug
 
 interpret = pytest.mark.interpret
 
@@ -127,6 +128,32 @@ def test_token_major_forward(B, K, dtype, n, opts):
     seg = jnp.broadcast_to((t >= 90).astype(jnp.int32) + (t >= 300), (B, T))
   mesh = make_mesh((n,), ("sp",)) if n > 1 else None
   _check_ring(q, k, v, do, seg, mesh, fr.BlockSizes(block_q=128, block_kv=128), opts)
+
+
+VARIANTS = [
+  # (N, K, H, dtype, KernelDebug fields, options)
+  (8, 2, 128, jnp.float32, dict(lane_stats=True), dict(is_causal=True, segments=True)),
+  (8, 8, 128, jnp.bfloat16, dict(lane_stats=True, forward_layout="heads_major"), dict(local_window_size=(60, 20))),
+  (2, 1, 32, jnp.float32, dict(lane_stats=True), dict(is_causal=True)),  # head dim 32: alpha's first lane broadcast
+]
+
+
+@interpret
+@pytest.mark.parametrize(
+  "N, K, H, dtype, variant, opts", VARIANTS, ids=["lanes-token-major", "lanes-heads-major-bf16", "lanes-hd32"]
+)
+def test_forward_variants(N, K, H, dtype, variant, opts):
+  """The block forward's A/B variants for chip runs (`KernelDebug.lane_stats`: m, l and the rescale factor kept
+  lane-replicated and tiled; `forward_layout="heads_major"` where the token-major forward would run) compute the
+  same attention: forward and gradients against the reference, 2 x 2 tiles."""
+  opts = dict(opts)
+  T = 256
+  q, k, v, do = _inputs(1, T, T, N, K, H, dtype)
+  seg = None
+  if opts.pop("segments", False):
+    seg = (jnp.arange(T) >= 100).astype(jnp.int32)[None]
+  with kernel_debug(**variant):
+    _check_ring(q, k, v, do, seg, None, fr.BlockSizes(block_q=128, block_kv=128), opts)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])

@@ -40,15 +40,24 @@ class Recorder:
 class KernelDebug:
   """slots: "vmem" or "hbm" overrides the in-kernel ring planner's choice of where the communication slots live,
   so that small test shapes run the HBM-slot kernels.  drop_credits: the forward ring skips its credit exchange (a
-  protocol bug the race detector must catch).  recorder: a `Recorder` the ring protocol appends to."""
+  protocol bug the race detector must catch).  recorder: a `Recorder` the ring protocol appends to.
+
+  Block-forward variants, for A/B runs on a chip (`benchmarks/tpu_kernels.py --ours-variants`) and their tests:
+  forward_layout "heads_major" runs the heads-major forward where the token-major one would run; lane_stats keeps
+  the online softmax's m, l and rescale factor lane-replicated, as JAX's TPU flash kernels do, instead of (rows, 1)
+  columns."""
 
   slots: str | None = None
   drop_credits: bool = False
   recorder: Recorder | None = None
+  forward_layout: str | None = None
+  lane_stats: bool = False
 
   def __post_init__(self):
     if self.slots is not None and self.slots not in _SLOTS:
       raise ValueError(f"slots must be one of {_SLOTS} or None, got {self.slots!r}")
+    if self.forward_layout not in (None, "heads_major"):
+      raise ValueError(f"forward_layout must be 'heads_major' or None, got {self.forward_layout!r}")
 
 
 _CURRENT: contextvars.ContextVar[KernelDebug | None] = contextvars.ContextVar("flax_ringattn_debug", default=None)

@@ -52,12 +52,16 @@ def fwd_plan(
   mask,
   has_dropout=False,
   Hv=None,
+  rows=None,
 ) -> c.CallPlan:
+  """`rows`: the token-major layout (None: where `tiling.token_major_forward` allows it)."""
   G, Hv = N // K, H if Hv is None else Hv
+  if rows is None:
+    rows = c.token_major_forward(N, bq, (H, Hv))
   drop_specs, drop_dtypes = c.dropout_specs(has_dropout)
   in_dtypes = (dtype, dtype, dtype) + c.mask_dtypes(mask) + drop_dtypes
   stats = (((G, bq, c.LANES), c.F32), ((G, bq, c.LANES), c.F32), ((G, bq, Hv), c.F32))  # m, l, acc
-  if c.token_major_forward(N, bq, (H, Hv)):
+  if rows:
     # Grid (b, i, h, j): the q tile of all heads and its o / lse blocks stay in VMEM while every kv head's
     # group works through it (one q DMA per tile); h is "arbitrary" because the groups share those blocks.
     q_map = lambda b, i, h, j, kinds, fetch: (b, i)  # noqa: E731
@@ -102,7 +106,7 @@ def fwd_plan(
   )
 
 
-def _kernel(kinds_ref, fetch_ref, q_ref, k_ref, v_ref, *refs, spec, num_mask_refs, rows, compiled):
+def _kernel(kinds_ref, fetch_ref, q_ref, k_ref, v_ref, *refs, spec, num_mask_refs, rows, compiled, lanes=False):
   """`rows`: the token-major layout of `fwd_plan` (q_ref (1, bq * N, H), o_ref (bq * N, Hv), lse_ref (N, bq), and
   the group's q gathered into a last scratch); else heads-major (q_ref (G, bq, H))."""
   del fetch_ref  # used by the BlockSpecs only
@@ -127,7 +131,17 @@ def _kernel(kinds_ref, fetch_ref, q_ref, k_ref, v_ref, *refs, spec, num_mask_ref
   def update(masked):
     drop = c.tile_dropout(spec, drop_ref, b, h, q_tile, mask_refs)
     online_softmax_step(
-      q_tile, k_ref, v_ref, mask_refs if masked else None, m_sc, l_sc, acc_sc, spec=spec, masked=masked, drop=drop
+      q_tile,
+      k_ref,
+      v_ref,
+      mask_refs if masked else None,
+      m_sc,
+      l_sc,
+      acc_sc,
+      spec=spec,
+      masked=masked,
+      drop=drop,
+      lanes=lanes,
     )
 
   c.by_tile_kind(kinds_ref[i, j], update)
@@ -176,24 +190,27 @@ def _finish_rows(m_ref, l_ref, acc_ref, o_ref, lse_ref, h):
   _for_group(h, N // G, body)
 
 
-def online_softmax_step(q_ref, k_ref, v_ref, mask_refs, m_ref, l_ref, acc_ref, *, spec, masked, drop=None):
+def online_softmax_step(q_ref, k_ref, v_ref, mask_refs, m_ref, l_ref, acc_ref, *, spec, masked, drop=None, lanes=False):
   """One (q tile, kv tile) step of the online softmax, shared with the in-kernel ring.
 
   q_ref (G, bq, H), k_ref (bk, H), v_ref (bk, Hv); m / l lane-replicated
   (G, bq, 128) and acc (G, bq, Hv) f32, updated in place.  `drop`: the tile's dropout scale
   (`common.dropout_scale`) or None.  Dropout drops normalised probabilities,
-  so l sums every p and only the p @ v product is dropped.
+  so l sums every p and only the p @ v product is dropped.  `lanes`: the
+  statistics stay lane-replicated (G, bq, 128) throughout and are tiled
+  across a tile's lanes (`_lanes`), instead of (G, bq, 1) columns broadcast
+  (`debug.KernelDebug.lane_stats`).
   """
   s, _ = c.scores(q_ref, k_ref, mask_refs, spec=spec, masked=masked)  # [G, bq, bk]
   G, bq, Hv = acc_ref.shape
-  m_prev = m_ref[...][..., :1]
+  m_prev = m_ref[...] if lanes else m_ref[...][..., :1]
   m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
   # A row with nothing visible so far keeps m = -inf: shift by 0 instead, so
   # exp() gives 0 rather than exp(-inf + inf) = NaN.
   m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
   alpha = jnp.exp(m_prev - m_safe)
-  p = jnp.exp(s - m_safe)
-  l_new = alpha * l_ref[...][..., :1] + p.sum(axis=-1, keepdims=True)
+  p = jnp.exp(s - (_lanes(m_safe, s.shape[-1]) if lanes else m_safe))
+  l_new = alpha * (l_ref[...] if lanes else l_ref[...][..., :1]) + p.sum(axis=-1, keepdims=True)
   if drop is not None:
     p = p * drop
   v = v_ref[...]
@@ -204,9 +221,17 @@ def online_softmax_step(q_ref, k_ref, v_ref, mask_refs, m_ref, l_ref, acc_ref, *
     preferred_element_type=c.F32,
     precision=spec.precision,
   )
-  acc_ref[...] = alpha * acc_ref[...] + pv.reshape(G, bq, Hv)
+  acc_ref[...] = (_lanes(alpha, Hv) if lanes else alpha) * acc_ref[...] + pv.reshape(G, bq, Hv)
   m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
   l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
+
+
+def _lanes(x, width: int):
+  """A lane-replicated (..., 128) statistic across `width` lanes: tiled (whole vregs copied) when `width` is a
+  multiple of 128, else its first lane broadcast."""
+  if width % c.LANES == 0:
+    return jnp.tile(x, (1,) * (x.ndim - 1) + (width // c.LANES,))
+  return x[..., :1]
 
 
 def finished(m_ref, l_ref, acc_ref):
@@ -229,10 +254,15 @@ def finish(m_ref, l_ref, acc_ref, o_ref, lse_ref):
 def block_fwd(q, k, v, q_tok, kv_tok, *, spec, interpret, dropout=None):
   """See `backends/base.py` for the contract."""
   dims, kinds, mask_ops = c.block_setup(spec, q, k, v, q_tok, kv_tok, backward=False)
-  plan = fwd_plan(**dims)
   B, T, N, H = q.shape
-  rows = c.token_major_forward(N, dims["bq"], (H, dims["Hv"]))
-  kernel = functools.partial(_kernel, spec=spec, num_mask_refs=len(mask_ops), rows=rows, compiled=interpret is None)
+  debug = spec.debug
+  heads_major = debug is not None and debug.forward_layout == "heads_major"
+  rows = c.token_major_forward(N, dims["bq"], (H, dims["Hv"])) and not heads_major
+  lanes = debug is not None and debug.lane_stats
+  plan = fwd_plan(**dims, rows=rows)
+  kernel = functools.partial(
+    _kernel, spec=spec, num_mask_refs=len(mask_ops), rows=rows, compiled=interpret is None, lanes=lanes
+  )
   o, lse = c.call(kernel, plan, 2, interpret=interpret, name="ring_block_fwd")(
     kinds,
     c.fetch_index(kinds),
