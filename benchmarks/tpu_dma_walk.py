@@ -267,7 +267,13 @@ IN_MAPS = {
   "dq": (("row", True),) * 4 + (("fetch", True),) * 2 + (("row", False), ("fetch", False)),
   "dkv": (("row", True),) * 2 + (("fetch", True),) * 4 + (("fetch", False), ("row", False)),
 }
-PLANS = {"fwd": forward.fwd_plan, "dq": backward.dq_plan, "dkv": backward.dkv_plan}
+# The heads-major forward: the token-major one (`tiling.token_major_forward`, grid (b, row, kv head, step), q, o
+# and lse resident across kv heads) is not modelled here.
+PLANS = {
+  "fwd": functools.partial(forward.fwd_plan, token_major=False),
+  "dq": backward.dq_plan,
+  "dkv": backward.dkv_plan,
+}
 
 
 def _dmas(seq: np.ndarray, live: np.ndarray, bh: int, has_bh: bool) -> tuple[np.ndarray, np.ndarray]:

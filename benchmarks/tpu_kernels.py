@@ -306,7 +306,7 @@ def variant_debug(variant: str) -> dict:
   """The `kernel_debug` fields of a '+'-joined variant name ("heads_major+lane_stats")."""
   parts = variant.split("+")
   unknown = [x for x in parts if x not in VARIANT_FIELDS]
-  if unknown or not parts:
+  if unknown:
     raise ValueError(f"unknown variant {variant!r}: use {', '.join(VARIANT_FIELDS)}, '+'-joined")
   return dict(VARIANT_FIELDS[x] for x in parts)
 
@@ -496,8 +496,8 @@ def block_table(report, cfg: Config, args, chip) -> None:
       f"max err: max |ours - splash| of the worst output / gradient (the check: <= {TOL:g} x max(1, max |peer|)).",
       *(
         [
-          "ours V: our op with forward variant V (--ours-variants; test hooks of the kernels, `KernelDebug`), checked",
-          "against ours; V/ours > 1: the default is faster.",
+          "ours V: our op with forward variant V (--ours-variants; test hooks of the kernels, `KernelDebug`) at the",
+          "same tiles as ours, checked against ours; V/ours > 1: the default is faster.",
         ]
         if args.ours_variants
         else []

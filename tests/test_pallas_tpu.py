@@ -75,9 +75,10 @@ def test_many_tiles_per_shard(opts, n):
   _check_ring(q, k, v, do, seg, make_mesh((n,), ("sp",)), fr.BlockSizes(block_q=64, block_kv=128), opts)
 
 
-def _check_ring(q, k, v, do, seg, mesh, blocks, opts):
+def _check_ring(q, k, v, do, seg, mesh, blocks, opts, *, token_major=None):
   """ring_attention on the Pallas TPU kernels (interpret mode, race detector) against the reference: the output
-  and the gradients of q, k and v, at q's dtype's tolerance."""
+  and the gradients of q, k and v, at q's dtype's tolerance.  `token_major` (a bool): whether the forward must
+  read q token-major, as the [B, T * N, H] view of a shard that only that forward makes shows in the trace."""
 
   def ring(q, k, v):
     return fr.ring_attention(
@@ -92,6 +93,10 @@ def _check_ring(q, k, v, do, seg, mesh, blocks, opts):
       **opts,
     )
 
+  if token_major is not None:
+    B, T, N, H = q.shape
+    view = f"[{B},{T // (1 if mesh is None else mesh.size) * N},{H}]"
+    assert (view in str(jax.make_jaxpr(ring)(q, k, v))) == token_major, (view, token_major)
   with no_races():
     out, vjp = jax.vjp(jax.jit(ring), q, k, v)
     grads = vjp(do)
@@ -120,14 +125,13 @@ def test_token_major_forward(B, K, dtype, n, opts):
   opts = dict(opts)
   N, H, per_shard = 8, 128, 256
   T = per_shard * n
-  assert common.token_major_forward(N, 128, (H, H))
   q, k, v, do = _inputs(B, T, T, N, K, H, dtype)
   seg = None
   if opts.pop("segments", False):
     t = jnp.arange(T)
     seg = jnp.broadcast_to((t >= 90).astype(jnp.int32) + (t >= 300), (B, T))
   mesh = make_mesh((n,), ("sp",)) if n > 1 else None
-  _check_ring(q, k, v, do, seg, mesh, fr.BlockSizes(block_q=128, block_kv=128), opts)
+  _check_ring(q, k, v, do, seg, mesh, fr.BlockSizes(block_q=128, block_kv=128), opts, token_major=True)
 
 
 VARIANTS = [
@@ -152,8 +156,11 @@ def test_forward_variants(N, K, H, dtype, variant, opts):
   seg = None
   if opts.pop("segments", False):
     seg = (jnp.arange(T) >= 100).astype(jnp.int32)[None]
+  token_major = N == 8 and variant.get("forward_layout") != "heads_major"
   with kernel_debug(**variant):
-    _check_ring(q, k, v, do, seg, None, fr.BlockSizes(block_q=128, block_kv=128), opts)
+    _check_ring(q, k, v, do, seg, None, fr.BlockSizes(block_q=128, block_kv=128), opts, token_major=token_major)
+  with pytest.raises(ValueError, match="forward_layout must be 'heads_major' or None, got 'rows'"):
+    kernel_debug(forward_layout="rows").__enter__()
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])

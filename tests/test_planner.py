@@ -67,6 +67,27 @@ def test_model_counts_exactly_the_kernels_buffers(kernel, dtype, has_segments, d
       assert model.temporaries >= without.temporaries + 2 * (N // K) * bq * bk * 4  # int32 hash and f32 scale
 
 
+def test_forward_runs_token_major_only_where_it_fits():
+  """The block forward's layout (`forward_token_major`, which the planner and the kernel both decide by): the
+  token-major one where the layout rule allows it and its footprint (q and o tiles of all N heads) fits the
+  budget, else the heads-major one, whose tiles hold a group's G heads."""
+  budget = planner.budget_bytes("v5e")
+  dims = dict(num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16)
+  assert planner.forward_token_major(bq=512, bk=512, budget=budget, num_heads=8, **dims)
+  assert not planner.forward_token_major(bq=512, bk=512, budget=budget, num_heads=8, **(dims | {"head_dim": 192}))
+  assert not planner.forward_token_major(bq=64, bk=512, budget=budget, num_heads=8, **dims)  # lse's lane blocks
+  big = dict(bq=2048, bk=128, num_heads=64, **dims)
+  token_major = planner.footprint("fwd", **big, token_major=True).total
+  heads_major = planner.footprint("fwd", **big, token_major=False).total
+  assert heads_major < budget < token_major
+  assert not planner.forward_token_major(budget=budget, **big)
+  # The planner counts the forward in the layout that runs, so 64 heads still get 2048-row q tiles (heads-major);
+  # counted token-major they would not fit above 512 rows.
+  blocks = planner.plan_block_sizes(8192, 8192, 64, 8, 128, jnp.bfloat16, generation="v5e")
+  assert blocks.block_q == 2048
+  assert not planner.forward_token_major(bq=2048, bk=blocks.block_kv, budget=budget, num_heads=64, **dims)
+
+
 def test_vmem_table_matches_jax_hardware_table():
   chips = {
     "v4": pltpu.ChipVersion.TPU_V4,
@@ -97,11 +118,12 @@ def _shape_id(s):
   return "x".join(map(str, s[:5])) + f"-{jnp.dtype(s[5]).name}" + "".join(f"-v{h}" for h in s[6:])
 
 
-def _total(kernels, bq, bk, N, K, H, dtype, Hv=None):
-  return max(
-    planner.footprint(k, bq=bq, bk=bk, num_heads=N, num_kv_heads=K, head_dim=H, dtype=dtype, v_head_dim=Hv).total
-    for k in kernels
-  )
+def _total(kernels, bq, bk, N, K, H, dtype, Hv=None, budget=None):
+  """The largest footprint of `kernels` at (bq, bk); with a `budget`, the forward's in the layout it runs there
+  (`forward_token_major`)."""
+  dims = dict(bq=bq, bk=bk, num_heads=N, num_kv_heads=K, head_dim=H, dtype=dtype, v_head_dim=Hv)
+  token_major = None if budget is None else planner.forward_token_major(budget=budget, **dims)
+  return max(planner.footprint(k, **dims, token_major=token_major if k == "fwd" else None).total for k in kernels)
 
 
 def _next(values, v):
@@ -121,10 +143,10 @@ def test_plan_fits_and_one_step_larger_does_not(generation, shape):
   qs, ks = planner.candidates(T, common.sublanes(dtype)), planner.candidates(S, common.LANES)
   for kernels, (bq, bk) in ((("fwd",), (bs.block_q, bs.block_kv)), (("dq", "dkv"), bs.bwd)):
     assert bq in qs and bk in ks and T % bq == 0 and S % bk == 0
-    assert _total(kernels, bq, bk, N, K, H, dtype, Hv) <= budget
+    assert _total(kernels, bq, bk, N, K, H, dtype, Hv, budget) <= budget
     for bigger in ((_next(qs, bq), bk), (bq, _next(ks, bk))):
       if None not in bigger:
-        assert _total(kernels, *bigger, N, K, H, dtype, Hv) > budget, (generation, kernels, (bq, bk), bigger)
+        assert _total(kernels, *bigger, N, K, H, dtype, Hv, budget) > budget, (generation, kernels, (bq, bk), bigger)
 
 
 def test_smaller_vmem_gets_smaller_tiles():

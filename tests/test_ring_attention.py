@@ -129,7 +129,7 @@ BF16_RING = case_names("gqa", "causal_lb", "segments_lb")
 # bf16 in one shard: the cases that change what a tile computes (soft cap, cross shapes, GQA, segments).
 BF16_TILE = case_names("plain", "gqa", "soft_cap", "cross", "segments")
 # Attention sinks live in the one `flash` wrapper (no kernel sees them) and MLA changes every kernel's v / output
-# tiles.  xla runs every sinks and MLA case at rings 4 and 8; the interpret-mode kernels run the ones that reach
+# tiles.  xla runs every sinks and MLA case at ring 4; the interpret-mode kernels run the ones that reach
 # their own code: GQA sinks, sinks on empty rows, MLA with GQA across zigzag shards, and MLA with sinks, a window
 # and GQA at once (the gpt-oss / DeepSeek mixes).
 FEATURES = case_names(*CASE_NAMES) - set(SINKS) - set(MLA)  # the mask, head-layout and cap cases

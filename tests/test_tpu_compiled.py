@@ -133,8 +133,8 @@ def _dense(name, mask="none", heads="mha", *, N=4, group=2, T=512, H=128, **fiel
 
 
 # ring_attention(implementation="pallas_tpu") on one device: each case is one program per dtype.
-# N = 8 runs the forward token-major (`tiling.token_major_forward`: q tiles of 128 rows or more, as the planner
-# picks at these lengths), N = 4 heads-major.
+# "full" and "causal_gqa" run the forward token-major (`tiling.token_major_forward`: N = 8, heads of 128, q tiles a
+# multiple of 128, as the planner picks at these lengths); the others heads-major (N = 4, or MLA's 192).
 BLOCK = [
   Dense(_dense("full", N=8, B=2)),
   Dense(_dense("causal_gqa", "causal", "gqa", N=8, T=1024, B=1)),

@@ -73,6 +73,16 @@ def block_tiles(spec, q, k, *, backward: bool, v=None) -> tuple[int, int]:
   return bq, bk
 
 
+def forward_token_major(spec, q, k, v, bq: int, bk: int) -> bool:
+  """Whether the block forward of these operands runs token-major at tiles (bq, bk): where the layout allows it
+  and it fits VMEM (`planners.forward_token_major`), unless a test forces the heads-major forward
+  (`KernelDebug.forward_layout`)."""
+  if spec.debug is not None and spec.debug.forward_layout == "heads_major":
+    return False
+  shape = ProblemShape.of(q.shape, k.shape, q.dtype, spec, v_shape=v.shape)
+  return planner.forward_token_major_for(shape, bq, bk)
+
+
 def block_setup(spec, q, k, v, q_tok, kv_tok, *, backward: bool):
   """What every kernel of one block needs: plan dimensions, the tile-class table and the mask operands."""
   B, T, N, H = q.shape
@@ -133,6 +143,8 @@ def strided_rows(ref, start: int, count: int, stride: int, *, compiled: bool):
   any dtype but cannot bitcast a ref, so it loads directly."""
   if ref.dtype.itemsize == 4 or not compiled:
     return ref[pl.ds(start, count, stride=stride), :].astype(F32)
+  if ref.dtype != jnp.bfloat16 or stride % 2:
+    raise NotImplementedError(f"strided_rows: compiled, 32-bit or bf16 with an even stride, got {ref.dtype} {stride}")
   words = ref.bitcast(jnp.uint32)[pl.ds(start // 2, count, stride=stride // 2), :]
   top = words << 16 if start % 2 == 0 else words & jnp.uint32(0xFFFF0000)
   return pltpu.bitcast(top, F32)

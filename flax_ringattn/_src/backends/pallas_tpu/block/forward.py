@@ -52,16 +52,17 @@ def fwd_plan(
   mask,
   has_dropout=False,
   Hv=None,
-  rows=None,
+  token_major=None,
 ) -> c.CallPlan:
-  """`rows`: the token-major layout (None: where `tiling.token_major_forward` allows it)."""
+  """`token_major`: the token-major layout (None: where `tiling.token_major_forward` allows it; the kernel
+  decides by `common.forward_token_major`, which also needs it to fit VMEM)."""
   G, Hv = N // K, H if Hv is None else Hv
-  if rows is None:
-    rows = c.token_major_forward(N, bq, (H, Hv))
+  if token_major is None:
+    token_major = c.token_major_forward(N, bq, (H, Hv))
   drop_specs, drop_dtypes = c.dropout_specs(has_dropout)
   in_dtypes = (dtype, dtype, dtype) + c.mask_dtypes(mask) + drop_dtypes
   stats = (((G, bq, c.LANES), c.F32), ((G, bq, c.LANES), c.F32), ((G, bq, Hv), c.F32))  # m, l, acc
-  if rows:
+  if token_major:
     # Grid (b, i, h, j): the q tile of all heads and its o / lse blocks stay in VMEM while every kv head's
     # group works through it (one q DMA per tile); h is "arbitrary" because the groups share those blocks.
     q_map = lambda b, i, h, j, kinds, fetch: (b, i)  # noqa: E731
@@ -106,13 +107,13 @@ def fwd_plan(
   )
 
 
-def _kernel(kinds_ref, fetch_ref, q_ref, k_ref, v_ref, *refs, spec, num_mask_refs, rows, compiled, lanes=False):
-  """`rows`: the token-major layout of `fwd_plan` (q_ref (1, bq * N, H), o_ref (bq * N, Hv), lse_ref (N, bq), and
+def _kernel(kinds_ref, fetch_ref, q_ref, k_ref, v_ref, *refs, spec, num_mask_refs, token_major, compiled, lanes=False):
+  """`token_major`: the token-major layout of `fwd_plan` (q_ref (1, bq * N, H), o_ref (bq * N, Hv), lse_ref (N, bq), and
   the group's q gathered into a last scratch); else heads-major (q_ref (G, bq, H))."""
   del fetch_ref  # used by the BlockSpecs only
   mask_refs = refs[:num_mask_refs]
   drop_ref, refs = c.split_dropout_ref(spec, refs[num_mask_refs:])
-  if rows:
+  if token_major:
     o_ref, lse_ref, m_sc, l_sc, acc_sc, q_tile = refs
     b, i, h, j = (pl.program_id(a) for a in range(4))
   else:
@@ -125,7 +126,7 @@ def _kernel(kinds_ref, fetch_ref, q_ref, k_ref, v_ref, *refs, spec, num_mask_ref
     m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, c.F32)
     l_sc[...] = jnp.zeros(l_sc.shape, c.F32)
     acc_sc[...] = jnp.zeros(acc_sc.shape, c.F32)
-    if rows:
+    if token_major:
       _gather_group(q_ref, q_tile, h, compiled=compiled)
 
   def update(masked):
@@ -148,7 +149,7 @@ def _kernel(kinds_ref, fetch_ref, q_ref, k_ref, v_ref, *refs, spec, num_mask_ref
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
-    if rows:
+    if token_major:
       _finish_rows(m_sc, l_sc, acc_sc, o_ref, lse_ref, h)
     else:
       finish(m_sc, l_sc, acc_sc, o_ref, lse_ref)
@@ -255,23 +256,21 @@ def block_fwd(q, k, v, q_tok, kv_tok, *, spec, interpret, dropout=None):
   """See `backends/base.py` for the contract."""
   dims, kinds, mask_ops = c.block_setup(spec, q, k, v, q_tok, kv_tok, backward=False)
   B, T, N, H = q.shape
-  debug = spec.debug
-  heads_major = debug is not None and debug.forward_layout == "heads_major"
-  rows = c.token_major_forward(N, dims["bq"], (H, dims["Hv"])) and not heads_major
-  lanes = debug is not None and debug.lane_stats
-  plan = fwd_plan(**dims, rows=rows)
+  token_major = c.forward_token_major(spec, q, k, v, dims["bq"], dims["bk"])
+  lanes = spec.debug is not None and spec.debug.lane_stats
+  plan = fwd_plan(**dims, token_major=token_major)
   kernel = functools.partial(
-    _kernel, spec=spec, num_mask_refs=len(mask_ops), rows=rows, compiled=interpret is None, lanes=lanes
+    _kernel, spec=spec, num_mask_refs=len(mask_ops), token_major=token_major, compiled=interpret is None, lanes=lanes
   )
   o, lse = c.call(kernel, plan, 2, interpret=interpret, name="ring_block_fwd")(
     kinds,
     c.fetch_index(kinds),
-    q.reshape(B, T * N, H) if rows else c.heads_major(q),
+    q.reshape(B, T * N, H) if token_major else c.heads_major(q),
     c.heads_major(k),
     c.heads_major(v),
     *mask_ops,
     *c.dropout_operands(spec, dropout),
   )
-  if rows:
+  if token_major:
     return o.reshape(B, T, N, -1), lse
   return c.heads_major(o), lse[..., 0]

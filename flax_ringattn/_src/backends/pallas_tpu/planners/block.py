@@ -57,11 +57,13 @@ def footprint(
   dropout=False,
   v_head_dim=None,
   extra_fields=(),
+  token_major=None,
 ):
   """Footprint of kernel 'fwd', 'dq' or 'dkv' at tiles (bq, bk).
 
   q, k, dq and dk tiles are `head_dim` wide; v, o, dO, dv and the output accumulator `v_head_dim` (None:
-  `head_dim`), v's head dim (MLA's).
+  `head_dim`), v's head dim (MLA's).  `token_major` ('fwd'): the forward's layout (`forward_token_major`);
+  None: wherever `tiling.token_major_forward` allows it.
   """
   G, H, f32, i32 = num_heads // num_kv_heads, head_dim, jnp.float32, jnp.int32
   Hv = H if v_head_dim is None else v_head_dim
@@ -77,7 +79,9 @@ def footprint(
   score = G * bq * bk * 4  # one f32 [G * bq, bk] tile
   if kernel == "fwd":
     scratch = 2 * _tile(bq, c.LANES, f32, G) + _tile(bq, Hv, f32, G)  # m, l, acc
-    if c.token_major_forward(num_heads, bq, (H, Hv)):  # q and o tiles of all N heads, lse [N, bq], the group's q
+    if token_major is None:
+      token_major = c.token_major_forward(num_heads, bq, (H, Hv))
+    if token_major:  # q and o tiles of all N heads, lse [N, bq], the group's q
       inputs = _tile(bq * num_heads, H, dtype) + k_tile + v_tile + mask
       outputs = _tile(bq * num_heads, Hv, f32) + _tile(num_heads, bq, f32)
       scratch += q_tile
@@ -102,6 +106,33 @@ def footprint(
   if dropout:
     temporaries += 2 * score  # the int32 hash of the keep mask and the f32 keep / (1 - rate) scale
   return Footprint(buffers=2 * (inputs + outputs) + scratch, temporaries=temporaries)
+
+
+def forward_token_major(*, bq, bk, budget, num_heads, head_dim, v_head_dim=None, **dims) -> bool:
+  """Whether the block forward runs token-major at tiles (bq, bk): where `tiling.token_major_forward` allows it
+  and its footprint fits `budget`.  Its q and o tiles hold all N heads (the heads-major forward's hold G), so
+  with many heads and tall q tiles the heads-major forward runs instead of refusing the tiles.  The planner and
+  the kernel both decide by this."""
+  Hv = head_dim if v_head_dim is None else v_head_dim
+  if not c.token_major_forward(num_heads, bq, (head_dim, Hv)):
+    return False
+  need = footprint(
+    "fwd", bq=bq, bk=bk, num_heads=num_heads, head_dim=head_dim, v_head_dim=v_head_dim, token_major=True, **dims
+  )
+  return need.total <= budget
+
+
+def forward_token_major_for(shape: ProblemShape, bq: int, bk: int, *, generation: str | None = None) -> bool:
+  """`forward_token_major` of one `ProblemShape` at tiles (bq, bk), against `generation`'s budget (None: the
+  attached TPU's, or the smallest-VMEM generation off TPU): what the block forward runs."""
+  budget = budget_bytes(current_generation() if generation is None else generation)
+  return forward_token_major(bq=bq, bk=bk, budget=budget, dtype=shape.dtype, **shape.heads, **shape.features)
+
+
+def _fwd_footprint(bq, bk, budget, **dims) -> Footprint:
+  """The forward's footprint in the layout it runs at tiles (bq, bk) (`forward_token_major`)."""
+  token_major = forward_token_major(bq=bq, bk=bk, budget=budget, **dims)
+  return footprint("fwd", bq=bq, bk=bk, token_major=token_major, **dims)
 
 
 def candidates(length: int, align: int) -> list[int]:
@@ -156,7 +187,14 @@ def _best(kernels, q_len, kv_len, dtype, budget, **dims):
   heads = {k: dims[k] for k in ("num_heads", "num_kv_heads", "head_dim", "v_head_dim") if k in dims}
   for bq in q_candidates(q_len, dtype, grouped=grouped):
     for bk in candidates(kv_len, c.LANES):
-      need = max(footprint(k, bq=bq, bk=bk, dtype=dtype, **dims).total for k in kernels)
+      need = max(
+        (
+          _fwd_footprint(bq, bk, budget, dtype=dtype, **dims)
+          if k == "fwd"
+          else footprint(k, bq=bq, bk=bk, dtype=dtype, **dims)
+        ).total
+        for k in kernels
+      )
       if need > budget:
         continue
       traffic = _traffic(kernels, bq, bk, q_len=q_len, kv_len=kv_len, dtype=dtype, **heads)
