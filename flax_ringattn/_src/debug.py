@@ -45,7 +45,7 @@ class KernelDebug:
   Block-forward variants, for A/B runs on a chip (`benchmarks/tpu_kernels.py --ours-variants`) and their tests:
   forward_layout "heads_major" runs the heads-major forward where the token-major one would run; lane_stats keeps
   the online softmax's m, l and rescale factor lane-replicated, as JAX's TPU flash kernels do, instead of (rows, 1)
-  columns."""
+  columns (its tiled copy of m is one more score-sized f32 value, which the planner's footprint does not count)."""
 
   slots: str | None = None
   drop_credits: bool = False
