@@ -22,18 +22,23 @@ SMEM_TABLE_BYTES = 512 * 1024
 F32 = jnp.float32
 
 
+def strided_lanes(head_dims: tuple[int, ...]) -> bool:
+  """Whether buffers `head_dims` wide can be read or written a head at a time with sublane-strided loads and
+  stores: Mosaic strides only buffers exactly 128 lanes wide ("The last dim size is not 128 in original base
+  memref" on a v5e, for 192).  The one rule behind `flat_kv_pages` and `token_major_forward`."""
+  return all(h == LANES for h in head_dims)
+
+
 def flat_kv_pages(page_dtype, num_kv_heads: int, head_dims: tuple[int, ...]) -> bool:
   """Whether the paged kernels keep a kv block as one flat [tokens * K, H] VMEM buffer (row t * K + k: token t,
   kv head k) and read a head with one sublane-strided load (`paged/walk.py`; bf16 through 32-bit words, which
   hold heads 2i and 2i + 1 of a token): 32-bit and bf16 pages with K a multiple of 8 and K's and V's head dims
   (`head_dims`) all 128.  Then a page [page_size, K, H] is whole (8, 128) tiles in HBM as XLA lays it out, and
   viewing the cache as [P, page_size * K, H] is free; with fewer heads XLA tiles a page (K, 128) and that view
-  would copy the cache (seen on a v5e).  Mosaic's strided loads need a buffer exactly 128 lanes wide ("the last
-  dim size is not 128 in original base memref" on a v5e, for 192).  Other pages stay [P, page_size, K, H] and a
-  head is read as a slice."""
+  would copy the cache (seen on a v5e).  The head dims must be `strided_lanes`.  Other pages stay
+  [P, page_size, K, H] and a head is read as a slice."""
   dtype = jnp.dtype(page_dtype)
-  lanes = all(h == LANES for h in head_dims)
-  return (dtype.itemsize == 4 or dtype == jnp.bfloat16) and num_kv_heads % 8 == 0 and lanes
+  return (dtype.itemsize == 4 or dtype == jnp.bfloat16) and num_kv_heads % 8 == 0 and strided_lanes(head_dims)
 
 
 def paged_kv_buffer_shape(
@@ -52,9 +57,9 @@ def token_major_forward(num_heads: int, bq: int, head_dims: tuple[int, ...]) -> 
   q [B, T, N, H] viewed as [B, T * N, H] and o as [B, T * N, Hv] (row t * N + n: token t, head n), lse written
   lane-dense as [N, bq] blocks of [B, N, T].  It needs N a multiple of 8, so that the view is free under XLA's
   (8, 128) tiles of a [.., N, H] array, q tiles a multiple of 128 (lse's lane blocks), and q's and o's head dims
-  (`head_dims`) 128: a head is a sublane-strided load or store, which Mosaic only does on buffers exactly 128
-  lanes wide.  Other shapes are transposed to heads-major around the kernel."""
-  return num_heads % 8 == 0 and bq % LANES == 0 and all(h == LANES for h in head_dims)
+  (`head_dims`) `strided_lanes`: a head is a sublane-strided load or store.  Other shapes are transposed to
+  heads-major around the kernel."""
+  return num_heads % 8 == 0 and bq % LANES == 0 and strided_lanes(head_dims)
 
 
 def sublanes(dtype) -> int:
