@@ -134,22 +134,63 @@ def test_token_major_forward(B, K, dtype, n, opts):
   _check_ring(q, k, v, do, seg, mesh, fr.BlockSizes(block_q=128, block_kv=128), opts, token_major=True)
 
 
-VARIANTS = [
-  # (N, K, H, dtype, KernelDebug fields, options)
-  (8, 2, 128, jnp.float32, dict(lane_stats=True), dict(is_causal=True, segments=True)),
-  (8, 8, 128, jnp.bfloat16, dict(lane_stats=True, forward_layout="heads_major"), dict(local_window_size=(60, 20))),
-  (2, 1, 32, jnp.float32, dict(lane_stats=True), dict(is_causal=True)),  # head dim 32: alpha's first lane broadcast
+SUB_TILES = [
+  # (B, N, K, dtype, ring size, options): 256 x 128 tiles, so a PARTIAL tile is two 128-row sub-tiles
+  (1, 8, 2, jnp.float32, 2, dict(is_causal=True, segments=True)),  # token-major, a ring of 2
+  (2, 4, 1, jnp.bfloat16, 1, dict(local_window_size=(100, 30), dropout_rate=0.25, dropout_rng=jax.random.key(5))),
 ]
 
 
 @interpret
-@pytest.mark.parametrize(
-  "N, K, H, dtype, variant, opts", VARIANTS, ids=["lanes-token-major", "lanes-heads-major-bf16", "lanes-hd32"]
-)
+@pytest.mark.parametrize("B, N, K, dtype, n, opts", SUB_TILES, ids=["causal-seg-ring2", "window-drop-b2-bf16"])
+def test_partial_tiles_in_sub_tiles(B, N, K, dtype, n, opts):
+  """A PARTIAL forward tile of twice as many rows as columns is computed as two row sub-tiles, each classified on
+  its own (`tiling.forward_sub_tiles`): causal diagonals and window edges give EMPTY, FULL and PARTIAL sub-tiles,
+  and dropout's keep mask is hashed from the sub-tile's own positions.  Forward and gradients against the
+  reference; the kernel traces a FULL body and two bodies per sub-tile (10 matmuls, 4 without sub-tiles)."""
+  opts = dict(opts)
+  T = 512 * n
+  q, k, v, do = _inputs(B, T, T, N, K, 128, dtype)
+  seg = None
+  if opts.pop("segments", False):
+    t = jnp.arange(T)
+    seg = jnp.broadcast_to((t >= 200).astype(jnp.int32) + (t >= 700), (B, T))
+  mesh = make_mesh((n,), ("sp",)) if n > 1 else None
+  blocks = fr.BlockSizes(block_q=256, block_kv=128)
+  _check_ring(q, k, v, do, seg, mesh, blocks, opts, token_major=N == 8)
+
+  def kernel_matmuls():
+    # The forward alone (no mesh), a new function each time (make_jaxpr caches by function): its kernel's matmuls
+    def fwd(q, k, v):
+      return fr.ring_attention(q, k, v, segment_ids=seg, implementation="pallas_tpu", interpret=True, block_sizes=blocks, **opts)
+
+    return str(jax.make_jaxpr(fwd)(q, k, v)).count("dot_general")
+
+  assert kernel_matmuls() == 10
+  with kernel_debug(whole_partial_tiles=True):
+    assert kernel_matmuls() == 4
+
+
+VARIANTS = [
+  # (N, K, H, dtype, KernelDebug fields, options)
+  (8, 2, 128, jnp.float32, dict(exp2=True), dict(is_causal=True, segments=True)),
+  (
+    8,
+    8,
+    128,
+    jnp.bfloat16,
+    dict(forward_layout="heads_major", exp2=True),
+    dict(local_window_size=(60, 20), logits_soft_cap=30.0),  # exp2 with a soft cap: log2(e) after the cap
+  ),
+]
+
+
+@interpret
+@pytest.mark.parametrize("N, K, H, dtype, variant, opts", VARIANTS, ids=["exp2-token-major", "exp2-cap-heads-major-bf16"])
 def test_forward_variants(N, K, H, dtype, variant, opts):
-  """The block forward's A/B variants for chip runs (`KernelDebug.lane_stats`: m, l and the rescale factor kept
-  lane-replicated and tiled; `forward_layout="heads_major"` where the token-major forward would run) compute the
-  same attention: forward and gradients against the reference, 2 x 2 tiles."""
+  """The block forward's A/B variants for chip runs (`KernelDebug.exp2`: the softmax in log2 units, lse converted
+  back for the backward; `forward_layout="heads_major"` where the token-major forward would run) compute the same
+  attention: forward and gradients against the reference, 2 x 2 tiles."""
   opts = dict(opts)
   T = 256
   q, k, v, do = _inputs(1, T, T, N, K, H, dtype)

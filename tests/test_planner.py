@@ -76,16 +76,16 @@ def test_forward_runs_token_major_only_where_it_fits():
   assert planner.forward_token_major(bq=512, bk=512, budget=budget, num_heads=8, **dims)
   assert not planner.forward_token_major(bq=512, bk=512, budget=budget, num_heads=8, **(dims | {"head_dim": 192}))
   assert not planner.forward_token_major(bq=64, bk=512, budget=budget, num_heads=8, **dims)  # lse's lane blocks
-  big = dict(bq=2048, bk=128, num_heads=64, **dims)
+  big = dict(bq=1024, bk=256, num_heads=64, **dims)
   token_major = planner.footprint("fwd", **big, token_major=True).total
   heads_major = planner.footprint("fwd", **big, token_major=False).total
   assert heads_major < budget < token_major
   assert not planner.forward_token_major(budget=budget, **big)
-  # The planner counts the forward in the layout that runs, so 64 heads still get 2048-row q tiles (heads-major);
-  # counted token-major they would not fit above 512 rows.
+  # The planner counts the forward in the layout that runs, so 64 heads still get the forward's largest q tiles
+  # (heads-major); counted token-major they would not fit above 512 rows.
   blocks = planner.plan_block_sizes(8192, 8192, 64, 8, 128, jnp.bfloat16, generation="v5e")
-  assert blocks.block_q == 2048
-  assert not planner.forward_token_major(bq=2048, bk=blocks.block_kv, budget=budget, num_heads=64, **dims)
+  assert blocks.block_q == planner.FWD_MAX_Q > 512
+  assert not planner.forward_token_major(bq=blocks.block_q, bk=blocks.block_kv, budget=budget, num_heads=64, **dims)
 
 
 def test_vmem_table_matches_jax_hardware_table():
@@ -135,7 +135,8 @@ def _next(values, v):
 @pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 def test_plan_fits_and_one_step_larger_does_not(generation, shape):
   """With MLA head dims the planner counts v at its own width: were it to plan v at q/k's, it would stop one
-  step short of (or past) what fits."""
+  step short of (or past) what fits.  The forward's tiles also stop at FWD_MAX_Q x FWD_MAX_KV (measured: larger
+  ones gain nothing), so only a larger tile within those may not fit."""
   T, S, N, K, H, dtype, *Hv = shape
   Hv = Hv[0] if Hv else None
   budget = planner.budget_bytes(generation)
@@ -144,7 +145,11 @@ def test_plan_fits_and_one_step_larger_does_not(generation, shape):
   for kernels, (bq, bk) in ((("fwd",), (bs.block_q, bs.block_kv)), (("dq", "dkv"), bs.bwd)):
     assert bq in qs and bk in ks and T % bq == 0 and S % bk == 0
     assert _total(kernels, bq, bk, N, K, H, dtype, Hv, budget) <= budget
+    capped = kernels == ("fwd",)
+    assert not capped or (bq <= planner.FWD_MAX_Q and bk <= planner.FWD_MAX_KV) or bq == qs[0] or bk == ks[0]
     for bigger in ((_next(qs, bq), bk), (bq, _next(ks, bk))):
+      if capped and None not in bigger and (bigger[0] > planner.FWD_MAX_Q or bigger[1] > planner.FWD_MAX_KV):
+        continue  # past the forward's cap: may fit
       if None not in bigger:
         assert _total(kernels, *bigger, N, K, H, dtype, Hv, budget) > budget, (generation, kernels, (bq, bk), bigger)
 

@@ -43,15 +43,16 @@ class KernelDebug:
   protocol bug the race detector must catch).  recorder: a `Recorder` the ring protocol appends to.
 
   Block-forward variants, for A/B runs on a chip (`benchmarks/tpu_kernels.py --ours-variants`) and their tests:
-  forward_layout "heads_major" runs the heads-major forward where the token-major one would run; lane_stats keeps
-  the online softmax's m, l and rescale factor lane-replicated, as JAX's TPU flash kernels do, instead of (rows, 1)
-  columns (its tiled copy of m is one more score-sized f32 value, which the planner's footprint does not count)."""
+  forward_layout "heads_major" runs the heads-major forward where the token-major one would run; exp2 computes the
+  online softmax in log2 units (exp2, the scale times log2(e); `block.forward.Variant`); whole_partial_tiles computes a
+  PARTIAL tile whole, masked, instead of in row sub-tiles (`tiling.forward_sub_tiles`)."""
 
   slots: str | None = None
   drop_credits: bool = False
   recorder: Recorder | None = None
   forward_layout: str | None = None
-  lane_stats: bool = False
+  exp2: bool = False
+  whole_partial_tiles: bool = False
 
   def __post_init__(self):
     if self.slots is not None and self.slots not in _SLOTS:

@@ -34,6 +34,7 @@ from flax_ringattn._src.backends.pallas_tpu.tiling import (  # noqa: F401  (the 
   SMEM_TABLE_BYTES,
   CallPlan,
   flat_kv_pages,
+  forward_sub_tiles,
   padded_bytes,
   paged_kv_buffer_shape,
   plan_vmem_bytes,
@@ -120,6 +121,27 @@ def by_tile_kind(kind, update):
   pl.when(kind == masks.PARTIAL)(lambda: update(True))
 
 
+def with_sub_tiles(mask, q_tok, kv_tok, kinds, bq: int, bk: int, sub_tiles: int):
+  """The tile-class table with each tile's `sub_tiles` row sub-tiles classified too (`tiling.forward_sub_tiles`):
+  bits 0-1 hold the tile's class, bits 2 + 2r and 3 + 2r sub-tile r's (`masks.tile_kinds` at (bq / sub_tiles,
+  bk)).  `tile_class` and `sub_tile_class` read them back; one table, so the kernel's scalar prefetch is
+  unchanged."""
+  if sub_tiles == 1:
+    return kinds
+  sub = masks.tile_kinds(mask, q_tok, kv_tok, bq // sub_tiles, bk).reshape(kinds.shape[0], sub_tiles, -1)
+  return kinds + sum(sub[:, r].astype(kinds.dtype) << (2 + 2 * r) for r in range(sub_tiles))
+
+
+def tile_class(kind):
+  """The tile's own class in a `with_sub_tiles` table entry."""
+  return kind & 3
+
+
+def sub_tile_class(kind, r: int):
+  """Sub-tile r's class in a `with_sub_tiles` table entry."""
+  return (kind >> (2 + 2 * r)) & 3
+
+
 def fetch_index(kinds):
   """For each grid step (row i, step j) the kv tile to fetch: j itself, or, on an EMPTY tile,
   the tile fetched just before it in the row (the next non-empty one at the row's start).
@@ -179,8 +201,9 @@ def mask_fields(mask) -> tuple[str, ...]:
   return ("pos",) + tuple(name for name in mask.data_fields if name != "pos")
 
 
-def scores(q_ref, k_ref, mask_refs, *, spec, masked: bool):
-  """Scaled, soft-capped and (if `masked`) masked f32 scores of one tile pair.
+def scores(q_ref, k_ref, mask_refs, *, spec, masked: bool, log2: bool = False):
+  """Scaled, soft-capped and (if `masked`) masked f32 scores of one tile pair (`log2`: times log2(e) too,
+  folded into the scale where there is no soft cap).
 
   q_ref holds (G, bq, H) (the G heads of one kv head), k_ref (bk, H).  Returns
   s [G, bq, bk] and t = tanh(raw / cap) [G, bq, bk] for the soft-cap gradient
@@ -189,15 +212,19 @@ def scores(q_ref, k_ref, mask_refs, *, spec, masked: bool):
   G, bq, H = q_ref.shape
   q = q_ref[...].reshape(G * bq, H)  # reshape the value, never the ref (interpret mode)
   s = jax.lax.dot_general(q, k_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=F32, precision=spec.precision)
-  s = (s * spec.scale).reshape(G, bq, -1)
+  cap = spec.logits_soft_cap
+  s = (s * (spec.scale * LOG2_E if log2 and cap is None else spec.scale)).reshape(G, bq, -1)
   t = None
-  if spec.logits_soft_cap is not None:
-    t = jnp.tanh(s / spec.logits_soft_cap)
-    s = spec.logits_soft_cap * t
+  if cap is not None:
+    t = jnp.tanh(s / cap)
+    s = (cap * LOG2_E if log2 else cap) * t
   if masked:
     vis = masks.tokens_visible(spec.mask, *mask_tokens(spec.mask, mask_refs))  # [bq, bk]
     s = jnp.where(vis[None], s, -jnp.inf)
   return s, t
+
+
+LOG2_E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2_E)
 
 
 # The int32[4] dropout operand (`_src/dropout.py`) of a kernel, whole in SMEM: read as scalars.

@@ -30,11 +30,14 @@ would be a strided read at every kv step.
 from __future__ import annotations
 
 import functools
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from flax_ringattn._src import masks
 from flax_ringattn._src.backends.pallas_tpu import common as c
 
 
@@ -107,7 +110,32 @@ def fwd_plan(
   )
 
 
-def _kernel(kinds_ref, fetch_ref, q_ref, k_ref, v_ref, *refs, spec, num_mask_refs, token_major, compiled, lanes=False):
+class Variant(NamedTuple):
+  """The tile step's A/B variant for chip runs (`debug.KernelDebug.exp2`; off in production).  exp2: scores
+  scaled into log2 units (the scale times log2(e), one multiply as before) and exp2 in place of exp, m in log2
+  units until `finished` converts lse back."""
+
+  exp2: bool = False
+
+  @classmethod
+  def of(cls, spec) -> Variant:
+    return cls(exp2=spec.debug is not None and spec.debug.exp2)
+
+
+def _kernel(
+  kinds_ref,
+  fetch_ref,
+  q_ref,
+  k_ref,
+  v_ref,
+  *refs,
+  spec,
+  num_mask_refs,
+  token_major,
+  compiled,
+  sub_tiles=1,
+  variant=Variant(),
+):
   """`token_major`: the token-major layout of `fwd_plan` (q_ref (1, bq * N, H), o_ref (bq * N, Hv), lse_ref (N, bq), and
   the group's q gathered into a last scratch); else heads-major (q_ref (G, bq, H))."""
   del fetch_ref  # used by the BlockSpecs only
@@ -129,30 +157,45 @@ def _kernel(kinds_ref, fetch_ref, q_ref, k_ref, v_ref, *refs, spec, num_mask_ref
     if token_major:
       _gather_group(q_ref, q_tile, h, compiled=compiled)
 
-  def update(masked):
-    drop = c.tile_dropout(spec, drop_ref, b, h, q_tile, mask_refs)
+  def update(masked, rows=None):
+    # rows: a row sub-tile (a static pl.ds) of the q tile, its statistics and its q-side mask blocks (the
+    # column of each `mask_operands` pair); None: the whole tile.
+    at = (lambda ref: ref) if rows is None else (lambda ref: ref.at[:, rows, :])  # noqa: E731
+    tile_masks = [r.at[rows, :] if rows is not None and n % 2 == 0 else r for n, r in enumerate(mask_refs)]
+    drop = c.tile_dropout(spec, drop_ref, b, h, at(q_tile), tile_masks)
     online_softmax_step(
-      q_tile,
+      at(q_tile),
       k_ref,
       v_ref,
-      mask_refs if masked else None,
-      m_sc,
-      l_sc,
-      acc_sc,
+      tile_masks if masked else None,
+      at(m_sc),
+      at(l_sc),
+      at(acc_sc),
       spec=spec,
       masked=masked,
       drop=drop,
-      lanes=lanes,
+      variant=variant,
     )
 
-  c.by_tile_kind(kinds_ref[i, j], update)
+  kind = kinds_ref[i, j]
+  if sub_tiles == 1:
+    c.by_tile_kind(kind, update)
+  else:
+    # A FULL tile is one unmasked step; a PARTIAL one is its row sub-tiles, each skipped, unmasked or masked.
+    pl.when(c.tile_class(kind) == masks.FULL)(lambda: update(False))
+    sub = q_tile.shape[1] // sub_tiles
+
+    @pl.when(c.tile_class(kind) == masks.PARTIAL)
+    def _partial():
+      for r in range(sub_tiles):
+        c.by_tile_kind(c.sub_tile_class(kind, r), functools.partial(update, rows=pl.ds(r * sub, sub)))
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
     if token_major:
-      _finish_rows(m_sc, l_sc, acc_sc, o_ref, lse_ref, h)
+      _finish_rows(m_sc, l_sc, acc_sc, o_ref, lse_ref, h, exp2=variant.exp2)
     else:
-      finish(m_sc, l_sc, acc_sc, o_ref, lse_ref)
+      finish(m_sc, l_sc, acc_sc, o_ref, lse_ref, exp2=variant.exp2)
 
 
 def _for_group(h, num_groups: int, body):
@@ -174,10 +217,10 @@ def _gather_group(q_ref, q_tile, h, *, compiled):
   _for_group(h, N // G, body)
 
 
-def _finish_rows(m_ref, l_ref, acc_ref, o_ref, lse_ref, h):
+def _finish_rows(m_ref, l_ref, acc_ref, o_ref, lse_ref, h, *, exp2=False):
   """`finish` into the token-major blocks: o rows t * N + n (sublane-strided stores) and lse rows [N, bq]
   (lane-dense: each head's lane-replicated column, transposed)."""
-  o, lse = finished(m_ref, l_ref, acc_ref)
+  o, lse = finished(m_ref, l_ref, acc_ref, exp2=exp2)
   G, bq, _ = o.shape
   N = o_ref.shape[0] // bq
   lse_rows = [lse[g].T[:1] for g in range(G)]  # [1, bq] each
@@ -191,27 +234,33 @@ def _finish_rows(m_ref, l_ref, acc_ref, o_ref, lse_ref, h):
   _for_group(h, N // G, body)
 
 
-def online_softmax_step(q_ref, k_ref, v_ref, mask_refs, m_ref, l_ref, acc_ref, *, spec, masked, drop=None, lanes=False):
+def online_softmax_step(
+  q_ref, k_ref, v_ref, mask_refs, m_ref, l_ref, acc_ref, *, spec, masked, drop=None, variant=Variant()
+):
   """One (q tile, kv tile) step of the online softmax, shared with the in-kernel ring.
 
   q_ref (G, bq, H), k_ref (bk, H), v_ref (bk, Hv); m / l lane-replicated
   (G, bq, 128) and acc (G, bq, Hv) f32, updated in place.  `drop`: the tile's dropout scale
   (`common.dropout_scale`) or None.  Dropout drops normalised probabilities,
-  so l sums every p and only the p @ v product is dropped.  `lanes`: the
-  statistics stay lane-replicated (G, bq, 128) throughout and are tiled
-  across a tile's lanes (`_lanes`), instead of (G, bq, 1) columns broadcast
-  (`debug.KernelDebug.lane_stats`).
+  so l sums every p and only the p @ v product is dropped.
+
+  The statistics stay lane-replicated throughout and are tiled across a
+  tile's lanes (`_lanes`: whole vregs copied), as JAX's TPU flash kernels
+  do.  Sliced to (G, bq, 1) columns and broadcast instead, the same step took
+  1.75x as long at 512 x 512 tiles on a v5e (3.005 vs 1.714 ms, causal 8k
+  forward, 2026-12-06): the per-step cost that made small tiles slow.
   """
-  s, _ = c.scores(q_ref, k_ref, mask_refs, spec=spec, masked=masked)  # [G, bq, bk]
+  s, _ = c.scores(q_ref, k_ref, mask_refs, spec=spec, masked=masked, log2=variant.exp2)  # [G, bq, bk]
+  exp = jnp.exp2 if variant.exp2 else jnp.exp
   G, bq, Hv = acc_ref.shape
-  m_prev = m_ref[...] if lanes else m_ref[...][..., :1]
+  m_prev = m_ref[...]
   m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
   # A row with nothing visible so far keeps m = -inf: shift by 0 instead, so
   # exp() gives 0 rather than exp(-inf + inf) = NaN.
   m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
-  alpha = jnp.exp(m_prev - m_safe)
-  p = jnp.exp(s - (_lanes(m_safe, s.shape[-1]) if lanes else m_safe))
-  l_new = alpha * (l_ref[...] if lanes else l_ref[...][..., :1]) + p.sum(axis=-1, keepdims=True)
+  alpha = exp(m_prev - m_safe)
+  p = exp(s - _lanes(m_safe, s.shape[-1]))
+  l_new = alpha * l_ref[...] + p.sum(axis=-1, keepdims=True)
   if drop is not None:
     p = p * drop
   v = v_ref[...]
@@ -222,9 +271,9 @@ def online_softmax_step(q_ref, k_ref, v_ref, mask_refs, m_ref, l_ref, acc_ref, *
     preferred_element_type=c.F32,
     precision=spec.precision,
   )
-  acc_ref[...] = (_lanes(alpha, Hv) if lanes else alpha) * acc_ref[...] + pv.reshape(G, bq, Hv)
-  m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
-  l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
+  acc_ref[...] = _lanes(alpha, Hv) * acc_ref[...] + pv.reshape(G, bq, Hv)
+  m_ref[...] = m_new
+  l_ref[...] = l_new
 
 
 def _lanes(x, width: int):
@@ -235,19 +284,21 @@ def _lanes(x, width: int):
   return x[..., :1]
 
 
-def finished(m_ref, l_ref, acc_ref):
+def finished(m_ref, l_ref, acc_ref, *, exp2=False):
   """(o [G, bq, Hv], lse [G, bq, 128] lane-replicated) of the finished online softmax: o = acc / l and
-  lse = m + log l; a row with no visible key gets o = 0, lse = -inf."""
+  lse = m + log l (m * ln 2 + log l with `Variant.exp2`, whose m is in log2 units); a row with no visible key
+  gets o = 0, lse = -inf."""
   l = l_ref[...]
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
   o = acc_ref[...] / l_safe[..., :1]
-  return o, jnp.where(empty, -jnp.inf, m_ref[...] + jnp.log(l_safe))
+  m = m_ref[...] * math.log(2.0) if exp2 else m_ref[...]
+  return o, jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
 
 
-def finish(m_ref, l_ref, acc_ref, o_ref, lse_ref):
+def finish(m_ref, l_ref, acc_ref, o_ref, lse_ref, *, exp2=False):
   """`finished` into heads-major blocks: o (G, bq, Hv) and lse (G, bq, 1)."""
-  o, lse = finished(m_ref, l_ref, acc_ref)
+  o, lse = finished(m_ref, l_ref, acc_ref, exp2=exp2)
   o_ref[...] = o
   lse_ref[...] = lse[..., :1]
 
@@ -256,14 +307,21 @@ def block_fwd(q, k, v, q_tok, kv_tok, *, spec, interpret, dropout=None):
   """See `backends/base.py` for the contract."""
   dims, kinds, mask_ops = c.block_setup(spec, q, k, v, q_tok, kv_tok, backward=False)
   B, T, N, H = q.shape
-  token_major = c.forward_token_major(spec, q, k, v, dims["bq"], dims["bk"])
-  lanes = spec.debug is not None and spec.debug.lane_stats
+  bq, bk = dims["bq"], dims["bk"]
+  token_major = c.forward_token_major(spec, q, k, v, bq, bk)
+  sub_tiles = 1 if spec.debug is not None and spec.debug.whole_partial_tiles else c.forward_sub_tiles(bq, bk, q.dtype)
   plan = fwd_plan(**dims, token_major=token_major)
   kernel = functools.partial(
-    _kernel, spec=spec, num_mask_refs=len(mask_ops), token_major=token_major, compiled=interpret is None, lanes=lanes
+    _kernel,
+    spec=spec,
+    num_mask_refs=len(mask_ops),
+    token_major=token_major,
+    compiled=interpret is None,
+    sub_tiles=sub_tiles,
+    variant=Variant.of(spec),
   )
   o, lse = c.call(kernel, plan, 2, interpret=interpret, name="ring_block_fwd")(
-    kinds,
+    c.with_sub_tiles(spec.mask, q_tok, kv_tok, kinds, bq, bk, sub_tiles),
     c.fetch_index(kinds),
     q.reshape(B, T * N, H) if token_major else c.heads_major(q),
     c.heads_major(k),

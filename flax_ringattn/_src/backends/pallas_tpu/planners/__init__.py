@@ -7,6 +7,8 @@ against `tiling.plan_vmem_bytes` of the kernels' own `CallPlan`s.
 """
 
 from flax_ringattn._src.backends.pallas_tpu.planners.block import (
+  FWD_MAX_KV,
+  FWD_MAX_Q,
   MAX_TILE,
   Footprint,
   candidates,
