@@ -301,13 +301,13 @@ def ours_block_fn(causal: bool, scale: float, interpret, block_sizes=None) -> Ca
 
 VARIANT_FIELDS = {
   "heads_major": ("forward_layout", "heads_major"),
-  "exp2": ("exp2", True),
+  "natural_exp": ("natural_exp", True),
   "whole_partial_tiles": ("whole_partial_tiles", True),
 }
 
 
 def variant_debug(variant: str) -> dict:
-  """The `kernel_debug` fields of a '+'-joined variant name ("heads_major+exp2")."""
+  """The `kernel_debug` fields of a '+'-joined variant name ("heads_major+natural_exp")."""
   parts = variant.split("+")
   unknown = [x for x in parts if x not in VARIANT_FIELDS]
   if unknown:
@@ -728,7 +728,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     default="",
     metavar="V[,V...]",
     help="block table: also time our op with these forward variants (KernelDebug fields, '+'-joined: heads_major, "
-    "exp2, whole_partial_tiles, e.g. heads_major+exp2), each checked against ours and given its ms and variant/ours columns",
+    "natural_exp, whole_partial_tiles, e.g. heads_major+natural_exp), each checked against ours and given its ms and variant/ours columns",
   )
   add(
     "--block-sizes",

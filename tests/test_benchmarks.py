@@ -223,7 +223,7 @@ def test_tpu_kernels_quick_run_checks_and_prints_both_tables(tpu_kernels, tmp_pa
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
     argv = ["--quick", "--repeats", "1", "--block-sizes", "256,128,128,256", "--json", str(path)]
-    argv += ["--ours-variants", "heads_major+exp2"]
+    argv += ["--ours-variants", "heads_major+natural_exp"]
     assert tpu_kernels.main(argv) == 0
   text = out.getvalue()
   assert "## Block kernels: ring_attention(implementation='pallas_tpu') on one device vs splash" in text, text
@@ -234,7 +234,7 @@ def test_tpu_kernels_quick_run_checks_and_prints_both_tables(tpu_kernels, tmp_pa
   assert [(r["T"], r["pass"]) for r in block["rows"]] == [(256, "fwd"), (256, "fwd+bwd")]
   assert {r["ours tiles"] for r in block["rows"]} == {"256x128; 128x256"}  # --block-sizes: forward; backward
   assert all(r["splash BTNH ms"] > 0 for r in block["rows"])  # splash on our layout: checked against ours, timed
-  assert all(r["ours heads_major+exp2 ms"] > 0 for r in block["rows"])  # a forward variant: checked, timed
+  assert all(r["ours heads_major+natural_exp ms"] > 0 for r in block["rows"])  # a forward variant: checked, timed
   assert [r["rows"] for r in paged["rows"]] == [4, 16, 15]  # the last: exactly the new tokens, no padding row
   for r in block["rows"] + paged["rows"]:
     assert r["notes"] == "" and r["ours ms"] > 0 and r["max err"] is not None, r  # checked, then timed

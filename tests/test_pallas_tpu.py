@@ -173,24 +173,24 @@ def test_partial_tiles_in_sub_tiles(B, N, K, dtype, n, opts):
 
 VARIANTS = [
   # (N, K, H, dtype, KernelDebug fields, options)
-  (8, 2, 128, jnp.float32, dict(exp2=True), dict(is_causal=True, segments=True)),
+  (8, 2, 128, jnp.float32, dict(natural_exp=True), dict(is_causal=True, segments=True)),
   (
     8,
     8,
     128,
     jnp.bfloat16,
-    dict(forward_layout="heads_major", exp2=True),
+    dict(forward_layout="heads_major"),
     dict(local_window_size=(60, 20), logits_soft_cap=30.0),  # exp2 with a soft cap: log2(e) after the cap
   ),
 ]
 
 
 @interpret
-@pytest.mark.parametrize("N, K, H, dtype, variant, opts", VARIANTS, ids=["exp2-token-major", "exp2-cap-heads-major-bf16"])
+@pytest.mark.parametrize("N, K, H, dtype, variant, opts", VARIANTS, ids=["natural-exp-token-major", "cap-heads-major-bf16"])
 def test_forward_variants(N, K, H, dtype, variant, opts):
-  """The block forward's A/B variants for chip runs (`KernelDebug.exp2`: the softmax in log2 units, lse converted
-  back for the backward; `forward_layout="heads_major"` where the token-major forward would run) compute the same
-  attention: forward and gradients against the reference, 2 x 2 tiles."""
+  """The block forward's A/B variants for chip runs (`KernelDebug.natural_exp`: the softmax with exp instead of in
+  log2 units; `forward_layout="heads_major"` where the token-major forward would run) compute the same attention:
+  forward and gradients against the reference, 2 x 2 tiles."""
   opts = dict(opts)
   T = 256
   q, k, v, do = _inputs(1, T, T, N, K, H, dtype)

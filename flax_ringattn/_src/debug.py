@@ -43,15 +43,15 @@ class KernelDebug:
   protocol bug the race detector must catch).  recorder: a `Recorder` the ring protocol appends to.
 
   Block-forward variants, for A/B runs on a chip (`benchmarks/tpu_kernels.py --ours-variants`) and their tests:
-  forward_layout "heads_major" runs the heads-major forward where the token-major one would run; exp2 computes the
-  online softmax in log2 units (exp2, the scale times log2(e); `block.forward.Variant`); whole_partial_tiles computes a
+  forward_layout "heads_major" runs the heads-major forward where the token-major one would run; natural_exp computes
+  the online softmax with exp, not in log2 units with exp2 (`block.forward.Variant`); whole_partial_tiles computes a
   PARTIAL tile whole, masked, instead of in row sub-tiles (`tiling.forward_sub_tiles`)."""
 
   slots: str | None = None
   drop_credits: bool = False
   recorder: Recorder | None = None
   forward_layout: str | None = None
-  exp2: bool = False
+  natural_exp: bool = False
   whole_partial_tiles: bool = False
 
   def __post_init__(self):
