@@ -12,6 +12,12 @@ q and k tiles are (tokens, H), v, o and acc (tokens, Hv): v's head dim may
 differ from q/k's (MLA), and the kernel never assumes they match.
 With attention dropout the int32[4] dropout operand sits in SMEM and each
 tile's keep mask is hashed from its global indices (`common.dropout_scale`).
+m and l are kept lane-replicated and tiled across a tile (`online_softmax_step`),
+and the softmax runs in log2 units (`Variant`).  A PARTIAL tile twice as tall as
+it is wide runs as two row sub-tiles, each classified on its own
+(`tiling.forward_sub_tiles`; the classes ride in the same table,
+`common.with_sub_tiles`): the half of a causal diagonal tile that needs no mask
+is skipped (above the diagonal) or runs unmasked (below it).
 
 Token-major forward (`tiling.token_major_forward`: N a multiple of 8, q tiles
 a multiple of 128, head dims of 128): q is read and o written in the caller's
