@@ -162,7 +162,9 @@ def test_partial_tiles_in_sub_tiles(B, N, K, dtype, n, opts):
   def kernel_matmuls():
     # The forward alone (no mesh), a new function each time (make_jaxpr caches by function): its kernel's matmuls
     def fwd(q, k, v):
-      return fr.ring_attention(q, k, v, segment_ids=seg, implementation="pallas_tpu", interpret=True, block_sizes=blocks, **opts)
+      return fr.ring_attention(
+        q, k, v, segment_ids=seg, implementation="pallas_tpu", interpret=True, block_sizes=blocks, **opts
+      )
 
     return str(jax.make_jaxpr(fwd)(q, k, v)).count("dot_general")
 
@@ -186,7 +188,9 @@ VARIANTS = [
 
 
 @interpret
-@pytest.mark.parametrize("N, K, H, dtype, variant, opts", VARIANTS, ids=["natural-exp-token-major", "cap-heads-major-bf16"])
+@pytest.mark.parametrize(
+  "N, K, H, dtype, variant, opts", VARIANTS, ids=["natural-exp-token-major", "cap-heads-major-bf16"]
+)
 def test_forward_variants(N, K, H, dtype, variant, opts):
   """The block forward's A/B variants for chip runs (`KernelDebug.natural_exp`: the softmax with exp instead of in
   log2 units; `forward_layout="heads_major"` where the token-major forward would run) compute the same attention:

@@ -129,6 +129,9 @@ class Variant(NamedTuple):
     return cls(exp2=not (spec.debug is not None and spec.debug.natural_exp))
 
 
+EXP = Variant()  # the in-kernel ring's step: exp
+
+
 def _kernel(
   kinds_ref,
   fetch_ref,
@@ -141,7 +144,7 @@ def _kernel(
   token_major,
   compiled,
   sub_tiles=1,
-  variant=Variant(),
+  variant=EXP,
 ):
   """`token_major`: the token-major layout of `fwd_plan` (q_ref (1, bq * N, H), o_ref (bq * N, Hv), lse_ref (N, bq), and
   the group's q gathered into a last scratch); else heads-major (q_ref (G, bq, H))."""
@@ -241,9 +244,7 @@ def _finish_rows(m_ref, l_ref, acc_ref, o_ref, lse_ref, h, *, exp2=False):
   _for_group(h, N // G, body)
 
 
-def online_softmax_step(
-  q_ref, k_ref, v_ref, mask_refs, m_ref, l_ref, acc_ref, *, spec, masked, drop=None, variant=Variant()
-):
+def online_softmax_step(q_ref, k_ref, v_ref, mask_refs, m_ref, l_ref, acc_ref, *, spec, masked, drop=None, variant=EXP):
   """One (q tile, kv tile) step of the online softmax, shared with the in-kernel ring.
 
   q_ref (G, bq, H), k_ref (bk, H), v_ref (bk, Hv); m / l lane-replicated

@@ -49,6 +49,8 @@ from flax_ringattn._src.backends.pallas_tpu.planners.ring import (
 
 __all__ = [
   "DEFAULT_GENERATION",
+  "FWD_MAX_KV",
+  "FWD_MAX_Q",
   "MAX_TILE",
   "PAGED_MAX_BLOCK_Q",
   "PAGED_MAX_BLOCK_TOKENS",
