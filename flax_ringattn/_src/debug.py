@@ -45,7 +45,8 @@ class KernelDebug:
   Block-forward variants, for A/B runs on a chip (`benchmarks/tpu_kernels.py --ours-variants`) and their tests:
   forward_layout "heads_major" runs the heads-major forward where the token-major one would run; natural_exp computes
   the online softmax with exp, not in log2 units with exp2 (`block.forward.Variant`); whole_partial_tiles computes a
-  PARTIAL tile whole, masked, instead of in row sub-tiles (`tiling.forward_sub_tiles`)."""
+  PARTIAL tile whole, masked, instead of in row sub-tiles (`tiling.forward_sub_tiles`); prefetch_ahead points a q
+  row's trailing EMPTY steps at the next row's first blocks (`block.forward.row_steps`), not yet timed on a chip."""
 
   slots: str | None = None
   drop_credits: bool = False
@@ -53,6 +54,7 @@ class KernelDebug:
   forward_layout: str | None = None
   natural_exp: bool = False
   whole_partial_tiles: bool = False
+  prefetch_ahead: bool = False
 
   def __post_init__(self):
     if self.slots is not None and self.slots not in _SLOTS:
