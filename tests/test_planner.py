@@ -146,12 +146,24 @@ def test_plan_fits_and_one_step_larger_does_not(generation, shape):
     assert bq in qs and bk in ks and T % bq == 0 and S % bk == 0
     assert _total(kernels, bq, bk, N, K, H, dtype, Hv, budget) <= budget
     capped = kernels == ("fwd",)
-    assert not capped or (bq <= planner.FWD_MAX_Q and bk <= planner.FWD_MAX_KV) or bq == qs[0] or bk == ks[0]
+    q_cap = planner.FWD_MAX_Q if capped and max(t for t in qs if t <= planner.FWD_MAX_Q) >= 512 else None
+    kv_cap = planner.FWD_MAX_KV if capped and max(t for t in ks if t <= planner.FWD_MAX_KV) >= 256 else None
+    assert (q_cap is None or bq <= q_cap) and (kv_cap is None or bk <= kv_cap)
     for bigger in ((_next(qs, bq), bk), (bq, _next(ks, bk))):
-      if capped and None not in bigger and (bigger[0] > planner.FWD_MAX_Q or bigger[1] > planner.FWD_MAX_KV):
+      if None not in bigger and ((q_cap and bigger[0] > q_cap) or (kv_cap and bigger[1] > kv_cap)):
         continue  # past the forward's cap: may fit
       if None not in bigger:
         assert _total(kernels, *bigger, N, K, H, dtype, Hv, budget) > budget, (generation, kernels, (bq, bk), bigger)
+
+
+def test_forward_tiles_stop_at_the_cap_unless_only_small_tiles_are_below_it():
+  """The forward's tiles stop at FWD_MAX_Q x FWD_MAX_KV (measured fastest on a v5e); a length whose only tiles
+  below the cap are small (8 x 131 = 1048 rows: 8; 640 columns: 128) keeps the whole axis, as before the cap."""
+  bs = fr.plan_block_sizes(8192, 8192, 8, 8, 128, jnp.bfloat16, generation="v5e")
+  assert (bs.block_q, bs.block_kv) == (planner.FWD_MAX_Q, planner.FWD_MAX_KV) == (1024, 512)
+  assert bs.bwd == (1024, 2048)  # the backward is not capped
+  awkward = fr.plan_block_sizes(1048, 640, 8, 8, 128, jnp.bfloat16, generation="v5e")
+  assert (awkward.block_q, awkward.block_kv) == (1048, 640)
 
 
 def test_smaller_vmem_gets_smaller_tiles():

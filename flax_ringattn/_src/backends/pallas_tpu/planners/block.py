@@ -183,9 +183,16 @@ def _traffic(kernels, bq, bk, **shape) -> int:
   return sum(hbm_bytes(k, bq=bq, bk=bk, **shape) for k in kernels)
 
 
+def _capped(tiles: list[int], cap: int) -> list[int]:
+  """The forward's tiles up to `cap`, where one of at least half of it exists; else all of them (an awkward length,
+  8 x 131 = 1048 say, would otherwise fall back to 8-row tiles instead of the whole axis)."""
+  below = [t for t in tiles if t <= cap]
+  return below if below and below[-1] >= cap // 2 else tiles
+
+
 def _best(kernels, q_len, kv_len, dtype, budget, **dims):
   """The fitting (bq, bk) with the least HBM traffic, then the largest area; the forward's at most
-  FWD_MAX_Q x FWD_MAX_KV (where such tiles exist).
+  FWD_MAX_Q x FWD_MAX_KV (`_capped`).
 
   HBM bytes never grow with either tile, so a tile one step larger than the
   choice in either dimension does not fit (else it would have been chosen).
@@ -195,8 +202,7 @@ def _best(kernels, q_len, kv_len, dtype, budget, **dims):
   heads = {k: dims[k] for k in ("num_heads", "num_kv_heads", "head_dim", "v_head_dim") if k in dims}
   qs, ks = q_candidates(q_len, dtype, grouped=grouped), candidates(kv_len, c.LANES)
   if kernels == ("fwd",):
-    qs = [t for t in qs if t <= FWD_MAX_Q] or qs[:1]
-    ks = [t for t in ks if t <= FWD_MAX_KV] or ks[:1]
+    qs, ks = _capped(qs, FWD_MAX_Q), _capped(ks, FWD_MAX_KV)
   for bq in qs:
     for bk in ks:
       need = max(
