@@ -304,6 +304,7 @@ VARIANT_FIELDS = {
   "natural_exp": ("natural_exp", True),
   "whole_partial_tiles": ("whole_partial_tiles", True),
   "prefetch_ahead": ("prefetch_ahead", True),
+  "bwd_lane_stats": ("bwd_lane_stats", True),
 }
 
 
@@ -501,7 +502,7 @@ def block_table(report, cfg: Config, args, chip) -> None:
       f"max err: max |ours - splash| of the worst output / gradient (the check: <= {TOL:g} x max(1, max |peer|)).",
       *(
         [
-          "ours V: our op with forward variant V (--ours-variants; test hooks of the kernels, `KernelDebug`) at the",
+          "ours V: our op with kernel variant V (--ours-variants; test hooks of the kernels, `KernelDebug`) at the",
           "same tiles as ours, checked against ours; V/ours > 1: the default is faster.",
         ]
         if args.ours_variants
@@ -728,8 +729,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     "--ours-variants",
     default="",
     metavar="V[,V...]",
-    help="block table: also time our op with these forward variants (KernelDebug fields, '+'-joined: heads_major, "
-    "natural_exp, whole_partial_tiles, prefetch_ahead, e.g. heads_major+natural_exp), each checked against ours and given its ms and variant/ours columns",
+    help="block table: also time our op with these kernel variants (KernelDebug fields, '+'-joined: heads_major, "
+    "natural_exp, whole_partial_tiles, prefetch_ahead, bwd_lane_stats, e.g. heads_major+natural_exp), each checked against ours and given its ms and variant/ours columns",
   )
   add(
     "--block-sizes",

@@ -196,7 +196,14 @@ def test_partial_tiles_in_sub_tiles(B, N, K, dtype, n, opts):
 
 VARIANTS = [
   # (N, K, H, dtype, KernelDebug fields, options)
-  (8, 2, 128, jnp.float32, dict(natural_exp=True, prefetch_ahead=True), dict(is_causal=True, segments=True)),
+  (
+    8,
+    2,
+    128,
+    jnp.float32,
+    dict(natural_exp=True, prefetch_ahead=True, bwd_lane_stats=True),
+    dict(is_causal=True, segments=True),
+  ),
   (
     8,
     8,
@@ -212,9 +219,10 @@ VARIANTS = [
 @pytest.mark.parametrize(
   "N, K, H, dtype, variant, opts", VARIANTS, ids=["natural-exp-token-major", "cap-heads-major-bf16"]
 )
-def test_forward_variants(N, K, H, dtype, variant, opts):
+def test_kernel_variants(N, K, H, dtype, variant, opts):
   """The block forward's A/B variants for chip runs (`KernelDebug.natural_exp`: the softmax with exp instead of in
   log2 units; `prefetch_ahead`: trailing EMPTY steps fetch the next row's blocks, in both grid orders;
+  `bwd_lane_stats`: the backward's lse and delta lane-replicated, 4 q heads per kv head;
   `forward_layout="heads_major"` where the token-major forward would run) compute the same attention: forward and
   gradients against the reference, 2 x 2 tiles, race-checked."""
   opts = dict(opts)
@@ -247,7 +255,8 @@ def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, cap, dropout, Hv):
   kernel ops (the dropout hash's wrapping int32 multiplies and logical shifts included) must all be accepted by
   the TPU lowering (Mosaic's own compiler passes run only on a TPU).  MLA: DeepSeek's qk 192, v 128.  "plain"
   and MLA also lower the forward's look-ahead index maps (`KernelDebug.prefetch_ahead`), token-major and
-  heads-major, and "plain" its row sub-tiles (256 x 128 tiles)."""
+  heads-major, and the backward's lane-replicated lse and delta (`bwd_lane_stats`); "plain" lowers the forward's
+  row sub-tiles too (256 x 128 tiles)."""
   terms = dict(chunk_size=64, has_bidirectional=True, has_positions=True) if segments == "positions" else {}
   plain = not segments
   spec = AttentionSpec(
@@ -257,7 +266,7 @@ def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, cap, dropout, Hv):
     block_sizes=fr.BlockSizes(block_q=256, block_kv=128) if plain else fr.BlockSizes(block_q=128, block_kv=256),
     dropout_rate=0.1 if dropout else 0.0,
     dropout_broadcast=False,
-    debug=KernelDebug(prefetch_ahead=True) if plain or Hv else None,
+    debug=KernelDebug(prefetch_ahead=True, bwd_lane_stats=True) if plain or Hv else None,
   )
   B, T, N, K, H = 2, 512, 8, 2, 128 if Hv is None else 192
   sds = jax.ShapeDtypeStruct

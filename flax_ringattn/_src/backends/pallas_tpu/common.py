@@ -236,6 +236,14 @@ def scores(q_ref, k_ref, mask_refs, *, spec, masked: bool, log2: bool = False):
   return s, t
 
 
+def tile_lanes(x, width: int):
+  """A lane-replicated (..., 128) statistic across `width` lanes: tiled (whole vregs copied) when `width` is a
+  multiple of 128, else its first lane broadcast.  A (..., 1) column is broadcast as it is."""
+  if x.shape[-1] == LANES and width % LANES == 0:
+    return jnp.tile(x, (1,) * (x.ndim - 1) + (width // LANES,))
+  return x[..., :1]
+
+
 LOG2_E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2_E)
 
 

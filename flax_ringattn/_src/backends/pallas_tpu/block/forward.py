@@ -282,7 +282,7 @@ def online_softmax_step(q_ref, k_ref, v_ref, mask_refs, m_ref, l_ref, acc_ref, *
   so l sums every p and only the p @ v product is dropped.
 
   The statistics stay lane-replicated throughout and are tiled across a
-  tile's lanes (`_lanes`: whole vregs copied), as JAX's TPU flash kernels
+  tile's lanes (`common.tile_lanes`: whole vregs copied), as JAX's TPU flash kernels
   do.  Sliced to (G, bq, 1) columns and broadcast instead, the causal 8k
   forward took 2.329 ms instead of 1.579 at 1024 x 512 tiles on a v5e
   (2026-12-06): the per-step cost that made small tiles slow.
@@ -296,7 +296,7 @@ def online_softmax_step(q_ref, k_ref, v_ref, mask_refs, m_ref, l_ref, acc_ref, *
   # exp() gives 0 rather than exp(-inf + inf) = NaN.
   m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
   alpha = exp(m_prev - m_safe)
-  p = exp(s - _lanes(m_safe, s.shape[-1]))
+  p = exp(s - c.tile_lanes(m_safe, s.shape[-1]))
   l_new = alpha * l_ref[...] + p.sum(axis=-1, keepdims=True)
   if drop is not None:
     p = p * drop
@@ -308,17 +308,9 @@ def online_softmax_step(q_ref, k_ref, v_ref, mask_refs, m_ref, l_ref, acc_ref, *
     preferred_element_type=c.F32,
     precision=spec.precision,
   )
-  acc_ref[...] = _lanes(alpha, Hv) * acc_ref[...] + pv.reshape(G, bq, Hv)
+  acc_ref[...] = c.tile_lanes(alpha, Hv) * acc_ref[...] + pv.reshape(G, bq, Hv)
   m_ref[...] = m_new
   l_ref[...] = l_new
-
-
-def _lanes(x, width: int):
-  """A lane-replicated (..., 128) statistic across `width` lanes: tiled (whole vregs copied) when `width` is a
-  multiple of 128, else its first lane broadcast."""
-  if width % c.LANES == 0:
-    return jnp.tile(x, (1,) * (x.ndim - 1) + (width // c.LANES,))
-  return x[..., :1]
 
 
 def finished(m_ref, l_ref, acc_ref, *, exp2=False):
