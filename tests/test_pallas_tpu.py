@@ -210,7 +210,9 @@ VARIANTS = [
     128,
     jnp.bfloat16,
     dict(forward_layout="heads_major", prefetch_ahead=True),
-    dict(local_window_size=(60, 20), logits_soft_cap=30.0),  # exp2 with a soft cap: log2(e) after the cap
+    # exp2 with a soft cap (log2(e) after the cap); a window (60, 0): q tile 0's kv tile 1 is a trailing EMPTY
+    # step, which the look-ahead points at the next row; two batch rows (the grid's last row is per batch row)
+    dict(local_window_size=(60, 0), logits_soft_cap=30.0, batch=2),
   ),
 ]
 
@@ -227,7 +229,7 @@ def test_kernel_variants(N, K, H, dtype, variant, opts):
   gradients against the reference, 2 x 2 tiles, race-checked."""
   opts = dict(opts)
   T = 256
-  q, k, v, do = _inputs(1, T, T, N, K, H, dtype)
+  q, k, v, do = _inputs(opts.pop("batch", 1), T, T, N, K, H, dtype)
   seg = None
   if opts.pop("segments", False):
     seg = (jnp.arange(T) >= 100).astype(jnp.int32)[None]

@@ -89,7 +89,7 @@ def block_setup(spec, q, k, v, q_tok, kv_tok, *, backward: bool):
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   bq, bk = block_tiles(spec, q, k, backward=backward, v=v)
-  table = 2 * (T // bq) * (S // bk) * 4  # tile-class and fetch-index tables, scalar-prefetched into SMEM
+  table = planner.block_table_bytes(T // bq, S // bk)  # tile-class and fetch-index tables, in SMEM
   if table > SMEM_TABLE_BYTES:
     suffix = "_bwd" if backward else ""
     raise ValueError(
@@ -129,6 +129,7 @@ def with_sub_tiles(mask, q_tok, kv_tok, kinds, bq: int, bk: int, sub_tiles: int)
   if sub_tiles == 1:
     return kinds
   sub = masks.tile_kinds(mask, q_tok, kv_tok, bq // sub_tiles, bk).reshape(kinds.shape[0], sub_tiles, -1)
+  assert 2 + 2 * sub_tiles <= 31, sub_tiles  # every class fits the int32 entry
   return kinds + sum(sub[:, r].astype(kinds.dtype) << (2 + 2 * r) for r in range(sub_tiles))
 
 

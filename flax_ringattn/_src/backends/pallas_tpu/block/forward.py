@@ -52,7 +52,8 @@ def row_steps(*, token_major: bool, num_rows: int, num_heads: int, ahead: bool):
   from, its o and lse blocks staying at (i, h).  Without `ahead`: (i, h, fetch[i, j]) (`common.fetch_index`).
   With it (`common.fetch_ahead`'s table, `KernelDebug.prefetch_ahead`), a row's trailing EMPTY steps name the next
   row's first blocks, so their DMAs start under the row's last live step.  Rows run in (i, h) order token-major and
-  (h, i) heads-major, within one batch row; the last row looks nowhere."""
+  (h, i) heads-major, within one batch row; the last row looks nowhere.  On a chip whose cores split a parallel
+  grid axis, a core's last row may prefetch a row another core runs: a wasted DMA, never a wrong block."""
 
   def step(i, h, j, fetch):
     f = fetch[i, j]

@@ -25,10 +25,12 @@ from flax_ringattn._src.options import ProblemShape
 # cycles per DMA, while causal and window skipping get coarser with tile size.
 MAX_TILE = 2048
 
-# The forward's tiles stop at 1024 q rows x 512 kv columns.  Measured on a v5e (2026-12-06, 8k tokens, 8 heads of
-# 128, bf16, lane-replicated statistics): a full mask ran 2.34-2.38 ms at every tile from 1024 x 512 to 2048 x 2048,
-# so larger tiles buy nothing, while a causal one ran 1.58 ms at 1024 x 512 and 1.67 ms at 2048 x 2048 (a diagonal
-# tile computes the masked half too); 512-row or 512 x 512 tiles paid more per grid step (1.68-1.71 ms causal).
+# The forward's tiles stop at 1024 q rows x 512 kv columns (`_capped`).  Measured on a v5e (2026-12-06, 8k tokens,
+# 8 heads of 128, bf16, lane-replicated statistics, docs/performance.md): a full mask ran 2.34-2.38 ms at every tile
+# from 1024 x 512 to 2048 x 2048, so larger tiles buy nothing; a causal one ran 1.56-1.58 ms at 1024 x 512 and
+# 1024 x 1024 and 1.65-1.72 ms at the larger tiles (a diagonal tile computes its masked-out part too), and 512-row
+# tiles paid more per grid step (1.68 ms).  1024 x 512 then wins with row sub-tiles (`tiling.forward_sub_tiles`,
+# which need bq = 2 bk: 1.537 ms).  Only this v5e shape was measured; other generations take the same cap.
 # K/V re-streaming at 1024-row tiles stays far below the tiles' compute time.
 FWD_MAX_Q, FWD_MAX_KV = 1024, 512
 
@@ -95,7 +97,7 @@ def footprint(
     else:
       inputs = q_tile + k_tile + v_tile + mask
       outputs = _tile(bq, Hv, f32, G) + row_stat
-    temporaries = 4 * score  # s, its masked copy, p (and p cast to the input dtype), m tiled across the lanes
+    temporaries = fwd_score_temporaries(bk) * score
   elif kernel == "dq":
     inputs = q_tile + do_tile + 2 * row_stat + k_tile + v_tile + mask
     outputs = _tile(bq, H, f32, G)
@@ -113,6 +115,13 @@ def footprint(
   if dropout:
     temporaries += 2 * score  # the int32 hash of the keep mask and the f32 keep / (1 - rate) scale
   return Footprint(buffers=2 * (inputs + outputs) + scratch, temporaries=temporaries)
+
+
+def fwd_score_temporaries(bk: int) -> int:
+  """Score-sized f32 temporaries of the online-softmax step (`block.forward.online_softmax_step`, shared by the
+  in-kernel ring): s, its masked copy, p (and p cast to the input dtype), and m tiled across the tile's lanes
+  where bk is whole vregs (`common.tile_lanes`; else m is a broadcast column)."""
+  return 4 if bk % c.LANES == 0 else 3
 
 
 def forward_token_major(*, bq, bk, budget, num_heads, head_dim, v_head_dim=None, **dims) -> bool:
@@ -183,6 +192,11 @@ def _traffic(kernels, bq, bk, **shape) -> int:
   return sum(hbm_bytes(k, bq=bq, bk=bk, **shape) for k in kernels)
 
 
+def block_table_bytes(q_tiles: int, kv_tiles: int) -> int:
+  """SMEM bytes of a block kernel's two scalar-prefetched tables (tile classes, fetch index), int32 each."""
+  return 2 * q_tiles * kv_tiles * 4
+
+
 def _capped(tiles: list[int], cap: int) -> list[int]:
   """The forward's tiles up to `cap`, where one of at least half of it exists; else all of them (an awkward length,
   8 x 131 = 1048 say, would otherwise fall back to 8-row tiles instead of the whole axis)."""
@@ -192,19 +206,32 @@ def _capped(tiles: list[int], cap: int) -> list[int]:
 
 def _best(kernels, q_len, kv_len, dtype, budget, **dims):
   """The fitting (bq, bk) with the least HBM traffic, then the largest area; the forward's at most
-  FWD_MAX_Q x FWD_MAX_KV (`_capped`).
+  FWD_MAX_Q x FWD_MAX_KV (`_capped`) unless no such tile fits.  Fitting: the VMEM footprint within `budget` and
+  the tile-class and fetch-index tables within SMEM (`common.block_setup` refuses larger ones), which a long
+  shard's capped tiles can exceed.
 
   HBM bytes never grow with either tile, so a tile one step larger than the
   choice in either dimension does not fit (else it would have been chosen).
   """
-  best, best_key = None, None
   grouped = dims["num_heads"] > dims["num_kv_heads"]
-  heads = {k: dims[k] for k in ("num_heads", "num_kv_heads", "head_dim", "v_head_dim") if k in dims}
   qs, ks = q_candidates(q_len, dtype, grouped=grouped), candidates(kv_len, c.LANES)
   if kernels == ("fwd",):
-    qs, ks = _capped(qs, FWD_MAX_Q), _capped(ks, FWD_MAX_KV)
+    capped = _least_traffic(
+      kernels, _capped(qs, FWD_MAX_Q), _capped(ks, FWD_MAX_KV), q_len, kv_len, dtype, budget, dims
+    )
+    if capped is not None:
+      return capped
+  return _least_traffic(kernels, qs, ks, q_len, kv_len, dtype, budget, dims)
+
+
+def _least_traffic(kernels, qs, ks, q_len, kv_len, dtype, budget, dims):
+  """`_best` over the tiles qs x ks; None if none fits."""
+  best, best_key = None, None
+  heads = {k: dims[k] for k in ("num_heads", "num_kv_heads", "head_dim", "v_head_dim") if k in dims}
   for bq in qs:
     for bk in ks:
+      if block_table_bytes(q_len // bq, kv_len // bk) > c.SMEM_TABLE_BYTES:
+        continue
       need = max(
         (
           _fwd_footprint(bq, bk, budget, dtype=dtype, **dims)
@@ -237,7 +264,7 @@ def plan_block_sizes(
   soft_cap: bool | None = None,
   v_head_dim: int | None = None,
 ) -> BlockSizes:
-  """The largest tiles whose VMEM footprint fits `generation`'s budget.
+  """The tiles of least HBM traffic, then the largest, whose VMEM footprint fits `generation`'s budget.
 
   Args:
     q_len, kv_len: the lengths one block sees: the per-device shard lengths
@@ -257,8 +284,10 @@ def plan_block_sizes(
 
   Returns:
     `BlockSizes` with forward and backward tiles: of the legal tiles (at most
-    MAX_TILE; the forward's at most FWD_MAX_Q x FWD_MAX_KV) whose footprint
-    fits, those with the least HBM traffic (`hbm_bytes`), then the largest.
+    MAX_TILE; the forward's at most FWD_MAX_Q x FWD_MAX_KV where tiles of at
+    least half of that exist) whose footprint fits VMEM and whose tile tables
+    fit SMEM, those with the least HBM traffic (`hbm_bytes`), then the
+    largest.
   """
   if soft_cap is not None:
     validation.warn_once(

@@ -15,6 +15,7 @@ from flax_ringattn._src.backends.pallas_tpu.planners.block import (
   _traffic,
   _v_dim,
   candidates,
+  fwd_score_temporaries,
   q_candidates,
 )
 from flax_ringattn._src.backends.pallas_tpu.planners.chip import MiB, budget_bytes, current_generation
@@ -67,7 +68,7 @@ def ring_footprint(
     inputs = q_blk + seg_in
     outputs = _tile(T, Hv, f32, G) + stat
     scratch = slots + 2 * _tile(T, c.LANES, f32, G) + _tile(T, Hv, f32, G)  # m, l, acc
-    temporaries = 3 * score
+    temporaries = fwd_score_temporaries(bk) * score
   elif kernel == "ring_bwd":
     inputs = q_blk + _tile(T, Hv, dtype, G) + 2 * stat + seg_in  # q, do, lse, delta
     outputs = _tile(T, H, f32, G) + _tile(S, H, f32) + _tile(S, Hv, f32)  # dq, dk, dv
@@ -81,7 +82,7 @@ def ring_footprint(
       q_tile = _tile(bq, H, dtype, G) + F * _tile(bq, 1, i32)
       state = 2 * _tile(bq, c.LANES, f32, G) + _tile(bq, Hv, f32, G) + _tile(bq, 1, f32, G)  # m, l, acc, lse
       scratch = q_tile + kv_tiles + state
-      temporaries = 3 * score
+      temporaries = fwd_score_temporaries(bk) * score
     else:
       q_side = _tile(bq, H, dtype, G) + _tile(bq, Hv, dtype, G) + 2 * _tile(bq, 1, f32, G)  # q, do, lse, delta
       q_side += F * _tile(bq, 1, i32)
