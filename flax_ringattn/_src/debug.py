@@ -42,13 +42,14 @@ class KernelDebug:
   so that small test shapes run the HBM-slot kernels.  drop_credits: the forward ring skips its credit exchange (a
   protocol bug the race detector must catch).  recorder: a `Recorder` the ring protocol appends to.
 
-  Block-forward variants, for A/B runs on a chip (`benchmarks/tpu_kernels.py --ours-variants`) and their tests:
+  Block-kernel variants, for A/B runs on a chip (`benchmarks/tpu_kernels.py --ours-variants`) and their tests:
   forward_layout "heads_major" runs the heads-major forward where the token-major one would run; natural_exp computes
-  the online softmax with exp, not in log2 units with exp2 (`block.forward.Variant`); whole_partial_tiles computes a
-  PARTIAL tile whole, masked, instead of in row sub-tiles (`tiling.forward_sub_tiles`); prefetch_ahead points a q
-  row's trailing EMPTY steps at the next row's first blocks (`block.forward.row_steps`), not yet timed on a chip.  bwd_lane_stats hands the block backward's kernels lse and
-  delta lane-replicated, (rows, 128), tiled across a tile as the forward's statistics are, instead of (rows, 1)
-  columns broadcast (`block.backward.dq_plan`), not yet timed on a chip either."""
+  the online softmax with exp, not in log2 units with exp2 (`block.forward.online_softmax_step`);
+  whole_partial_tiles computes a PARTIAL tile whole, masked, instead of in row sub-tiles
+  (`tiling.forward_sub_tiles`); prefetch_ahead points a q row's trailing EMPTY steps at the next row's first blocks
+  (`block.forward.row_steps`); bwd_lane_stats hands the block backward's kernels lse and delta lane-replicated,
+  (rows, 128), tiled across a tile as the forward's statistics are, instead of (rows, 1) columns broadcast
+  (`block.backward.dq_plan`).  The last two have not been timed on a chip yet."""
 
   slots: str | None = None
   drop_credits: bool = False

@@ -13,7 +13,7 @@ differ from q/k's (MLA), and the kernel never assumes they match.
 With attention dropout the int32[4] dropout operand sits in SMEM and each
 tile's keep mask is hashed from its global indices (`common.dropout_scale`).
 m and l are kept lane-replicated and tiled across a tile (`online_softmax_step`),
-and the softmax runs in log2 units (`Variant`).  A PARTIAL tile twice as tall as
+and the softmax runs in log2 units (`online_softmax_step`'s exp2).  A PARTIAL tile twice as tall as
 it is wide runs as two row sub-tiles, each classified on its own
 (`tiling.forward_sub_tiles`; the classes ride in the same table,
 `common.with_sub_tiles`): the half of a causal diagonal tile that needs no mask
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -146,22 +145,6 @@ def fwd_plan(
   )
 
 
-class Variant(NamedTuple):
-  """How the tile step exponentiates.  exp2: scores scaled into log2 units (the scale times log2(e), one multiply
-  as before) and exp2 in place of exp, m in log2 units until `finished` converts lse back.  The block forward
-  runs exp2 (1-4% faster on a v5e, every row of the block table, 2026-12-06; `KernelDebug.natural_exp` times the
-  other); the in-kernel ring, whose state resumes from a natural-log lse between hops, keeps exp."""
-
-  exp2: bool = False
-
-  @classmethod
-  def block_forward(cls, spec) -> Variant:
-    return cls(exp2=not (spec.debug is not None and spec.debug.natural_exp))
-
-
-EXP = Variant()  # the in-kernel ring's step: exp
-
-
 def _kernel(
   kinds_ref,
   fetch_ref,
@@ -174,7 +157,7 @@ def _kernel(
   token_major,
   compiled,
   sub_tiles=1,
-  variant=EXP,
+  exp2=False,
 ):
   """`token_major`: the token-major layout of `fwd_plan` (q_ref (1, bq * N, H), o_ref (bq * N, Hv), lse_ref (N, bq), and
   the group's q gathered into a last scratch); else heads-major (q_ref (G, bq, H))."""
@@ -214,7 +197,7 @@ def _kernel(
       spec=spec,
       masked=masked,
       drop=drop,
-      variant=variant,
+      exp2=exp2,
     )
 
   kind = kinds_ref[i, j]
@@ -233,9 +216,9 @@ def _kernel(
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
     if token_major:
-      _finish_rows(m_sc, l_sc, acc_sc, o_ref, lse_ref, h, exp2=variant.exp2)
+      _finish_rows(m_sc, l_sc, acc_sc, o_ref, lse_ref, h, exp2=exp2)
     else:
-      finish(m_sc, l_sc, acc_sc, o_ref, lse_ref, exp2=variant.exp2)
+      finish(m_sc, l_sc, acc_sc, o_ref, lse_ref, exp2=exp2)
 
 
 def _for_group(h, num_groups: int, body):
@@ -274,7 +257,7 @@ def _finish_rows(m_ref, l_ref, acc_ref, o_ref, lse_ref, h, *, exp2=False):
   _for_group(h, N // G, body)
 
 
-def online_softmax_step(q_ref, k_ref, v_ref, mask_refs, m_ref, l_ref, acc_ref, *, spec, masked, drop=None, variant=EXP):
+def online_softmax_step(q_ref, k_ref, v_ref, mask_refs, m_ref, l_ref, acc_ref, *, spec, masked, drop=None, exp2=False):
   """One (q tile, kv tile) step of the online softmax, shared with the in-kernel ring.
 
   q_ref (G, bq, H), k_ref (bk, H), v_ref (bk, Hv); m / l lane-replicated
@@ -287,9 +270,16 @@ def online_softmax_step(q_ref, k_ref, v_ref, mask_refs, m_ref, l_ref, acc_ref, *
   do.  Sliced to (G, bq, 1) columns and broadcast instead, the causal 8k
   forward took 2.329 ms instead of 1.579 at 1024 x 512 tiles on a v5e
   (2026-12-06): the per-step cost that made small tiles slow.
+
+  `exp2`: the scores scaled into log2 units (the scale times log2(e), one
+  multiply as before) and exp2 in place of exp, m in log2 units until
+  `finished` converts lse back.  The block forward runs it (1-4% faster on a
+  v5e, every row of the block table, 2026-12-06; `KernelDebug.natural_exp`
+  times exp); the in-kernel ring, whose state resumes from a natural-log lse
+  between hops, keeps exp.
   """
-  s, _ = c.scores(q_ref, k_ref, mask_refs, spec=spec, masked=masked, log2=variant.exp2)  # [G, bq, bk]
-  exp = jnp.exp2 if variant.exp2 else jnp.exp
+  s, _ = c.scores(q_ref, k_ref, mask_refs, spec=spec, masked=masked, log2=exp2)  # [G, bq, bk]
+  exp = jnp.exp2 if exp2 else jnp.exp
   G, bq, Hv = acc_ref.shape
   m_prev = m_ref[...]
   m_new = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
@@ -316,7 +306,7 @@ def online_softmax_step(q_ref, k_ref, v_ref, mask_refs, m_ref, l_ref, acc_ref, *
 
 def finished(m_ref, l_ref, acc_ref, *, exp2=False):
   """(o [G, bq, Hv], lse [G, bq, 128] lane-replicated) of the finished online softmax: o = acc / l and
-  lse = m + log l (m * ln 2 + log l with `Variant.exp2`, whose m is in log2 units); a row with no visible key
+  lse = m + log l (m * ln 2 + log l with `online_softmax_step`'s exp2, whose m is in log2 units); a row with no visible key
   gets o = 0, lse = -inf."""
   l = l_ref[...]
   empty = l == 0.0
@@ -349,7 +339,7 @@ def block_fwd(q, k, v, q_tok, kv_tok, *, spec, interpret, dropout=None):
     token_major=token_major,
     compiled=interpret is None,
     sub_tiles=sub_tiles,
-    variant=Variant.block_forward(spec),
+    exp2=not (spec.debug is not None and spec.debug.natural_exp),
   )
   o, lse = c.call(kernel, plan, 2, interpret=interpret, name="ring_block_fwd")(
     c.with_sub_tiles(spec.mask, q_tok, kv_tok, kinds, bq, bk, sub_tiles),
