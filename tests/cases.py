@@ -28,6 +28,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import flax_ringattn as fr
 
@@ -329,3 +330,32 @@ def assert_dropout_matches_reference(mesh, axis_name, n, case: Case, *, doc_len:
     )
 
   assert_matches_reference(jax.jit(attn), q, k, v, segment_ids=seg, **ref_kw, **kw)
+
+
+# -- the Pallas TPU block forward's output dtype ---------------------------------------------------------------
+
+
+def assert_block_output_is_the_cast(*, interpret, T: int = 256):
+  """The Pallas TPU block forward asked for a bfloat16 o (the block contract's `out_dtype`, as a ring of one
+  asks) gives bit for bit its float32 o cast to bfloat16, token-major (N = 8, heads of 128; compiled, o is stored
+  through 32-bit words, two heads per word, each written at its own grid step) and heads-major (N = 4), causal
+  over 2 x 2 tiles.  `interpret`: None compiled (the chip tier), else the interpret mode."""
+  from flax_ringattn._src import masks
+  from flax_ringattn._src.backends.base import AttentionSpec
+  from flax_ringattn._src.backends.pallas_tpu.block.forward import block_fwd
+
+  spec = AttentionSpec(
+    mask=masks.MaskSpec(is_causal=True), scale=0.125, block_sizes=fr.BlockSizes(block_q=T // 2, block_kv=T // 2)
+  )
+  tok = masks.Tokens(jnp.arange(T, dtype=jnp.int32))
+  for N, K in ((8, 2), (4, 4)):
+    keys = jax.random.split(jax.random.key(N), 3)
+    q, k, v = (jax.random.normal(key, (2, T, n, 128), jnp.bfloat16) for key, n in zip(keys, (N, K, K), strict=True))
+    fwd = jax.jit(
+      lambda q, k, v, dtype: block_fwd(q, k, v, tok, tok, spec=spec, interpret=interpret, out_dtype=dtype),
+      static_argnums=3,
+    )
+    (o32, lse32), (o16, lse16) = fwd(q, k, v, None), fwd(q, k, v, jnp.bfloat16)
+    assert o32.dtype == jnp.float32 and o16.dtype == jnp.bfloat16, (o32.dtype, o16.dtype)
+    np.testing.assert_array_equal(np.asarray(o16.astype(jnp.float32)), np.asarray(o32.astype(jnp.bfloat16), np.float32))
+    np.testing.assert_array_equal(np.asarray(lse16), np.asarray(lse32))

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import assert_block_output_is_the_cast
 from conftest import make_mesh
 from flax import nnx
 from jax import export
@@ -240,6 +241,31 @@ def test_kernel_variants(N, K, H, dtype, variant, opts):
     kernel_debug(forward_layout="rows").__enter__()
 
 
+@interpret
+def test_block_output_in_the_callers_dtype():
+  """A ring of one asks the block forward for o in q's dtype (`ring_loop.direct`): the kernel writes bf16 itself,
+  bit for bit the float32 output cast, both layouts (`cases.assert_block_output_is_the_cast`; its compiled
+  32-bit-word stores run in the chip tier).  With sinks, or on a ring of two, o stays float32."""
+  with no_races():
+    assert_block_output_is_the_cast(interpret=interpret_params())
+  q, k, v = (jnp.ones((1, 256, 8, 128), jnp.bfloat16),) * 3
+
+  def kernel_out_dtypes(**opts):
+    f = lambda q, k, v: fr.ring_attention(q, k, v, implementation="pallas_tpu", interpret=True, **opts)  # noqa: E731
+
+    def eqns(jaxpr):
+      yield from jaxpr.eqns
+      for sub in jax.extend.core.subjaxprs(jaxpr):
+        yield from eqns(sub)
+
+    calls = [e for e in eqns(jax.make_jaxpr(f)(q, k, v).jaxpr) if e.primitive.name == "pallas_call"]
+    assert calls
+    return {str(o.aval.dtype) for e in calls for o in e.outvars}
+
+  assert "bfloat16" in kernel_out_dtypes()
+  assert "bfloat16" not in kernel_out_dtypes(sinks=jnp.zeros((8,)))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize(
   "segments,cap,dropout,Hv",
@@ -281,7 +307,15 @@ def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, cap, dropout, Hv):
   bid = jnp.zeros((B, T), jnp.int32) if segments == "positions" else None  # closed over: a constant
   fwd = jax.jit(
     lambda q, k, v, qp, kp, qs, ks, d: block_fwd(
-      q, k, v, masks.Tokens(qp, qs, bid), masks.Tokens(kp, ks, bid), spec=spec, interpret=None, dropout=d
+      q,
+      k,
+      v,
+      masks.Tokens(qp, qs, bid),
+      masks.Tokens(kp, ks, bid),
+      spec=spec,
+      interpret=None,
+      dropout=d,
+      out_dtype=dtype,  # bf16: o stored through 32-bit words (`common.store_strided_rows`)
     )
   )
   bwd = jax.jit(

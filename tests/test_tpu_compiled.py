@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import Case, dtype_id, make_case, make_inputs, make_sinks, with_sinks
+from cases import Case, assert_block_output_is_the_cast, dtype_id, make_case, make_inputs, make_sinks, with_sinks
 from conftest import make_mesh
 from dense_oracle import dense_oracle
 from paged_cases import case_batch, features, paged_vjp, poison
@@ -39,6 +39,7 @@ from paged_oracle import paged_oracle
 import flax_ringattn as fr
 from flax_ringattn._src.paged import op as paged_ops
 from flax_ringattn._src.testing.checks import assert_close
+from flax_ringattn._src.testing.interpret import interpret_params
 from flax_ringattn.testing import kernel_debug
 
 ON_TPU = jax.default_backend() == "tpu"
@@ -210,6 +211,12 @@ def _check_dense(run: Dense, dtype, implementation: str, kernels: int):
 def test_block_kernels(run, dtype):
   """Forward, dq, dk, dv (and dsinks) of the block kernels (forward, dq, dk/dv: three kernels) on one device."""
   _check_dense(run, dtype, "pallas_tpu", kernels=3)
+
+
+def test_block_output_in_the_callers_dtype():
+  """The block forward's bf16 o (a ring of one's) is bit for bit its float32 o cast, token-major (compiled: stored
+  through 32-bit words, two heads per word) and heads-major."""
+  assert_block_output_is_the_cast(interpret=None if ON_TPU else interpret_params())
 
 
 @pytest.mark.parametrize("run, dtype", RING)

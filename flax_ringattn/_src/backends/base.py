@@ -6,14 +6,18 @@ hops; the ring loop (`_src/ring/ring_loop.py`) knows nothing of tiles.
 
 Forward::
 
-    o, lse = backend.fwd(q, k, v, q_tok, kv_tok, spec=spec)
+    o, lse = backend.fwd(q, k, v, q_tok, kv_tok, spec=spec, out_dtype=None)
 
     q [B, T, N, H], k/v [B, S, K, H] (input dtype); q_tok / kv_tok: the
     `masks.Tokens` of the q and kv shards (positions [T] / [S] shared by every
     row, or [B, T] / [B, S] with `spec.mask.has_positions`; segment ids and
     bidirectional ids [B, T] / [B, S] or None), read by the kernels through
     `masks.tile_kinds` and `masks.pair_visible`.
-    o   [B, T, N, H] float32, normalised over this block's keys only
+    o   [B, T, N, H] float32, normalised over this block's keys only; in
+                     `out_dtype` when given: a caller whose block output is
+                     the call's output as it is (a ring of one, the
+                     all-gather strategy, no sinks) has the kernel write it
+                     in q's dtype, with no float32 copy and cast
     lse [B, N, T]    float32 log-sum-exp of this block's scores; -inf for a row
                      with no visible key in the block (its o row is 0)
 
@@ -61,6 +65,6 @@ class BlockBackend(Protocol):
   def check_supported(self, *, dtype, spec: AttentionSpec, shapes: tuple[int, ...]) -> None:
     """Raises NotImplementedError for valid input this backend cannot run."""
 
-  def fwd(self, q, k, v, q_tok, kv_tok, *, spec: AttentionSpec, dropout=None): ...
+  def fwd(self, q, k, v, q_tok, kv_tok, *, spec: AttentionSpec, dropout=None, out_dtype=None): ...
 
   def bwd(self, q, k, v, do, lse, delta, q_tok, kv_tok, *, spec: AttentionSpec, dropout=None): ...

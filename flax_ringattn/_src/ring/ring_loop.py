@@ -54,6 +54,21 @@ class RingConfig:
   # by side (1 for the plain ring; the Ulysses axis size for "ulysses_ring",
   # whose all-to-all hands every member the shards of its whole Ulysses group).
   sub_shards: int = 1
+  # True where the flash wrapper applies no sinks: a block whose o is the call's output as it is (a ring of one,
+  # the all-gather strategy) is asked for it in q's dtype (the block contract's `out_dtype`), so no float32
+  # output is written and cast.  Set by the entry points (`direct`).
+  direct_output: bool = False
+
+
+def direct(cfg: RingConfig, sinks) -> RingConfig:
+  """`cfg` for a call with these sinks: `direct_output` where there are none (sinks rescale the finished rows in
+  float32, so with them the blocks keep float32 outputs)."""
+  return dataclasses.replace(cfg, direct_output=sinks is None)
+
+
+def out_dtype(cfg: RingConfig, q):
+  """The block contract's `out_dtype` of a block whose output is the call's: q's dtype, or None (float32)."""
+  return q.dtype if cfg.direct_output else None
 
 
 def _member_positions(cfg: RingConfig, shard, n, length: int):
@@ -105,17 +120,17 @@ def _ring_forward(q, k, v, q_tok, kv_tok, drop, cfg: RingConfig):
   S = k.shape[1]
   q_tok = masks.with_positions(q_tok, _member_positions(cfg, shard_of(r), n, T))
 
-  def part(t, kv):
-    """(o, lse) of hop t's block, or (0, -inf) when the whole block is masked."""
+  def part(t, kv, dtype=None):
+    """(o, lse) of hop t's block, or (0, -inf) when the whole block is masked; o in `dtype` (None: float32)."""
     k_t, v_t, tok_t = kv
     tok_t = masks.with_positions(tok_t, _member_positions(cfg, shard_of((r - t) % n), n, S))
 
     def compute():
-      return backend.fwd(q, k_t, v_t, q_tok, tok_t, spec=spec, **block_kwargs(drop))
+      return backend.fwd(q, k_t, v_t, q_tok, tok_t, spec=spec, out_dtype=dtype, **block_kwargs(drop))
 
     def skip():
       return (
-        vma.like(jnp.zeros((B, T, N, v.shape[3]), F32), q),
+        vma.like(jnp.zeros((B, T, N, v.shape[3]), dtype or F32), q),
         vma.like(jnp.full((B, N, T), -jnp.inf, F32), q),
       )
 
@@ -128,7 +143,7 @@ def _ring_forward(q, k, v, q_tok, kv_tok, drop, cfg: RingConfig):
   # Hop 0's partial is the first accumulator (merging it into an empty one is
   # the identity), so no zero accumulator is ever materialised.
   if n == 1:
-    return part(0, kv)
+    return part(0, kv, out_dtype(cfg, q))
   # Hop 0 works on the local shard while it is already on its way to r + 1;
   # hops 1 .. n-2 do the same with what arrived; hop n-1 sends nothing.
   kv_next = layout.rotate(kv, cfg.axis_name, n)
@@ -202,4 +217,5 @@ def ring_attention_local(q, k, v, q_tok, kv_tok, cfg: RingConfig, drop=None, sin
   """Per-device entry point (inside shard_map, or a ring of one); `q_tok` / `kv_tok`: the shards' `masks.Tokens`
   (positions None: the layout's); `drop`: the int32[4] dropout operand or None; `sinks`: the [N] sink logits of
   q's heads or None (applied once, by `flash`, to the whole ring's result)."""
-  return flash.flash(flash.RingKernel(_ring_forward, _ring_backward, cfg), sinks, q, k, v, q_tok, kv_tok, drop)
+  kernel = flash.RingKernel(_ring_forward, _ring_backward, direct(cfg, sinks))
+  return flash.flash(kernel, sinks, q, k, v, q_tok, kv_tok, drop)

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from flax_ringattn._src import dropout as dropout_lib
 from flax_ringattn._src import flash, masks
 from flax_ringattn._src.layout import gathered_positions, shard_positions
-from flax_ringattn._src.ring.ring_loop import RingConfig, block_kwargs, ring_attention_local
+from flax_ringattn._src.ring.ring_loop import RingConfig, block_kwargs, direct, out_dtype, ring_attention_local
 
 STRATEGIES = ("ring", "ulysses", "all_gather", "ulysses_ring")
 _NO_HEAD_LIMIT = "strategy='ring' or 'all_gather' (no head-count limit)"
@@ -176,7 +176,8 @@ def _gathered(q, k, v, q_tok, kv_tok, cfg: RingConfig):
 
 def _ag_forward(q, k, v, q_tok, kv_tok, drop, cfg: RingConfig):
   k_all, v_all, q_tok, kv_all = _gathered(q, k, v, q_tok, kv_tok, cfg)
-  return cfg.backend.fwd(q, k_all, v_all, q_tok, kv_all, spec=cfg.spec, **block_kwargs(drop))
+  dtype = out_dtype(cfg, q)
+  return cfg.backend.fwd(q, k_all, v_all, q_tok, kv_all, spec=cfg.spec, out_dtype=dtype, **block_kwargs(drop))
 
 
 def _ag_backward(operands, lse, do, delta, cfg: RingConfig):
@@ -210,5 +211,6 @@ def attention_local(q, k, v, q_tok, kv_tok, drop=None, sinks=None, *, strategy: 
     ring_axis, ulysses_axis = cfg.axis_name
     return _ulysses(q, k, v, q_tok, kv_tok, drop, sinks, cfg, ring_axis, ulysses_axis)
   if strategy == "all_gather":
-    return flash.flash(flash.RingKernel(_ag_forward, _ag_backward, cfg), sinks, q, k, v, q_tok, kv_tok, drop)
+    kernel = flash.RingKernel(_ag_forward, _ag_backward, direct(cfg, sinks))
+    return flash.flash(kernel, sinks, q, k, v, q_tok, kv_tok, drop)
   raise AssertionError(strategy)

@@ -66,8 +66,9 @@ class PallasGpuBackend:
     """This backend in Pallas's generic interpreter (interpret=True) or compiled (False)."""
     return dataclasses.replace(self, interpret=normalize_interpret(interpret))
 
-  def fwd(self, q, k, v, q_tok, kv_tok, *, spec, dropout=None):
-    return block_fwd(q, k, v, q_tok, kv_tok, spec=spec, interpret=self.interpret, dropout=dropout)
+  def fwd(self, q, k, v, q_tok, kv_tok, *, spec, dropout=None, out_dtype=None):
+    o, lse = block_fwd(q, k, v, q_tok, kv_tok, spec=spec, interpret=self.interpret, dropout=dropout)
+    return o.astype(out_dtype or o.dtype), lse
 
   def bwd(self, q, k, v, do, lse, delta, q_tok, kv_tok, *, spec, dropout=None):
     return block_bwd(q, k, v, do, lse, delta, q_tok, kv_tok, spec=spec, interpret=self.interpret, dropout=dropout)

@@ -76,8 +76,8 @@ class PallasTpuBackend:
     every mask term is supported, its per-row data counted from `shape.extra_fields`)."""
     return planners.ring_fits_for(shape, n=n)
 
-  def fwd(self, q, k, v, q_tok, kv_tok, *, spec, dropout=None):
-    return block_fwd(q, k, v, q_tok, kv_tok, spec=spec, dropout=dropout, interpret=self.interpret)
+  def fwd(self, q, k, v, q_tok, kv_tok, *, spec, dropout=None, out_dtype=None):
+    return block_fwd(q, k, v, q_tok, kv_tok, spec=spec, dropout=dropout, interpret=self.interpret, out_dtype=out_dtype)
 
   def bwd(self, q, k, v, do, lse, delta, q_tok, kv_tok, *, spec, dropout=None):
     return block_bwd(q, k, v, do, lse, delta, q_tok, kv_tok, spec=spec, dropout=dropout, interpret=self.interpret)

@@ -185,6 +185,25 @@ def strided_rows(ref, start: int, count: int, stride: int, *, compiled: bool):
   return pltpu.bitcast(top, F32)
 
 
+def store_strided_rows(ref, start: int, stride: int, value, *, compiled: bool):
+  """`strided_rows`' store: rows start, start + stride, ... of a 2-D VMEM ref = value (float32 [count, lanes])
+  in the ref's dtype.  Compiled, a bf16 ref is written through 32-bit words (`stride` even): each word keeps its
+  other half (a row of another head, stored at another grid step or already there) and gets this value rounded
+  to bf16 (the convert's round-to-nearest-even, as `astype` outside the kernel) in its half.  The interpreter
+  stores directly."""
+  count = value.shape[0]
+  if ref.dtype.itemsize == 4 or not compiled:
+    ref[pl.ds(start, count, stride=stride), :] = value.astype(ref.dtype)
+    return
+  if ref.dtype != jnp.bfloat16 or stride % 2:
+    raise NotImplementedError(f"store_strided_rows: compiled, 32-bit or bf16 with an even stride, got {ref.dtype}")
+  words = ref.bitcast(jnp.uint32)
+  rows = pl.ds(start // 2, count, stride=stride // 2)
+  top = pltpu.bitcast(value.astype(jnp.bfloat16).astype(F32), jnp.uint32)  # bf16 bits on top, zeros below
+  kept = words[rows, :] & jnp.uint32(0xFFFF0000 if start % 2 == 0 else 0x0000FFFF)
+  words[rows, :] = kept | (top >> 16 if start % 2 == 0 else top)
+
+
 def heads_major(x):
   """[B, L, heads, H] <-> [B, heads, L, H]."""
   return x.transpose(0, 2, 1, 3)

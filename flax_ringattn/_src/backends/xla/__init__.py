@@ -13,8 +13,9 @@ class XlaBackend:
   def check_supported(self, *, dtype, spec, shapes) -> None:
     del dtype, spec, shapes  # every valid input is supported
 
-  def fwd(self, q, k, v, q_tok, kv_tok, *, spec, dropout=None):
-    return block_fwd(q, k, v, q_tok, kv_tok, spec=spec, dropout=dropout)
+  def fwd(self, q, k, v, q_tok, kv_tok, *, spec, dropout=None, out_dtype=None):
+    o, lse = block_fwd(q, k, v, q_tok, kv_tok, spec=spec, dropout=dropout)
+    return o.astype(out_dtype or o.dtype), lse
 
   def bwd(self, q, k, v, do, lse, delta, q_tok, kv_tok, *, spec, dropout=None):
     return block_bwd(q, k, v, do, lse, delta, q_tok, kv_tok, spec=spec, dropout=dropout)

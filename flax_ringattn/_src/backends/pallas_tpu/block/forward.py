@@ -87,10 +87,11 @@ def fwd_plan(
   Hv=None,
   token_major=None,
   ahead=False,
+  o_dtype=c.F32,
 ) -> c.CallPlan:
   """`token_major`: the token-major layout (None: where `tiling.token_major_forward` allows it; the kernel
   decides by `common.forward_token_major`, which also needs it to fit VMEM).  `ahead`: `row_steps`' look-ahead
-  (the fetch table from `common.fetch_ahead`)."""
+  (the fetch table from `common.fetch_ahead`).  `o_dtype`: the output's (the block contract's `out_dtype`)."""
   G, Hv = N // K, H if Hv is None else Hv
   if token_major is None:
     token_major = c.token_major_forward(N, bq, (H, Hv))
@@ -117,10 +118,11 @@ def fwd_plan(
       ),
       in_dtypes=in_dtypes,
       out_specs=(
-        pl.BlockSpec((None, bq * N, Hv), lambda b, i, h, j, kinds, fetch: (b, i, 0)),
+        # A leading 1 as for q: a bf16 o is stored through a 32-bit view of the ref (`common.store_strided_rows`).
+        pl.BlockSpec((1, bq * N, Hv), lambda b, i, h, j, kinds, fetch: (b, i, 0)),
         pl.BlockSpec((None, N, bq), lambda b, i, h, j, kinds, fetch: (b, 0, i)),
       ),
-      out_shapes=(jax.ShapeDtypeStruct((B, T * N, Hv), c.F32), jax.ShapeDtypeStruct((B, N, T), c.F32)),
+      out_shapes=(jax.ShapeDtypeStruct((B, T * N, Hv), o_dtype), jax.ShapeDtypeStruct((B, N, T), c.F32)),
       scratch=(*stats, ((G, bq, H), dtype)),  # + the group's q heads, gathered once per q tile
       semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
     )
@@ -140,7 +142,7 @@ def fwd_plan(
     in_specs=tuple(in_specs),
     in_dtypes=in_dtypes,
     out_specs=(pl.BlockSpec((None, G, bq, Hv), row), pl.BlockSpec((None, G, bq, 1), row)),
-    out_shapes=(jax.ShapeDtypeStruct((B, N, T, Hv), c.F32), jax.ShapeDtypeStruct((B, N, T, 1), c.F32)),
+    out_shapes=(jax.ShapeDtypeStruct((B, N, T, Hv), o_dtype), jax.ShapeDtypeStruct((B, N, T, 1), c.F32)),
     scratch=stats,
   )
 
@@ -216,7 +218,7 @@ def _kernel(
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
     if token_major:
-      _finish_rows(m_sc, l_sc, acc_sc, o_ref, lse_ref, h, exp2=exp2)
+      _finish_rows(m_sc, l_sc, acc_sc, o_ref.at[0], lse_ref, h, exp2=exp2, compiled=compiled)
     else:
       finish(m_sc, l_sc, acc_sc, o_ref, lse_ref, exp2=exp2)
 
@@ -240,9 +242,10 @@ def _gather_group(q_ref, q_tile, h, *, compiled):
   _for_group(h, N // G, body)
 
 
-def _finish_rows(m_ref, l_ref, acc_ref, o_ref, lse_ref, h, *, exp2=False):
-  """`finish` into the token-major blocks: o rows t * N + n (sublane-strided stores) and lse rows [N, bq]
-  (lane-dense: each head's lane-replicated column, transposed)."""
+def _finish_rows(m_ref, l_ref, acc_ref, o_ref, lse_ref, h, *, exp2=False, compiled=True):
+  """`finish` into the token-major blocks: o rows t * N + n (sublane-strided stores, `common.store_strided_rows`:
+  a bf16 o through 32-bit words) and lse rows [N, bq] (lane-dense: each head's lane-replicated column,
+  transposed)."""
   o, lse = finished(m_ref, l_ref, acc_ref, exp2=exp2)
   G, bq, _ = o.shape
   N = o_ref.shape[0] // bq
@@ -251,7 +254,7 @@ def _finish_rows(m_ref, l_ref, acc_ref, o_ref, lse_ref, h, *, exp2=False):
   def body(kk):
     for g in range(G):
       n = kk * G + g
-      o_ref[pl.ds(n, bq, stride=N), :] = o[g]
+      c.store_strided_rows(o_ref, n, N, o[g], compiled=compiled)
       lse_ref[n : n + 1, :] = lse_rows[g]
 
   _for_group(h, N // G, body)
@@ -317,21 +320,21 @@ def finished(m_ref, l_ref, acc_ref, *, exp2=False):
 
 
 def finish(m_ref, l_ref, acc_ref, o_ref, lse_ref, *, exp2=False):
-  """`finished` into heads-major blocks: o (G, bq, Hv) and lse (G, bq, 1)."""
+  """`finished` into heads-major blocks: o (G, bq, Hv), in o_ref's dtype, and lse (G, bq, 1)."""
   o, lse = finished(m_ref, l_ref, acc_ref, exp2=exp2)
-  o_ref[...] = o
+  o_ref[...] = o.astype(o_ref.dtype)
   lse_ref[...] = lse[..., :1]
 
 
-def block_fwd(q, k, v, q_tok, kv_tok, *, spec, interpret, dropout=None):
-  """See `backends/base.py` for the contract."""
+def block_fwd(q, k, v, q_tok, kv_tok, *, spec, interpret, dropout=None, out_dtype=None):
+  """See `backends/base.py` for the contract (`out_dtype`: o is written in it, float32 when None)."""
   dims, kinds, mask_ops = c.block_setup(spec, q, k, v, q_tok, kv_tok, backward=False)
   B, T, N, H = q.shape
   bq, bk = dims["bq"], dims["bk"]
   token_major = c.forward_token_major(spec, q, k, v, bq, bk)
   sub_tiles = 1 if spec.debug is not None and spec.debug.whole_partial_tiles else c.forward_sub_tiles(bq, bk, q.dtype)
   ahead = spec.debug is not None and spec.debug.prefetch_ahead
-  plan = fwd_plan(**dims, token_major=token_major, ahead=ahead)
+  plan = fwd_plan(**dims, token_major=token_major, ahead=ahead, o_dtype=jnp.dtype(out_dtype or c.F32))
   kernel = functools.partial(
     _kernel,
     spec=spec,
