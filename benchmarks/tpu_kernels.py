@@ -303,8 +303,6 @@ VARIANT_FIELDS = {
   "heads_major": ("forward_layout", "heads_major"),
   "natural_exp": ("natural_exp", True),
   "whole_partial_tiles": ("whole_partial_tiles", True),
-  "prefetch_ahead": ("prefetch_ahead", True),
-  "bwd_lane_stats": ("bwd_lane_stats", True),
 }
 
 
@@ -730,8 +728,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     default="",
     metavar="V[,V...]",
     help="block table: also time our op with these kernel variants (KernelDebug fields, '+'-joined: heads_major, "
-    "natural_exp, whole_partial_tiles, prefetch_ahead, bwd_lane_stats, e.g. heads_major+natural_exp), each "
-    "checked against ours and given its ms and variant/ours columns",
+    "natural_exp, whole_partial_tiles, e.g. heads_major+natural_exp), each checked against ours and given its ms "
+    "and variant/ours columns",
   )
   add(
     "--block-sizes",

@@ -21,10 +21,8 @@ import flax_ringattn as fr
 from flax_ringattn._src import masks, validation
 from flax_ringattn._src.backends.base import AttentionSpec
 from flax_ringattn._src.backends.pallas_tpu import common
-from flax_ringattn._src.backends.pallas_tpu.block import forward
 from flax_ringattn._src.backends.pallas_tpu.block.backward import block_bwd
 from flax_ringattn._src.backends.pallas_tpu.block.forward import block_fwd
-from flax_ringattn._src.debug import KernelDebug
 from flax_ringattn._src.testing.interpret import interpret_params, no_races
 from flax_ringattn.testing import kernel_debug
 
@@ -32,8 +30,7 @@ interpret = pytest.mark.interpret
 
 
 def test_fetch_index_points_empty_tiles_at_the_tile_in_vmem():
-  """`fetch_index` points EMPTY steps at a tile already in VMEM; `fetch_ahead` (`KernelDebug.prefetch_ahead`) marks
-  a row's trailing EMPTY steps, which `forward.row_steps` points at the next row's first blocks."""
+  """`fetch_index` points EMPTY steps at a tile already in VMEM."""
   E, P_, F = masks.EMPTY, masks.PARTIAL, masks.FULL
   kinds = jnp.array(
     [
@@ -46,23 +43,6 @@ def test_fetch_index_points_empty_tiles_at_the_tile_in_vmem():
   np.testing.assert_array_equal(
     np.asarray(common.fetch_index(kinds)), [[0, 1, 1, 1], [2, 2, 2, 3], [1, 1, 1, 3], [0, 0, 0, 0]]
   )
-  # With look-ahead, a row's trailing empties are marked -1 - (the last live tile); nothing else changes.
-  ahead = common.fetch_ahead(kinds)
-  np.testing.assert_array_equal(np.asarray(ahead), [[0, 1, -2, -2], [2, 2, 2, 3], [1, 1, 1, 3], [0, 0, 0, 0]])
-  # Their steps read the next row's first blocks; o and lse stay put (the forward's out_specs use i, h).
-  # Token-major rows run (i, h): row (0, 0)'s next is (0, 1); heads-major rows run (h, i): (0, 0)'s is (1, 0).
-  for token_major, nxt in ((True, (0, 1, 0)), (False, (1, 0, 2))):
-    step = forward.row_steps(token_major=token_major, num_rows=4, num_heads=2, ahead=True)
-    assert tuple(int(x) for x in step(0, 0, 2, ahead)) == nxt
-    assert tuple(int(x) for x in step(0, 0, 1, ahead)) == (0, 0, 1)  # a live step: its own blocks
-    plain = forward.row_steps(token_major=token_major, num_rows=4, num_heads=2, ahead=False)
-    assert tuple(int(x) for x in plain(0, 0, 2, common.fetch_index(kinds))) == (0, 0, 1)
-  # The grid's last row (i = 3, h = 1) looks nowhere: a trailing empty there keeps its last live tile.
-  last = jnp.array([[F, E]] * 4)
-  for token_major in (True, False):
-    step = forward.row_steps(token_major=token_major, num_rows=4, num_heads=2, ahead=True)
-    assert tuple(int(x) for x in step(3, 1, 1, common.fetch_ahead(last))) == (3, 1, 0)
-    assert tuple(int(x) for x in step(2, 1, 1, common.fetch_ahead(last)))[2] == 0  # the next row's first tile
 
 
 def _inputs(B, T, S, N, K, H, dtype, seed=0):
@@ -197,22 +177,15 @@ def test_partial_tiles_in_sub_tiles(B, N, K, dtype, n, opts):
 
 VARIANTS = [
   # (N, K, H, dtype, KernelDebug fields, options)
-  (
-    8,
-    2,
-    128,
-    jnp.float32,
-    dict(natural_exp=True, prefetch_ahead=True, bwd_lane_stats=True),
-    dict(is_causal=True, segments=True),
-  ),
+  (8, 2, 128, jnp.float32, dict(natural_exp=True), dict(is_causal=True, segments=True)),
   (
     8,
     8,
     128,
     jnp.bfloat16,
-    dict(forward_layout="heads_major", prefetch_ahead=True),
+    dict(forward_layout="heads_major"),
     # exp2 with a soft cap (log2(e) after the cap); a window (60, 0): q tile 0's kv tile 1 is a trailing EMPTY
-    # step, which the look-ahead points at the next row; two batch rows (the grid's last row is per batch row)
+    # step (its matmuls and DMA skipped); two batch rows
     dict(local_window_size=(60, 0), logits_soft_cap=30.0, batch=2),
   ),
 ]
@@ -224,10 +197,8 @@ VARIANTS = [
 )
 def test_kernel_variants(N, K, H, dtype, variant, opts):
   """The block forward's A/B variants for chip runs (`KernelDebug.natural_exp`: the softmax with exp instead of in
-  log2 units; `prefetch_ahead`: trailing EMPTY steps fetch the next row's blocks, in both grid orders;
-  `bwd_lane_stats`: the backward's lse and delta lane-replicated, 4 q heads per kv head;
-  `forward_layout="heads_major"` where the token-major forward would run) compute the same attention: forward and
-  gradients against the reference, 2 x 2 tiles, race-checked."""
+  log2 units, token-major, 4 q heads per kv head; `forward_layout="heads_major"` where the token-major forward would
+  run) compute the same attention: forward and gradients against the reference, 2 x 2 tiles, race-checked."""
   opts = dict(opts)
   T = 256
   q, k, v, do = _inputs(opts.pop("batch", 1), T, T, N, K, H, dtype)
@@ -281,10 +252,8 @@ def test_block_output_in_the_callers_dtype():
 def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, cap, dropout, Hv):
   """jax.export runs the Pallas -> Mosaic lowering for TPU on this CPU machine: block shapes, index maps and
   kernel ops (the dropout hash's wrapping int32 multiplies and logical shifts included) must all be accepted by
-  the TPU lowering (Mosaic's own compiler passes run only on a TPU).  MLA: DeepSeek's qk 192, v 128.  "plain"
-  and MLA also lower the forward's look-ahead index maps (`KernelDebug.prefetch_ahead`), token-major and
-  heads-major, and the backward's lane-replicated lse and delta (`bwd_lane_stats`); "plain" lowers the forward's
-  row sub-tiles too (256 x 128 tiles)."""
+  the TPU lowering (Mosaic's own compiler passes run only on a TPU).  MLA: DeepSeek's qk 192, v 128 (the
+  heads-major forward).  "plain" also lowers the forward's row sub-tiles (256 x 128 tiles)."""
   terms = dict(chunk_size=64, has_bidirectional=True, has_positions=True) if segments == "positions" else {}
   plain = not segments
   spec = AttentionSpec(
@@ -294,7 +263,6 @@ def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, cap, dropout, Hv):
     block_sizes=fr.BlockSizes(block_q=256, block_kv=128) if plain else fr.BlockSizes(block_q=128, block_kv=256),
     dropout_rate=0.1 if dropout else 0.0,
     dropout_broadcast=False,
-    debug=KernelDebug(prefetch_ahead=True, bwd_lane_stats=True) if plain or Hv else None,
   )
   B, T, N, K, H = 2, 512, 8, 2, 128 if Hv is None else 192
   sds = jax.ShapeDtypeStruct

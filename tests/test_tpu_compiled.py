@@ -2,13 +2,14 @@
 interpret mode, forward and gradients against the float64 numpy oracles (tests/dense_oracle.py,
 tests/paged_oracle.py) run on the host.
 
-a. block kernels: `ring_attention(implementation="pallas_tpu")` on one device;
+a. block kernels: `ring_attention(implementation="pallas_tpu")` on one device, and the forward's bf16 output bit for
+   bit its float32 output cast;
 b. the ragged paged kernel: `paged_attention(implementation="pallas_tpu")` over decode, prefill, chunked-prefill
    and mixed batches, foreign pages and tails NaN-poisoned; and its fused cache write (`attend_and_write`);
 c. the in-kernel ring (`implementation="pallas_tpu_ring"`) as a ring of one, slots in VMEM and in HBM.
 
-One compiled program per configuration (22), fed all of its inputs; one process (one program at a time holds the
-chip).  Without a TPU every test skips ("no TPU attached") and nothing compiles.  FLAX_RINGATTN_TPU_TIER_ON_CPU=1
+One compiled program per configuration (22; the output-dtype check compiles 4 more), fed all of its inputs; one
+process (one program at a time holds the chip).  Without a TPU every test skips ("no TPU attached") and nothing compiles.  FLAX_RINGATTN_TPU_TIER_ON_CPU=1
 runs the same tests on CPU in interpret mode at a quarter of the lengths (about 1.5 min on 2 cores), `=full` at
 the chip's (about 3 min): a check of the tests, not of the kernels.
 

@@ -46,10 +46,7 @@ class KernelDebug:
   forward_layout "heads_major" runs the heads-major forward where the token-major one would run; natural_exp computes
   the online softmax with exp, not in log2 units with exp2 (`block.forward.online_softmax_step`);
   whole_partial_tiles computes a PARTIAL tile whole, masked, instead of in row sub-tiles
-  (`tiling.forward_sub_tiles`); prefetch_ahead points a q row's trailing EMPTY steps at the next row's first blocks
-  (`block.forward.row_steps`); bwd_lane_stats hands the block backward's kernels lse and delta lane-replicated,
-  (rows, 128), tiled across a tile as the forward's statistics are, instead of (rows, 1) columns broadcast
-  (`block.backward.dq_plan`).  The last two have not been timed on a chip yet."""
+  (`tiling.forward_sub_tiles`)."""
 
   slots: str | None = None
   drop_credits: bool = False
@@ -57,8 +54,6 @@ class KernelDebug:
   forward_layout: str | None = None
   natural_exp: bool = False
   whole_partial_tiles: bool = False
-  prefetch_ahead: bool = False
-  bwd_lane_stats: bool = False
 
   def __post_init__(self):
     if self.slots is not None and self.slots not in _SLOTS:

@@ -158,18 +158,6 @@ def fetch_index(kinds):
   return jnp.where(before >= 0, before, jnp.where(after < n, after, 0)).astype(jnp.int32)
 
 
-def fetch_ahead(kinds):
-  """`fetch_index`, with each row's trailing EMPTY steps (after its last live tile) stored as -1 - f, f what
-  `fetch_index` gives them (the row's last live tile).  A kernel whose rows run one after another can point those
-  steps at the next row's first blocks instead (`block.forward.row_steps`): an EMPTY step takes no time, so a DMA
-  issued before it is waited on at once, while one issued before the row's last live step runs under that step's
-  matmuls.  Rows with no live tile keep `fetch_index`'s values, all >= 0."""
-  fetch = fetch_index(kinds)
-  j = jnp.broadcast_to(jnp.arange(kinds.shape[-1], dtype=jnp.int32), kinds.shape)
-  last = jnp.max(jnp.where(kinds != 0, j, -1), axis=-1, keepdims=True)
-  return jnp.where((j > last) & (last >= 0), -1 - fetch, fetch)
-
-
 def strided_rows(ref, start: int, count: int, stride: int, *, compiled: bool):
   """Rows start, start + stride, ... (`count` of them) of a 2-D VMEM ref as float32: one sublane-strided load
   (a head of a token-major buffer whose row t * stride + n is token t, head n).  Compiled, bf16 is read as

@@ -30,15 +30,13 @@ _NT = (((1,), (1,)), ((), ()))  # [m, k] x [n, k]
 _TN = (((0,), (0,)), ((), ()))  # [k, m] x [k, n]
 
 
-def _q_side_specs(G, bq, H, Hv, row, stat_lanes):
-  """q, do, lse, delta: the G heads of a group, bq rows, block index from `row`; lse and delta (bq, 1) columns,
-  or lane-replicated (bq, 128) with `stat_lanes` (the same VMEM: a column is padded to 128 lanes)."""
-  w = c.LANES if stat_lanes else 1
+def _q_side_specs(G, bq, H, Hv, row):
+  """q, do, lse, delta: the G heads of a group, bq rows, block index from `row`; lse and delta (bq, 1) columns."""
   return [
     pl.BlockSpec((None, G, bq, H), row),
     pl.BlockSpec((None, G, bq, Hv), row),
-    pl.BlockSpec((None, G, bq, w), row),
-    pl.BlockSpec((None, G, bq, w), row),
+    pl.BlockSpec((None, G, bq, 1), row),
+    pl.BlockSpec((None, G, bq, 1), row),
   ]
 
 
@@ -62,14 +60,12 @@ def dq_plan(
   mask,
   has_dropout=False,
   Hv=None,
-  stat_lanes=False,
 ) -> c.CallPlan:
-  """`stat_lanes`: lse and delta lane-replicated (`KernelDebug.bwd_lane_stats`)."""
   G, Hv = N // K, H if Hv is None else Hv
   row = lambda b, h, i, j, kinds, fetch: (b, h, i, 0)  # noqa: E731
   kv = lambda b, h, i, j, kinds, fetch: (b, h, fetch[i, j], 0)  # noqa: E731
   in_specs = [
-    *_q_side_specs(G, bq, H, Hv, row, stat_lanes),
+    *_q_side_specs(G, bq, H, Hv, row),
     pl.BlockSpec((None, None, bk, H), kv),
     pl.BlockSpec((None, None, bk, Hv), kv),
     *c.mask_specs(
@@ -101,16 +97,14 @@ def dkv_plan(
   mask,
   has_dropout=False,
   Hv=None,
-  stat_lanes=False,
 ) -> c.CallPlan:
-  """`stat_lanes`: as `dq_plan`."""
   G, Hv = N // K, H if Hv is None else Hv
   row = lambda b, h, j, i, kinds, fetch: (b, h, fetch[j, i], 0)  # noqa: E731
   kv = lambda b, h, j, i, kinds, fetch: (b, h, j, 0)  # noqa: E731
   in_specs = [
     pl.BlockSpec((None, None, bk, H), kv),
     pl.BlockSpec((None, None, bk, Hv), kv),
-    *_q_side_specs(G, bq, H, Hv, row, stat_lanes),
+    *_q_side_specs(G, bq, H, Hv, row),
     *c.mask_specs(
       mask, bq, bk, lambda b, h, j, i, kinds, fetch: (b, fetch[j, i]), lambda b, h, j, i, kinds, fetch: (b, j)
     ),
@@ -135,16 +129,16 @@ def _probs_and_dscores(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_ref
   """
   s, t = c.scores(q_ref, k_ref, mask_refs, spec=spec, masked=masked)  # [G, bq, bk]
   G, bq, bk = s.shape
-  lse = lse_ref[...]  # [G, bq, 1], or lane-replicated [G, bq, 128] (`dq_plan`'s stat_lanes)
+  lse = lse_ref[...]  # [G, bq, 1]
   # lse = -inf only for rows with no visible key anywhere; their s is -inf
   # everywhere, so shifting by 0 gives p = 0 (not NaN).
-  p = jnp.exp(s - c.tile_lanes(jnp.where(jnp.isneginf(lse), 0.0, lse), bk))
+  p = jnp.exp(s - jnp.where(jnp.isneginf(lse), 0.0, lse))
   do = do_ref[...].reshape(G * bq, -1)
   dp = jax.lax.dot_general(do, v_ref[...], _NT, preferred_element_type=c.F32, precision=spec.precision)
   dp = dp.reshape(G, bq, bk)
   if drop is not None:
     dp = dp * drop
-  ds = p * (dp - c.tile_lanes(delta_ref[...], bk))
+  ds = p * (dp - delta_ref[...])
   if t is not None:
     ds = ds * (1.0 - t * t)  # d(cap * tanh(x / cap)) / dx
   if drop is not None:
@@ -217,16 +211,14 @@ def _dkv_kernel(kinds_ref, fetch_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delt
 def block_bwd(q, k, v, do, lse, delta, q_tok, kv_tok, *, spec, interpret, dropout=None):
   """See `backends/base.py` for the contract."""
   dims, kinds, mask_ops = c.block_setup(spec, q, k, v, q_tok, kv_tok, backward=True)
-  lanes = spec.debug is not None and spec.debug.bwd_lane_stats
-  stat = (lambda x: jnp.broadcast_to(x[..., None], (*x.shape, c.LANES))) if lanes else (lambda x: x[..., None])  # noqa: E731
-  q_side = (c.heads_major(q), c.heads_major(do), stat(lse), stat(delta))
+  q_side = (c.heads_major(q), c.heads_major(do), lse[..., None], delta[..., None])
   kv_side = (c.heads_major(k), c.heads_major(v))
   n_mask = len(mask_ops)
   drop_ops = c.dropout_operands(spec, dropout)
 
   (dq,) = c.call(
     functools.partial(_dq_kernel, spec=spec, num_mask_refs=n_mask),
-    dq_plan(**dims, stat_lanes=lanes),
+    dq_plan(**dims),
     2,
     interpret=interpret,
     name="ring_block_bwd_dq",
@@ -234,7 +226,7 @@ def block_bwd(q, k, v, do, lse, delta, q_tok, kv_tok, *, spec, interpret, dropou
   kinds_t = kinds.T
   dk, dv = c.call(
     functools.partial(_dkv_kernel, spec=spec, num_mask_refs=n_mask),
-    dkv_plan(**dims, stat_lanes=lanes),
+    dkv_plan(**dims),
     2,
     interpret=interpret,
     name="ring_block_bwd_dkv",

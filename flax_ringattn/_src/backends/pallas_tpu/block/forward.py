@@ -46,31 +46,6 @@ from flax_ringattn._src import masks
 from flax_ringattn._src.backends.pallas_tpu import common as c
 
 
-def row_steps(*, token_major: bool, num_rows: int, num_heads: int, ahead: bool):
-  """step(i, h, j, fetch) -> (i', h', t): the q row, kv head and kv tile a forward grid step's input blocks come
-  from, its o and lse blocks staying at (i, h).  Without `ahead`: (i, h, fetch[i, j]) (`common.fetch_index`).
-  With it (`common.fetch_ahead`'s table, `KernelDebug.prefetch_ahead`), a row's trailing EMPTY steps name the next
-  row's first blocks, so their DMAs start under the row's last live step.  Rows run in (i, h) order token-major and
-  (h, i) heads-major, within one batch row; the last row looks nowhere.  On a chip whose cores split a parallel
-  grid axis, a core's last row may prefetch a row another core runs: a wasted DMA, never a wrong block."""
-
-  def step(i, h, j, fetch):
-    f = fetch[i, j]
-    if not ahead:
-      return i, h, f
-    inner, outer, inner_n, outer_n = (h, i, num_heads, num_rows) if token_major else (i, h, num_rows, num_heads)
-    wrap = inner + 1 == inner_n
-    last = wrap & (outer + 1 == outer_n)
-    next_inner = jnp.where(wrap, 0, inner + 1)
-    next_outer = jnp.where(wrap & ~last, outer + 1, outer)
-    ni, nh = (next_outer, next_inner) if token_major else (next_inner, next_outer)
-    go = (f < 0) & ~last
-    tile = jnp.where(f >= 0, f, jnp.where(go, fetch[ni, 0], -1 - f))
-    return jnp.where(go, ni, i), jnp.where(go, nh, h), tile
-
-  return step
-
-
 def fwd_plan(
   *,
   B,
@@ -86,33 +61,30 @@ def fwd_plan(
   has_dropout=False,
   Hv=None,
   token_major=None,
-  ahead=False,
   o_dtype=c.F32,
 ) -> c.CallPlan:
   """`token_major`: the token-major layout (None: where `tiling.token_major_forward` allows it; the kernel
-  decides by `common.forward_token_major`, which also needs it to fit VMEM).  `ahead`: `row_steps`' look-ahead
-  (the fetch table from `common.fetch_ahead`).  `o_dtype`: the output's (the block contract's `out_dtype`)."""
+  decides by `common.forward_token_major`, which also needs it to fit VMEM).  `o_dtype`: the output's (the block
+  contract's `out_dtype`)."""
   G, Hv = N // K, H if Hv is None else Hv
   if token_major is None:
     token_major = c.token_major_forward(N, bq, (H, Hv))
-  step = row_steps(token_major=token_major, num_rows=T // bq, num_heads=K, ahead=ahead)
   drop_specs, drop_dtypes = c.dropout_specs(has_dropout)
   in_dtypes = (dtype, dtype, dtype) + c.mask_dtypes(mask) + drop_dtypes
   stats = (((G, bq, c.LANES), c.F32), ((G, bq, c.LANES), c.F32), ((G, bq, Hv), c.F32))  # m, l, acc
   if token_major:
     # Grid (b, i, h, j): the q tile of all heads and its o / lse blocks stay in VMEM while every kv head's
     # group works through it (one q DMA per tile); h is "arbitrary" because the groups share those blocks.
-    at = lambda pick: lambda b, i, h, j, kinds, fetch: pick(b, *step(i, h, j, fetch))  # noqa: E731
-    q_map = at(lambda b, i, h, t: (b, i))
-    kv_map = at(lambda b, i, h, t: (b, t))
-    kv_spec = lambda w: pl.BlockSpec((None, None, bk, w), at(lambda b, i, h, t: (b, h, t, 0)))  # noqa: E731
+    q_map = lambda b, i, h, j, kinds, fetch: (b, i)  # noqa: E731
+    kv_map = lambda b, i, h, j, kinds, fetch: (b, fetch[i, j])  # noqa: E731
+    kv = lambda b, i, h, j, kinds, fetch: (b, h, fetch[i, j], 0)  # noqa: E731
     return c.CallPlan(
       grid=(B, T // bq, K, S // bk),
       in_specs=(
         # A leading block dim of 1, not None: Mosaic bitcasts the ref (`common.strided_rows`) with all its dims.
-        pl.BlockSpec((1, bq * N, H), at(lambda b, i, h, t: (b, i, 0))),
-        kv_spec(H),
-        kv_spec(Hv),
+        pl.BlockSpec((1, bq * N, H), lambda b, i, h, j, kinds, fetch: (b, i, 0)),
+        pl.BlockSpec((None, None, bk, H), kv),
+        pl.BlockSpec((None, None, bk, Hv), kv),
         *c.mask_specs(mask, bq, bk, q_map, kv_map),
         *drop_specs,
       ),
@@ -126,17 +98,17 @@ def fwd_plan(
       scratch=(*stats, ((G, bq, H), dtype)),  # + the group's q heads, gathered once per q tile
       semantics=("parallel", "parallel", "arbitrary", "arbitrary"),
     )
-  at = lambda pick: lambda b, h, i, j, kinds, fetch: pick(b, *step(i, h, j, fetch))  # noqa: E731
-  q_map = at(lambda b, i, h, t: (b, i))
-  kv_map = at(lambda b, i, h, t: (b, t))
+  q_map = lambda b, h, i, j, kinds, fetch: (b, i)  # noqa: E731
+  kv_map = lambda b, h, i, j, kinds, fetch: (b, fetch[i, j])  # noqa: E731
+  kv = lambda b, h, i, j, kinds, fetch: (b, h, fetch[i, j], 0)  # noqa: E731
+  row = lambda b, h, i, j, kinds, fetch: (b, h, i, 0)  # noqa: E731
   in_specs = [
-    pl.BlockSpec((None, G, bq, H), at(lambda b, i, h, t: (b, h, i, 0))),
-    pl.BlockSpec((None, None, bk, H), at(lambda b, i, h, t: (b, h, t, 0))),
-    pl.BlockSpec((None, None, bk, Hv), at(lambda b, i, h, t: (b, h, t, 0))),
+    pl.BlockSpec((None, G, bq, H), row),
+    pl.BlockSpec((None, None, bk, H), kv),
+    pl.BlockSpec((None, None, bk, Hv), kv),
     *c.mask_specs(mask, bq, bk, q_map, kv_map),
     *drop_specs,
   ]
-  row = lambda b, h, i, j, kinds, fetch: (b, h, i, 0)  # noqa: E731
   return c.CallPlan(
     grid=(B, K, T // bq, S // bk),
     in_specs=tuple(in_specs),
@@ -333,8 +305,7 @@ def block_fwd(q, k, v, q_tok, kv_tok, *, spec, interpret, dropout=None, out_dtyp
   bq, bk = dims["bq"], dims["bk"]
   token_major = c.forward_token_major(spec, q, k, v, bq, bk)
   sub_tiles = 1 if spec.debug is not None and spec.debug.whole_partial_tiles else c.forward_sub_tiles(bq, bk, q.dtype)
-  ahead = spec.debug is not None and spec.debug.prefetch_ahead
-  plan = fwd_plan(**dims, token_major=token_major, ahead=ahead, o_dtype=jnp.dtype(out_dtype or c.F32))
+  plan = fwd_plan(**dims, token_major=token_major, o_dtype=jnp.dtype(out_dtype or c.F32))
   kernel = functools.partial(
     _kernel,
     spec=spec,
@@ -346,7 +317,7 @@ def block_fwd(q, k, v, q_tok, kv_tok, *, spec, interpret, dropout=None, out_dtyp
   )
   o, lse = c.call(kernel, plan, 2, interpret=interpret, name="ring_block_fwd")(
     c.with_sub_tiles(spec.mask, q_tok, kv_tok, kinds, bq, bk, sub_tiles),
-    c.fetch_ahead(kinds) if ahead else c.fetch_index(kinds),
+    c.fetch_index(kinds),
     q.reshape(B, T * N, H) if token_major else c.heads_major(q),
     c.heads_major(k),
     c.heads_major(v),
