@@ -8,6 +8,9 @@ are built once per module (each compiles its step once) and the tests read the l
 
 from __future__ import annotations
 
+import logging
+
+import jax
 import numpy as np
 import pytest
 import serving_models as sm
@@ -90,6 +93,27 @@ def test_a_second_generate_compiles_nothing_new(llama):
   assert stats.compiles == compiles
   assert stats.compile_seconds == compile_seconds and stats.seconds > seconds  # no compile: no compile time
   assert stats.generated_tokens - generated == sum(map(len, got)) == 9
+
+
+def test_the_step_program_compiles_once(caplog):
+  """A fresh engine's step program compiles once in its first generate and never again, for a model whose weights
+  are committed to a device (as a restored checkpoint's are): the caches are committed before the first step, as
+  that step's outputs are.  Fresh caches were uncommitted, so the second step compiled the program again, with no
+  new trace, and `stats.compiles` did not count it."""
+  served = Served("mha")  # converted nnx.MultiHeadAttention layers: `init_cache` makes uncommitted arrays
+  weights = nnx.state(served.model, nnx.Param)
+  nnx.update(served.model, jax.tree.map(lambda x: jax.device_put(x, jax.devices()[0]), weights))
+  engine = served.engine
+
+  def step_compiles(prompts, max_new):
+    caplog.clear()
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+      engine.generate(prompts, max_new_tokens=max_new)
+    return sum("Compiling jit(_step_fn)" in r.getMessage() for r in caplog.records)
+
+  assert step_compiles(PROMPTS[:3], 3) == 1  # several steps: prefill chunks, then decodes
+  assert engine.stats.steps > 3
+  assert step_compiles(PROMPTS[3:], 2) == 0
 
 
 def test_stream_yields_tokens_as_produced(llama):

@@ -341,7 +341,11 @@ class ServingEngine:
     if draft is not None and not callable(getattr(draft, "propose", None)):
       raise TypeError(f"draft must have propose(contexts, max_tokens) (e.g. fr.NGramDraft()), got {draft!r}")
     sampling_args = (jnp.int32(options[3]), jnp.float32(options[0]), options[1], options[2])
-    self._graphdef, self._caches, self._rest = nnx.split(self.model, nnx.Cache, ...)
+    self._graphdef, caches, self._rest = nnx.split(self.model, nnx.Cache, ...)
+    # Committed where they are: fresh caches are uncommitted arrays, and with weights committed to a device (a
+    # restored checkpoint's) every step returns committed ones, so the first generate's second step compiled the
+    # step program again (a new signature, no new trace: `stats.compiles` did not see it).
+    self._caches = jax.tree.map(lambda x: jax.device_put(x, x.sharding), caches)
     first = first_cache(self._caches)
     if (first.num_pages, first.max_num_seqs, first.pages_per_seq) != (
       self.num_pages,
