@@ -338,17 +338,20 @@ def assert_dropout_matches_reference(mesh, axis_name, n, case: Case, *, doc_len:
 def assert_block_output_is_the_cast(*, interpret, T: int = 256):
   """The Pallas TPU block forward asked for a bfloat16 o (the block contract's `out_dtype`, as a ring of one
   asks) gives bit for bit its float32 o cast to bfloat16, token-major (N = 8, heads of 128; compiled, o is stored
-  through 32-bit words, two heads per word, each written at its own grid step) and heads-major (N = 4), causal
-  over 2 x 2 tiles.  `interpret`: None compiled (the chip tier), else the interpret mode."""
+  through 32-bit words, two heads per word: with 4 heads per kv head both halves at one grid step, with 1 each
+  half at its own) and heads-major (N = 4), causal over 2 x 2 tiles.  `interpret`: None compiled (the chip tier),
+  else the interpret mode, which stores directly (the 32-bit-word path runs compiled only)."""
   from flax_ringattn._src import masks
   from flax_ringattn._src.backends.base import AttentionSpec
+  from flax_ringattn._src.backends.pallas_tpu import common
   from flax_ringattn._src.backends.pallas_tpu.block.forward import block_fwd
 
   spec = AttentionSpec(
     mask=masks.MaskSpec(is_causal=True), scale=0.125, block_sizes=fr.BlockSizes(block_q=T // 2, block_kv=T // 2)
   )
   tok = masks.Tokens(jnp.arange(T, dtype=jnp.int32))
-  for N, K in ((8, 2), (4, 4)):
+  for N, K, token_major in ((8, 2, True), (8, 8, True), (4, 4, False)):
+    assert common.token_major_forward(N, T // 2, (128, 128)) == token_major, (N, K)
     keys = jax.random.split(jax.random.key(N), 3)
     q, k, v = (jax.random.normal(key, (2, T, n, 128), jnp.bfloat16) for key, n in zip(keys, (N, K, K), strict=True))
     fwd = jax.jit(

@@ -235,6 +235,8 @@ def test_block_output_in_the_callers_dtype():
 
   assert "bfloat16" in kernel_out_dtypes()
   assert "bfloat16" not in kernel_out_dtypes(sinks=jnp.zeros((8,)))
+  assert "bfloat16" not in kernel_out_dtypes(mesh=make_mesh((2,), ("sp",)))  # per-hop partials, merged in float32
+  assert "bfloat16" in kernel_out_dtypes(mesh=make_mesh((2,), ("sp",)), strategy="all_gather")
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])

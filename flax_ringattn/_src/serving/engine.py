@@ -74,6 +74,20 @@ def _positive(name: str, value) -> int:
   return int(value)
 
 
+def _committed_beside(caches, weights):
+  """`caches` with their uncommitted arrays committed to the one device the committed weights are on (a restored
+  checkpoint's): fresh caches are uncommitted, and a step with committed weights returns committed ones, so the
+  first generate's second step compiled the step program again (a new signature, no new trace, so
+  `stats.compiles` did not see it).  Weights that are uncommitted, or on several devices, leave them as they are."""
+  devices = {d for x in jax.tree.leaves(weights) if isinstance(x, jax.Array) and x.committed for d in x.devices()}
+  if len(devices) != 1:
+    return caches
+  (device,) = devices
+  return jax.tree.map(
+    lambda x: jax.device_put(x, device) if isinstance(x, jax.Array) and not x.committed else x, caches
+  )
+
+
 def _is_paged_cache(x) -> bool:
   return isinstance(x, PagedKVCache)
 
@@ -342,10 +356,7 @@ class ServingEngine:
       raise TypeError(f"draft must have propose(contexts, max_tokens) (e.g. fr.NGramDraft()), got {draft!r}")
     sampling_args = (jnp.int32(options[3]), jnp.float32(options[0]), options[1], options[2])
     self._graphdef, caches, self._rest = nnx.split(self.model, nnx.Cache, ...)
-    # Committed where they are: fresh caches are uncommitted arrays, and with weights committed to a device (a
-    # restored checkpoint's) every step returns committed ones, so the first generate's second step compiled the
-    # step program again (a new signature, no new trace: `stats.compiles` did not see it).
-    self._caches = jax.tree.map(lambda x: jax.device_put(x, x.sharding), caches)
+    self._caches = _committed_beside(caches, self._rest)
     first = first_cache(self._caches)
     if (first.num_pages, first.max_num_seqs, first.pages_per_seq) != (
       self.num_pages,

@@ -184,7 +184,9 @@ def store_strided_rows(ref, start: int, stride: int, value, *, compiled: bool):
     ref[pl.ds(start, count, stride=stride), :] = value.astype(ref.dtype)
     return
   if ref.dtype != jnp.bfloat16 or stride % 2:
-    raise NotImplementedError(f"store_strided_rows: compiled, 32-bit or bf16 with an even stride, got {ref.dtype}")
+    raise NotImplementedError(
+      f"store_strided_rows: compiled, 32-bit or bf16 with an even stride, got {ref.dtype} {stride}"
+    )
   words = ref.bitcast(jnp.uint32)
   rows = pl.ds(start // 2, count, stride=stride // 2)
   top = pltpu.bitcast(value.astype(jnp.bfloat16).astype(F32), jnp.uint32)  # bf16 bits on top, zeros below

@@ -133,8 +133,8 @@ def _kernel(
   sub_tiles=1,
   exp2=False,
 ):
-  """`token_major`: the token-major layout of `fwd_plan` (q_ref (1, bq * N, H), o_ref (bq * N, Hv), lse_ref (N, bq), and
-  the group's q gathered into a last scratch); else heads-major (q_ref (G, bq, H))."""
+  """`token_major`: the token-major layout of `fwd_plan` (q_ref (1, bq * N, H), o_ref (1, bq * N, Hv), lse_ref
+  (N, bq), and the group's q gathered into a last scratch); else heads-major (q_ref (G, bq, H))."""
   del fetch_ref  # used by the BlockSpecs only
   mask_refs = refs[:num_mask_refs]
   drop_ref, refs = c.split_dropout_ref(spec, refs[num_mask_refs:])
