@@ -158,18 +158,29 @@ def fetch_index(kinds):
   return jnp.where(before >= 0, before, jnp.where(after < n, after, 0)).astype(jnp.int32)
 
 
+def _word_rows(ref, start: int, count: int, stride: int, *, compiled: bool, name: str):
+  """How `strided_rows` / `store_strided_rows` reach their rows: None where they stride the ref directly (32-bit
+  rows, or the interpreter, which strides any dtype but cannot bitcast a ref); else the bf16 ref's 32-bit word view
+  and the word rows holding the rows (`stride` even)."""
+  if ref.dtype.itemsize == 4 or not compiled:
+    return None
+  if ref.dtype != jnp.bfloat16 or stride % 2:
+    raise NotImplementedError(f"{name}: compiled, 32-bit or bf16 with an even stride, got {ref.dtype} {stride}")
+  return ref.bitcast(jnp.uint32), pl.ds(start // 2, count, stride=stride // 2)
+
+
 def strided_rows(ref, start: int, count: int, stride: int, *, compiled: bool):
   """Rows start, start + stride, ... (`count` of them) of a 2-D VMEM ref as float32: one sublane-strided load
   (a head of a token-major buffer whose row t * stride + n is token t, head n).  Compiled, bf16 is read as
   32-bit words (a word holds rows 2i and 2i + 1, 2i in its low half; Mosaic strides 32-bit rows, so `stride`
   must be even), and a bf16 half moved to the top of a word is that value as float32.  The interpreter strides
   any dtype but cannot bitcast a ref, so it loads directly."""
-  if ref.dtype.itemsize == 4 or not compiled:
+  view = _word_rows(ref, start, count, stride, compiled=compiled, name="strided_rows")
+  if view is None:
     return ref[pl.ds(start, count, stride=stride), :].astype(F32)
-  if ref.dtype != jnp.bfloat16 or stride % 2:
-    raise NotImplementedError(f"strided_rows: compiled, 32-bit or bf16 with an even stride, got {ref.dtype} {stride}")
-  words = ref.bitcast(jnp.uint32)[pl.ds(start // 2, count, stride=stride // 2), :]
-  top = words << 16 if start % 2 == 0 else words & jnp.uint32(0xFFFF0000)
+  words, rows = view
+  loaded = words[rows, :]
+  top = loaded << 16 if start % 2 == 0 else loaded & jnp.uint32(0xFFFF0000)
   return pltpu.bitcast(top, F32)
 
 
@@ -180,15 +191,11 @@ def store_strided_rows(ref, start: int, stride: int, value, *, compiled: bool):
   to bf16 (the convert's round-to-nearest-even, as `astype` outside the kernel) in its half.  The interpreter
   stores directly."""
   count = value.shape[0]
-  if ref.dtype.itemsize == 4 or not compiled:
+  view = _word_rows(ref, start, count, stride, compiled=compiled, name="store_strided_rows")
+  if view is None:
     ref[pl.ds(start, count, stride=stride), :] = value.astype(ref.dtype)
     return
-  if ref.dtype != jnp.bfloat16 or stride % 2:
-    raise NotImplementedError(
-      f"store_strided_rows: compiled, 32-bit or bf16 with an even stride, got {ref.dtype} {stride}"
-    )
-  words = ref.bitcast(jnp.uint32)
-  rows = pl.ds(start // 2, count, stride=stride // 2)
+  words, rows = view
   top = pltpu.bitcast(value.astype(jnp.bfloat16).astype(F32), jnp.uint32)  # bf16 bits on top, zeros below
   kept = words[rows, :] & jnp.uint32(0xFFFF0000 if start % 2 == 0 else 0x0000FFFF)
   words[rows, :] = kept | (top >> 16 if start % 2 == 0 else top)
@@ -248,8 +255,8 @@ def scores(q_ref, k_ref, mask_refs, *, spec, masked: bool, log2: bool = False):
 
 def tile_lanes(x, width: int):
   """A lane-replicated (..., 128) statistic across `width` lanes: tiled (whole vregs copied) when `width` is a
-  multiple of 128, else its first lane broadcast.  A (..., 1) column is broadcast as it is."""
-  if x.shape[-1] == LANES and width % LANES == 0:
+  multiple of 128, else its first lane broadcast."""
+  if width % LANES == 0:
     return jnp.tile(x, (1,) * (x.ndim - 1) + (width // LANES,))
   return x[..., :1]
 
