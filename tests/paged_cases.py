@@ -28,6 +28,7 @@ from cases import Case, make_case, make_sinks
 from paged_oracle import paged_oracle
 
 import flax_ringattn as fr
+from flax_ringattn._src.paged import common as fr_common
 
 # -- geometry and the jitted entry points (each compiles once per static configuration) -------------------------
 
@@ -179,7 +180,7 @@ class Batch:
   @property
   def out_shape(self):
     """[T, N, Hv]: the output's (and dO's) shape."""
-    return (*self.q.shape[:2], self.v_pages.shape[3])
+    return (*self.q.shape[:2], fr_common.page_dims(self.q, self.k_pages, self.v_pages)[4])
 
   @property
   def total(self):
@@ -311,9 +312,19 @@ def numpy_oracle(b: Batch, **kw):
   return paged_oracle(*b.args, **b.operands, **kw)[0]
 
 
+def slot_mask(b: Batch, mask):
+  """A [P, page_size] mask broadcast against the batch's pages ([P, page_size, K, h], or merged [P, page_size, K * h])."""
+  return mask.reshape(mask.shape + (1,) * (b.k_pages.ndim - 2))
+
+
+def merged(b: Batch) -> Batch:
+  """The batch with its pages merged: [P, page_size, K * h], a token's kv heads side by side (the same values)."""
+  return b.replace(**{n: getattr(b, n).reshape(*getattr(b, n).shape[:2], -1) for n in ("k_pages", "v_pages")})
+
+
 def poison(b: Batch, value=np.nan):
   """The batch with every page slot no live sequence reads (foreign pages, tails past kv_lens) set to `value`."""
-  unread = ~b.read_mask()[:, :, None, None]
+  unread = slot_mask(b, ~b.read_mask())
   fill = lambda x: jnp.where(unread, jnp.asarray(value, x.dtype), x)  # noqa: E731
   return b.replace(k_pages=fill(b.k_pages), v_pages=fill(b.v_pages))
 

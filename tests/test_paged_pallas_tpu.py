@@ -28,10 +28,12 @@ from paged_cases import (
   case_batch,
   features,
   make_batch,
+  merged,
   numpy_oracle,
   paged_vjp,
   poison,
   scenario,
+  slot_mask,
 )
 from paged_oracle import paged_oracle
 from tolerances import assert_close
@@ -109,7 +111,7 @@ def _check_vjp(b, dtype=F32, *, oracle=False, page_grads=True, **kw):
   np.testing.assert_array_equal(np.asarray(grads[0][b.total :], F32), 0.0)
   if page_grads:
     assert grads[1].shape == b.k_pages.shape and grads[2].shape == b.v_pages.shape
-    unread = ~b.read_mask()[:, :, None, None]
+    unread = slot_mask(b, ~b.read_mask())
     for g in grads[1:3]:  # slots no sequence reads receive no gradient
       assert not np.asarray(jnp.where(unread, g, 0.0)).any()
   return out, grads
@@ -227,6 +229,37 @@ def test_flat_kv_buffers(dtype):
   table[2, 0], table[3, 1] = -1, geom["num_pages"] + 3
   b = b.replace(page_indices=jnp.asarray(table, jnp.int32))
   _check_vjp(b, dtype, blocks=blocks)
+
+
+@interpret
+@pytest.mark.parametrize(
+  "heads, head_dim, dtype, scales",
+  [((8, 2), 8, F32, ("page", "token")), ((4, 2), 64, F32, None), ((8, 1), 128, BF16, None)],
+  ids=["K2-scaled", "H64-two-heads-a-lane-group", "K1-bf16"],
+)
+def test_merged_pages(heads, head_dim, dtype, scales):
+  """Merged pages [P, page_size, K * H] (any K, heads side by side along the lanes): forward and gradients against
+  the reference on the same values as [P, page_size, K, H] pages, with holes in the table, a shared prefix and
+  partial pages, foreign pages NaN-poisoned; the gradients come back merged.  Head dim 64 runs as K / 2 heads of
+  128 lanes (`plans.lane_groups`), with a window and a soft cap."""
+  N, K = heads
+  rng = np.random.default_rng([80, N, head_dim])
+  geom = dict(GEOM, num_heads=N, head_dim=head_dim)
+  blocks = BLOCKS
+  if dtype == BF16:
+    geom.update(page_size=16, pages_per_seq=2)
+    blocks = fr.BlockSizes(block_q=16, block_kv=32)
+  seqs = [(1, 25), (5, 5), (3, 17), (0, 4), (9, 30)]
+  b = make_batch(rng, seqs, share_prefix=True, num_kv_heads=K, dtype=dtype, scale_shape=scales, **geom)
+  table = np.asarray(b.page_indices).copy()
+  table[2, 0] = -1
+  b = merged(b.replace(page_indices=jnp.asarray(table, jnp.int32)))
+  assert b.k_pages.ndim == 3
+  f = pallas_paged.lane_groups(b.q, b.k_pages, b.v_pages, *(b.operands.get(n) for n in ("k_scale", "v_scale")))[0]
+  assert f == (2 if head_dim == 64 else 1)
+  kw = features(WINDOW_CAP) if head_dim == 64 else {}
+  _, grads = _check_vjp(b, dtype, blocks=blocks, **kw)
+  assert grads[1].shape == b.k_pages.shape and grads[2].shape == b.v_pages.shape
 
 
 @interpret
@@ -745,3 +778,25 @@ def test_fused_write_mla_pages():
   written = b.replace(k_pages=jnp.asarray(k_want), v_pages=jnp.asarray(v_want))
   assert_close(out, fwd_fn(written.args, sinks=sinks, impl="reference"), F32)
   assert not np.allclose(np.asarray(out), np.asarray(fwd_fn(written.args, impl="reference")), atol=1e-3)
+
+
+@interpret
+@pytest.mark.parametrize("heads, hd", [((4, 2), 64), ((8, 1), 128)], ids=["H64-K2", "K1"])
+def test_fused_write_merged_pages(heads, hd):
+  """A merged cache (`PagedKVCache.create(merged=True)`: pages [P, page_size, K * H]) after fused steps equals the
+  one PagedKVCache.append leaves, across q blocks and a prefix-shared page, and attends as the XLA backend does;
+  head dim 64 writes two kv heads' halves of a 128-lane row (`plans.lane_groups`)."""
+  N, K = heads
+  rng = np.random.default_rng([83, hd])
+  cache = fr.PagedKVCache.create(**dict(CACHE, num_kv_heads=K, head_dim=hd), merged=True)
+  assert cache.k_pages.shape == (24, PS, K * hd) and (cache.num_kv_heads, cache.head_dim) == (K, hd)
+  _, cache = _separate(cache, *_ragged(rng, [13, 3], heads=N, kv=K, hd=hd))
+  cache = jax.jit(fr.PagedKVCache.share_prefix)(cache, 0, 2, 11)
+  for lens in ([1, 2, 4], [5, 1, 1, 9]):
+    batch = _ragged(rng, lens, heads=N, kv=K, hd=hd)
+    expected_out, expected = _separate(cache, *batch)
+    with no_races():
+      out, cache = jax.block_until_ready(_fused(cache, *batch))
+    for name in ("k_pages", "v_pages", "page_indices", "kv_lens", "ref_counts"):
+      np.testing.assert_array_equal(np.asarray(getattr(cache, name)), np.asarray(getattr(expected, name)), name)
+    assert_close(out, expected_out, F32)

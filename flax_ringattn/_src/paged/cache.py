@@ -55,7 +55,8 @@ class PagedKVCache:
   head_dim=)` (or a layer's `init_cache`); a pytree whose methods return a new cache (`append`, `reserve`,
   `free`, `rollback`, `share_prefix`, ...).  `paged_attention` reads `k_pages`, `v_pages` and `attention_view()`.
 
-  Fields: `k_pages` [P, page_size, K, H], `v_pages` [P, page_size, K, Hv]; `page_indices` [max_num_seqs,
+  Fields: `k_pages` [P, page_size, K, H], `v_pages` [P, page_size, K, Hv] (merged caches: [P, page_size, K * H]
+  and [P, page_size, K * Hv], `create(merged=True)`); `page_indices` [max_num_seqs,
   pages_per_seq] int32 page ids (-1: none); `kv_lens` [max_num_seqs] int32 tokens stored; `ref_counts` [P] int32
   slots holding each page (0: free); `k_scale` / `v_scale` [P, page_size, K] for int8 / float8 pages (else
   None); `overflowed` [max_num_seqs] bool, a write did not fit (None: none); `num_shards` (static) devices the
@@ -74,6 +75,8 @@ class PagedKVCache:
   # n, the devices the pages are spread over (see the module docstring).  Static: part of the pytree's structure,
   # so a jitted step is compiled per n; the mesh itself stays out (the arrays carry their sharding).
   num_shards: int = dataclasses.field(default=1, metadata=dict(static=True))
+  # K of a merged cache (pages [P, page_size, K * H]); 0: pages [P, page_size, K, H].  Static, as the layout.
+  merged_kv_heads: int = dataclasses.field(default=0, metadata=dict(static=True))
 
   @classmethod
   def create(
@@ -89,10 +92,17 @@ class PagedKVCache:
     dtype=jnp.float32,
     mesh=None,
     seq_axis=None,
+    merged: bool = False,
   ) -> PagedKVCache:
     """An empty cache; int8 / float8 dtypes store per-token, per-head scales.
 
     k pages hold `head_dim` H per kv head, v pages `v_head_dim` Hv (None: H; MLA stores e.g. H = 192, Hv = 128).
+
+    `merged=True` stores the pages as [P, page_size, K * H] (a token's kv heads side by side along the last dim),
+    the layout the Pallas TPU kernel reads densely for any number of kv heads and any head dim: on a TPU a
+    [P, page_size, K, H] page pads K up to the tile's 8 or 16 rows in VMEM, so with 1, 2 or 4 kv heads per chip
+    (GQA and MQA models, heads split over tensor-parallel chips) or head dim 64 it moves and reads several
+    times its bytes.  `paged_attention` takes either layout; the XLA backend reshapes merged pages.
 
     With `mesh` and `seq_axis` (a mesh axis, or a tuple of them, with n devices along it; default: the mesh's
     only axis), the pages, their scales and `ref_counts` are sharded on the page dimension over `seq_axis`:
@@ -113,6 +123,8 @@ class PagedKVCache:
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"PagedKVCache.create: {name} must be a positive int, got {name}={value!r}")
     dtype = contracts.page_dtype(dtype)
+    if not isinstance(merged, bool):
+      raise TypeError(f"PagedKVCache.create: merged must be a bool, got merged={merged!r}")
     seq_axis, n = _seq_axis(num_pages, mesh, seq_axis)
     explicit = mesh is not None and sharding.has_explicit_axes(mesh, P(seq_axis))
 
@@ -132,9 +144,10 @@ class PagedKVCache:
 
     quantized = jnp.dtype(dtype).name in common.QUANTIZED_MAX
     scale = full((num_pages, page_size, num_kv_heads), 0, jnp.float32, by_page=True) if quantized else None
+    heads = lambda h: (num_kv_heads * h,) if merged else (num_kv_heads, h)  # noqa: E731
     return cls(
-      k_pages=full((num_pages, page_size, num_kv_heads, head_dim), 0, dtype, by_page=True),
-      v_pages=full((num_pages, page_size, num_kv_heads, v_head_dim), 0, dtype, by_page=True),
+      k_pages=full((num_pages, page_size, *heads(head_dim)), 0, dtype, by_page=True),
+      v_pages=full((num_pages, page_size, *heads(v_head_dim)), 0, dtype, by_page=True),
       page_indices=full((max_num_seqs, pages_per_seq), -1, jnp.int32),
       kv_lens=full((max_num_seqs,), 0, jnp.int32),
       ref_counts=full((num_pages,), 0, jnp.int32, by_page=True),
@@ -142,6 +155,7 @@ class PagedKVCache:
       v_scale=scale,
       overflowed=full((max_num_seqs,), False, bool),
       num_shards=n,
+      merged_kv_heads=num_kv_heads if merged else 0,
     )
 
   # -- shapes -----------------------------------------------------------------
@@ -162,16 +176,21 @@ class PagedKVCache:
     return self.page_indices.shape[1]
 
   @property
+  def merged(self) -> bool:
+    """Whether the pages are stored merged, [P, page_size, K * H] (`create(merged=True)`)."""
+    return self.merged_kv_heads > 0
+
+  @property
   def num_kv_heads(self) -> int:
-    return self.k_pages.shape[2]
+    return self.merged_kv_heads or self.k_pages.shape[2]
 
   @property
   def head_dim(self) -> int:
-    return self.k_pages.shape[3]
+    return self.k_pages.shape[2] // self.merged_kv_heads if self.merged else self.k_pages.shape[3]
 
   @property
   def v_head_dim(self) -> int:
-    return self.v_pages.shape[3]
+    return self.v_pages.shape[2] // self.merged_kv_heads if self.merged else self.v_pages.shape[3]
 
   @property
   def pages_per_owner(self) -> int:

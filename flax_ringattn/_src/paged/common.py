@@ -100,6 +100,52 @@ def normalize_scales(k_scale, v_scale):
   return tuple(out)
 
 
+def page_dims(q, k_pages, v_pages) -> tuple[int, int, int, int, int]:
+  """(P, page_size, K, H, Hv) of pages [P, page_size, K, H] / [P, page_size, K, Hv], or of merged pages
+  [P, page_size, K * H] / [P, page_size, K * Hv] (a token's kv heads side by side, H = q.shape[2]: the layout the
+  Pallas TPU kernel reads densely for any K and head dim; see `PagedKVCache.create(merged=...)`)."""
+  for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+    if x.ndim not in (3, 4):
+      raise ValueError(
+        f"{name} must be [P, page_size, K, H] (rank 4) or merged [P, page_size, K * H] (rank 3), got "
+        f"{name}.shape={tuple(x.shape)}"
+      )
+  if k_pages.ndim != v_pages.ndim or k_pages.shape[:2] != v_pages.shape[:2]:
+    raise ValueError(
+      f"k_pages and v_pages must have the same rank and [P, page_size] (v's head dim may differ, as in MLA), got "
+      f"k_pages.shape={tuple(k_pages.shape)} and v_pages.shape={tuple(v_pages.shape)}"
+    )
+  if k_pages.dtype != v_pages.dtype:
+    raise TypeError(f"k_pages and v_pages must share a dtype, got {k_pages.dtype} and {v_pages.dtype}")
+  if k_pages.ndim == 4:
+    if k_pages.shape[2] != v_pages.shape[2]:
+      raise ValueError(
+        f"k_pages and v_pages must have the same [P, page_size, K] (v's head dim may differ, as in MLA), got "
+        f"k_pages.shape={tuple(k_pages.shape)} and v_pages.shape={tuple(v_pages.shape)}"
+      )
+    return (*k_pages.shape, v_pages.shape[3])
+  H = q.shape[-1]
+  P, page_size, KH = k_pages.shape
+  if H < 1 or KH % H or KH == 0:
+    raise ValueError(
+      f"merged k_pages [P, page_size, K * H] must have a last dim that is a positive multiple of q's head dim "
+      f"H=q.shape[2]={H}, got k_pages.shape={tuple(k_pages.shape)}"
+    )
+  K = KH // H
+  if v_pages.shape[2] % K:
+    raise ValueError(
+      f"merged v_pages [P, page_size, K * Hv] must have a last dim that is a multiple of K={K} (k_pages.shape[2]="
+      f"{KH} / H={H}), got v_pages.shape={tuple(v_pages.shape)}"
+    )
+  return P, page_size, K, H, v_pages.shape[2] // K
+
+
+def unmerge_pages(pages, K: int):
+  """Merged pages [P, page_size, K * h] as [P, page_size, K, h]; 4-D pages as they are.  (A TPU relayout, not
+  free: the portable backends pay it, the Pallas TPU kernel reads merged pages as they are.)"""
+  return pages if pages.ndim == 4 else pages.reshape(*pages.shape[:2], K, -1)
+
+
 def check_paged_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale):
   """Static checks; returns (T, N, H, P, page_size, K, S, pages_per_seq)."""
   for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
@@ -109,24 +155,12 @@ def check_paged_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, nu
     raise ValueError(f"q must be [max_num_batched_tokens, N, H] (rank 3), got q.shape={tuple(q.shape)}")
   if not jnp.issubdtype(q.dtype, jnp.floating):
     raise TypeError(f"q must be floating point, got q.dtype={q.dtype}")
-  for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
-    if x.ndim != 4:
-      raise ValueError(f"{name} must be [P, page_size, K, H] (rank 4), got {name}.shape={tuple(x.shape)}")
-  if k_pages.shape[:3] != v_pages.shape[:3]:
-    raise ValueError(
-      f"k_pages and v_pages must have the same [P, page_size, K] (v's head dim may differ, as in MLA), got "
-      f"k_pages.shape={tuple(k_pages.shape)} and v_pages.shape={tuple(v_pages.shape)}"
-    )
-  if k_pages.dtype != v_pages.dtype:
-    raise TypeError(f"k_pages and v_pages must share a dtype, got {k_pages.dtype} and {v_pages.dtype}")
   T, N, H = q.shape
-  P, page_size, K, Hk = k_pages.shape
+  P, page_size, K, Hk, Hv = page_dims(q, k_pages, v_pages)
   if Hk != H:
     raise ValueError(f"head_dim differs: q.shape[2]={H} but k_pages.shape[3]={Hk} (q and k share a head dim)")
-  if H < 1 or v_pages.shape[3] < 1:
-    raise ValueError(
-      f"head dims must be positive, got q.shape[2]={H} (head_dim) and v_pages.shape[3]={v_pages.shape[3]} (v_head_dim)"
-    )
+  if H < 1 or Hv < 1:
+    raise ValueError(f"head dims must be positive, got q.shape[2]={H} (head_dim) and v_pages' head dim {Hv}")
   if K == 0 or N % K:
     raise ValueError(f"the number of q heads N={N} must be a multiple of the number of kv heads K={K}")
   quantized = jnp.dtype(k_pages.dtype).name in QUANTIZED_DTYPES

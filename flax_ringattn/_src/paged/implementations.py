@@ -20,6 +20,7 @@ from flax_ringattn._src.backends.pallas_tpu import planners
 from flax_ringattn._src.backends.registry import Registry
 from flax_ringattn._src.backends.xla import paged as xla_paged
 from flax_ringattn._src.block_sizes import BlockSizes
+from flax_ringattn._src.paged import common
 
 DEFAULT_PAGED_BLOCKS = BlockSizes(block_q=16, block_kv=128)
 
@@ -37,11 +38,19 @@ class PagedXla:
     del call
     return DEFAULT_PAGED_BLOCKS if block_sizes is None else block_sizes
 
-  def fwd(self, *args, spec):
-    return xla_paged.paged_fwd(*args, spec=spec)
+  def fwd(self, q, k_pages, v_pages, *args, spec):
+    return xla_paged.paged_fwd(q, *_heads_apart(q, k_pages, v_pages), *args, spec=spec)
 
-  def bwd(self, *args, spec, bidirectional_ids=None):
-    return xla_paged.paged_bwd(*args, spec=spec, bidirectional_ids=bidirectional_ids)
+  def bwd(self, q, k_pages, v_pages, *args, spec, bidirectional_ids=None):
+    k4, v4 = _heads_apart(q, k_pages, v_pages)
+    dq, dk, dv = xla_paged.paged_bwd(q, k4, v4, *args, spec=spec, bidirectional_ids=bidirectional_ids)
+    return dq, dk.reshape(k_pages.shape), dv.reshape(v_pages.shape)
+
+
+def _heads_apart(q, k_pages, v_pages):
+  """The pages as [P, page_size, K, h] (merged ones reshaped: the XLA backend indexes kv heads)."""
+  K = common.page_dims(q, k_pages, v_pages)[2]
+  return common.unmerge_pages(k_pages, K), common.unmerge_pages(v_pages, K)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,12 +95,15 @@ class PagedPallasTpu:
     if block_sizes is not None:
       return block_sizes
     T, N, H = q.shape
-    _, ps, K, _ = k_pages.shape
-    Hv = H if v_pages is None else v_pages.shape[3]
+    v_pages = k_pages if v_pages is None else v_pages
+    _, ps, K, _, Hv = common.page_dims(q, k_pages, v_pages)
+    f, _ = pallas_paged.lane_groups(q, k_pages, v_pages, k_scale, v_scale)
+    K, H, Hv = K // f, H * f, Hv * f  # heads narrower than the lanes run f to a 128-lane group
     rows = tuple(0 if x is None else (1 if x.ndim < 3 else ps) for x in (k_scale, v_scale))
     try:
       cap = logits_soft_cap is not None
-      return _planned(T, ps, pages_per_seq, N, K, H, Hv, q.dtype, k_pages.dtype, rows, cap, bidirectional)
+      merged = k_pages.ndim == 3
+      return _planned(T, ps, pages_per_seq, N, K, H, Hv, q.dtype, k_pages.dtype, rows, cap, bidirectional, merged)
     except ValueError as e:
       raise NotImplementedError(str(e)) from None
 
@@ -106,7 +118,7 @@ class PagedPallasTpu:
 
 
 @functools.lru_cache(maxsize=256)
-def _planned(T, ps, pages_per_seq, N, K, H, Hv, q_dtype, page_dtype, scale_rows, soft_cap, spans) -> BlockSizes:
+def _planned(T, ps, pages_per_seq, N, K, H, Hv, q_dtype, page_dtype, scale_rows, soft_cap, spans, merged) -> BlockSizes:
   """`plan_paged_block_sizes`, once per shape: a call consults it to check support and again for its blocks, and
   a serving step asks twice (does the fused write run, then the write itself)."""
   return planners.plan_paged_block_sizes(
@@ -122,6 +134,7 @@ def _planned(T, ps, pages_per_seq, N, K, H, Hv, q_dtype, page_dtype, scale_rows,
     soft_cap=soft_cap,
     v_head_dim=Hv,
     bidirectional=spans,
+    merged=merged,
   )
 
 

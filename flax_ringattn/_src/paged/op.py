@@ -150,12 +150,13 @@ def paged_attention(
   validation.check_bool("checked", checked)
   sinks = _as_array(validation.check_sinks(sinks, q.shape[1]))
   q, k_pages, v_pages = (_as_array(x) for x in (q, k_pages, v_pages))  # numpy in: the kernels index with tracers
-  seq_axis, shards = context_parallel_axis(mesh, seq_axis, axis_name, k_pages.shape[0], head_axis, k_pages.shape[2])
+  K = common.page_dims(q, k_pages, v_pages)[2]
+  seq_axis, shards = context_parallel_axis(mesh, seq_axis, axis_name, k_pages.shape[0], head_axis, K)
   # Inside the caller's shard_map the pages are this device's shard: the ids in the table are global.
   num_pages = k_pages.shape[0] * (shards if axis_name is not None else 1)
   check_metadata(*call.metadata, q.shape[0], num_pages, k_pages.shape[1], checked=checked)
   if is_empty(q):
-    return empty_out(q, v_pages)
+    return empty_out(q, k_pages, v_pages)
   args = (q, k_pages, v_pages, *call.metadata, call.k_scale, call.v_scale, call.bidirectional_ids)
   if axis_name is not None:
     return flash.flash(PagedKernel(spec=call.spec, backend=call.backend, axis_name=axis_name), sinks, *args)
@@ -176,10 +177,10 @@ def is_empty(q) -> bool:
   return 0 in q.shape[:2]
 
 
-def empty_out(q, v_pages):
+def empty_out(q, k_pages, v_pages):
   """The empty output, as `jax.nn.dot_product_attention` returns one: no kernel runs, and the gradients are zeros
   of the inputs' shapes."""
-  return jnp.zeros((*q.shape[:2], v_pages.shape[3]), q.dtype)
+  return jnp.zeros((*q.shape[:2], common.page_dims(q, k_pages, v_pages)[4]), q.dtype)
 
 
 def context_parallel_axis(mesh, seq_axis, axis_name, pages: int, head_axis=None, kv_heads: int = 1):
@@ -252,7 +253,8 @@ def _on_mesh(kernel, mesh, seq_axis, head_axis, sinks, args):
   heads; the metadata replicated (neither axis: everything replicated)."""
   k_scale, v_scale, ids = args[-3:]
   h, rep = head_axis, PartitionSpec()
-  pages = PartitionSpec(seq_axis, None, h, None)
+  # Merged pages [P, page_size, K * H] split on their last dim: a device's kv heads' lanes are consecutive.
+  pages = PartitionSpec(seq_axis, None, h, *(None,) * (args[1].ndim - 3))
   specs = (
     None if sinks is None else PartitionSpec(h),
     PartitionSpec(None, h, None),  # q [T, N, H]: a kv head's q heads are consecutive (K-major)
@@ -325,7 +327,7 @@ class PagedCall:
     check_metadata(*self.metadata, q.shape[0], k_pages.shape[0], k_pages.shape[1], checked=checked)
     sinks = _as_array(validation.check_sinks(sinks, q.shape[1]))
     if is_empty(q):  # no new token: the pages stay as they are
-      return empty_out(q, v_pages), k_pages, v_pages, self.k_scale, self.v_scale
+      return empty_out(q, k_pages, v_pages), k_pages, v_pages, self.k_scale, self.v_scale
     kernel = PagedKernel(spec=self.spec, backend=self.backend, axis_name=seq_axis)
     new = (k_new, v_new, k_pages, v_pages, *self.metadata, self.k_scale, self.v_scale, k_new_scale, v_new_scale)
     spec, backend = self.spec, self.backend

@@ -117,6 +117,11 @@ def paged_ring_prefill(
       "paged_ring_prefill stores the prompt with per-token scales [P, page_size, K], as PagedKVCache keeps them; "
       f"got k_scale.shape={getattr(k_scale, 'shape', None)}, v_scale.shape={getattr(v_scale, 'shape', None)}"
     )
+  if k_pages.ndim != 4:
+    raise NotImplementedError(
+      f"paged_ring_prefill writes pages [P, page_size, K, H]; got merged pages k_pages.shape={tuple(k_pages.shape)} "
+      "(create the cache with merged=False for context-parallel serving)"
+    )
   seq_axis, n = paged_op.context_parallel_axis(mesh, seq_axis, axis_name, k_pages.shape[0], head_axis, k_pages.shape[2])
   axis = axis_name if axis_name is not None else seq_axis
   rows = q.shape[0] // n if axis_name is None else q.shape[0]  # this device's rows

@@ -38,5 +38,8 @@ def store(pages, scale, page, slot, x):
 
 
 def write(pages, scale, page, slot, stored, s):
-  """`store` of tokens already in the pages' form: `quantize`'s (stored, per-token scales or None)."""
+  """`store` of tokens already in the pages' form: `quantize`'s (stored, per-token scales or None).  Merged pages
+  [P, page_size, K * h] take each token's [K, h] as one row."""
+  if pages.ndim == 3:
+    stored = stored.reshape(stored.shape[0], -1)
   return allocator.scatter_set(pages, (page, slot), stored), allocator.scatter_set(scale, (page, slot), s)

@@ -42,12 +42,21 @@ def flat_kv_pages(page_dtype, num_kv_heads: int, head_dims: tuple[int, ...]) -> 
 
 
 def paged_kv_buffer_shape(
-  pages_per_block: int, page_size: int, num_kv_heads: int, head_dim: int, page_dtype, head_dims: tuple[int, ...]
+  pages_per_block: int,
+  page_size: int,
+  num_kv_heads: int,
+  head_dim: int,
+  page_dtype,
+  head_dims: tuple[int, ...],
+  merged: bool = False,
 ):
-  """The paged kernels' two-slot VMEM buffer of one kv block's K (head_dim H) or V (Hv) pages: flat
+  """The paged kernels' two-slot VMEM buffer of one kv block's K (head_dim H) or V (Hv) pages: [2, ppb * ps, K * h]
+  for merged pages ([P, page_size, K * h], a token per row with its heads side by side along the lanes), flat
   [2, ppb * ps * K, h] when `flat_kv_pages` (of both head dims, `head_dims`), else [2, ppb * ps, K, h] (a token
   per row)."""
   ppb, ps, K = pages_per_block, page_size, num_kv_heads
+  if merged:
+    return (2, ppb * ps, K * head_dim)
   flat = flat_kv_pages(page_dtype, K, head_dims)
   return (2, ppb * ps * K, head_dim) if flat else (2, ppb * ps, K, head_dim)
 

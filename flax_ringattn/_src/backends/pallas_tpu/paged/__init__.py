@@ -65,6 +65,7 @@ from flax_ringattn._src.backends.pallas_tpu.paged.plans import (
   check_supported,
   dims_of,
   fwd_plan,
+  lane_groups,
 )
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
   "check_supported",
   "dims_of",
   "fwd_plan",
+  "lane_groups",
   "paged_bwd",
   "paged_fwd",
   "paged_fwd_write",

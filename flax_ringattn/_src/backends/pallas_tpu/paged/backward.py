@@ -37,8 +37,8 @@ def _bwd_kernel(
       kk, k_sc = w.load_head(d, k_buf, scale_bufs[0], slot, k)
       vv, v_sc = w.load_head(d, v_buf, scale_bufs[1], slot, k)
       heads = slice(k * G, (k + 1) * G)
-      q = w.fold(q_ref[:, heads, :], G)
-      do = w.fold(do_ref[:, heads, :], G)
+      q = w.fold(q_ref[:, heads, :].astype(c.F32), G)  # f32 first: the fold of bf16 rows needs G even
+      do = w.fold(do_ref[:, heads, :].astype(c.F32), G)
       # lse is the final one (flash.py): with sinks it is finite even on rows that see no key (s_h), without them
       # -inf there.  Either way only `vis` decides which p are read, so those rows get exact-zero gradients.
       stats = stats_ref[k]  # [rows, 2]: (lse, delta), folded as q (`plans.fold_row_stats`)
@@ -105,7 +105,20 @@ def paged_bwd(
   bidirectional_ids=None,
 ):
   """(dq [T, N, H], dk_pages [P, page_size, K, H], dv_pages [P, page_size, K, Hv]) in float32, as the XLA
-  backend's `paged_bwd`."""
+  backend's `paged_bwd` (merged pages: dk_pages [P, page_size, K * H], dv_pages [P, page_size, K * Hv])."""
+  f, G = pp.lane_groups(q, k_pages, v_pages, k_scale, v_scale)
+  if f > 1:
+    args = (k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, lse)
+    dq, dk, dv = paged_bwd(
+      pp.spread_heads(q, f, G),
+      *args,
+      pp.spread_heads(do, f, G),
+      delta,
+      spec=spec,
+      interpret=interpret,
+      bidirectional_ids=bidirectional_ids,
+    )
+    return pp.gather_heads(dq, f, G), dk, dv
   T = q.shape[0]
   d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret)
   k_pages, v_pages = pp.to_kernel_pages(d, k_pages), pp.to_kernel_pages(d, v_pages)
@@ -128,4 +141,6 @@ def paged_bwd(
     name="paged_bwd",
   )
   dq, dk, dv = run(*operands)
+  if d.merged:  # the cotangents take the pages' layout: [P, ps, K, h] -> [P, ps, K * h]
+    dk, dv = (x.reshape(d.P, d.ps, -1) for x in (dk, dv))
   return dq[:T], dk, dv

@@ -34,7 +34,8 @@ def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *res
   r = dataclasses.replace(r, q_ids=q_ids, kv_ids_hbm=kv_ids_hbm, kv_ids_buf=kv_ids_buf, keys_sc=keys_sc)
   G, q_lo = d.G, pl.program_id(0) * d.bq
   for k in range(d.K):  # fold each head group once per q block, not once per kv block
-    q_sc[k] = w.fold(q_ref[:, k * G : (k + 1) * G, :], G).astype(c.F32)  # [bq * G, H]
+    # f32 before the fold: a bf16 [bq, G, H] -> [bq * G, H] reshape needs G even (two rows a 32-bit word).
+    q_sc[k] = w.fold(q_ref[:, k * G : (k + 1) * G, :].astype(c.F32), G)  # [bq * G, H]
   m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, c.F32)
   l_sc[...] = jnp.zeros(l_sc.shape, c.F32)
   acc_sc[...] = jnp.zeros(acc_sc.shape, c.F32)
@@ -149,6 +150,11 @@ def paged_fwd(
   interpret,
 ):
   """Returns (out [T, N, Hv] in q.dtype, lse [T, N] float32; -inf for rows not in the batch)."""
+  f, G = pp.lane_groups(q, k_pages, v_pages, k_scale, v_scale)
+  if f > 1:
+    args = (k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, bidirectional_ids)
+    out, lse = paged_fwd(pp.spread_heads(q, f, G), *args, spec=spec, interpret=interpret)
+    return pp.gather_heads(out, f, G), lse
   T = q.shape[0]
   d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret)
   q, bidirectional_ids = (pp.pad_rows(x, d.T) for x in (q, bidirectional_ids))
@@ -199,9 +205,15 @@ def paged_fwd_write(
       raise NotImplementedError(
         f"the fused cache write stores per-token scales [P, page_size, K], got {name}.ndim={sc.ndim}"
       )
+  f, G = pp.lane_groups(q, k_pages, v_pages, k_scale, v_scale)
+  if f > 1:
+    rest = (k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, k_new_scale, v_new_scale)
+    out, lse, *cache = paged_fwd_write(pp.spread_heads(q, f, G), k_new, v_new, *rest, spec=spec, interpret=interpret)
+    return (pp.gather_heads(out, f, G), lse, *cache)
   T = q.shape[0]
   d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret, write=True)
   k_pages, v_pages = pp.to_kernel_pages(d, k_pages), pp.to_kernel_pages(d, v_pages)
+  k_new, v_new = pp.new_rows(d, k_new), pp.new_rows(d, v_new)
   q, k_new, v_new, k_new_scale, v_new_scale = (
     pp.pad_rows(x, d.T) for x in (q, k_new, v_new, k_new_scale, v_new_scale)
   )  # padding rows belong to no sequence: never written

@@ -37,11 +37,14 @@ class PagedDims:
   v_head_dim: int | None = None  # v's (and the output's) head dim when it differs from H (MLA); None: H
   spans: bool = False  # bidirectional ids: the q block's ids in, the kv blocks' ids copied with the pages
   compiled: bool = False  # compiled for a TPU (not interpret mode): flat pages are read through 32-bit words
+  # Merged pages: [P, ps, K * H] (a token's kv heads side by side along the lanes), copied into [2, ppb * ps, K * H]
+  # buffers, where head k is the lane slice [k * H, (k + 1) * H): dense for any K, no strided load.
+  merged: bool = False
 
   @property
   def flat(self) -> bool:
     """Pages travel as [P, ps * K, H] into flat [2, ppb * ps * K, H] kv buffers (`tiling.flat_kv_pages`)."""
-    return c.flat_kv_pages(self.page_dtype, self.K, (self.H, self.Hv))
+    return not self.merged and c.flat_kv_pages(self.page_dtype, self.K, (self.H, self.Hv))
 
   @property
   def rows_per_token(self) -> int:
@@ -110,6 +113,12 @@ def check_supported(q, k_pages, *, block_q, pages_per_block) -> tuple[int, int]:
       f"pallas_tpu paged attention needs page_size to be a multiple of {sub} for {jnp.dtype(q.dtype).name} q "
       f"(a page is a whole number of sublane tiles), got page_size={ps}; use implementation='xla'"
     )
+  if k_pages.ndim == 3 and ps % c.sublanes(k_pages.dtype):
+    raise NotImplementedError(
+      f"pallas_tpu paged attention with merged pages [P, page_size, K * H] of {jnp.dtype(k_pages.dtype).name} "
+      f"needs page_size to be a multiple of {c.sublanes(k_pages.dtype)} (a page is a whole number of that dtype's "
+      f"sublane tiles), got page_size={ps}; use [P, page_size, K, H] pages or implementation='xla'"
+    )
   return q_block(T, block_q, sub), max(1, pages_per_block)
 
 
@@ -136,8 +145,10 @@ def pad_rows(x, rows: int):
 
 def dims_of(q, k_pages, v_pages, page_indices, k_scale, v_scale, *, bq, ppb, write=False, spans=False) -> PagedDims:
   T, N, H = q.shape
-  P, ps, K, _ = k_pages.shape
-  Hv = v_pages.shape[3]
+  P, ps = k_pages.shape[:2]
+  merged = k_pages.ndim == 3
+  K = k_pages.shape[2] // H if merged else k_pages.shape[2]
+  Hv = v_pages.shape[2] // K if merged else v_pages.shape[3]
   S, pps = page_indices.shape
   rows = tuple(0 if x is None else (1 if x.ndim < 3 else ps) for x in (k_scale, v_scale))
   return PagedDims(
@@ -157,7 +168,46 @@ def dims_of(q, k_pages, v_pages, page_indices, k_scale, v_scale, *, bq, ppb, wri
     write=write,
     v_head_dim=None if Hv == H else Hv,
     spans=spans,
+    merged=merged,
   )
+
+
+# -- heads narrower than the lanes --------------------------------------------------------
+
+
+def lane_groups(q, k_pages, v_pages, k_scale, v_scale) -> tuple[int, int]:
+  """(f, G): merged pages whose head dim H divides 128 into f > 1 heads per 128-lane group (head dim 64: two kv
+  heads side by side, as a page [page_size, K * 64] holds them) are attended as K / f heads of 128 lanes, each with
+  f * G q heads, so every load, matmul and store is lane-dense.  q (and do) go in spread (`spread_heads`: head n's
+  H values in its kv head's lanes of the group, zeros in the others), so a row's scores see its own kv head only;
+  each output row keeps its own head's lanes (`gather_heads`).  f = 1 (no regrouping) for 4-D pages, quantized
+  pages (their scales are per kv head), K and V head dims that differ, or K not a multiple of f.  G = N / K."""
+  H, N = q.shape[-1], q.shape[1]
+  if k_pages.ndim != 3 or k_scale is not None or v_scale is not None or k_pages.shape != v_pages.shape:
+    return 1, 0
+  K = k_pages.shape[2] // H
+  if H >= c.LANES or c.LANES % H or K % (c.LANES // H):
+    return 1, N // K
+  return c.LANES // H, N // K
+
+
+def _group_lane(N: int, f: int, G: int):
+  """[N] int32: which of its group's f lane slots q head n's kv head (n // G) takes."""
+  return (jnp.arange(N, dtype=jnp.int32) // G) % f
+
+
+def spread_heads(x, f: int, G: int):
+  """x [T, N, H] -> [T, N, f * H]: head n's values in lane slot (n // G) % f, zeros in the others."""
+  T, N, H = x.shape
+  on = _group_lane(N, f, G)[:, None] == jnp.arange(f, dtype=jnp.int32)[None, :]  # [N, f]
+  return jnp.where(on[None, :, :, None], x[:, :, None, :], jnp.zeros((), x.dtype)).reshape(T, N, f * H)
+
+
+def gather_heads(y, f: int, G: int):
+  """The inverse of `spread_heads` on the kernels' results: [T, N, f * H] -> [T, N, H], head n's lane slot."""
+  T, N, W = y.shape
+  idx = jnp.broadcast_to(_group_lane(N, f, G)[None, :, None, None], (T, N, 1, W // f))
+  return jnp.take_along_axis(y.reshape(T, N, f, W // f), idx, axis=2)[:, :, 0]
 
 
 # -- call plans (the planner's VMEM model is checked against these) --------------------
@@ -173,20 +223,30 @@ def _any():
 
 def kv_buffer_shape(d: PagedDims, h: int) -> tuple:
   """The two-slot VMEM buffer of one kv block's K (h = H) or V (h = Hv) pages."""
-  return c.paged_kv_buffer_shape(d.ppb, d.ps, d.K, h, d.page_dtype, (d.H, d.Hv))
+  return c.paged_kv_buffer_shape(d.ppb, d.ps, d.K, h, d.page_dtype, (d.H, d.Hv), merged=d.merged)
 
 
 def page_shape(d: PagedDims, h: int) -> tuple:
-  """The page buffers as the kernels take them: [P, ps * K, h] when flat (a free reshape), else as given."""
+  """The page buffers as the kernels take them: merged as given [P, ps, K * h], [P, ps * K, h] when flat (a free
+  reshape), else as given [P, ps, K, h]."""
+  if d.merged:
+    return (d.P, d.ps, d.K * h)
   return (d.P, d.ps * d.K, h) if d.flat else (d.P, d.ps, d.K, h)
 
 
 def to_kernel_pages(d: PagedDims, x):
-  return x if x is None else x.reshape(page_shape(d, x.shape[-1]))
+  """x [P, ps, K, h] or merged [P, ps, K * h] (`PagedDims.merged`) as the kernels take it (`page_shape`)."""
+  return x if x is None else x.reshape(page_shape(d, x.shape[-1] // (d.K if d.merged else 1)))
 
 
 def from_kernel_pages(d: PagedDims, x):
-  return x.reshape(d.P, d.ps, d.K, x.shape[-1])
+  """The inverse of `to_kernel_pages`: the pages in the caller's layout."""
+  return x if d.merged else x.reshape(d.P, d.ps, d.K, x.shape[-1])
+
+
+def new_rows(d: PagedDims, x):
+  """The fused write's new tokens [T, K, h] as the kernel takes them: [T, K * h] for merged pages."""
+  return x.reshape(x.shape[0], -1) if d.merged else x
 
 
 def _kv_scratch(d: PagedDims):
@@ -214,7 +274,8 @@ def fwd_plan(d: PagedDims) -> c.CallPlan:
   out_specs = [_row_block(d, (d.N, d.Hv)), _row_block(d, (d.N,))]
   out_shapes = [jax.ShapeDtypeStruct((d.T, d.N, d.Hv), d.q_dtype), jax.ShapeDtypeStruct((d.T, d.N), c.F32)]
   if d.write:  # new K/V rows (and their per-token scales) in; the updated pages out (aliased, in HBM)
-    in_specs += [_row_block(d, (d.K, d.H)), _row_block(d, (d.K, d.Hv))] + [_row_block(d, (d.K,))] * num_scales
+    new = [(d.K * h,) if d.merged else (d.K, h) for h in (d.H, d.Hv)]
+    in_specs += [_row_block(d, x) for x in new] + [_row_block(d, (d.K,))] * num_scales
     in_dtypes += [d.page_dtype] * 2 + [c.F32] * num_scales
     out_specs += [_any()] * (2 + num_scales)
     out_shapes += [jax.ShapeDtypeStruct(page_shape(d, h), d.page_dtype) for h in (d.H, d.Hv)]

@@ -199,7 +199,10 @@ def block_keys(d: pp.PagedDims, r: Refs, s, b, slot, kv_len):
 
 def load_head(d: pp.PagedDims, buf, scale_buf, slot, k):
   """[block_tokens, H or Hv] float32 values of kv head k (dequantised), and the scale [ppb, rows, 1] or None."""
-  if d.flat:
+  if d.merged:
+    h = buf.shape[-1] // d.K
+    x = buf[slot, :, k * h : (k + 1) * h].astype(c.F32)  # [bt, h]: a lane slice, aligned when h % 128 == 0
+  elif d.flat:
     x = _flat_head(d, buf, slot, k)
   else:
     x = buf[slot, :, k, :].astype(c.F32)  # [bt, h]

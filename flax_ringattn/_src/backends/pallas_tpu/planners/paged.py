@@ -47,6 +47,7 @@ def paged_footprint(
   soft_cap=False,
   v_head_dim=None,
   bidirectional=False,
+  merged=False,
 ) -> Footprint:
   """VMEM of the paged kernel 'paged_fwd' or 'paged_bwd' at `bq` rows and `pages_per_block` pages per kv block.
 
@@ -54,7 +55,8 @@ def paged_footprint(
   page_size per token.  `v_head_dim`: v's (and the output's) head dim when it differs from `head_dim` (MLA):
   the v pages, the output, do and the accumulators of o and dV are that wide.  Pages stay in HBM; the kernel
   copies them into a two-slot buffer itself.  `bidirectional`: span ids, the q block's [bq, 1] (pipelined) and
-  the kv block's [1, L] (with the pages' slots).
+  the kv block's [1, L] (with the pages' slots).  `merged`: pages [P, page_size, K * H] (`paged.plans.PagedDims`):
+  a kv block's buffer is [L, K * H], dense for any K.
   """
   N, K, H, ps, ppb = num_heads, num_kv_heads, head_dim, page_size, pages_per_block
   Hv = H if v_head_dim is None else v_head_dim
@@ -62,7 +64,7 @@ def paged_footprint(
   q_block = c.padded_bytes((bq, N, H), dtype)
   o_block = c.padded_bytes((bq, N, Hv), dtype)  # o, or do
   kv_slots = sum(
-    c.padded_bytes(c.paged_kv_buffer_shape(ppb, ps, K, h, page_dtype, (H, Hv)), page_dtype) for h in (H, Hv)
+    c.padded_bytes(c.paged_kv_buffer_shape(ppb, ps, K, h, page_dtype, (H, Hv), merged), page_dtype) for h in (H, Hv)
   )
   kv_slots += sum(c.padded_bytes((2, ppb, r, K), f32) for r in scale_rows if r)
   kv_slots += c.padded_bytes((1, L), jnp.int32)  # which slots hold a key
@@ -107,6 +109,7 @@ def plan_paged_block_sizes(
   soft_cap=False,
   v_head_dim=None,
   bidirectional=False,
+  merged=False,
   generation: str | None = None,
 ) -> BlockSizes:
   """`BlockSizes(block_q=rows per grid step, block_kv=tokens per kv block)` for the paged kernel.
@@ -115,7 +118,8 @@ def plan_paged_block_sizes(
   tallest q block up to min(PAGED_MAX_BLOCK_Q, max_num_batched_tokens // 4) rows (a prefill spanning several
   q blocks reads its pages once per block; any token count: the kernels pad q to a multiple of it), such that
   both the forward and the backward kernels fit `generation`'s VMEM budget.  `v_head_dim`: v's head dim when it
-  differs from `head_dim` (MLA), and `bidirectional` (span ids), as in `paged_footprint`.
+  differs from `head_dim` (MLA), `bidirectional` (span ids) and `merged` (pages [P, page_size, K * H]), as in
+  `paged_footprint`.
   """
   generation = current_generation() if generation is None else generation
   budget = budget_bytes(generation)
@@ -138,6 +142,7 @@ def plan_paged_block_sizes(
     soft_cap=soft_cap,
     v_head_dim=None if v_head_dim == head_dim else v_head_dim,
     bidirectional=bidirectional,
+    merged=merged,
   )
   for ppb in sorted(pbs, reverse=True):
     for bq in sorted(qs, reverse=True):
