@@ -126,6 +126,47 @@ def decode(seqs: int, kv: int) -> Step:
   return Step(f"decode {seqs} x {kv}", (1,) * seqs, (kv,) * seqs, seqs)
 
 
+# The real head layouts per chip (q heads / kv heads / head dim) the paged table covers with --paged-layouts models:
+# whole models on one chip and large ones split over tensor-parallel chips (kv heads per chip).
+MODEL_LAYOUTS = {
+  "Llama-3.2-1B": (32, 8, 64),
+  "Qwen2.5-0.5B": (14, 2, 64),
+  "Qwen2.5-7B": (28, 4, 128),
+  "Gemma-2B": (8, 1, 256),
+  "Gemma-2-9B": (16, 8, 256),
+  "Llama-3-70B / 8 chips": (8, 1, 128),
+  "Mistral-7B / 2 chips": (16, 4, 128),
+}
+
+
+def layout_steps(rng_seed: int = 0) -> dict[str, Step]:
+  """The batches of the layout matrix: long decode, decode of random lengths, a mixed step and chunked prefill."""
+  rng = np.random.default_rng(rng_seed)
+  lens = tuple(int(x) for x in rng.integers(64, 4097, 64))
+  return {
+    "decode": decode(64, 4096),
+    "short": decode(64, 512),
+    "random": Step("decode 64, random lengths 64..4096", (1,) * 64, lens, 64),
+    "mixed": mixed([(512, 0), (512, 0)], tuple(h + 1 for h in spread(64, 2048, 30)), 1056, "2 x 512 new + 30 decodes"),
+    "prefill": mixed([(1024, 1024)] * 4, (), 4096, "prefill 4 x 1024 new on 1024 cached"),
+  }
+
+
+def parse_layouts(text: str | None) -> list[tuple[str, int, int, int, int | None]]:
+  """(name, N, K, H, page or None) per layout; None: the one default layout."""
+  if text is None:
+    return []
+  if text == "models":
+    return [(name, *nkh, None) for name, nkh in MODEL_LAYOUTS.items()]
+  out = []
+  for item in text.split(","):
+    parts = [int(x) for x in item.strip().split("/")]
+    if len(parts) not in (3, 4) or parts[0] % parts[1]:
+      raise ValueError(f"want N/K/H[/PAGE] with N a multiple of K, got {item!r}")
+    out.append((item.strip(), *parts[:3], parts[3] if len(parts) == 4 else None))
+  return out
+
+
 def spread(lo: int, hi: int, n: int) -> tuple[int, ...]:
   return tuple(int(x) for x in np.linspace(lo, hi, n).round())
 
@@ -567,7 +608,7 @@ def jax_paged_blocks(x: PagedInputs) -> str | None:
     return None
 
 
-def our_paged_blocks(x: PagedInputs, blocks) -> str | None:
+def our_paged_blocks(x: PagedInputs, blocks, merged: bool = False) -> str | None:
   """The (q rows x kv tokens) blocks our op runs (display only): `--paged-blocks`, else its planner's pick, as
   the kernel takes them (`plans.check_supported`: a q block of at least one sublane tile of q's dtype, or all
   the rows; whole pages)."""
@@ -578,7 +619,9 @@ def our_paged_blocks(x: PagedInputs, blocks) -> str | None:
     T, N, H = x.q.shape
     _, page, K, _ = x.k.shape
     if blocks is None:
-      blocks = planners.plan_paged_block_sizes(T, page, x.meta[1].shape[1], N, K, H, x.q.dtype)
+      f = 128 // H if merged and H < 128 and 128 % H == 0 and K % (128 // H) == 0 else 1  # plans.lane_groups
+      pps = x.meta[1].shape[1]
+      blocks = planners.plan_paged_block_sizes(T, page, pps, N, K // f, H * f, x.q.dtype, merged=merged)
     bq, ppb = plans.check_supported(x.q, x.k, block_q=blocks.block_q, pages_per_block=blocks.block_kv // page)
     return f"{bq}x{ppb * page}"
   except Exception:
@@ -590,8 +633,25 @@ PAGED_HEADER += ["max err", "ours blocks", "jax blocks", "notes"]
 
 
 def paged_table(report, cfg: Config, args, chip) -> None:
-  N, K, H = cfg.paged["N"], cfg.paged["K"], cfg.paged["H"]
-  scale, page, item = H**-0.5, args.page_size, 2
+  if not args.paged_layouts:
+    return paged_layout_table(report, cfg.steps, cfg.paged, args.page_size, args, chip, title="")
+  pick = args.paged_steps or ["decode", "random", "mixed", "prefill"]
+  steps = layout_steps(args.seed)
+  if args.interpret:  # tiny: the same kinds of batches
+    steps = {"decode": decode(4, 64), "random": Step("decode 4, random", (1,) * 4, (5, 40, 17, 64), 4)}
+    steps |= {"mixed": cfg.steps[1], "prefill": mixed([(16, 16)] * 2, (), 32, "prefill 2 x 16 on 16"), "short": decode(4, 8)}
+  for name, N, K, H, page in args.paged_layouts:
+    paged = dict(N=N, K=K, H=H)
+    chosen = tuple(steps[s] for s in pick)
+    paged_layout_table(report, chosen, paged, page or args.page_size, args, chip, title=f"{name}: ")
+
+
+def paged_layout_table(report, steps, paged: dict, page: int, args, chip, *, title: str) -> None:
+  """One table: every batch of `steps` on one head layout, ours (merged pages with --paged-layouts) against
+  ragged_paged_attention, or against the HBM roofline where it refuses the layout."""
+  N, K, H = paged["N"], paged["K"], paged["H"]
+  scale, item = H**-0.5, 2
+  merged_pages = bool(args.paged_layouts)
   bw = chip.memory_bandwidth if chip else None
   choices = args.paged_blocks or [None]  # None: the planner's blocks
 
@@ -619,15 +679,18 @@ def paged_table(report, cfg: Config, args, chip) -> None:
 
     rpa = functools.partial(ragged_paged_attention, sm_scale=scale, vmem_limit_bytes=args.vmem_limit_mib * MIB)
     peer_name, timed_peer, peer_fn = "jax", "jax", jax.jit(rpa)  # one jit: compiled once per shape
-  bad = sorted(set(args.paged_rows or ()) - set(range(len(cfg.steps))))
+  bad = sorted(set(args.paged_rows or ()) - set(range(len(steps))))
   if bad:
-    raise SystemExit(f"--paged-rows: no row {bad} (this run's paged table has rows 0 to {len(cfg.steps) - 1})")
+    raise SystemExit(f"--paged-rows: no row {bad} (this run's paged table has rows 0 to {len(steps) - 1})")
   rows = []
-  for i, step in enumerate(cfg.steps):
+  for i, step in enumerate(steps):
     if args.paged_rows is not None and i not in args.paged_rows:
       continue
     x = paged_inputs(step, N, K, H, page, args.seed + i)
     kv = combined_cache(x.k, x.v)
+    ours_pages = (x.k, x.v)
+    if merged_pages:  # the layout PagedKVCache.create(merged=True) stores: a token's kv heads side by side
+      ours_pages = tuple(a.reshape(*a.shape[:2], K * H) for a in (x.k, x.v))
     live = step.new_tokens  # rows past the sequences' are padding: not compared
     to_ours = lambda o, live=live: o[:live]
     kv_bytes = sum(step.kv_lens) * K * H * item * 2  # K and V of every cached token each sequence attends to
@@ -635,17 +698,25 @@ def paged_table(report, cfg: Config, args, chip) -> None:
     # Several --paged-blocks: one row per choice, each checked and timed against the same (compiled once) peer.
     for blocks, ours in zip(choices, ours_fns, strict=True):
       peers = {peer_name: Candidate(peer_fn, (x.q, kv, *x.meta), to_ours, timed=timed_peer is not None)}
-      name = f"paged {step.name}, {step.rows} rows"
+      if H % 128:  # ragged_paged_attention refuses head dims that are not whole lanes: check against our XLA path
+        xla = jax.jit(functools.partial(fr.paged_attention, scale=scale, implementation="xla"))
+        peers["xla"] = Candidate(xla, (x.q, x.k, x.v, *x.meta), to_ours, timed=False)
+      if merged_pages and args.paged_heads_pages:
+        peers["ours [P, page, K, H]"] = Candidate(ours, (x.q, x.k, x.v, *x.meta), to_ours)
+      name = f"paged {title}{step.name}, {step.rows} rows"
       if len(choices) > 1:
         name += f", ours {our_paged_blocks(x, blocks)}"
-      got = check_and_time(report, name, Candidate(ours, (x.q, x.k, x.v, *x.meta), to_ours), peers, ("out",), args)
+      got = check_and_time(report, name, Candidate(ours, (x.q, *ours_pages, *x.meta), to_ours), peers, ("out",), args)
+      heads_ms = ms(got["times"], "ours [P, page, K, H]")
       t = got["times"]
       t_ours = ms(t, "ours")
       gbs = total / t_ours / 1e6 if t_ours else None
       rows.append([step.name, step.rows, len(step.q_lens), step.new_tokens, kv_bytes / 1e6, t_ours,
                    ms(t, timed_peer), ratio(t, timed_peer), gbs,
-                   gbs and bw and 100 * gbs * 1e9 / bw, got["err"], our_paged_blocks(x, blocks),
+                   gbs and bw and 100 * gbs * 1e9 / bw, got["err"], our_paged_blocks(x, blocks, merged_pages),
                    jax_paged_blocks(x), notes_cell(got["errors"])])  # fmt: skip
+      if args.paged_heads_pages and merged_pages:
+        rows[-1][-1] = (rows[-1][-1] + "; " if rows[-1][-1] else "") + f"[P,page,K,H] pages: {heads_ms:.3f} ms" if heads_ms else "[P,page,K,H] pages: -"
     del x, kv  # the 16 x 16384 step's pages and combined cache alone take 2 GiB
   peer_note = (
     "JAX's ragged_paged_attention does not run in interpret mode: checked against its ref_ragged_paged_attention "
@@ -655,15 +726,16 @@ def paged_table(report, cfg: Config, args, chip) -> None:
     "default blocks."
   )
   report.table(
-    f"Ragged paged attention: paged_attention(implementation='pallas_tpu') vs JAX's ragged_paged_attention; "
-    f"N={N} K={K} H={H} bfloat16, page {page}, shuffled pages",
+    f"{title}Ragged paged attention: paged_attention(implementation='pallas_tpu') vs JAX's ragged_paged_attention; "
+    f"N={N} K={K} H={H} bfloat16, page {page}, shuffled pages" + (", ours on merged pages" if merged_pages else ""),
     PAGED_HEADER,
     rows,
     formats={"KV MB": ".1f", "ours ms": ".3f", "jax ms": ".3f", "jax/ours": ".2f", "ours GB/s": ".0f"}
     | {"% HBM": ".1f", "max err": ".1e"},
     notes=[
       "rows: q rows of the call (T = max_num_batched_tokens; rows past the new tokens are padding, not compared).",
-      "Ours: k_pages / v_pages [P, page, K, H]; jax: one cache [P, page, 2K, H] (K at even, V at odd heads) built",
+      ("Ours: k_pages / v_pages merged [P, page, K * H]" if merged_pages else "Ours: k_pages / v_pages [P, page, K, H]")
+      + "; jax: one cache [P, page, 2K, H] (K at even, V at odd heads) built",
       f"from the same pages before timing.  {peer_note}",
       "Pages: exactly those the batch needs, in a random permutation.  KV MB / GB/s: the K and V bytes of each",
       "sequence's kv_len (no page padding), plus q and out, over our median time; % HBM of the chip's bandwidth.",
@@ -741,6 +813,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   )
   add("--page-size", type=int, default=16, help="paged table: tokens per page")
   add(
+    "--paged-layouts",
+    default=None,
+    metavar="N/K/H[/PAGE][,...]",
+    help="paged table: q heads / kv heads / head dim (/ page size) per chip, one table each (default 32/8/128; "
+    "'models': the real layouts of MODEL_LAYOUTS); our pages are merged [P, page, K * H]",
+  )
+  add(
+    "--paged-steps",
+    default=None,
+    help="paged table: which batches, comma-separated names of LAYOUT_STEPS (default: the classic five; with "
+    "--paged-layouts, 'decode,random,mixed,prefill')",
+  )
+  add("--paged-heads-pages", action="store_true", help="paged table: also time ours on [P, page, K, H] pages")
+  add(
     "--paged-blocks",
     nargs="+",
     default=None,
@@ -765,6 +851,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
       variant_debug(variant)
     except ValueError as e:
       parser.error(f"--ours-variants: {e}")
+  try:
+    args.paged_layouts = parse_layouts(args.paged_layouts)
+  except ValueError as e:
+    parser.error(f"--paged-layouts: {e}")
+  args.paged_steps = None if args.paged_steps is None else names(args.paged_steps)
   try:
     args.paged_rows = None if args.paged_rows is None else ints(args.paged_rows)
   except ValueError:

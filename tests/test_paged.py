@@ -565,7 +565,17 @@ STATIC_ERRORS = {
   "pages_not_array": (dict(k_pages=1.0), TypeError, "k_pages must be an array"),
   "q_rank": (dict(q=jnp.zeros((1, 8, 4, 8))), ValueError, r"q must be \[max_num_batched_tokens, N, H\] \(rank 3\)"),
   "q_int": (dict(q=jnp.zeros((8, 4, 8), jnp.int32)), TypeError, "q must be floating point"),
-  "pages_rank": (dict(k_pages=jnp.zeros((6, 4, 16))), ValueError, r"k_pages must be \[P, page_size, K, H\]"),
+  "pages_rank": (dict(k_pages=jnp.zeros((6, 4, 2, 8, 1))), ValueError, r"k_pages must be \[P, page_size, K, H\]"),
+  "merged_rank_mismatch": (
+    dict(k_pages=jnp.zeros((6, 4, 16))),
+    ValueError,
+    r"k_pages and v_pages must have the same \[P, page_size, K\] and rank",
+  ),
+  "merged_not_whole_heads": (
+    dict(k_pages=jnp.zeros((6, 4, 12)), v_pages=jnp.zeros((6, 4, 12))),
+    ValueError,
+    r"merged k_pages \[P, page_size, K \* H\] must have a last dim that is a positive multiple of q's head dim",
+  ),
   "v_pages_rank": (dict(v_pages=jnp.zeros((6, 4, 2, 8, 1))), ValueError, r"v_pages must be \[P, page_size, K, H\]"),
   "kv_shape_mismatch": (
     dict(v_pages=jnp.zeros((7, 4, 2, 8))),

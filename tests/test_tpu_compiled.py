@@ -34,7 +34,7 @@ import pytest
 from cases import Case, assert_block_output_is_the_cast, dtype_id, make_case, make_inputs, make_sinks, with_sinks
 from conftest import make_mesh
 from dense_oracle import dense_oracle
-from paged_cases import case_batch, features, paged_vjp, poison
+from paged_cases import case_batch, features, merged, paged_vjp, poison, slot_mask
 from paged_oracle import paged_oracle
 
 import flax_ringattn as fr
@@ -259,6 +259,7 @@ class Paged:
   scales: object = None
   chunk: int | None = None
   spans: bool = False
+  merged: bool = False  # pages merged, [P, page_size, K * H] (the oracle reads the same values as [P, ps, K, H])
 
   @property
   def quantized(self) -> bool:
@@ -320,6 +321,15 @@ PAGED = {
   "mha_f32": Paged(make_case("mha", "causal", "mha", N=4, H=128), F32, 8),
   # 8 kv heads of 256 (Gemma 2's): not flat, since Mosaic strides only 128-lane buffers (`tiling.flat_kv_pages`).
   "kv8_hd256_bf16": Paged(make_case("kv8_hd256", "causal", "gqa", N=16, group=2, H=256), BF16, 16),
+  # Merged pages [P, page_size, K * H], the real layouts per chip of issue 55: head dim 64 with 7 q heads per kv
+  # head (Qwen2.5-0.5B's 14 / 2: one 128-lane group of two kv heads, 14 rows a token), one kv head of 128 (Llama-3-70B
+  # over 8 chips) with a window and a soft cap, one kv head of 256 (Gemma-2B), and 7 q heads per kv head in f32.
+  "merged_hd64_g7_bf16": Paged(make_case("m64", "causal", "gqa", N=14, group=7, H=64), BF16, 16, merged=True),
+  "merged_kv1_window_cap_bf16": Paged(
+    make_case("m1", "causal_window", "mqa", N=8, H=128, window=(_n(63), 0), soft_cap=5.0), BF16, 16, merged=True
+  ),
+  "merged_kv1_hd256_bf16": Paged(make_case("m256", "causal", "mqa", N=8, H=256), BF16, 16, merged=True),
+  "merged_g7_f32": Paged(make_case("m7", "causal", "gqa", N=14, group=7, H=128), F32, 8, merged=True),
 }
 
 
@@ -365,21 +375,23 @@ def test_paged_kernel(name):
   rng = np.random.default_rng(list(PAGED).index(name))
   program = None
   for mix in MIXES:
-    b, ids = run.batch(rng, mix)
+    b4, ids = run.batch(rng, mix)
+    b = merged(b4) if run.merged else b4  # the kernel's pages; the oracle reads b4's
     do = jnp.asarray(rng.normal(size=b.out_shape), run.dtype)
     fill = np.nan if jnp.issubdtype(b.k_pages.dtype, jnp.floating) else -128
     args = (poison(b, fill).args, do, b.k_scale, b.v_scale, b.sinks, ids)
     if program is None:  # one program for every mix
       program = _compiled(_paged_run(run, "pallas_tpu"), *args, kernels=2)
     out, grads = program(*args)
-    want_out, want_grads = paged_oracle(*b.args, **b.operands, do=do, bidirectional_ids=ids, **run.options())
+    want_out, want_grads = paged_oracle(*b4.args, **b4.operands, do=do, bidirectional_ids=ids, **run.options())
+    want_grads = (want_grads[0], *(g.reshape(p.shape) for g, p in zip(want_grads[1:3], b.args[1:3])), *want_grads[3:])
     clean = (b.args, *args[1:])
     xla = lambda clean=clean: _paged_named(run, *jax.jit(_paged_run(run, "xla"))(*clean))  # noqa: E731
     _compare(_paged_named(run, out, grads), _paged_named(run, want_out, want_grads), run.dtype, xla)
     np.testing.assert_array_equal(np.asarray(out[b.total :], np.float32), 0.0, err_msg=f"{mix}: padding rows")
     np.testing.assert_array_equal(np.asarray(grads[0][b.total :], np.float32), 0.0, err_msg=f"{mix}: padding dq")
     if not run.quantized:
-      unread = ~b.read_mask()[:, :, None, None]
+      unread = slot_mask(b, ~b.read_mask())
       for g in grads[1:3]:
         assert not np.asarray(jnp.where(unread, g, 0)).any(), f"{mix}: a slot nobody reads got a gradient"
 

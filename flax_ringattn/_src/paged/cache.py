@@ -98,11 +98,9 @@ class PagedKVCache:
 
     k pages hold `head_dim` H per kv head, v pages `v_head_dim` Hv (None: H; MLA stores e.g. H = 192, Hv = 128).
 
-    `merged=True` stores the pages as [P, page_size, K * H] (a token's kv heads side by side along the last dim),
-    the layout the Pallas TPU kernel reads densely for any number of kv heads and any head dim: on a TPU a
-    [P, page_size, K, H] page pads K up to the tile's 8 or 16 rows in VMEM, so with 1, 2 or 4 kv heads per chip
-    (GQA and MQA models, heads split over tensor-parallel chips) or head dim 64 it moves and reads several
-    times its bytes.  `paged_attention` takes either layout; the XLA backend reshapes merged pages.
+    `merged=True` stores pages [P, page_size, K * H] (a token's kv heads side by side), which the Pallas TPU
+    kernel reads densely for any K and head dim (docs/guarantees.md: with few kv heads per chip or head dim 64,
+    [P, page_size, K, H] pages are padded on a TPU).  Context-parallel serving (`paged_ring_prefill`) needs 4-D.
 
     With `mesh` and `seq_axis` (a mesh axis, or a tuple of them, with n devices along it; default: the mesh's
     only axis), the pages, their scales and `ref_counts` are sharded on the page dimension over `seq_axis`:
@@ -176,21 +174,16 @@ class PagedKVCache:
     return self.page_indices.shape[1]
 
   @property
-  def merged(self) -> bool:
-    """Whether the pages are stored merged, [P, page_size, K * H] (`create(merged=True)`)."""
-    return self.merged_kv_heads > 0
-
-  @property
   def num_kv_heads(self) -> int:
     return self.merged_kv_heads or self.k_pages.shape[2]
 
   @property
   def head_dim(self) -> int:
-    return self.k_pages.shape[2] // self.merged_kv_heads if self.merged else self.k_pages.shape[3]
+    return self.k_pages.shape[2] // self.merged_kv_heads if self.merged_kv_heads else self.k_pages.shape[3]
 
   @property
   def v_head_dim(self) -> int:
-    return self.v_pages.shape[2] // self.merged_kv_heads if self.merged else self.v_pages.shape[3]
+    return self.v_pages.shape[2] // self.merged_kv_heads if self.merged_kv_heads else self.v_pages.shape[3]
 
   @property
   def pages_per_owner(self) -> int:

@@ -110,19 +110,15 @@ def page_dims(q, k_pages, v_pages) -> tuple[int, int, int, int, int]:
         f"{name} must be [P, page_size, K, H] (rank 4) or merged [P, page_size, K * H] (rank 3), got "
         f"{name}.shape={tuple(x.shape)}"
       )
-  if k_pages.ndim != v_pages.ndim or k_pages.shape[:2] != v_pages.shape[:2]:
+  four = k_pages.ndim == 4
+  if k_pages.ndim != v_pages.ndim or k_pages.shape[: 2 + four] != v_pages.shape[: 2 + four]:
     raise ValueError(
-      f"k_pages and v_pages must have the same rank and [P, page_size] (v's head dim may differ, as in MLA), got "
-      f"k_pages.shape={tuple(k_pages.shape)} and v_pages.shape={tuple(v_pages.shape)}"
+      f"k_pages and v_pages must have the same [P, page_size, K] and rank (v's head dim may differ, as in MLA), "
+      f"got k_pages.shape={tuple(k_pages.shape)} and v_pages.shape={tuple(v_pages.shape)}"
     )
   if k_pages.dtype != v_pages.dtype:
     raise TypeError(f"k_pages and v_pages must share a dtype, got {k_pages.dtype} and {v_pages.dtype}")
-  if k_pages.ndim == 4:
-    if k_pages.shape[2] != v_pages.shape[2]:
-      raise ValueError(
-        f"k_pages and v_pages must have the same [P, page_size, K] (v's head dim may differ, as in MLA), got "
-        f"k_pages.shape={tuple(k_pages.shape)} and v_pages.shape={tuple(v_pages.shape)}"
-      )
+  if four:
     return (*k_pages.shape, v_pages.shape[3])
   H = q.shape[-1]
   P, page_size, KH = k_pages.shape
@@ -160,7 +156,8 @@ def check_paged_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, nu
   if Hk != H:
     raise ValueError(f"head_dim differs: q.shape[2]={H} but k_pages.shape[3]={Hk} (q and k share a head dim)")
   if H < 1 or Hv < 1:
-    raise ValueError(f"head dims must be positive, got q.shape[2]={H} (head_dim) and v_pages' head dim {Hv}")
+    v_dim = "v_pages.shape[3]" if v_pages.ndim == 4 else "v_pages.shape[2] / K"
+    raise ValueError(f"head dims must be positive, got q.shape[2]={H} (head_dim) and {v_dim}={Hv} (v_head_dim)")
   if K == 0 or N % K:
     raise ValueError(f"the number of q heads N={N} must be a multiple of the number of kv heads K={K}")
   quantized = jnp.dtype(k_pages.dtype).name in QUANTIZED_DTYPES
