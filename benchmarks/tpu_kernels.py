@@ -698,10 +698,8 @@ def paged_layout_table(report, steps, paged: dict, page: int, args, chip, *, tit
     # Several --paged-blocks: one row per choice, each checked and timed against the same (compiled once) peer.
     for blocks, ours in zip(choices, ours_fns, strict=True):
       peers = {peer_name: Candidate(peer_fn, (x.q, kv, *x.meta), to_ours, timed=timed_peer is not None)}
-      if H % 128:  # ragged_paged_attention refuses head dims that are not whole lanes: check against our XLA path
-        xla = jax.jit(functools.partial(fr.paged_attention, scale=scale, implementation="xla"))
-        peers["xla"] = Candidate(xla, (x.q, x.k, x.v, *x.meta), to_ours, timed=False)
-      if merged_pages and args.paged_heads_pages:
+      if merged_pages and (args.paged_heads_pages or H % 128):
+        # ragged_paged_attention refuses head dims that are not whole lanes: ours on 4-D pages is the check there
         peers["ours [P, page, K, H]"] = Candidate(ours, (x.q, x.k, x.v, *x.meta), to_ours)
       name = f"paged {title}{step.name}, {step.rows} rows"
       if len(choices) > 1:
@@ -715,7 +713,7 @@ def paged_layout_table(report, steps, paged: dict, page: int, args, chip, *, tit
                    ms(t, timed_peer), ratio(t, timed_peer), gbs,
                    gbs and bw and 100 * gbs * 1e9 / bw, got["err"], our_paged_blocks(x, blocks, merged_pages),
                    jax_paged_blocks(x), notes_cell(got["errors"])])  # fmt: skip
-      if args.paged_heads_pages and merged_pages:
+      if merged_pages and (args.paged_heads_pages or H % 128):
         rows[-1][-1] = (rows[-1][-1] + "; " if rows[-1][-1] else "") + f"[P,page,K,H] pages: {heads_ms:.3f} ms" if heads_ms else "[P,page,K,H] pages: -"
     del x, kv  # the 16 x 16384 step's pages and combined cache alone take 2 GiB
   peer_note = (

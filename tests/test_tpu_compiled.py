@@ -404,6 +404,9 @@ FUSED = {
     _paged_case("fused_int8", H=192, Hv=128), BF16, 16, page_dtype="int8", scales=("token", "token")
   ),
   "bf16_flat": Paged(make_case("fused_flat", "causal", "gqa", N=16, group=2, H=128), BF16, 16),
+  # Merged pages: a token's row of K * H lanes written whole (head dim 64: two kv heads' halves; one kv head).
+  "bf16_merged_hd64": Paged(make_case("fused_m64", "causal", "gqa", N=4, group=2, H=64), BF16, 16, merged=True),
+  "bf16_merged_kv1": Paged(make_case("fused_m1", "causal", "mqa", N=8, H=128), BF16, 16, merged=True),
 }
 
 
@@ -455,7 +458,8 @@ def test_paged_fused_cache_write(name):
     b, _ = run.batch(rng, mix)
     (k_new, v_new), new_scales = _new_tokens(rng, b, run)
     b = poison(b, -128 if run.quantized else np.nan)
-    args = (b.q, k_new, v_new, b.k_pages, b.v_pages, b.args[3:], (b.k_scale, b.v_scale), new_scales, b.sinks)
+    bk = merged(b) if run.merged else b  # the kernel's pages; `_written` and the oracle read b's
+    args = (b.q, k_new, v_new, bk.k_pages, bk.v_pages, b.args[3:], (b.k_scale, b.v_scale), new_scales, b.sinks)
     if program is None:
       program = _compiled(_fused_run(run), *args, kernels=1)
     out, *cache = program(*args)
@@ -463,7 +467,8 @@ def test_paged_fused_cache_write(name):
     for label, got, exp in zip(("k_pages", "v_pages", "k_scale", "v_scale"), cache, want, strict=True):
       if exp is not None:
         # (in float32: numpy's NaN-aware equality does not know bfloat16; the widening is exact)
-        np.testing.assert_array_equal(np.asarray(got, np.float32), exp.astype(np.float32), err_msg=f"{mix}: {label}")
+        got = np.asarray(got, np.float32).reshape(exp.shape)
+        np.testing.assert_array_equal(got, exp.astype(np.float32), err_msg=f"{mix}: {label}")
     written = b.replace(**dict(zip(("k_pages", "v_pages", "k_scale", "v_scale"), map(_array, want), strict=True)))
     want_out, _ = paged_oracle(*written.args, **written.operands, **run.options())
     _compare({"out": out}, {"out": want_out}, run.dtype)

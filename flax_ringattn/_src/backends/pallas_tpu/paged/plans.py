@@ -358,7 +358,7 @@ def bwd_plan(d: PagedDims) -> c.CallPlan:
 def launch(kernel, plan: c.CallPlan, *, num_semaphores, semantics, aliases, interpret, name):
   scratch = [pltpu.VMEM(shape, dtype) for shape, dtype in plan.scratch]
   scratch.append(pltpu.SemaphoreType.DMA((num_semaphores,)))
-  scratch.append(pltpu.SMEM((2,), jnp.int32))  # tokens copied into each kv slot (`walk.Refs.tokens_sc`)
+  scratch.append(pltpu.SMEM((4,), jnp.int32))  # tokens and rows copied into each kv slot (`walk.Refs.tokens_sc`)
 
   def run(*args):
     args = vma.unify(*args)

@@ -31,7 +31,9 @@ class Refs:
   v_buf: object  # the same with Hv
   scale_bufs: tuple  # [2, ppb, rows, K] (None when absent)
   sem: object  # DMA semaphores; [0] and [1]: the kv slots
-  tokens_sc: object = None  # [2] int32 (SMEM): tokens copied into each kv slot by its last `_start_pages`
+  # [4] int32 (SMEM): [0:2] the tokens below kv_len copied into each kv slot by its last `_start_pages`, [2:4] the
+  # rows its copies moved (the DMA semaphore's count: more than the tokens where merged pages copy whole tiles)
+  tokens_sc: object = None
   q_ids: object = None  # [bq, 1] the q block's bidirectional ids (VMEM), or None
   kv_ids_hbm: object = None  # [span_rows, 1, bt] the kv id table (`plans.span_operands`)
   kv_ids_buf: object = None  # [2, 1, bt] the kv block's ids, one slot per kv slot
@@ -40,12 +42,15 @@ class Refs:
 
 @dataclasses.dataclass(frozen=True)
 class Page:
-  """Page j of a kv block: whether it holds keys of the block (a valid id, below kv_len), its clamped id, and
-  how many of its tokens are copied (0 when not `ok`)."""
+  """Page j of a kv block: whether it holds keys of the block (a valid id, below kv_len), its clamped id, how
+  many of its tokens are below kv_len (0 when not `ok`) and how many buffer rows its copy moves: tokens * K
+  (flat), tokens, or for merged pages the tokens rounded up to whole sublane tiles of the page dtype (Mosaic slices
+  a tiled dim only by whole tiles; the rows past kv_len are the page's own, zeroed by `block_keys`)."""
 
   ok: jax.Array
   pid: jax.Array
   tokens: jax.Array
+  rows: jax.Array
 
 
 def block_pages(d: pp.PagedDims, r: Refs, s, b, kv_len) -> list[Page]:
@@ -57,8 +62,16 @@ def block_pages(d: pp.PagedDims, r: Refs, s, b, kv_len) -> list[Page]:
     pid = r.table[s * d.ppt + entry]
     tokens = jnp.clip(kv_len - entry * d.ps, 0, d.ps)
     ok = (pid >= 0) & (pid < d.P) & (tokens > 0)
-    out.append(Page(ok, jnp.clip(pid, 0, d.P - 1), jnp.where(ok, tokens, 0)))
+    tokens = jnp.where(ok, tokens, 0)
+    out.append(Page(ok, jnp.clip(pid, 0, d.P - 1), tokens, _copy_rows(d, tokens)))
   return out
+
+
+def _copy_rows(d: pp.PagedDims, tokens):
+  if not d.merged:
+    return tokens * d.rows_per_token
+  sub = c.sublanes(d.page_dtype)
+  return pl.multiple_of(jax.lax.div(tokens + sub - 1, sub) * sub, sub)
 
 
 def _page_slot(d: pp.PagedDims, buf, slot, j):
@@ -73,11 +86,11 @@ def _start_pages(d: pp.PagedDims, r: Refs, pages: list[Page], slot):
   `Refs.tokens_sc`.  Scales (small, and per page) are copied whole, on the pages that are `ok`."""
   per = d.rows_per_token
   r.tokens_sc[slot] = sum(p.tokens for p in pages)
+  r.tokens_sc[2 + slot] = sum(p.rows for p in pages)
   for j, page in enumerate(pages):
-    n = page.tokens * per
     for hbm, buf in ((r.k_hbm, r.k_buf), (r.v_hbm, r.v_buf)):
-      dst = buf.at[slot, pl.ds(j * d.ps * per, n)]
-      pltpu.make_async_copy(hbm.at[page.pid, pl.ds(0, n)], dst, r.sem.at[slot]).start()
+      dst = buf.at[slot, pl.ds(j * d.ps * per, page.rows)]
+      pltpu.make_async_copy(hbm.at[page.pid, pl.ds(0, page.rows)], dst, r.sem.at[slot]).start()
   _run(_scale_copies(r, pages, slot), "start")
 
 
@@ -99,13 +112,14 @@ def _wait_pages(d: pp.PagedDims, r: Refs, s, b, kv_len, slot):
   """Waits for every copy `_start_pages` started into kv slot `slot` (block b of sequence s): one wait per K and
   V buffer for the block's byte count (the DMA semaphore counts bytes; the view waited on only supplies the
   count)."""
-  per = d.rows_per_token
-  tokens = r.tokens_sc[slot]
+  rows = r.tokens_sc[2 + slot]
+  if d.merged:
+    rows = pl.multiple_of(rows, c.sublanes(d.page_dtype))
 
-  @pl.when(tokens > 0)
+  @pl.when(rows > 0)
   def _():
     for buf in (r.k_buf, r.v_buf):
-      view = buf.at[slot, pl.ds(0, tokens * per)]
+      view = buf.at[slot, pl.ds(0, rows)]
       pltpu.make_async_copy(view, view, r.sem.at[slot]).wait()
 
   if any(x is not None for x in r.scales_hbm):
