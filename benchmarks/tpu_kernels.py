@@ -639,7 +639,11 @@ def paged_table(report, cfg: Config, args, chip) -> None:
   steps = layout_steps(args.seed)
   if args.interpret:  # tiny: the same kinds of batches
     steps = {"decode": decode(4, 64), "random": Step("decode 4, random", (1,) * 4, (5, 40, 17, 64), 4)}
-    steps |= {"mixed": cfg.steps[1], "prefill": mixed([(16, 16)] * 2, (), 32, "prefill 2 x 16 on 16"), "short": decode(4, 8)}
+    steps |= {
+      "mixed": cfg.steps[1],
+      "prefill": mixed([(16, 16)] * 2, (), 32, "prefill 2 x 16 on 16"),
+      "short": decode(4, 8),
+    }
   for name, N, K, H, page in args.paged_layouts:
     paged = dict(N=N, K=K, H=H)
     chosen = tuple(steps[s] for s in pick)
@@ -714,7 +718,11 @@ def paged_layout_table(report, steps, paged: dict, page: int, args, chip, *, tit
                    gbs and bw and 100 * gbs * 1e9 / bw, got["err"], our_paged_blocks(x, blocks, merged_pages),
                    jax_paged_blocks(x), notes_cell(got["errors"])])  # fmt: skip
       if merged_pages and (args.paged_heads_pages or H % 128):
-        rows[-1][-1] = (rows[-1][-1] + "; " if rows[-1][-1] else "") + f"[P,page,K,H] pages: {heads_ms:.3f} ms" if heads_ms else "[P,page,K,H] pages: -"
+        rows[-1][-1] = (
+          (rows[-1][-1] + "; " if rows[-1][-1] else "") + f"[P,page,K,H] pages: {heads_ms:.3f} ms"
+          if heads_ms
+          else "[P,page,K,H] pages: -"
+        )
     del x, kv  # the 16 x 16384 step's pages and combined cache alone take 2 GiB
   peer_note = (
     "JAX's ragged_paged_attention does not run in interpret mode: checked against its ref_ragged_paged_attention "

@@ -782,21 +782,30 @@ def test_fused_write_mla_pages():
 
 @interpret
 @pytest.mark.parametrize("heads, hd", [((4, 2), 64), ((8, 1), 128)], ids=["H64-K2", "K1"])
-def test_fused_write_merged_pages(heads, hd):
-  """A merged cache (`PagedKVCache.create(merged=True)`: pages [P, page_size, K * H]) after fused steps equals the
-  one PagedKVCache.append leaves, across q blocks and a prefix-shared page, and attends as the XLA backend does;
-  head dim 64 writes two kv heads' halves of a 128-lane row (`plans.lane_groups`)."""
+def test_merged_cache_appends_then_attends(heads, hd):
+  """A merged cache (`PagedKVCache.create(merged=True)`: pages [P, page_size, K * H]) holds exactly the values a
+  4-D cache holds after the same appends and prefix sharing, and the Pallas TPU kernel attends over it as the XLA
+  backend does over the 4-D one.  Its calls have no fused write (Mosaic refuses one-row writes into merged pages on
+  a TPU): `fuses_cache_write` is False and `attend_and_write` says why."""
   N, K = heads
   rng = np.random.default_rng([83, hd])
-  cache = fr.PagedKVCache.create(**dict(CACHE, num_kv_heads=K, head_dim=hd), merged=True)
-  assert cache.k_pages.shape == (24, PS, K * hd) and (cache.num_kv_heads, cache.head_dim) == (K, hd)
-  _, cache = _separate(cache, *_ragged(rng, [13, 3], heads=N, kv=K, hd=hd))
-  cache = jax.jit(fr.PagedKVCache.share_prefix)(cache, 0, 2, 11)
-  for lens in ([1, 2, 4], [5, 1, 1, 9]):
+  caches = [fr.PagedKVCache.create(**dict(CACHE, num_kv_heads=K, head_dim=hd), merged=m) for m in (True, False)]
+  assert caches[0].k_pages.shape == (24, PS, K * hd) and (caches[0].num_kv_heads, caches[0].head_dim) == (K, hd)
+  for lens in ([13, 3], [1, 2, 4], [5, 1, 1, 9]):
     batch = _ragged(rng, lens, heads=N, kv=K, hd=hd)
-    expected_out, expected = _separate(cache, *batch)
+    (_, merged_cache), (want, flat_cache) = (_separate(c, *batch) for c in caches)
+    for name in ("k_pages", "v_pages"):
+      got = np.asarray(getattr(merged_cache, name)).reshape(getattr(flat_cache, name).shape)
+      np.testing.assert_array_equal(got, np.asarray(getattr(flat_cache, name)), name)
+    q, _, _, cu, n = batch
+    c = merged_cache
     with no_races():
-      out, cache = jax.block_until_ready(_fused(cache, *batch))
-    for name in ("k_pages", "v_pages", "page_indices", "kv_lens", "ref_counts"):
-      np.testing.assert_array_equal(np.asarray(getattr(cache, name)), np.asarray(getattr(expected, name)), name)
-    assert_close(out, expected_out, F32)
+      out = jax.block_until_ready(_op("pallas", q, c.k_pages, c.v_pages, c.kv_lens, c.page_indices, cu, n))
+    assert_close(out, want, F32)
+    caches = [jax.jit(fr.PagedKVCache.share_prefix)(x, 0, 2, 11) if lens == [13, 3] else x for x in (c, flat_cache)]
+  call = paged_ops.plan_call(
+    q, c.k_pages, c.v_pages, c.kv_lens, c.page_indices, cu, n, implementation="pallas_tpu", interpret=interpret_params()
+  )
+  assert call.merged and not call.fuses_cache_write
+  with pytest.raises(NotImplementedError, match="merged pages True"):
+    call.attend_and_write(q, *batch[1:3], c.k_pages, c.v_pages)

@@ -284,15 +284,17 @@ class PagedCall:
   v_scale: object
   metadata: tuple  # (kv_lens, page_indices, cu_q_lens, num_seqs) as int32 arrays
   bidirectional_ids: object = None  # [T] int32, or None
+  merged: bool = False  # pages [P, page_size, K * H]
 
   @property
   def fuses_cache_write(self) -> bool:
     """Whether `attend_and_write` runs: a backend with a fused write, per-token ([P, page_size, K]) scales or none,
-    and no bidirectional ids (the kernel writes q block by q block, so a span reaching past its block would read
-    keys not written yet)."""
+    no bidirectional ids (the kernel writes q block by q block, so a span reaching past its block would read
+    keys not written yet), and 4-D pages (on a TPU, Mosaic refuses the one-row writes into merged pages: "Offsets
+    along tiled dimensions must be aligned to tiles", seen on a v5e; merged caches append, then attend)."""
     per_token = all(x is None or x.ndim == 3 for x in (self.k_scale, self.v_scale))
     spans = self.spec.mask.has_bidirectional
-    return getattr(self.backend, "fused_cache_write", False) and per_token and not spans
+    return getattr(self.backend, "fused_cache_write", False) and per_token and not spans and not self.merged
 
   def with_cache(self, k_scale, v_scale, kv_lens, page_indices) -> PagedCall:
     """The same call over a cache whose pages were reserved since (`PagedKVCache.reserve_append`): the new
@@ -319,7 +321,8 @@ class PagedCall:
     if not self.fuses_cache_write:
       raise NotImplementedError(
         f"this paged call has no fused cache write (backend {type(self.backend).__name__}, bidirectional ids "
-        f"{self.bidirectional_ids is not None}, scales {getattr(self.k_scale, 'shape', None)}): append the new "
+        f"{self.bidirectional_ids is not None}, scales {getattr(self.k_scale, 'shape', None)}, merged pages "
+        f"{self.merged}): append the new "
         "tokens (PagedKVCache.append), then attend (paged_attention)"
       )
     q, k_new, v_new, k_pages, v_pages = (_as_array(x) for x in (q, k_new, v_new, k_pages, v_pages))
@@ -408,7 +411,7 @@ def plan_call(
     block_sizes=BlockSizes(block_q=min(blocks.block_q, max(T, 1)), block_kv=pages_per_block * ps),
   )
   metadata = tuple(jnp.asarray(x, jnp.int32) for x in (kv_lens, page_indices, cu_q_lens, num_seqs))
-  return PagedCall(spec, backend, _as_array(k_scale), _as_array(v_scale), metadata, ids)
+  return PagedCall(spec, backend, _as_array(k_scale), _as_array(v_scale), metadata, ids, merged=k_pages.ndim == 3)
 
 
 def _as_array(x):

@@ -205,15 +205,14 @@ def paged_fwd_write(
       raise NotImplementedError(
         f"the fused cache write stores per-token scales [P, page_size, K], got {name}.ndim={sc.ndim}"
       )
-  f, G = pp.lane_groups(q, k_pages, v_pages, k_scale, v_scale)
-  if f > 1:
-    rest = (k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale, k_new_scale, v_new_scale)
-    out, lse, *cache = paged_fwd_write(pp.spread_heads(q, f, G), k_new, v_new, *rest, spec=spec, interpret=interpret)
-    return (pp.gather_heads(out, f, G), lse, *cache)
+  if k_pages.ndim == 3:
+    raise NotImplementedError(
+      "the fused cache write stores one token row at a time, which Mosaic refuses in merged pages "
+      "[P, page_size, K * H] (offsets along tiled dimensions); append the K/V, then call paged_attention"
+    )
   T = q.shape[0]
   d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret, write=True)
   k_pages, v_pages = pp.to_kernel_pages(d, k_pages), pp.to_kernel_pages(d, v_pages)
-  k_new, v_new = pp.new_rows(d, k_new), pp.new_rows(d, v_new)
   q, k_new, v_new, k_new_scale, v_new_scale = (
     pp.pad_rows(x, d.T) for x in (q, k_new, v_new, k_new_scale, v_new_scale)
   )  # padding rows belong to no sequence: never written

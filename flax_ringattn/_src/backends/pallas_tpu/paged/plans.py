@@ -244,11 +244,6 @@ def from_kernel_pages(d: PagedDims, x):
   return x if d.merged else x.reshape(d.P, d.ps, d.K, x.shape[-1])
 
 
-def new_rows(d: PagedDims, x):
-  """The fused write's new tokens [T, K, h] as the kernel takes them: [T, K * h] for merged pages."""
-  return x.reshape(x.shape[0], -1) if d.merged else x
-
-
 def _kv_scratch(d: PagedDims):
   bufs = [(kv_buffer_shape(d, d.H), d.page_dtype), (kv_buffer_shape(d, d.Hv), d.page_dtype)]
   bufs += [((2, d.ppb, r, d.K), c.F32) for r in d.scale_rows if r]
@@ -274,8 +269,7 @@ def fwd_plan(d: PagedDims) -> c.CallPlan:
   out_specs = [_row_block(d, (d.N, d.Hv)), _row_block(d, (d.N,))]
   out_shapes = [jax.ShapeDtypeStruct((d.T, d.N, d.Hv), d.q_dtype), jax.ShapeDtypeStruct((d.T, d.N), c.F32)]
   if d.write:  # new K/V rows (and their per-token scales) in; the updated pages out (aliased, in HBM)
-    new = [(d.K * h,) if d.merged else (d.K, h) for h in (d.H, d.Hv)]
-    in_specs += [_row_block(d, x) for x in new] + [_row_block(d, (d.K,))] * num_scales
+    in_specs += [_row_block(d, (d.K, d.H)), _row_block(d, (d.K, d.Hv))] + [_row_block(d, (d.K,))] * num_scales
     in_dtypes += [d.page_dtype] * 2 + [c.F32] * num_scales
     out_specs += [_any()] * (2 + num_scales)
     out_shapes += [jax.ShapeDtypeStruct(page_shape(d, h), d.page_dtype) for h in (d.H, d.Hv)]
