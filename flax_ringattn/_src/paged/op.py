@@ -56,7 +56,10 @@ def paged_attention(
       return 0).  Heads stay in the second-minor dimension, as projected.
     k_pages, v_pages: [P, page_size, K, H] / [P, page_size, K, Hv] page-major
       caches (N % K == 0; v's head dim Hv may differ, as in MLA); float, or
-      int8 / float8 with `k_scale` / `v_scale`.
+      int8 / float8 with `k_scale` / `v_scale`.  Or merged, [P, page_size, K * H]
+      / [P, page_size, K * Hv] (a token's kv heads side by side; K = the last
+      dim / q's H): the Pallas TPU kernel reads those densely for any K and
+      head dim (`PagedKVCache.create(merged=True)`); cotangents keep the layout.
     kv_lens: [S] tokens of each sequence in the cache, new tokens included.
     page_indices: [S, pages_per_seq] page ids of each sequence, in order.
     cu_q_lens: [S + 1] sequence i owns rows cu_q_lens[i] .. cu_q_lens[i+1]-1.
