@@ -434,6 +434,10 @@ def test_unsupported_shapes_raise_not_implemented():
     fr.paged_attention(*_small(page_size=4), implementation="pallas_tpu", interpret=True)
   with pytest.raises(NotImplementedError, match="page_size to be a multiple of 16 for bfloat16"):
     fr.paged_attention(*_small(page_size=8, dtype=BF16), implementation="pallas_tpu", interpret=True)
+  q, kp, vp, *meta = _small(page_size=16, dtype=BF16)
+  int8 = jnp.zeros((6, 16, 16), jnp.int8)  # merged int8 pages of 16 tokens: half an int8 sublane tile
+  with pytest.raises(NotImplementedError, match="merged pages .* of int8 needs page_size to be a multiple of 32"):
+    fr.paged_attention(q, int8, int8, *meta, k_scale=1.0, v_scale=1.0, implementation="pallas_tpu", interpret=True)
 
 
 @interpret
