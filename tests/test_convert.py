@@ -235,8 +235,13 @@ def test_convert_report_skips_with_reasons_and_paged_target():
     (dict(to="flash"), ValueError, "to='flash' must be 'ring' or 'paged'"),
     (dict(to="paged", seq_axis="sp"), ValueError, r"convert\(to='paged'\): seq_axis='sp' needs mesh=\.\.\."),
     (dict(bogus_option=1), TypeError, "does not take these options"),
+    (
+      dict(example=(jnp.zeros((1, 8), jnp.int32), jnp.zeros((1, 8), jnp.int32))),
+      TypeError,
+      r"example must be a function of the model, called as example\(model\).*got a tuple",
+    ),
   ],
-  ids=["to", "paged-seq-axis-without-mesh", "unknown-option"],
+  ids=["to", "paged-seq-axis-without-mesh", "unknown-option", "example-not-a-function"],
 )
 def test_convert_errors(kwargs, error, match):
   model = LM(rngs=nnx.Rngs(0), layers=1)

@@ -286,6 +286,11 @@ def convert(
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
   if to not in ("ring", "paged"):
     raise ValueError(f"{to=} must be 'ring' or 'paged'")
+  if example is not None and not callable(example):
+    raise TypeError(
+      f"convert: example must be a function of the model, called as example(model) (e.g. example=lambda m: "
+      f"m(tokens, positions)), got a {type(example).__name__}; wrap the inputs in such a function"
+    )
   if to == "paged" and seq_axis is not None and mesh is None:
     raise ValueError(f"convert(to='paged'): {seq_axis=} needs mesh=... (the mesh the cache's pages spread over)")
   # Checked before anything is replaced, so a wrong axis leaves the model as it was.
