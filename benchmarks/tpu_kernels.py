@@ -313,6 +313,38 @@ def check_and_time(report, row: str, ours: Candidate, peers: dict[str, Candidate
   return out
 
 
+def best_peer(times: dict, prefix: str, *, exclude: str | None = None, only: str | None = None) -> str | None:
+  """The timed candidate named `prefix`... (without `exclude`, or with `only` in its name) of least median time."""
+  names = [n for n in times if n.startswith(prefix) and times[n]]
+  names = [n for n in names if (exclude is None or exclude not in n) and (only is None or only in n)]
+  return min(names, key=lambda n: median(times[n]), default=None)
+
+
+def peer_label(name: str | None) -> str | None:
+  """'b512 fused' of 'splash b512 fused'."""
+  return None if name is None else name.split(" ", 1)[1]
+
+
+def summarize(report, title: str, rows: Sequence[Sequence], name_cols: Sequence[int], ratio_cols: dict) -> None:
+  """One line per ratio column of a table: rows measured, minimum and median ratio (> 1: ours faster), the worst
+  row named, and how many rows are below 1.0x."""
+  out = []
+  for label, col in ratio_cols.items():
+    got = [(r[col], " ".join(str(r[i]) for i in name_cols)) for r in rows if r[col] is not None]
+    if not got:
+      out.append([label, 0, None, None, "-", 0])
+      continue
+    values = sorted(v for v, _ in got)
+    worst = min(got, key=lambda x: x[0])
+    out.append([label, len(got), values[0], median(values), worst[1], sum(v < 1.0 for v in values)])
+  report.table(
+    f"Summary: {title}",
+    ["ratio", "rows", "min", "median", "worst row", "rows below 1.0x"],
+    out,
+    formats={"min": ".2f", "median": ".2f"},
+  )
+
+
 def ms(times: dict, name: str | None) -> float | None:
   t = median(times.get(name, []))
   return None if t is None else t * 1e3
@@ -387,13 +419,13 @@ def our_block_tiles(T: int, N: int, H: int, block_sizes) -> str | None:
     return None
 
 
-def splash_fn(p: Problem, fused_bwd: bool, interpret: bool) -> Callable:
+def splash_fn(p: Problem, fused_bwd: bool, interpret: bool, block: int = PEER_BLOCK) -> Callable:
   """Splash on [B, N, T, H] (its per-example layout [N, T, H]; B = 1 drops the batch dim, else vmap), q already
   scaled: splash applies no softmax scale."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-  b = min(PEER_BLOCK, p.T)
+  b = min(block, p.T)
   dq = None if fused_bwd else b  # the fused backward computes dq in the dk/dv kernel: no dq blocks
   sizes = splash.BlockSizes(
     block_q=b,
@@ -415,11 +447,11 @@ def splash_fn(p: Problem, fused_bwd: bool, interpret: bool) -> Callable:
   return jax.vmap(kernel)
 
 
-def flash_fn(p: Problem, scale: float) -> Callable:
+def flash_fn(p: Problem, scale: float, block: int = PEER_BLOCK) -> Callable:
   """JAX's flash_attention on [B, N, T, H], which applies `sm_scale` itself."""
   from jax.experimental.pallas.ops.tpu import flash_attention as fa
 
-  b = min(PEER_BLOCK, p.T)
+  b = min(block, p.T)
   sizes = fa.BlockSizes(
     block_q=b,
     block_k_major=b,
@@ -445,6 +477,12 @@ def to_our_layout(result, dq_scale: float = 1.0):
   return back(out), (back(dq).astype(jnp.float32) * dq_scale, back(dk), back(dv))
 
 
+def grads_to_our_layout(grads, dq_scale: float = 1.0):
+  """A peer's (dq, dk, dv) in [B, N, T, H], as ours: [B, T, N, H], dq times `dq_scale`."""
+  dq, dk, dv = (x.transpose(0, 2, 1, 3) for x in grads)
+  return dq.astype(jnp.float32) * dq_scale, dk, dv
+
+
 def block_table(report, cfg: Config, args, chip) -> None:
   B, N, H = cfg.block["B"], cfg.block["N"], cfg.block["H"]
   scale = H**-0.5
@@ -463,25 +501,35 @@ def block_table(report, cfg: Config, args, chip) -> None:
       inputs[r.T] = (q, k, v, do, qt, kt, vt, dot, qs)
     q, k, v, do, qt, kt, vt, dot, qs = inputs[r.T]
     bwd = r.pas == "fwd+bwd"
-    wrap = bench.fwd_bwd if bwd else jax.jit
+    # A training step keeps the gradients alone: timing the output too runs a peer's forward twice (splash without
+    # and with residuals), which slows the peer, not ours (--with-output: the output and the gradients).
+    wrap = functools.partial(bench.fwd_bwd, with_output=args.with_output) if bwd else jax.jit
     # Splash's dq is the gradient by the scaled q: times the scale, by ours.
     from_splash = functools.partial(to_our_layout, dq_scale=scale)
     from_flash = to_our_layout
     cotangent = lambda x, bwd=bwd: (x,) if bwd else ()  # fwd_bwd's extra argument: dO in the candidate's layout
+    if bwd and not args.with_output:  # gradients alone: the check and the layouts see (dq, dk, dv)
+      from_splash = functools.partial(grads_to_our_layout, dq_scale=scale)
+      from_flash = grads_to_our_layout
     peers = {}
-    try:
-      kernel = splash_fn(p, args.splash_fused_bwd, args.interpret)
-      peers["splash"] = Candidate(wrap(kernel), (qs, kt, vt, *cotangent(dot)), from_splash)
-      if not args.no_splash_layout:  # splash as a [B, T, N, H] model calls it: the layout work timed too
-        peers["splash BTNH"] = Candidate(wrap(on_our_layout(kernel, scale)), (q, k, v, *cotangent(do)))
-    except Exception as e:  # building the kernel (the mask's block tables) can fail too
-      peers["splash"] = Candidate(None, (), error=error_text(e))
-    if not args.no_flash:
-      # Interpret mode wraps the jitted call: its backward kernels are traced when jit differentiates, outside
-      # flash_fn's own frames.
-      flash = tpu_interpret(wrap(flash_fn(p, scale)), args.interpret)
-      peers["flash"] = Candidate(flash, (qt, kt, vt, *cotangent(dot)), from_flash)
-    leaves = ("out", "dq", "dk", "dv") if bwd else ("out",)
+    # Each peer at every block size of --peer-blocks (and splash with and without its fused backward with
+    # --splash-fused-bwd both): the row reports the fastest, as a user tuning it would run it.
+    for blk in sorted({min(b, r.T) for b in args.peer_blocks}):  # blocks are capped at T: each once
+      for fused in sorted({False, args.splash_fused_bwd}) if bwd else (False,):
+        name = f"splash b{blk}" + (" fused" if fused else "")
+        try:
+          kernel = splash_fn(p, fused, args.interpret, blk)
+          peers[name] = Candidate(wrap(kernel), (qs, kt, vt, *cotangent(dot)), from_splash)
+          if not args.no_splash_layout:  # splash as a [B, T, N, H] model calls it: the layout work timed too
+            peers[f"{name} BTNH"] = Candidate(wrap(on_our_layout(kernel, scale)), (q, k, v, *cotangent(do)))
+        except Exception as e:  # building the kernel (the mask's block tables) can fail too
+          peers[name] = Candidate(None, (), error=error_text(e))
+      if not args.no_flash:
+        # Interpret mode wraps the jitted call: its backward kernels are traced when jit differentiates, outside
+        # flash_fn's own frames.
+        flash = tpu_interpret(wrap(flash_fn(p, scale, blk)), args.interpret)
+        peers[f"flash b{blk}"] = Candidate(flash, (qt, kt, vt, *cotangent(dot)), from_flash)
+    leaves = (("dq", "dk", "dv") if not args.with_output else ("out", "dq", "dk", "dv")) if bwd else ("out",)
     mask = "causal" if r.causal else "full"
     # Several --block-sizes: one checked, timed row per choice, against the same (compiled once) peers.
     for blocks in args.block_sizes or [None]:
@@ -497,31 +545,37 @@ def block_table(report, cfg: Config, args, chip) -> None:
       flops = cost.attention_flops(B=B, T=r.T, N=N, H=H, is_causal=r.causal, direction=r.pas)
       t_ours = ms(t, "ours")
       tflops = flops / t_ours / 1e9 if t_ours else None
-      row = [r.T, mask, r.pas, our_block_tiles(r.T, N, H, blocks), t_ours, ms(t, "splash"), ratio(t, "splash")]
+      splash_best = best_peer(t, "splash b", exclude=" BTNH")
+      row = [r.T, mask, r.pas, our_block_tiles(r.T, N, H, blocks), t_ours, ms(t, splash_best), ratio(t, splash_best)]
+      row += [peer_label(splash_best)]
       if not args.no_splash_layout:
-        row += [ms(t, "splash BTNH"), ratio(t, "splash BTNH")]
+        btnh = best_peer(t, "splash b", only=" BTNH")
+        row += [ms(t, btnh), ratio(t, btnh)]
       if not args.no_flash:
-        row += [ms(t, "flash"), ratio(t, "flash")]
+        flash_best = best_peer(t, "flash b")
+        row += [ms(t, flash_best), ratio(t, flash_best), peer_label(flash_best)]
       for variant in args.ours_variants:
         row += [ms(t, f"ours {variant}"), ratio(t, f"ours {variant}")]
       row += [tflops, tflops and peak and 100 * tflops * 1e12 / peak, got["err"], notes_cell(got["errors"])]
       rows.append(row)
-  header = ["T", "mask", "pass", "ours tiles", "ours ms", "splash ms", "splash/ours"]
+  header = ["T", "mask", "pass", "ours tiles", "ours ms", "splash ms", "splash/ours", "splash at"]
   if not args.no_splash_layout:
     header += ["splash BTNH ms", "splash BTNH/ours"]
   if not args.no_flash:
-    header += ["flash ms", "flash/ours"]
+    header += ["flash ms", "flash/ours", "flash at"]
   for variant in args.ours_variants:
     header += [f"ours {variant} ms", f"{variant}/ours"]
   header += ["ours TFLOP/s", "% peak", "max err", "notes"]
-  b = PEER_BLOCK
+  b = "b"
   splash_blocks = f"splash BlockSizes(block_q={b}, block_kv={b}, block_kv_compute={b}, block_q_dkv={b}, "
-  splash_blocks += f"block_kv_dkv={b}, block_kv_dkv_compute={b}, " + (
-    "use_fused_bwd_kernel=True)" if args.splash_fused_bwd else f"block_q_dq={b}, block_kv_dq={b})"
-  )
+  splash_blocks += f"block_kv_dkv={b}, block_kv_dkv_compute={b}, block_q_dq={b}, block_kv_dq={b})"
+  splash_blocks += " or use_fused_bwd_kernel=True" * args.splash_fused_bwd
+  blocks_text = ", ".join(str(x) for x in args.peer_blocks)
+  what = "the gradients alone" if not args.with_output else "the output and the gradients"
   report.table(
-    f"Block kernels: ring_attention(implementation='pallas_tpu') on one device vs splash attention (every block "
-    f"{b}, capped at T){' and flash_attention' * (not args.no_flash)}; B={B} N={N} H={H} bfloat16, scale 1/sqrt(H)",
+    f"Block kernels: ring_attention(implementation='pallas_tpu') on one device vs splash attention at its best of "
+    f"blocks b in {{{blocks_text}}} (capped at T){' and flash_attention' * (not args.no_flash)}; B={B} N={N} H={H} "
+    f"bfloat16, scale 1/sqrt(H); fwd+bwd: {what}",
     header,
     rows,
     formats={"ours ms": ".3f", "splash ms": ".3f", "flash ms": ".3f", "splash/ours": ".2f", "flash/ours": ".2f"}
@@ -530,7 +584,8 @@ def block_table(report, cfg: Config, args, chip) -> None:
     | {f"{v}/ours": ".2f" for v in args.ours_variants},
     notes=[
       f"{splash_blocks}; mask CausalMask / FullMask per head (make_splash_mha_single_device).",
-      f"flash_attention BlockSizes: every block {b}, block_b=1.  Ours: the planner's tiles (block_sizes=None) or",
+      "splash at / flash at: the block size (and backward) of the peer's fastest candidate, whose time the row shows.",
+      "flash_attention BlockSizes: every block b, block_b=1.  Ours: the planner's tiles (block_sizes=None) or",
       "--block-sizes; ours tiles: forward q x kv; backward q x kv.",
       "Layouts: ours q/k/v [B, T, N, H]; the peers [B, N, T, H] (transposed before timing); splash gets q * scale",
       "(it has no softmax scale; scaled before timing, its dq compared times the scale).  splash BTNH: the same",
@@ -549,6 +604,8 @@ def block_table(report, cfg: Config, args, chip) -> None:
       ),
     ],
   )
+  ratios = {c: header.index(c) for c in ("splash/ours", "splash BTNH/ours", "flash/ours") if c in header}
+  summarize(report, f"block kernels, B={B} N={N} H={H}", rows, (0, 1, 2), ratios)
 
 
 # ------------------------------------------------------------------------------------------
@@ -644,13 +701,17 @@ def paged_table(report, cfg: Config, args, chip) -> None:
       "prefill": mixed([(16, 16)] * 2, (), 32, "prefill 2 x 16 on 16"),
       "short": decode(4, 8),
     }
+  everything = []
   for name, N, K, H, page in args.paged_layouts:
     paged = dict(N=N, K=K, H=H)
     chosen = tuple(steps[s] for s in pick)
-    paged_layout_table(report, chosen, paged, page or args.page_size, args, chip, title=f"{name}: ")
+    rows = paged_layout_table(report, chosen, paged, page or args.page_size, args, chip, title=f"{name}: ")
+    everything += [[name, *row] for row in rows]
+  # jax/ours against the peer; % HBM where the peer refuses the layout (the bar there: 60% on decode)
+  summarize(report, "paged kernel, every layout", everything, (0, 1), {"jax/ours": 8, "% HBM": 10})
 
 
-def paged_layout_table(report, steps, paged: dict, page: int, args, chip, *, title: str) -> None:
+def paged_layout_table(report, steps, paged: dict, page: int, args, chip, *, title: str) -> list:
   """One table: every batch of `steps` on one head layout, ours (merged pages with --paged-layouts) against
   ragged_paged_attention, or against the HBM roofline where it refuses the layout."""
   N, K, H = paged["N"], paged["K"], paged["H"]
@@ -750,6 +811,7 @@ def paged_layout_table(report, steps, paged: dict, page: int, args, chip, *, tit
       "max |jax|)).",
     ],
   )
+  return rows
 
 
 # ------------------------------------------------------------------------------------------
@@ -795,7 +857,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   add("--num-heads", type=int, default=8, help="block table: N (= K)")
   add("--head-dim", type=int, default=128, help="block table: H")
   add("--no-flash", action="store_true", help="block table: leave out JAX's flash_attention")
-  add("--splash-fused-bwd", action="store_true", help="block table: splash's fused dq/dk/dv backward kernel")
+  add(
+    "--peer-blocks",
+    default=str(PEER_BLOCK),
+    help="block table: splash's and flash_attention's block sizes to try, comma-separated; each row reports each "
+    "peer's fastest (e.g. 256,512,1024)",
+  )
+  add(
+    "--with-output",
+    action="store_true",
+    help="block table: fwd+bwd rows time the output and the gradients as two results (default: the gradients "
+    "alone, as a training step keeps them; timing both runs splash's forward twice)",
+  )
+  add(
+    "--splash-fused-bwd",
+    action="store_true",
+    help="block table: fwd+bwd rows also try splash's fused dq/dk/dv backward kernel at each block size",
+  )
   add(
     "--no-splash-layout",
     action="store_true",
@@ -852,6 +930,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   args.seq_lens, args.fwd_seq_lens = ints(args.seq_lens), ints(args.fwd_seq_lens)
   args.masks, args.tables = names(args.masks), names(args.tables)
   args.ours_variants = names(args.ours_variants)
+  try:
+    args.peer_blocks = ints(args.peer_blocks)
+  except ValueError:
+    parser.error(f"--peer-blocks takes block sizes, got {args.peer_blocks!r}")
   for variant in args.ours_variants:
     try:
       variant_debug(variant)

@@ -228,9 +228,15 @@ def test_tpu_kernels_quick_run_checks_and_prints_both_tables(tpu_kernels, tmp_pa
   text = out.getvalue()
   assert "## Block kernels: ring_attention(implementation='pallas_tpu') on one device vs splash" in text, text
   assert "## Ragged paged attention: paged_attention(implementation='pallas_tpu') vs JAX's" in text, text
-  assert "ok: block T=256 causal fwd+bwd: ours vs flash (worst: " in text and "FAILED" not in text, text
+  assert "ok: block T=256 causal fwd+bwd: ours vs flash b256 (worst: " in text and "FAILED" not in text, text
   assert "Host round trip, timed after the rows: a tiny jitted call waited for each time: " in text, text
-  block, paged = (s for s in json.loads(path.read_text())["sections"] if "table" in s)
+  tables = {s["table"].split(":")[0]: s for s in json.loads(path.read_text())["sections"] if "table" in s}
+  block, paged = tables["Block kernels"], tables["Ragged paged attention"]
+  # fwd+bwd rows time the gradients alone (what a training step keeps), the peers at their best block (capped at T)
+  assert "fwd+bwd: the gradients alone" in block["table"] and {r["splash at"] for r in block["rows"]} == {"b256"}
+  summary = tables["Summary"]
+  assert [r["ratio"] for r in summary["rows"]] == ["splash/ours", "splash BTNH/ours", "flash/ours"]
+  assert all(r["rows"] == 2 and r["min"] <= r["median"] for r in summary["rows"]), summary["rows"]
   assert [(r["T"], r["pass"]) for r in block["rows"]] == [(256, "fwd"), (256, "fwd+bwd")]
   assert {r["ours tiles"] for r in block["rows"]} == {"256x128; 128x256"}  # --block-sizes: forward; backward
   assert all(r["splash BTNH ms"] > 0 for r in block["rows"])  # splash on our layout: checked against ours, timed
@@ -264,6 +270,27 @@ def test_tpu_kernels_paged_rows_and_a_blocks_sweep(tpu_kernels, tmp_path):
       tpu_kernels.parse_args(bad)
   with pytest.raises(SystemExit, match="no row"), contextlib.redirect_stdout(io.StringIO()):
     tpu_kernels.main(["--tables", "paged", "--paged-rows", "7"])
+
+
+@pytest.mark.interpret
+@pytest.mark.races_not_read(SMOKE_RUN)
+def test_tpu_kernels_paged_layouts_on_merged_pages(tpu_kernels, tmp_path):
+  """--paged-layouts: one table per head layout, ours on merged pages; head dim 64 (which jax refuses) is checked
+  against ours on [P, page, K, H] pages and timed beside it; a summary over every layout names the worst row."""
+  path = tmp_path / "layouts.json"
+  argv = ["--tables", "paged", "--paged-layouts", "4/2/64", "--paged-steps", "decode", "--repeats", "1"]
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    assert tpu_kernels.main([*argv, "--json", str(path)]) == 0
+  text = out.getvalue()
+  assert "ok: paged 4/2/64: decode 4 x 64, 4 rows: ours vs ours [P, page, K, H]" in text, text
+  (table, summary) = (s for s in json.loads(path.read_text())["sections"] if "table" in s)
+  assert table["table"].startswith("4/2/64: Ragged paged attention") and "ours on merged pages" in table["table"]
+  (row,) = table["rows"]
+  assert row["ours ms"] > 0 and "[P,page,K,H] pages: " in row["notes"], row
+  assert summary["table"] == "Summary: paged kernel, every layout" and summary["rows"][1]["ratio"] == "% HBM"
+  with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+    tpu_kernels.parse_args(["--paged-layouts", "6/4/64"])  # N not a multiple of K
 
 
 @pytest.mark.interpret
