@@ -103,7 +103,8 @@ class PagedPallasTpu:
     try:
       cap = logits_soft_cap is not None
       merged = k_pages.ndim == 3
-      return _planned(T, ps, pages_per_seq, N, K, H, Hv, q.dtype, k_pages.dtype, rows, cap, bidirectional, merged)
+      args = (T, ps, pages_per_seq, N, K, H, Hv, q.dtype, k_pages.dtype, rows, cap, bidirectional, merged)
+      return _planned(*args, planners.tuned.version())
     except ValueError as e:
       raise NotImplementedError(str(e)) from None
 
@@ -118,9 +119,11 @@ class PagedPallasTpu:
 
 
 @functools.lru_cache(maxsize=256)
-def _planned(T, ps, pages_per_seq, N, K, H, Hv, q_dtype, page_dtype, scale_rows, soft_cap, spans, merged) -> BlockSizes:
-  """`plan_paged_block_sizes`, once per shape: a call consults it to check support and again for its blocks, and
-  a serving step asks twice (does the fused write run, then the write itself)."""
+def _planned(T, ps, pages_per_seq, N, K, H, Hv, q_dtype, page_dtype, scale_rows, soft_cap, spans, merged, tables):
+  """`plan_paged_block_sizes`, once per shape and set of tuned tables (`tables`: `tuned.version()`): a call
+  consults it to check support and again for its blocks, and a serving step asks twice (does the fused write
+  run, then the write itself)."""
+  del tables
   return planners.plan_paged_block_sizes(
     T,
     ps,

@@ -6,6 +6,7 @@ temporaries a kernel body keeps live; `tests/test_planner.py` checks each model
 against `tiling.plan_vmem_bytes` of the kernels' own `CallPlan`s.
 """
 
+from flax_ringattn._src.backends.pallas_tpu.planners import tuned
 from flax_ringattn._src.backends.pallas_tpu.planners.block import (
   FWD_MAX_KV,
   FWD_MAX_Q,
@@ -50,6 +51,7 @@ from flax_ringattn._src.backends.pallas_tpu.planners.ring import (
 )
 
 __all__ = [
+  "tuned",
   "DEFAULT_GENERATION",
   "FWD_MAX_KV",
   "FWD_MAX_Q",

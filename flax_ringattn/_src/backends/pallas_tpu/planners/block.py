@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from flax_ringattn._src import validation
 from flax_ringattn._src.backends.pallas_tpu import tiling as c
+from flax_ringattn._src.backends.pallas_tpu.planners import tuned
 from flax_ringattn._src.backends.pallas_tpu.planners.chip import MiB, budget_bytes, current_generation
 from flax_ringattn._src.block_sizes import BlockSizes
 from flax_ringattn._src.options import ProblemShape
@@ -330,6 +331,9 @@ def plan_block_sizes_for(shape: ProblemShape, *, generation: str | None = None) 
   if num_heads % num_kv_heads:
     raise ValueError(f"plan_block_sizes: num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
   dims = shape.heads | shape.features
+  measured = _tuned(shape, generation, budget, dims)
+  if measured is not None:
+    return measured
   fwd = _best(("fwd",), q_len, kv_len, dtype, budget, **dims)
   bwd = _best(("dq", "dkv"), q_len, kv_len, dtype, budget, **dims)
   if fwd is None or bwd is None:
@@ -347,6 +351,23 @@ def plan_block_sizes_for(shape: ProblemShape, *, generation: str | None = None) 
       f"of {budget / MiB:.1f} MiB (smallest tiles need {smallest / MiB:.1f} MiB with {num_heads // num_kv_heads} "
       f"q heads per kv head and head_dim={head_dim}{_v_dim(shape)})"
     )
+  return BlockSizes(block_q=fwd[0], block_kv=fwd[1], block_q_bwd=bwd[0], block_kv_bwd=bwd[1])
+
+
+def _tuned(shape: ProblemShape, generation: str, budget: int, dims: dict) -> BlockSizes | None:
+  """The tiles a tuned table (`tuned.py`) gives `shape` on `generation`, where the model's own rules accept them
+  (legal tiles, VMEM footprint and SMEM tables within budget); else None (the model plans)."""
+  entry = tuned.lookup(generation, tuned.block_key(shape))
+  if entry is None:
+    return None
+  q_len, kv_len, dtype = shape.q_len, shape.kv_len, shape.dtype
+  qs = q_candidates(q_len, dtype, grouped=shape.num_heads > shape.num_kv_heads)
+  ks = candidates(kv_len, c.LANES)
+  fwd = (entry["block_q"], entry["block_kv"])
+  bwd = (entry.get("block_q_bwd") or fwd[0], entry.get("block_kv_bwd") or fwd[1])
+  for kernels, (bq, bk) in ((("fwd",), fwd), (("dq", "dkv"), bwd)):
+    if bq not in qs or bk not in ks or _least_traffic(kernels, [bq], [bk], q_len, kv_len, dtype, budget, dims) is None:
+      return None
   return BlockSizes(block_q=fwd[0], block_kv=fwd[1], block_q_bwd=bwd[0], block_kv_bwd=bwd[1])
 
 

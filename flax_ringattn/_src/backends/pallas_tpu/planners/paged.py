@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from flax_ringattn._src.backends.pallas_tpu import tiling as c
+from flax_ringattn._src.backends.pallas_tpu.planners import tuned
 from flax_ringattn._src.backends.pallas_tpu.planners.block import Footprint
 from flax_ringattn._src.backends.pallas_tpu.planners.chip import MiB, budget_bytes, current_generation
 from flax_ringattn._src.block_sizes import BlockSizes
@@ -144,10 +145,26 @@ def plan_paged_block_sizes(
     bidirectional=bidirectional,
     merged=merged,
   )
+  fits = lambda bq, ppb: (
+    budget
+    >= max(  # noqa: E731
+      paged_footprint(k, bq=bq, pages_per_block=ppb, **dims).total for k in ("paged_fwd", "paged_bwd")
+    )
+  )
+  key = tuned.paged_key(
+    T, page_size, pages_per_seq, num_heads, num_kv_heads, head_dim, dims["v_head_dim"], dtype, page_dtype,
+    scale_rows, soft_cap, bidirectional, merged,
+  )  # fmt: skip
+  entry = tuned.lookup(generation, key)
+  if entry is not None:  # a measured choice, where the model's rules accept it (`tuned.py`)
+    bq, ppb = entry["block_q"], entry["block_kv"] // page_size
+    legal = (bq % sub == 0 or bq == T) and 0 < bq <= max(T, sub)  # a q block the kernel runs as asked
+    legal &= entry["block_kv"] % page_size == 0 and 1 <= ppb <= pages_per_seq  # whole pages of one sequence
+    if legal and fits(bq, ppb):
+      return BlockSizes(block_q=bq, block_kv=ppb * page_size)
   for ppb in sorted(pbs, reverse=True):
     for bq in sorted(qs, reverse=True):
-      need = max(paged_footprint(k, bq=bq, pages_per_block=ppb, **dims).total for k in ("paged_fwd", "paged_bwd"))
-      if need <= budget:
+      if fits(bq, ppb):
         return BlockSizes(block_q=bq, block_kv=ppb * page_size)
   raise ValueError(
     f"plan_paged_block_sizes: no q block of {max_num_batched_tokens=} (multiples of {sub} up to "
