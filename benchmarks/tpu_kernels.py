@@ -921,6 +921,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   add("--paged-rows", default=None, help="paged table: comma-separated row numbers to run, from 0 (default: all)")
   add("--vmem-limit-mib", type=int, default=64, help="paged table: ragged_paged_attention's vmem_limit_bytes")
   add("--seed", type=int, default=0)
+  bench.add_compilation_cache_args(parser)
   # --json as the other scripts take it (the JSON document on stdout), or --json PATH: Markdown on stdout and the
   # same document written to PATH, so one TPU run leaves both.
   add("--json", nargs="?", const="-", default=None, metavar="PATH", help="the report as JSON: on stdout, or to PATH")
@@ -989,6 +990,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
   start = time.perf_counter()
   args = parse_args(argv)
+  cache = bench.compilation_cache_from_args(args)  # a second start reads the compiled kernels and peers back
   cfg = config(args)
   gen, chip = attached_chip()
   dev = jax.devices()[0]
@@ -1037,6 +1039,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   )
   report.note(f"\nHost load average at the end: {load} (the machine line has the start).  {where}")
   report.note(f"Host round trip, timed after the rows: {round_trip(args)}.")
+  if cache is not None:
+    report.note(cache.summary())
   report.progress(f"ran {time.perf_counter() - start:.0f} s")
   code = report.finish()
   write_json(report, args.json)

@@ -40,6 +40,7 @@ try:
 except ImportError:  # running from a source checkout without `pip install -e .`
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
   import flax_ringattn as fr
+from flax_ringattn import benchmarking
 
 VOCAB, D, HEADS, KV_HEADS, HEAD_DIM = 64, 64, 4, 2, 16
 
@@ -123,11 +124,13 @@ def parse_args(argv=None):
   p.add_argument("--page-size", type=int, default=8, help="tokens per cache page")
   p.add_argument("--max-batched-tokens", type=int, default=32, help="rows of one ragged step (chunked prefill)")
   p.add_argument("--seed", type=int, default=0, help="weights and prompts")
+  benchmarking.add_compilation_cache_args(p)
   return p.parse_args(argv)
 
 
 def main(argv=None):
   args = parse_args(argv)
+  cache = benchmarking.compilation_cache_from_args(args)  # a second start reads the compiled programs back
   prompts = make_prompts(args)
   longest = max(map(len, prompts)) + args.max_new_tokens
   pages_per_seq = -(-longest // args.page_size)
@@ -168,6 +171,8 @@ def main(argv=None):
     f"compiles over both runs: {engine.stats.compiles}, {engine.stats.compile_seconds:.1f} s in the calls that "
     "compiled (the first run's tokens/s includes them)"
   )
+  if cache is not None:
+    print(cache.summary())
   if failed:
     raise SystemExit("the engine's tokens differ from greedy decoding by full recompute")
   return engine.stats

@@ -63,6 +63,10 @@ def parse_args(argv=None):
     help="spread the KV cache over N devices; also serves on one device and checks the answers are equal",
   )
   p.add_argument("--seed", type=int, default=1, help="requests (contexts and questions)")
+  # benchmarking.add_compilation_cache_args's flags, spelled here: parsing runs before JAX may be imported
+  p.add_argument("--compilation-cache", default="~/.cache/flax_ringattn/jax-compilation-cache", metavar="DIR",
+                 help="JAX's persistent compilation cache: a second start reads compiled programs back")  # fmt: skip
+  p.add_argument("--no-compilation-cache", action="store_true", help="compile everything anew, cache nothing")
   args = p.parse_args(argv)
   if args.context_parallel < 1:
     p.error(f"--context-parallel must be >= 1, got {args.context_parallel}")
@@ -96,6 +100,7 @@ try:
 except ImportError:  # running from a source checkout without `pip install -e .`
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
   import flax_ringattn as fr
+from flax_ringattn import benchmarking
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _model
@@ -187,6 +192,15 @@ def serve(args, requests, mesh=None):
 
 
 def main(args):
+  cache = benchmarking.compilation_cache_from_args(args)  # a second start reads the compiled programs back
+  try:
+    return _serve_all(args)
+  finally:
+    if cache is not None:
+      print(cache.summary())
+
+
+def _serve_all(args):
   run_dir = pathlib.Path(args.run_dir)
   if not (run_dir / _model.CONFIG_NAME).exists():
     raise SystemExit(f"no trained model in {run_dir}: run examples/train_long_context.py first")

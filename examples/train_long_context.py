@@ -119,6 +119,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     help="run as N local JAX processes (CPU devices split between them, gloo collectives; see\n"
     "flax_ringattn.launch); on a TPU slice or GPU cluster start one copy per host instead",
   )
+  # benchmarking.add_compilation_cache_args's flags, spelled here: parsing runs before JAX may be imported
+  p.add_argument("--compilation-cache", default="~/.cache/flax_ringattn/jax-compilation-cache", metavar="DIR",
+                 help="JAX's persistent compilation cache: a second start reads compiled programs back")  # fmt: skip
+  p.add_argument("--no-compilation-cache", action="store_true", help="compile everything anew, cache nothing")
   args = p.parse_args(argv)
   args.mesh_shape = _parse_mesh_shape(p, args.mesh_shape)
   args.curriculum = _parse_curriculum(p, args.curriculum)
@@ -211,6 +215,7 @@ try:
 except ImportError:  # running from a source checkout without `pip install -e .`
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
   import flax_ringattn
+from flax_ringattn import benchmarking
 
 if str(pathlib.Path(__file__).resolve().parent) not in sys.path:
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -476,6 +481,14 @@ def save_loss_curve(path, history, stages, chance, accuracy_label):
 
 
 def main(args: argparse.Namespace) -> dict:
+  cache = benchmarking.compilation_cache_from_args(args)  # a second start reads compiled programs
+  metrics = _train(args)
+  if cache is not None and MAIN:
+    print(cache.summary())
+  return metrics
+
+
+def _train(args: argparse.Namespace) -> dict:
   out_dir = pathlib.Path(args.out_dir).resolve()
   out_dir.mkdir(parents=True, exist_ok=True)
   mesh = make_mesh(args.mesh_shape)

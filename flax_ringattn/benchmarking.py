@@ -14,6 +14,12 @@
   one JSON document (`add_report_args(parser)` adds `--json`);
   `Report.finish()` returns the exit status (0 ok, 1 wrong result, 3 a target
   missed).
+* start-up: `use_compilation_cache(directory)` turns JAX's persistent
+  compilation cache on (a second start reads compiled programs back) and
+  counts its hits and misses; `add_compilation_cache_args(parser)` /
+  `compilation_cache_from_args(args)` give a script `--compilation-cache DIR`
+  and `--no-compilation-cache`.  It changes JAX's global configuration, so
+  only scripts call it; the library never does.
 * problem shapes: `Problem` (B, T, S, N, K, H, dtype, mask; `flops()`,
   `bytes()`, `inputs()`), `fwd_bwd(attention)`, and `PROBLEM_SETS`, the named
   shapes of each benchmark, which tests can run too.
@@ -30,10 +36,13 @@ from flax_ringattn._src.perf.harness import (
   EXIT_USAGE,
   EXIT_WRONG_RESULT,
   Check,
+  CompilationCache,
   Paired,
   Report,
+  add_compilation_cache_args,
   add_report_args,
   compare,
+  compilation_cache_from_args,
   count_compiles,
   error,
   machine,
@@ -42,6 +51,7 @@ from flax_ringattn._src.perf.harness import (
   median,
   paired_ratio,
   time_interleaved,
+  use_compilation_cache,
 )
 from flax_ringattn._src.perf.hlo import CommVolume, CompiledStats, collective_volume, compiled_stats
 from flax_ringattn._src.perf.problems import PROBLEM_SETS, Problem, fwd_bwd
@@ -54,13 +64,16 @@ __all__ = [
   "PROBLEM_SETS",
   "Check",
   "CommVolume",
+  "CompilationCache",
   "CompiledStats",
   "Paired",
   "Problem",
   "Report",
+  "add_compilation_cache_args",
   "add_report_args",
   "collective_volume",
   "compare",
+  "compilation_cache_from_args",
   "compiled_stats",
   "cost",
   "count_compiles",
@@ -73,4 +86,5 @@ __all__ = [
   "median",
   "paired_ratio",
   "time_interleaved",
+  "use_compilation_cache",
 ]

@@ -206,6 +206,8 @@ def test_roofline_json_report_parses(roofline):
 # --------------------------------------------------------------------------------------------
 # tpu_kernels.py: off a TPU its kernels run in interpret mode on tiny shapes (it implies --quick there).
 
+# In-process runs leave JAX's global configuration alone (the script turns the persistent cache on by default).
+NO_CACHE = ["--no-compilation-cache"]
 SMOKE_RUN = "a benchmark's smoke run: its kernels run without the race detector (the kernel tests read it)"
 
 
@@ -222,7 +224,7 @@ def test_tpu_kernels_quick_run_checks_and_prints_both_tables(tpu_kernels, tmp_pa
   path = tmp_path / "tpu_kernels.json"
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
-    argv = ["--quick", "--repeats", "1", "--block-sizes", "256,128,128,256", "--json", str(path)]
+    argv = ["--quick", "--repeats", "1", "--block-sizes", "256,128,128,256", "--json", str(path), *NO_CACHE]
     argv += ["--ours-variants", "heads_major+natural_exp"]
     assert tpu_kernels.main(argv) == 0
   text = out.getvalue()
@@ -251,7 +253,7 @@ def test_tpu_kernels_quick_run_checks_and_prints_both_tables(tpu_kernels, tmp_pa
 def test_tpu_kernels_paged_rows_and_a_blocks_sweep(tpu_kernels, tmp_path):
   """--paged-rows runs only those batches; several --paged-blocks give one checked, timed row per choice."""
   path = tmp_path / "paged.json"
-  argv = ["--tables", "paged", "--paged-rows", "1", "--paged-blocks", "8,16", "16,32", "--repeats", "1"]
+  argv = ["--tables", "paged", "--paged-rows", "1", "--paged-blocks", "8,16", "16,32", "--repeats", "1", *NO_CACHE]
   with contextlib.redirect_stdout(io.StringIO()):
     assert tpu_kernels.main([*argv, "--json", str(path)]) == 0
   (paged,) = (s for s in json.loads(path.read_text())["sections"] if "table" in s)
@@ -269,7 +271,7 @@ def test_tpu_kernels_paged_rows_and_a_blocks_sweep(tpu_kernels, tmp_path):
     with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
       tpu_kernels.parse_args(bad)
   with pytest.raises(SystemExit, match="no row"), contextlib.redirect_stdout(io.StringIO()):
-    tpu_kernels.main(["--tables", "paged", "--paged-rows", "7"])
+    tpu_kernels.main(["--tables", "paged", "--paged-rows", "7", *NO_CACHE])
 
 
 @pytest.mark.interpret
@@ -278,7 +280,7 @@ def test_tpu_kernels_paged_layouts_on_merged_pages(tpu_kernels, tmp_path):
   """--paged-layouts: one table per head layout, ours on merged pages; head dim 64 (which jax refuses) is checked
   against ours on [P, page, K, H] pages and timed beside it; a summary over every layout names the worst row."""
   path = tmp_path / "layouts.json"
-  argv = ["--tables", "paged", "--paged-layouts", "4/2/64", "--paged-steps", "decode", "--repeats", "1"]
+  argv = ["--tables", "paged", "--paged-layouts", "4/2/64", "--paged-steps", "decode", "--repeats", "1", *NO_CACHE]
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
     assert tpu_kernels.main([*argv, "--json", str(path)]) == 0
@@ -301,7 +303,7 @@ def test_tpu_kernels_wrong_result_exits_1_before_timing(tpu_kernels, monkeypatch
   monkeypatch.setattr(tpu_kernels, "time_interleaved", never)
   out = io.StringIO()
   with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
-    tpu_kernels.main(["--quick", "--tables", "block", "--no-flash"])
+    tpu_kernels.main(["--quick", "--tables", "block", "--no-flash", *NO_CACHE])
   assert exit_info.value.code == tpu_kernels.EXIT_WRONG_RESULT == 1
   assert "FAILED: block T=256 causal fwd: ours vs splash" in out.getvalue(), out.getvalue()
 

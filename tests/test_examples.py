@@ -20,8 +20,15 @@ TRAIN = EXAMPLES / "train_long_context.py"
 TINY = ["--steps", "2", "--seq-len", "256", "--d-model", "32"]
 
 
+# The examples that turn JAX's persistent compilation cache on by default: runs here compile anew (a shared cache
+# would make one test's time depend on another's), unless a test names a cache directory itself.
+CACHED = {"train_long_context.py", "serve_paged.py", "serve_handwritten.py"}
+
+
 def _run(script: pathlib.Path, *args: str) -> str:
   """Runs an example like a user would (8 CPU devices come from conftest's XLA_FLAGS); returns stdout."""
+  if script.name in CACHED and "--compilation-cache" not in args:
+    args = (*args, "--no-compilation-cache")
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
   env.setdefault("JAX_PLATFORMS", "cpu")
@@ -164,3 +171,19 @@ def test_serve_handwritten_matches_full_recompute():
   accepted = re.search(r"^ngram draft: .*draft (\d+)/(\d+) accepted$", out, re.M)
   assert accepted and 0 < int(accepted.group(1)) <= int(accepted.group(2)), out
   assert re.search(r"^compiles over both runs: [1-9]\d*, [\d.]+ s in the calls that compiled ", out, re.M), out
+
+
+def test_second_start_reads_compiled_programs_back(tmp_path):
+  """serve_handwritten.py started twice on one compilation cache: the second start compiles at most a tenth of
+  what the first did (here nothing), and still serves the same tokens; a changed shape compiles anew."""
+  cache = str(tmp_path / "cache")
+  args = ("--prompts", "2", "--max-new-tokens", "4", "--compilation-cache", cache)
+  counts = []
+  for extra in ((), (), ("--max-batched-tokens", "24")):
+    out = _run(EXAMPLES / "serve_handwritten.py", *args, *extra)
+    m = re.search(r"^compilation cache .*: (\d+) hits, (\d+) compiled$", out, re.M)
+    assert m and "plain: equal to full recompute" in out, out
+    counts.append((int(m.group(1)), int(m.group(2))))
+  (_, first), (hits, second), (_, changed) = counts
+  assert first > 10 and second <= first // 10 and hits >= first, counts
+  assert changed > 0, counts  # a new step shape is not served from the old entries

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json as _json
 import math
+import pathlib
 import statistics
 import sys
 import time
@@ -224,6 +225,59 @@ def compare(name: str, got, want, *, tol: float, metric: str = "abs") -> Check:
 
 # ------------------------------------------------------------------------------------------
 # The report.
+
+
+DEFAULT_COMPILATION_CACHE = "~/.cache/flax_ringattn/jax-compilation-cache"
+
+
+class CompilationCache:
+  """JAX's persistent compilation cache turned on for this process (`use_compilation_cache`), with counts of its
+  hits and misses since then: a second start of the same program reads its compiled executables back instead of
+  compiling them again.  JAX keys an entry on the program, its shapes, the flags and the backend, so a changed
+  shape or flag compiles anew."""
+
+  def __init__(self, directory):
+    import jax
+
+    self.directory = str(pathlib.Path(directory).expanduser())
+    jax.config.update("jax_compilation_cache_dir", self.directory)
+    # Cache every executable: the defaults skip programs that compile in under a second, most of a small run.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    self.hits = self.misses = 0
+    jax.monitoring.register_event_listener(self._event)
+
+  def _event(self, name: str, **_) -> None:
+    if name == "/jax/compilation_cache/cache_hits":
+      self.hits += 1
+    elif name == "/jax/compilation_cache/cache_misses":
+      self.misses += 1
+
+  def summary(self) -> str:
+    return f"compilation cache {self.directory}: {self.hits} hits, {self.misses} compiled"
+
+
+def use_compilation_cache(directory=DEFAULT_COMPILATION_CACHE) -> CompilationCache:
+  """Turns JAX's persistent compilation cache on in `directory`, for the rest of the process.  This changes JAX's
+  global configuration: scripts call it at their start (the library itself never does).  The same as
+  `jax.config.update("jax_compilation_cache_dir", directory)` plus caching every executable, however fast it
+  compiled."""
+  return CompilationCache(directory)
+
+
+def add_compilation_cache_args(parser) -> None:
+  """--compilation-cache DIR and --no-compilation-cache, for `compilation_cache_from_args`."""
+  parser.add_argument(
+    "--compilation-cache",
+    default=DEFAULT_COMPILATION_CACHE,
+    metavar="DIR",
+    help="JAX's persistent compilation cache: a second start reads compiled programs back (default: %(default)s)",
+  )
+  parser.add_argument("--no-compilation-cache", action="store_true", help="compile everything anew, cache nothing")
+
+
+def compilation_cache_from_args(args) -> CompilationCache | None:
+  return None if args.no_compilation_cache else use_compilation_cache(args.compilation_cache)
 
 
 def add_report_args(parser) -> None:
