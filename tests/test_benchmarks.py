@@ -534,3 +534,27 @@ def test_serving_engine_wrong_tokens_exit_1_before_timing(serving, monkeypatch):
   with contextlib.redirect_stdout(io.StringIO()), pytest.raises(SystemExit) as exit_info:
     serving.main(["--quick"])
   assert exit_info.value.code == serving.EXIT_WRONG_RESULT == 1
+
+
+# --------------------------------------------------------------------------------------------
+# real_models.py: the real-size decoders trained three ways and served; --smoke is a tiny model on CPU.
+
+
+@pytest.mark.slow
+@pytest.mark.interpret
+@pytest.mark.races_not_read(SMOKE_RUN)
+def test_real_models_smoke_trains_three_ways_and_serves(tmp_path):
+  """--smoke: the tiny Qwen-shaped decoder trains with its attention converted by the library, swapped for
+  splash by hand and for jax.nn.dot_product_attention, to the same loss; the converted model serves from a
+  paged cache.  (Off a TPU the times mean nothing.)"""
+  real_models = load("real_models")
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+    assert real_models.main(["--smoke", "--json", *NO_CACHE]) == 0
+  train, serve = (s for s in json.loads(out.getvalue())["sections"] if "table" in s)
+  assert [r["attention"] for r in train["rows"]] == ["library", "splash", "xla"]
+  assert all(r["notes"] == "" and r["step ms"] > 0 for r in train["rows"]), train["rows"]
+  losses = [r["last loss"] for r in train["rows"]]
+  assert max(losses) - min(losses) < 0.05, losses  # the same model and data, one AdamW step each way
+  (row,) = serve["rows"]
+  assert row["notes"] == "" and row["tokens/s"] > 0 and row["TTFT ms"] > 0, row

@@ -1,0 +1,328 @@
+"""Real-size decoders end to end: train them three ways, serve them from a paged cache, on one chip.
+
+The models are examples/decoders.py's (Qwen2.5-0.5B and Llama-3.2-1B shapes, attention written by hand,
+random weights, bf16).  Two tables:
+
+* **train**: AdamW steps on next-token loss at each `--seq-lens`, with the attention of every block
+  (a) converted by `fr.convert(model, example=...)` with the library's default choices ("library"),
+  (b) swapped by hand for splash attention (`make_splash_mha_single_device`, causal, GQA native, q pre-scaled,
+      vmapped over the batch: "splash"), and
+  (c) `jax.nn.dot_product_attention(..., is_causal=True)` ("xla").
+  Each row: median step time, tokens/s, MFU (model FLOPs, causal attention counted as half, over the chip's bf16
+  peak), and the peak memory the device reports.  `--remat` recomputes each block in the backward.
+* **serve**: `ServingEngine` over the model converted to paged attention, batches of
+  `--batches` sequences with `--contexts` tokens of prompt each: decode tokens/s and its share of the HBM
+  roofline (weights plus the KV bytes one step reads, over the chip's bandwidth), time to the first token, and
+  prefill tokens/s.
+
+Off a TPU the kernels run in interpret mode: `--smoke` (tiny model, two steps, tiny batches) is what `make test`
+runs; its times mean nothing.  The persistent compilation cache is on (`--no-compilation-cache` to turn it off).
+
+  python benchmarks/real_models.py --model qwen --seq-lens 8192,32768 --tables train
+  python benchmarks/real_models.py --model llama --tables serve --batches 1,8,32,64 --contexts 2048,8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import pathlib
+import sys
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+try:
+  import flax_ringattn as fr
+except ImportError:  # a source checkout without `pip install -e .`
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+  import flax_ringattn as fr
+from flax_ringattn import benchmarking as bench
+from flax_ringattn.benchmarking import hardware, median
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+import decoders  # noqa: E402
+
+MODELS = {"qwen": decoders.QWEN2_5_0_5B, "llama": decoders.LLAMA3_2_1B}
+WAYS = ("library", "splash", "xla")
+
+
+# -- the three attentions ----------------------------------------------------------------------------------
+
+
+class SwappedAttention(decoders.Attention):
+  """decoders.Attention with its softmax(q k^T) v replaced by a kernel `core(q, k, v)` on [B, T, N | K, H]."""
+
+  def __init__(self, c, core, *, rngs):
+    super().__init__(c, rngs=rngs)
+    self.core = core
+
+  def __call__(self, x, positions, mask):
+    del mask  # causal, as the model's own mask
+    c = self.c
+    B, T, _ = x.shape
+    q = decoders.rope(self.q(x).reshape(B, T, c.heads, c.head_dim), positions, c.rope_base)
+    k = decoders.rope(self.k(x).reshape(B, T, c.kv_heads, c.head_dim), positions, c.rope_base)
+    v = self.v(x).reshape(B, T, c.kv_heads, c.head_dim)
+    return self.o(self.core(q, k, v).reshape(B, T, -1))
+
+
+def splash_core(c: decoders.DecoderConfig, T: int, interpret: bool, block: int = 512):
+  """Splash as a model with [B, T, N, H] activations calls it: heads-major, q pre-scaled, vmapped over B."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+  b = min(block, T)
+  sizes = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                            block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)  # fmt: skip
+  mask = masks.MultiHeadMask([masks.CausalMask((T, T))] * c.heads)
+  kernel = splash.make_splash_mha_single_device(mask, block_sizes=sizes, interpret=interpret)
+  heads = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
+
+  def core(q, k, v):
+    q = (q.astype(jnp.float32) * c.head_dim**-0.5).astype(q.dtype)
+    return heads(jax.vmap(kernel)(heads(q), heads(k), heads(v)))
+
+  return core
+
+
+def xla_core(q, k, v):
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def build(way: str, c: decoders.DecoderConfig, T: int, tokens, positions, interpret):
+  """The model (same weights every way) with its attention done `way`."""
+  model = decoders.Decoder(c, rngs=nnx.Rngs(0))
+  if way == "library":
+    fr.convert(model, example=lambda m: decoders.call(m, tokens, positions), **_kernels(interpret))
+    return model
+  core = splash_core(c, T, bool(interpret)) if way == "splash" else xla_core
+  for block in model.blocks:
+    swapped = SwappedAttention(c, core, rngs=nnx.Rngs(0))
+    nnx.update(swapped, nnx.state(block.attn, nnx.Param))
+    block.attn = swapped
+  return model
+
+
+# -- training --------------------------------------------------------------------------------------------
+
+
+def forward(model, tokens, positions, remat: bool):
+  """The model's forward, each block rematerialised in the backward with `remat`."""
+  if not remat:
+    return model(tokens, positions)
+  T = tokens.shape[1]
+  mask = jnp.tril(jnp.ones((1, T, T), bool))
+  x = model.embed(tokens)
+  run = nnx.remat(lambda block, x: block(x, positions, mask))
+  for block in model.blocks:
+    x = run(block, x)
+  return model.embed.attend(model.norm(x))
+
+
+def peak_memory() -> float | None:
+  stats = jax.devices()[0].memory_stats() or {}
+  peak = stats.get("peak_bytes_in_use")
+  return None if peak is None else peak / 2**30
+
+
+def train_table(report, c, args, chip) -> None:
+  rows = []
+  peak = chip.peak_flops("bfloat16") if chip else None
+  for T in args.seq_lens:
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, c.vocab, (args.batch, T)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (args.batch, T))
+    for way in args.ways:
+      row = [T, way]
+      try:
+        model = build(way, c, T, tokens, positions, args.interpret)
+        optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+        run = _train_runner(args.remat)
+        times, losses = [], []
+        for i in range(args.warmup + args.steps):
+          t0 = time.perf_counter()
+          loss = run(model, optimizer, tokens, positions)
+          losses.append(float(jax.block_until_ready(loss)))
+          if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        t = median(times)
+        tok_s = args.batch * T / t
+        mfu = c.flops_per_token(T) * tok_s / peak * 100 if peak else None
+        row += [t * 1e3, tok_s, mfu, peak_memory(), losses[-1], ""]
+      except Exception as e:  # noqa: BLE001 (an out-of-memory length is a result: the row says so)
+        row += [None, None, None, None, None, _error(e)]
+      rows.append(row)
+      report.progress(f"train T={T} {way}: {row[2:]}")
+  report.table(
+    f"Training {c.name} ({c.params() / 1e6:.0f}M parameters), batch {args.batch}, AdamW, bf16"
+    + (", remat per block" if args.remat else ""),
+    ["T", "attention", "step ms", "tokens/s", "MFU %", "peak GiB", "last loss", "notes"],
+    rows,
+    formats={"step ms": ".1f", "tokens/s": ",.0f", "MFU %": ".1f", "peak GiB": ".2f", "last loss": ".3f"},
+    notes=[
+      "library: fr.convert(model, example=...) with default choices; splash: make_splash_mha_single_device "
+      "(causal, GQA native, blocks of 512, q pre-scaled, vmapped over B) swapped in by hand; xla: "
+      "jax.nn.dot_product_attention(is_causal=True).  Step: median of --steps after --warmup.  MFU: "
+      "DecoderConfig.flops_per_token (6 x matmul parameters + causal attention as half) x tokens/s over the "
+      "chip's bf16 peak.",
+    ],
+  )
+
+
+@functools.cache
+def _train_runner(remat: bool):
+  def loss_fn(model, tokens, positions):
+    logits = forward(model, tokens, positions, remat)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1].astype(jnp.float32), tokens[:, 1:])
+    return ce.mean()
+
+  @nnx.jit
+  def step(model, optimizer, tokens, positions):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, positions)
+    optimizer.update(model, grads)
+    return loss
+
+  return step
+
+
+# -- serving ---------------------------------------------------------------------------------------------
+
+
+def serve_table(report, c, args, chip) -> None:
+  rows = []
+  bw = chip.memory_bandwidth if chip else None
+  weight_bytes = c.params() * 2
+  for ctx in args.contexts:
+    for batch in args.batches:
+      row = [ctx, batch]
+      try:
+        model = decoders.Decoder(c, rngs=nnx.Rngs(0))
+        probe = jnp.zeros((1, 8), jnp.int32)
+        fr.convert(model, to="paged", example=lambda m, probe=probe: decoders.call(m, probe, probe),
+                   **_kernels(args.interpret))  # fmt: skip
+        page = args.page_size
+        pages_per_seq = -(-(ctx + args.new_tokens) // page)
+        engine = fr.ServingEngine(
+          model,
+          call=decoders.call,
+          num_pages=batch * pages_per_seq,
+          page_size=page,
+          max_num_seqs=batch,
+          pages_per_seq=pages_per_seq,
+          max_num_batched_tokens=max(args.prefill_rows, batch),
+        )
+        rng = np.random.default_rng(ctx + batch)
+        prompts = [list(rng.integers(1, c.vocab, ctx)) for _ in range(batch)]
+        engine.generate(prompts[:1], max_new_tokens=2)  # compiles the step programs
+        before = engine.stats.as_dict()
+        t0 = time.perf_counter()
+        first = None
+        for i, _ in enumerate(engine.stream(prompts[:1], max_new_tokens=1)):
+          first = time.perf_counter() - t0 if i == 0 else first
+        t0 = time.perf_counter()
+        engine.generate(prompts, max_new_tokens=args.new_tokens)
+        total = time.perf_counter() - t0
+        now = engine.stats.as_dict()
+        steps = now["steps"] - before["steps"]
+        prefill_steps = -(-batch * ctx // max(args.prefill_rows, batch))
+        decode_steps = max(1, steps - prefill_steps)
+        # decode time: total minus the prefill at the prefill rate of the first-token run
+        step_bytes = weight_bytes + batch * (ctx + args.new_tokens // 2) * c.layers * 2 * c.kv_heads * c.head_dim * 2
+        decode_tok_s = batch * args.new_tokens / total
+        roofline = step_bytes / bw * 1e3 if bw else None
+        share = (roofline / (total / decode_steps * 1e3) * 100) if roofline else None
+        row += [decode_tok_s, share, first * 1e3 if first else None, ctx / first if first else None, ""]
+      except Exception as e:  # noqa: BLE001
+        row += [None, None, None, None, _error(e)]
+      rows.append(row)
+      report.progress(f"serve ctx={ctx} batch={batch}: {row[2:]}")
+  report.table(
+    f"Serving {c.name} with ServingEngine (converted to paged attention), "
+    f"page {args.page_size}, {args.new_tokens} new tokens per sequence",
+    ["context", "batch", "tokens/s", "% HBM roofline", "TTFT ms", "prefill tokens/s", "notes"],
+    rows,
+    formats={"tokens/s": ",.0f", "% HBM roofline": ".1f", "TTFT ms": ".1f", "prefill tokens/s": ",.0f"},
+    notes=[
+      "tokens/s: generated tokens over the wall time of generate (prefill included).  % HBM roofline: the bytes",
+      "one decode step reads (weights + every sequence's K/V) over the chip's bandwidth, against the measured",
+      "mean time of a step.  TTFT: one prompt of `context` tokens to its first token (compiled programs).",
+    ],
+  )
+
+
+def _kernels(interpret: bool) -> dict:
+  """convert's options: the library's default choices on a TPU; off one, its Pallas TPU kernels in interpret
+  mode (named: interpret= alone is deprecated)."""
+  return dict(implementation="pallas_tpu", interpret=True) if interpret else {}
+
+
+def _error(e: Exception) -> str:
+  lines = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {lines[0] if lines else ''}"[:160]
+
+
+# -- main ------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--model", default="qwen", choices=sorted(MODELS))
+  p.add_argument("--smoke", action="store_true", help="a tiny model, two steps, tiny batches (CPU)")
+  p.add_argument("--tables", default="train,serve")
+  p.add_argument("--ways", default=",".join(WAYS), help="train: of library,splash,xla")
+  p.add_argument("--seq-lens", default="8192,32768", help="train: tokens per sequence")
+  p.add_argument("--batch", type=int, default=1, help="train: sequences per step")
+  p.add_argument("--steps", type=int, default=5)
+  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--remat", action="store_true", help="train: recompute each block in the backward")
+  p.add_argument("--batches", default="1,8,32,64", help="serve: sequences served at once")
+  p.add_argument("--contexts", default="2048,8192", help="serve: prompt tokens per sequence")
+  p.add_argument("--new-tokens", type=int, default=64, help="serve: tokens generated per sequence")
+  p.add_argument("--page-size", type=int, default=16)
+  p.add_argument("--prefill-rows", type=int, default=1024, help="serve: max_num_batched_tokens")
+  p.add_argument("--interpret", action="store_true", help="kernels in interpret mode (default off a TPU)")
+  bench.add_compilation_cache_args(p)
+  bench.add_report_args(p)
+  args = p.parse_args(argv)
+  ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+  args.seq_lens, args.batches, args.contexts = ints(args.seq_lens), ints(args.batches), ints(args.contexts)
+  args.ways, args.tables = args.ways.split(","), args.tables.split(",")
+  if jax.default_backend() != "tpu":
+    args.interpret = True
+  if args.smoke:
+    args.seq_lens, args.steps, args.warmup = [128], 1, 1  # splash's kv tiles are 128 at least
+    args.batches, args.contexts, args.new_tokens, args.prefill_rows = [2], [16], 2, 32
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = parse_args(argv)
+  cache = bench.compilation_cache_from_args(args)
+  c = MODELS[args.model]
+  if args.smoke:
+    c = decoders.tiny(c, dtype="bfloat16")
+  report = bench.Report(f"real_models: {c.name} trained and served", json=args.json)
+  chip = None
+  if jax.default_backend() == "tpu":
+    from flax_ringattn._src.backends.pallas_tpu import planners
+
+    gen = planners.current_generation()
+    chip = hardware.tpu(gen if gen in hardware.TPU_GENERATIONS else "v5e")
+  report.note(f"- machine: {bench.machine()}")
+  if "train" in args.tables:
+    train_table(report, c, args, chip)
+  if "serve" in args.tables:
+    serve_table(report, c, args, chip)
+  if cache is not None:
+    report.note(cache.summary())
+  return report.finish()
+
+
+if __name__ == "__main__":
+  sys.exit(main())
