@@ -1,6 +1,6 @@
 """Real-size decoders end to end: train them three ways, serve them from a paged cache, on one chip.
 
-The models are examples/decoders.py's (Qwen2.5-0.5B and Llama-3.2-1B shapes, attention written by hand,
+The models are examples/_decoders.py's (Qwen2.5-0.5B and Llama-3.2-1B shapes, attention written by hand,
 random weights, bf16).  Two tables:
 
 * **train**: AdamW steps on next-token loss at each `--seq-lens`, with the attention of every block
@@ -46,7 +46,7 @@ from flax_ringattn import benchmarking as bench
 from flax_ringattn.benchmarking import hardware, median
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-import decoders  # noqa: E402
+import _decoders as decoders  # noqa: E402
 
 MODELS = {"qwen": decoders.QWEN2_5_0_5B, "llama": decoders.LLAMA3_2_1B}
 WAYS = ("library", "splash", "xla")
@@ -216,6 +216,7 @@ def serve_table(report, c, args, chip) -> None:
           max_num_seqs=batch,
           pages_per_seq=pages_per_seq,
           max_num_batched_tokens=max(args.prefill_rows, batch),
+          merged_pages=args.merged,
         )
         rng = np.random.default_rng(ctx + batch)
         prompts = [list(rng.integers(1, c.vocab, ctx)) for _ in range(batch)]
@@ -243,7 +244,7 @@ def serve_table(report, c, args, chip) -> None:
       rows.append(row)
       report.progress(f"serve ctx={ctx} batch={batch}: {row[2:]}")
   report.table(
-    f"Serving {c.name} with ServingEngine (converted to paged attention), "
+    f"Serving {c.name} with ServingEngine (converted to paged attention{', merged pages' * args.merged}), "
     f"page {args.page_size}, {args.new_tokens} new tokens per sequence",
     ["context", "batch", "tokens/s", "% HBM roofline", "TTFT ms", "prefill tokens/s", "notes"],
     rows,
@@ -286,6 +287,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--new-tokens", type=int, default=64, help="serve: tokens generated per sequence")
   p.add_argument("--page-size", type=int, default=16)
   p.add_argument("--prefill-rows", type=int, default=1024, help="serve: max_num_batched_tokens")
+  p.add_argument("--merged", action="store_true", help="serve: merged pages [P, page, K * H]")
   p.add_argument("--interpret", action="store_true", help="kernels in interpret mode (default off a TPU)")
   bench.add_compilation_cache_args(p)
   bench.add_report_args(p)

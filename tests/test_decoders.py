@@ -1,4 +1,4 @@
-"""The real-size decoders of examples/decoders.py (Qwen2.5-0.5B and Llama-3.2-1B shapes): their sizes, and their
+"""The real-size decoders of examples/_decoders.py (Qwen2.5-0.5B and Llama-3.2-1B shapes): their sizes, and their
 hand-written attention converted by `fr.convert` exactly, forward and gradients, at a tiny size with the same head
 layout."""
 
@@ -17,7 +17,7 @@ from tolerances import assert_close
 import flax_ringattn as fr
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
-import decoders  # noqa: E402
+import _decoders as decoders  # noqa: E402
 
 
 def test_real_sizes():

@@ -277,3 +277,21 @@ def test_admission_waits_for_pages_and_an_evicted_sequence_resumes(llama, monkey
   fr.convert(model, to="paged")
   tight = fr.ServingEngine(model, call=sm.engine_call, **(GEOMETRY | dict(num_pages=6)))
   assert tight.generate(PROMPTS, max_new_tokens=MAX_NEW) == want
+
+
+@pytest.mark.parametrize("family", ["llama", "mha"])
+def test_merged_pages_serve_the_same_tokens(family):
+  """ServingEngine(merged_pages=True): every cache (a hand-written site's, a paged layer's) stores its pages
+  merged, [P, page_size, K * H], appends and then attends, and the engine's tokens equal greedy decoding by full
+  recompute."""
+  reference, model = sm.FAMILIES[family](), sm.FAMILIES[family]()
+  fr.convert(model, to="paged")
+  engine = fr.ServingEngine(model, call=sm.engine_call, merged_pages=True, **GEOMETRY)
+  caches = [x for x in jax.tree.leaves(nnx.state(model, nnx.Cache), is_leaf=lambda x: hasattr(x, "k_pages"))]
+  caches = [x for x in caches if hasattr(x, "k_pages")]
+  assert caches and all(c.k_pages.ndim == 3 and c.merged_kv_heads > 0 for c in caches)
+  prompts = PROMPTS[:3]
+  assert engine.generate(prompts, max_new_tokens=4) == _want(reference, prompts, 4)
+  with pytest.raises(NotImplementedError, match="merged_pages=True with seq_axis"):
+    fr.ServingEngine(model, call=sm.engine_call, merged_pages=True, mesh=make_mesh((1,), ("sp",)), seq_axis="sp",
+                     **GEOMETRY)  # fmt: skip

@@ -104,8 +104,9 @@ class PagedSiteFn:
 
 
 def init_site_caches(
-  module, needs, *, num_pages, page_size, max_num_seqs, pages_per_seq, mesh=None, seq_axis=None, dtype=None
-):
+  module, needs, *, num_pages, page_size, max_num_seqs, pages_per_seq, mesh=None, seq_axis=None, dtype=None,
+  merged=False,
+):  # fmt: skip
   """Gives `module` one empty paged cache per site (`needs`: [(index, CacheNeed)] from a discover step)."""
   caches = []
   for index, need in sorted(needs, key=lambda x: x[0]):
@@ -120,6 +121,7 @@ def init_site_caches(
       head_dim=need.head_dim,
       v_head_dim=need.v_head_dim,
       dtype=need.dtype if dtype is None else dtype,
+      merged=merged,
       **({} if seq_axis is None else dict(mesh=mesh, seq_axis=seq_axis)),
     )
     caches.append(nnx.Cache(cache))

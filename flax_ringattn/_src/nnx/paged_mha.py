@@ -171,10 +171,11 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
     self.kv_cache: nnx.Cache | None = nnx.data(None)
 
   def init_cache(  # type: ignore[override]
-    self, *, num_pages: int, page_size: int, max_num_seqs: int, pages_per_seq: int, dtype=None
+    self, *, num_pages: int, page_size: int, max_num_seqs: int, pages_per_seq: int, dtype=None, merged=False
   ):
     """Creates the paged cache (`nnx.Cache` state); int8/float8 dtypes quantize per token.  v pages have the
-    layer's `v_head_dim`; with `seq_axis` the pages spread over it (num_pages a multiple of its size).  With a
+    layer's `v_head_dim`; with `seq_axis` the pages spread over it (num_pages a multiple of its size).
+    `merged`: pages [P, page_size, K * H] (`PagedKVCache.create`).  With a
     mesh, the parameters are placed on it too (weights loaded with `nnx.update` before this call then need no
     move, and no second compile, at the first step)."""
     cache = PagedKVCache.create(
@@ -186,6 +187,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
       head_dim=self.head_dim,
       v_head_dim=self.v_head_dim,
       dtype=dtype if dtype is not None else (self.dtype or self.param_dtype),
+      merged=merged,
       **({} if self.seq_axis is None else dict(mesh=self.mesh, seq_axis=self.seq_axis)),
     )
     if self.mesh is not None and (self.head_axis is not None or self.seq_axis is None):
@@ -198,7 +200,7 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
           return None
         name = path[0].name
         if name in ("k_pages", "v_pages"):
-          spec = P(s, None, h, None)
+          spec = P(s, None, h, *(None,) * (x.ndim - 3))  # merged [P, ps, K * H]: a device's heads' lanes
         elif "scale" in name:
           spec = P(s, None, h)
         else:

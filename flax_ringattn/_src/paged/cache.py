@@ -55,8 +55,8 @@ class PagedKVCache:
   head_dim=)` (or a layer's `init_cache`); a pytree whose methods return a new cache (`append`, `reserve`,
   `free`, `rollback`, `share_prefix`, ...).  `paged_attention` reads `k_pages`, `v_pages` and `attention_view()`.
 
-  Fields: `k_pages` [P, page_size, K, H], `v_pages` [P, page_size, K, Hv] (merged caches: [P, page_size, K * H]
-  and [P, page_size, K * Hv], `create(merged=True)`); `page_indices` [max_num_seqs,
+  Fields: `k_pages` [P, page_size, K, H], `v_pages` [P, page_size, K, Hv] (merged: [P, page_size, K * H], ...,
+  with `merged_kv_heads` (static) K, `create(merged=True)`); `page_indices` [max_num_seqs,
   pages_per_seq] int32 page ids (-1: none); `kv_lens` [max_num_seqs] int32 tokens stored; `ref_counts` [P] int32
   slots holding each page (0: free); `k_scale` / `v_scale` [P, page_size, K] for int8 / float8 pages (else
   None); `overflowed` [max_num_seqs] bool, a write did not fit (None: none); `num_shards` (static) devices the

@@ -118,6 +118,9 @@ class ServingEngine:
       `seq_axis`): a prompt of at least `ring_prefill_min_tokens` new tokens (default: max_num_batched_tokens)
       is then prefilled by the ring, sequence-parallel, in a step of its own.
     cache_dtype: the pages' dtype (default: each layer's, each site's q dtype; int8 / float8 quantize).
+    merged_pages: store the caches' pages merged, [P, page_size, K * H] (`PagedKVCache.create(merged=True)`:
+      dense on a TPU for any kv heads and head dim; such caches append, then attend, and the ring prefill
+      needs 4-D pages).
 
   `generate` / `stream` serve prompts; `stats` counts over the engine's lifetime.  The step is compiled once for
   these shapes: prompts of other lengths, another `generate`, a draft compile nothing new (a new top_k / top_p
@@ -138,6 +141,7 @@ class ServingEngine:
     seq_axis=None,
     ring_prefill_min_tokens: int | None = None,
     cache_dtype=None,
+    merged_pages: bool = False,
   ):
     if not isinstance(model, nnx.Module):
       raise TypeError(f"ServingEngine: model must be a flax.nnx.Module, got {type(model).__name__}")
@@ -155,6 +159,11 @@ class ServingEngine:
         f"seq_axis={seq_axis!r}"
       )
     self.mesh, self.seq_axis = mesh, seq_axis
+    if merged_pages and seq_axis is not None:
+      raise NotImplementedError(
+        f"ServingEngine: merged_pages=True with seq_axis={seq_axis!r}: the ring prefill of a cache spread over a "
+        "mesh axis writes [P, page_size, K, H] pages; serve context-parallel with merged_pages=False"
+      )
     self.ring_prefill_min_tokens = (
       self.max_num_batched_tokens
       if ring_prefill_min_tokens is None
@@ -184,14 +193,14 @@ class ServingEngine:
           f"ServingEngine: seq_axis={seq_axis!r}, but the model's paged layers spread their caches over "
           f"seq_axis={layer.seq_axis!r}: pass the mesh and seq_axis given to convert(model, to='paged', ...)"
         )
-      layer.init_cache(**geometry, dtype=cache_dtype)
+      layer.init_cache(**geometry, dtype=cache_dtype, merged=merged_pages)
     needs, self.vocab_size = self._discover()
     by_module: dict = {}
     for path, index, need in needs:
       by_module.setdefault(path, []).append((index, need))
     for path, found in by_module.items():
       handwritten_paged.init_site_caches(
-        sites[path], found, **geometry, mesh=mesh, seq_axis=seq_axis, dtype=cache_dtype
+        sites[path], found, **geometry, mesh=mesh, seq_axis=seq_axis, dtype=cache_dtype, merged=merged_pages
       )
     if not layers and not needs:
       raise ValueError(
