@@ -61,8 +61,12 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import json
 import os
+import pathlib
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 
@@ -685,6 +689,8 @@ def our_paged_blocks(x: PagedInputs, blocks, merged: bool = False) -> str | None
     return None
 
 
+PAGED_FORMATS = {"KV MB": ".1f", "ours ms": ".3f", "jax ms": ".3f", "jax/ours": ".2f", "ours GB/s": ".0f"}
+PAGED_FORMATS |= {"% HBM": ".1f", "max err": ".1e"}
 PAGED_HEADER = ["batch", "rows", "seqs", "new tokens", "KV MB", "ours ms", "jax ms", "jax/ours", "ours GB/s", "% HBM"]
 PAGED_HEADER += ["max err", "ours blocks", "jax blocks", "notes"]
 
@@ -703,12 +709,54 @@ def paged_table(report, cfg: Config, args, chip) -> None:
     }
   everything = []
   for name, N, K, H, page in args.paged_layouts:
-    paged = dict(N=N, K=K, H=H)
-    chosen = tuple(steps[s] for s in pick)
-    rows = paged_layout_table(report, chosen, paged, page or args.page_size, args, chip, title=f"{name}: ")
+    if args.layout_timeout:  # each layout in a process of its own: one that hangs costs its timeout, no more
+      rows = isolated_layout(report, name, args)
+    else:
+      paged = dict(N=N, K=K, H=H)
+      chosen = tuple(steps[s] for s in pick)
+      rows = paged_layout_table(report, chosen, paged, page or args.page_size, args, chip, title=f"{name}: ")
     everything += [[name, *row] for row in rows]
   # jax/ours against the peer; % HBM where the peer refuses the layout (the bar there: 60% on decode)
   summarize(report, "paged kernel, every layout", everything, (0, 1), {"jax/ours": 8, "% HBM": 10})
+
+
+def isolated_layout(report, name: str, args) -> list:
+  """--layout-timeout: layout `name`'s table run by this script in a child process (its other flags as given),
+  read back from the child's JSON and re-emitted; a child that does not finish in time, or fails, leaves one row
+  saying so.  Each child opens the chip anew (about 15 s on a v5e)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = pathlib.Path(tmp) / "layout.json"
+    argv = [*child_argv(args.argv), "--tables", "paged", "--paged-layouts", name, "--json", str(out)]
+    try:
+      proc = subprocess.run([sys.executable, __file__, *argv], timeout=args.layout_timeout, stdout=subprocess.DEVNULL)
+      failed = None if proc.returncode == 0 and out.exists() else f"child exited {proc.returncode}"
+    except subprocess.TimeoutExpired:
+      failed = f"did not finish in {args.layout_timeout} s"
+    if failed:
+      report.note(f"\n{name}: {failed}")
+      return [[failed] + [None] * (len(PAGED_HEADER) - 2) + [failed]]
+    sections = json.loads(out.read_text())["sections"]
+  (table,) = (x for x in sections if "table" in x and x["table"].startswith(f"{name}: "))
+  rows = [[r[c] for c in table["columns"]] for r in table["rows"]]
+  report.table(table["table"], table["columns"], rows, formats=PAGED_FORMATS, notes=table["notes"])
+  return rows
+
+
+def child_argv(argv: Sequence[str]) -> list[str]:
+  """This run's flags less those `isolated_layout` sets per child (--tables, --paged-layouts, --layout-timeout,
+  --json and their values)."""
+  drop, out, skip = {"--tables", "--paged-layouts", "--layout-timeout", "--json"}, [], False
+  for a in argv:
+    if skip:
+      skip = False
+      if not a.startswith("-"):
+        continue
+    key = a.split("=", 1)[0]
+    if key in drop:
+      skip = "=" not in a  # the value follows (--json's is optional)
+      continue
+    out.append(a)
+  return out
 
 
 def paged_layout_table(report, steps, paged: dict, page: int, args, chip, *, title: str) -> list:
@@ -797,8 +845,7 @@ def paged_layout_table(report, steps, paged: dict, page: int, args, chip, *, tit
     f"N={N} K={K} H={H} bfloat16, page {page}, shuffled pages" + (", ours on merged pages" if merged_pages else ""),
     PAGED_HEADER,
     rows,
-    formats={"KV MB": ".1f", "ours ms": ".3f", "jax ms": ".3f", "jax/ours": ".2f", "ours GB/s": ".0f"}
-    | {"% HBM": ".1f", "max err": ".1e"},
+    formats=PAGED_FORMATS,
     notes=[
       "rows: q rows of the call (T = max_num_batched_tokens; rows past the new tokens are padding, not compared).",
       ("Ours: k_pages / v_pages merged [P, page, K * H]" if merged_pages else "Ours: k_pages / v_pages [P, page, K, H]")
@@ -911,6 +958,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   )
   add("--paged-heads-pages", action="store_true", help="paged table: also time ours on [P, page, K, H] pages")
   add(
+    "--layout-timeout",
+    type=float,
+    default=None,
+    metavar="S",
+    help="paged table with --paged-layouts: run each layout in a child process and stop it after S seconds (a "
+    "row that hangs in compile then costs S, not the run)",
+  )
+  add(
     "--paged-blocks",
     nargs="+",
     default=None,
@@ -926,6 +981,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   # same document written to PATH, so one TPU run leaves both.
   add("--json", nargs="?", const="-", default=None, metavar="PATH", help="the report as JSON: on stdout, or to PATH")
   args = parser.parse_args(argv)
+  args.argv = list(sys.argv[1:] if argv is None else argv)
   ints = lambda text: [int(s) for s in text.split(",") if s.strip()]
   names = lambda text: [s.strip() for s in text.split(",") if s.strip()]
   args.seq_lens, args.fwd_seq_lens = ints(args.seq_lens), ints(args.fwd_seq_lens)

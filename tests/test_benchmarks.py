@@ -293,6 +293,15 @@ def test_tpu_kernels_paged_layouts_on_merged_pages(tpu_kernels, tmp_path):
   assert summary["table"] == "Summary: paged kernel, every layout" and summary["rows"][1]["ratio"] == "% HBM"
   with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
     tpu_kernels.parse_args(["--paged-layouts", "6/4/64"])  # N not a multiple of K
+  # --layout-timeout: each layout in a child process; one that does not finish in time leaves a row saying so.
+  argv = ["--tables", "paged", "--paged-layouts", "4/2/64", "--json", "--layout-timeout=0.01", "--repeats", "1"]
+  assert tpu_kernels.child_argv(argv) == ["--repeats", "1"]
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+    assert (
+      tpu_kernels.main(["--tables", "paged", "--paged-layouts", "4/2/64", "--layout-timeout", "0.01", *NO_CACHE]) == 0
+    )
+  assert "4/2/64: did not finish in 0.01 s" in out.getvalue(), out.getvalue()
 
 
 @pytest.mark.interpret
