@@ -99,6 +99,11 @@ class BlockRow:
   T: int
   causal: bool
   pas: str  # "fwd" or "fwd+bwd"
+  mask: str = ""  # "causal", "full", "window" (causal, --window tokens) or "segments" (causal, --segments documents)
+
+  @property
+  def kind(self) -> str:
+    return self.mask or ("causal" if self.causal else "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +161,23 @@ def layout_steps(rng_seed: int = 0) -> dict[str, Step]:
   }
 
 
+def parse_block_layouts(text: str | None) -> list[tuple[int, int, int, int]]:
+  """(B, N, K, H) per layout; [] for None; 'models': B=1 and each of MODEL_LAYOUTS' whole models' heads."""
+  if text is None:
+    return []
+  if text == "models":
+    whole = {"Llama-3.2-1B": (32, 8, 64), "Qwen2.5-0.5B": (14, 2, 64), "Qwen2.5-7B": (28, 4, 128)}
+    whole |= {"Gemma-2B": (8, 1, 256), "Gemma-2-9B": (16, 8, 256)}
+    return [(1, *nkh) for nkh in whole.values()]
+  out = []
+  for item in text.split(","):
+    parts = [int(x) for x in item.strip().split("/")]
+    if len(parts) != 4 or parts[1] % parts[2]:
+      raise ValueError(f"want B/N/K/H with N a multiple of K, got {item!r}")
+    out.append(tuple(parts))
+  return out
+
+
 def parse_layouts(text: str | None) -> list[tuple[str, int, int, int, int | None]]:
   """(name, N, K, H, page or None) per layout; None: the one default layout."""
   if text is None:
@@ -183,14 +205,14 @@ def mixed(prefills: Sequence[tuple[int, int]], decode_kv: Sequence[int], rows: i
 
 
 def block_rows(seq_lens, fwd_seq_lens, masks) -> tuple[BlockRow, ...]:
-  fwd = [BlockRow(T, m == "causal", "fwd") for T in fwd_seq_lens for m in masks]
-  return tuple(fwd + [BlockRow(T, m == "causal", "fwd+bwd") for T in seq_lens for m in masks])
+  fwd = [BlockRow(T, m != "full", "fwd", m) for T in fwd_seq_lens for m in masks]
+  return tuple(fwd + [BlockRow(T, m != "full", "fwd+bwd", m) for T in seq_lens for m in masks])
 
 
 def config(args) -> Config:
   if args.interpret:  # tiny: every kernel runs in CPU interpret mode
     block = dict(B=1, N=2, H=128)
-    rows = block_rows([256], [256], ["causal"])
+    rows = block_rows([256], [256], [m for m in args.masks if m != "full"] or ["causal"])
     paged = dict(N=4, K=2, H=128)
     mix = mixed([(12, 20)], (17, 40, 64), 16, "1 prefill (12 new after 20 cached) + 3 decodes (kv 17, 40, 64)")
     steps = (decode(4, 64), mix, dataclasses.replace(mix, rows=mix.new_tokens))
@@ -368,12 +390,25 @@ def notes_cell(errors: dict) -> str:
 # Table 1: block kernels vs splash (and flash_attention).
 
 
-def ours_block_fn(causal: bool, scale: float, interpret, block_sizes=None) -> Callable:
+def ours_block_fn(causal: bool, scale: float, interpret, block_sizes=None, **mask) -> Callable:
   """Our block kernels on [B, T, N, H]: ring_attention without an axis is one device, one hop, no collective;
-  `block_sizes` None: the planner's tiles."""
+  `block_sizes` None: the planner's tiles; `mask`: local_window_size or segment_ids ([B, T])."""
   return lambda q, k, v: fr.ring_attention(
-    q, k, v, is_causal=causal, scale=scale, implementation="pallas_tpu", interpret=interpret, block_sizes=block_sizes
-  )
+    q, k, v, is_causal=causal, scale=scale, implementation="pallas_tpu", interpret=interpret, block_sizes=block_sizes,
+    **mask,
+  )  # fmt: skip
+
+
+def mask_options(kind: str, T: int, B: int, args) -> tuple[dict, object]:
+  """(ring_attention's keywords, splash's per-head mask or segment ids) of a block row's mask kind: window is
+  causal with `--window` tokens (the token itself and the W - 1 before it); segments causal within `--segments`
+  equal documents."""
+  if kind == "window":
+    return {"local_window_size": (args.window - 1, 0)}, None
+  if kind == "segments":
+    seg = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) // max(1, T // args.segments), (B, T))
+    return {"segment_ids": seg}, seg
+  return {}, None
 
 
 VARIANT_FIELDS = {
@@ -423,7 +458,9 @@ def our_block_tiles(T: int, N: int, H: int, block_sizes) -> str | None:
     return None
 
 
-def splash_fn(p: Problem, fused_bwd: bool, interpret: bool, block: int = PEER_BLOCK) -> Callable:
+def splash_fn(
+  p: Problem, fused_bwd: bool, interpret: bool, block: int = PEER_BLOCK, kind: str = "", window=None, seg=None
+) -> Callable:
   """Splash on [B, N, T, H] (its per-example layout [N, T, H]; B = 1 drops the batch dim, else vmap), q already
   scaled: splash applies no softmax scale."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
@@ -442,10 +479,16 @@ def splash_fn(p: Problem, fused_bwd: bool, interpret: bool, block: int = PEER_BL
     block_kv_dq=dq,
     use_fused_bwd_kernel=fused_bwd,
   )
-  head = masks.CausalMask((p.T, p.T)) if p.is_causal else masks.FullMask((p.T, p.T))
+  if kind == "window":
+    head = masks.LocalMask((p.T, p.T), window_size=(window - 1, 0), offset=0)
+  else:
+    head = masks.CausalMask((p.T, p.T)) if p.is_causal else masks.FullMask((p.T, p.T))
   kernel = splash.make_splash_mha_single_device(
     masks.MultiHeadMask([head] * p.N), block_sizes=sizes, interpret=interpret
   )
+  if seg is not None:  # segment ids [B, T] as constants of the call, one row per batch entry
+    with_ids = lambda a, b, c, s: kernel(a, b, c, segment_ids=splash.SegmentIds(q=s, kv=s))  # noqa: E731
+    return lambda q, k, v: jax.vmap(with_ids)(q, k, v, seg)
   if p.B == 1:
     return lambda q, k, v: kernel(q[0], k[0], v[0])[None]
   return jax.vmap(kernel)
@@ -488,13 +531,27 @@ def grads_to_our_layout(grads, dq_scale: float = 1.0):
 
 
 def block_table(report, cfg: Config, args, chip) -> None:
-  B, N, H = cfg.block["B"], cfg.block["N"], cfg.block["H"]
+  """One block table per head layout (--block-layouts B/N/K/H; default --batch, --num-heads, --head-dim with K = N),
+  then a summary over all of them."""
+  layouts = args.block_layouts or [(cfg.block["B"], cfg.block["N"], cfg.block["N"], cfg.block["H"])]
+  everything, ratios = [], {}
+  for B, N, K, H in layouts:
+    title = f"B={B} N={N} K={K} H={H}: " if args.block_layouts else ""
+    rows, header = block_layout_table(report, cfg, args, chip, B, N, K, H, title)
+    everything += [[title.rstrip(": "), *row] for row in rows]
+    ratios = {c: header.index(c) + 1 for c in ("splash/ours", "splash BTNH/ours", "flash/ours") if c in header}
+  summarize(report, "block kernels, every layout", everything, (0, 1, 2, 3), ratios)
+
+
+def block_layout_table(report, cfg: Config, args, chip, B: int, N: int, K: int, H: int, title: str):
+  """The block rows of one head layout; returns (rows, header)."""
   scale = H**-0.5
   peak = chip.peak_flops("bfloat16") if chip else None
   interp = True if args.interpret else None
   rows, inputs = [], {}
   for r in cfg.block_rows:
-    p = Problem(B=B, T=r.T, N=N, K=N, H=H, dtype="bfloat16", is_causal=r.causal)
+    p = Problem(B=B, T=r.T, N=N, K=K, H=H, dtype="bfloat16", is_causal=r.causal)
+    mask_kw, seg = mask_options(r.kind, r.T, B, args)
     if r.T not in inputs:
       inputs.clear()  # one length's inputs at a time (the mask does not change them)
       q, k, v, do = p.inputs(0)
@@ -522,31 +579,35 @@ def block_table(report, cfg: Config, args, chip) -> None:
       for fused in sorted({False, args.splash_fused_bwd}) if bwd else (False,):
         name = f"splash b{blk}" + (" fused" if fused else "")
         try:
-          kernel = splash_fn(p, fused, args.interpret, blk)
+          kernel = splash_fn(p, fused, args.interpret, blk, r.kind, args.window, seg)
           peers[name] = Candidate(wrap(kernel), (qs, kt, vt, *cotangent(dot)), from_splash)
           if not args.no_splash_layout:  # splash as a [B, T, N, H] model calls it: the layout work timed too
             peers[f"{name} BTNH"] = Candidate(wrap(on_our_layout(kernel, scale)), (q, k, v, *cotangent(do)))
         except Exception as e:  # building the kernel (the mask's block tables) can fail too
           peers[name] = Candidate(None, (), error=error_text(e))
-      if not args.no_flash:
+      if not args.no_flash and K == N and r.kind in ("causal", "full"):  # flash_attention: MHA, causal or full
         # Interpret mode wraps the jitted call: its backward kernels are traced when jit differentiates, outside
         # flash_fn's own frames.
         flash = tpu_interpret(wrap(flash_fn(p, scale, blk)), args.interpret)
         peers[f"flash b{blk}"] = Candidate(flash, (qt, kt, vt, *cotangent(dot)), from_flash)
     leaves = (("dq", "dk", "dv") if not args.with_output else ("out", "dq", "dk", "dv")) if bwd else ("out",)
-    mask = "causal" if r.causal else "full"
+    mask = r.kind
     # Several --block-sizes: one checked, timed row per choice, against the same (compiled once) peers.
     for blocks in args.block_sizes or [None]:
-      ours = Candidate(wrap(ours_block_fn(r.causal, scale, interp, blocks)), (q, k, v, *cotangent(do)))
+      ours = Candidate(wrap(ours_block_fn(r.causal, scale, interp, blocks, **mask_kw)), (q, k, v, *cotangent(do)))
       for variant in args.ours_variants:  # checked against ours like a peer, timed in the same rounds
-        fn = with_variant(wrap(ours_block_fn(r.causal, scale, interp, blocks)), variant)
+        fn = with_variant(wrap(ours_block_fn(r.causal, scale, interp, blocks, **mask_kw)), variant)
         peers[f"ours {variant}"] = Candidate(fn, (q, k, v, *cotangent(do)))
-      name = f"block T={r.T} {mask} {r.pas}"
+      name = f"block {title}T={r.T} {mask} {r.pas}"
       if args.block_sizes and len(args.block_sizes) > 1:
         name += f", ours {our_block_tiles(r.T, N, H, blocks)}"
       got = check_and_time(report, name, ours, peers, leaves, args)
       t = got["times"]
       flops = cost.attention_flops(B=B, T=r.T, N=N, H=H, is_causal=r.causal, direction=r.pas)
+      if r.kind == "window":  # the visible band: about T x window of T^2 / 2
+        flops *= min(1.0, 2 * args.window / r.T)
+      elif r.kind == "segments":  # causal within each document: 1 / --segments of the causal pairs
+        flops /= args.segments
       t_ours = ms(t, "ours")
       tflops = flops / t_ours / 1e9 if t_ours else None
       splash_best = best_peer(t, "splash b", exclude=" BTNH")
@@ -577,8 +638,8 @@ def block_table(report, cfg: Config, args, chip) -> None:
   blocks_text = ", ".join(str(x) for x in args.peer_blocks)
   what = "the gradients alone" if not args.with_output else "the output and the gradients"
   report.table(
-    f"Block kernels: ring_attention(implementation='pallas_tpu') on one device vs splash attention at its best of "
-    f"blocks b in {{{blocks_text}}} (capped at T){' and flash_attention' * (not args.no_flash)}; B={B} N={N} H={H} "
+    f"{title}Block kernels: ring_attention(implementation='pallas_tpu') on one device vs splash attention at its best of "
+    f"blocks b in {{{blocks_text}}} (capped at T){' and flash_attention' * (not args.no_flash)}; B={B} N={N} K={K} H={H} "
     f"bfloat16, scale 1/sqrt(H); fwd+bwd: {what}",
     header,
     rows,
@@ -608,8 +669,7 @@ def block_table(report, cfg: Config, args, chip) -> None:
       ),
     ],
   )
-  ratios = {c: header.index(c) for c in ("splash/ours", "splash BTNH/ours", "flash/ours") if c in header}
-  summarize(report, f"block kernels, B={B} N={N} H={H}", rows, (0, 1, 2), ratios)
+  return rows, header
 
 
 # ------------------------------------------------------------------------------------------
@@ -899,7 +959,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   )
   add("--seq-lens", default="8192,32768", help="block table: T of the forward+backward rows")
   add("--fwd-seq-lens", default="8192", help="block table: T of the forward-only rows")
-  add("--masks", default="causal,full", help="block table: comma-separated, of causal,full")
+  add("--masks", default="causal,full", help="block table: comma-separated, of causal,full,window,segments")
+  add("--window", type=int, default=1024, help="block table, window rows: tokens a query sees, itself included")
+  add("--segments", type=int, default=4, help="block table, segments rows: equal documents per sequence")
+  add(
+    "--block-layouts",
+    default=None,
+    metavar="B/N/K/H[,...]",
+    help="block table: one table per layout (batch / q heads / kv heads / head dim); 'models': the real models' "
+    "training layouts (all heads on one chip)",
+  )
   add("--batch", type=int, default=1, help="block table: B")
   add("--num-heads", type=int, default=8, help="block table: N (= K)")
   add("--head-dim", type=int, default=128, help="block table: H")
@@ -1023,8 +1092,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
       parser.error(f"--paged-blocks takes block_q,block_kv pairs, got {' '.join(args.paged_blocks)}")
     args.paged_blocks = [fr.BlockSizes(block_q=bq, block_kv=bkv) for bq, bkv in pairs]
   for m in args.masks:
-    if m not in ("causal", "full"):
-      parser.error(f"unknown mask {m!r}; known: causal, full")
+    if m not in ("causal", "full", "window", "segments"):
+      parser.error(f"unknown mask {m!r}; known: causal, full, window, segments")
+  try:
+    args.block_layouts = parse_block_layouts(args.block_layouts)
+  except ValueError as e:
+    parser.error(f"--block-layouts: {e}")
   for t in args.tables:
     if t not in ("block", "paged"):
       parser.error(f"unknown table {t!r}; known: block, paged")

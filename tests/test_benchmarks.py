@@ -306,6 +306,27 @@ def test_tpu_kernels_paged_layouts_on_merged_pages(tpu_kernels, tmp_path):
 
 @pytest.mark.interpret
 @pytest.mark.races_not_read(SMOKE_RUN)
+def test_tpu_kernels_block_layouts_with_gqa_windows_and_segments(tpu_kernels, tmp_path):
+  """--block-layouts B/N/K/H with GQA, and the window and segments masks: ours and splash (GQA native, LocalMask,
+  SegmentIds) checked against each other in forward and gradients, one table per layout and one summary."""
+  path = tmp_path / "block.json"
+  argv = ["--tables", "block", "--block-layouts", "1/4/2/128", "--masks", "window,segments", "--window", "128"]
+  argv += ["--segments", "2", "--repeats", "1", "--no-flash", "--no-splash-layout", "--json", str(path), *NO_CACHE]
+  with contextlib.redirect_stdout(io.StringIO()):
+    assert tpu_kernels.main(argv) == 0
+  table, summary = (s for s in json.loads(path.read_text())["sections"] if "table" in s)
+  assert table["table"].startswith("B=1 N=4 K=2 H=128: Block kernels")
+  got = [(r["mask"], r["pass"]) for r in table["rows"]]
+  assert got == [("window", "fwd"), ("segments", "fwd"), ("window", "fwd+bwd"), ("segments", "fwd+bwd")], got
+  assert all(r["notes"] == "" and r["max err"] is not None for r in table["rows"]), table["rows"]
+  assert summary["rows"][0]["rows"] == 4
+  assert tpu_kernels.parse_args(["--block-layouts", "models"]).block_layouts[1] == (1, 14, 2, 64)
+  with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+    tpu_kernels.parse_args(["--block-layouts", "1/6/4/64"])
+
+
+@pytest.mark.interpret
+@pytest.mark.races_not_read(SMOKE_RUN)
 def test_tpu_kernels_wrong_result_exits_1_before_timing(tpu_kernels, monkeypatch):
   real = tpu_kernels.ours_block_fn
   monkeypatch.setattr(tpu_kernels, "ours_block_fn", lambda *a: lambda q, k, v: real(*a)(q, k, v) * 1.1)
