@@ -587,4 +587,4 @@ def test_real_models_smoke_trains_three_ways_and_serves(tmp_path):
   losses = [r["last loss"] for r in train["rows"]]
   assert max(losses) - min(losses) < 0.05, losses  # the same model and data, one AdamW step each way
   (row,) = serve["rows"]
-  assert row["notes"] == "" and row["tokens/s"] > 0 and row["TTFT ms"] > 0, row
+  assert row["notes"] == "" and row["decode tokens/s"] > 0 and row["decode step ms"] > 0 and row["TTFT ms"] > 0, row
