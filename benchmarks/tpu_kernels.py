@@ -729,21 +729,21 @@ def jax_paged_blocks(x: PagedInputs) -> str | None:
     return None
 
 
-def our_paged_blocks(x: PagedInputs, blocks, merged: bool = False) -> str | None:
-  """The (q rows x kv tokens) blocks our op runs (display only): `--paged-blocks`, else its planner's pick, as
-  the kernel takes them (`plans.check_supported`: a q block of at least one sublane tile of q's dtype, or all
-  the rows; whole pages)."""
+def our_paged_blocks(x: PagedInputs, blocks, pages=None) -> str | None:
+  """The (q rows x kv tokens) blocks our op runs (display only): `--paged-blocks`, else what the op's Pallas TPU
+  implementation plans for these operands (`pages`: ours (k, v), merged or not; None: x's), as the kernel takes
+  them (`plans.check_supported`: a q block of at least one sublane tile of q's dtype, or all the rows; whole
+  pages)."""
   try:
-    from flax_ringattn._src.backends.pallas_tpu import planners
     from flax_ringattn._src.backends.pallas_tpu.paged import plans
+    from flax_ringattn._src.paged.implementations import PagedPallasTpu
 
-    T, N, H = x.q.shape
-    _, page, K, _ = x.k.shape
+    k, v = (x.k, x.v) if pages is None else pages
+    page = k.shape[1]
     if blocks is None:
-      f = 128 // H if merged and H < 128 and 128 % H == 0 and K % (128 // H) == 0 else 1  # plans.lane_groups
-      pps = x.meta[1].shape[1]
-      blocks = planners.plan_paged_block_sizes(T, page, pps, N, K // f, H * f, x.q.dtype, merged=merged)
-    bq, ppb = plans.check_supported(x.q, x.k, block_q=blocks.block_q, pages_per_block=blocks.block_kv // page)
+      shape = dict(k_scale=None, v_scale=None, pages_per_seq=x.meta[1].shape[1], logits_soft_cap=None)
+      blocks = PagedPallasTpu().blocks(q=x.q, k_pages=k, v_pages=v, block_sizes=None, **shape)
+    bq, ppb = plans.check_supported(x.q, k, block_q=blocks.block_q, pages_per_block=blocks.block_kv // page)
     return f"{bq}x{ppb * page}"
   except Exception:
     return None
@@ -876,7 +876,7 @@ def paged_layout_table(report, steps, paged: dict, page: int, args, chip, *, tit
         peers["ours [P, page, K, H]"] = Candidate(ours, (x.q, x.k, x.v, *x.meta), to_ours)
       name = f"paged {title}{step.name}, {step.rows} rows"
       if len(choices) > 1:
-        name += f", ours {our_paged_blocks(x, blocks)}"
+        name += f", ours {our_paged_blocks(x, blocks, ours_pages)}"
       got = check_and_time(report, name, Candidate(ours, (x.q, *ours_pages, *x.meta), to_ours), peers, ("out",), args)
       heads_ms = ms(got["times"], "ours [P, page, K, H]")
       t = got["times"]
@@ -884,7 +884,7 @@ def paged_layout_table(report, steps, paged: dict, page: int, args, chip, *, tit
       gbs = total / t_ours / 1e6 if t_ours else None
       rows.append([step.name, step.rows, len(step.q_lens), step.new_tokens, kv_bytes / 1e6, t_ours,
                    ms(t, timed_peer), ratio(t, timed_peer), gbs,
-                   gbs and bw and 100 * gbs * 1e9 / bw, got["err"], our_paged_blocks(x, blocks, merged_pages),
+                   gbs and bw and 100 * gbs * 1e9 / bw, got["err"], our_paged_blocks(x, blocks, ours_pages),
                    jax_paged_blocks(x), notes_cell(got["errors"])])  # fmt: skip
       if merged_pages and (args.paged_heads_pages or H % 128):
         rows[-1][-1] = (

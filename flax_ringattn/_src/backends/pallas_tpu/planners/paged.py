@@ -145,12 +145,12 @@ def plan_paged_block_sizes(
     bidirectional=bidirectional,
     merged=merged,
   )
-  fits = lambda bq, ppb: (
-    budget
-    >= max(  # noqa: E731
+
+  def fits(bq, ppb):  # both kernels within the VMEM budget
+    return budget >= max(
       paged_footprint(k, bq=bq, pages_per_block=ppb, **dims).total for k in ("paged_fwd", "paged_bwd")
     )
-  )
+
   key = tuned.paged_key(
     T, page_size, pages_per_seq, num_heads, num_kv_heads, head_dim, dims["v_head_dim"], dtype, page_dtype,
     scale_rows, soft_cap, bidirectional, merged,
