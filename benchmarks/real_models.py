@@ -25,6 +25,7 @@ runs; its times mean nothing.  The persistent compilation cache is on (`--no-com
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import pathlib
 import sys
@@ -282,6 +283,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--remat", action="store_true", help="train: recompute each block in the backward")
+  p.add_argument("--layers", type=int, help="the model cut to its first N blocks (check a path before a full run)")
   p.add_argument("--batches", default="1,8,32,64", help="serve: sequences served at once")
   p.add_argument("--contexts", default="2048,8192", help="serve: prompt tokens per sequence")
   p.add_argument("--new-tokens", type=int, default=64, help="serve: tokens generated per sequence")
@@ -309,6 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   c = MODELS[args.model]
   if args.smoke:
     c = decoders.tiny(c, dtype="bfloat16")
+  if args.layers:
+    c = dataclasses.replace(c, name=f"{c.name}, first {args.layers} blocks", layers=min(args.layers, c.layers))
   report = bench.Report(f"real_models: {c.name} trained and served", json=args.json)
   chip = None
   if jax.default_backend() == "tpu":

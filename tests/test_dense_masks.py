@@ -197,3 +197,27 @@ def test_dot_product_attention_refuses_a_3d_mask_it_could_misread(name):
     fr.dot_product_attention(q, kv, kv, **{name: value}, implementation="xla")
   # 4-D, either reading is accepted.
   fr.dot_product_attention(q, kv, kv, **{name: value[:, None]}, implementation="xla")
+
+
+def test_a_traced_causal_mask_is_told_apart_in_one_pass():
+  """Under jit a dense mask that is exactly causal (within the declared window) runs the causal kernels with no
+  ids (`dense.plain_causal` true: one compare and reduction); any other mask takes the recovery."""
+  from flax_ringattn._src.ring import dense
+
+  tril = jnp.tril(jnp.ones((T, T), bool))
+  plain = jax.jit(lambda m, **kw: dense.plain_causal(m, B=B, N=HEADS, T=T, **kw), static_argnames=("is_causal", "window"))
+  assert bool(plain(jnp.broadcast_to(tril, (B, 1, T, T))))
+  assert bool(plain(jnp.ones((B, 1, T, T)), is_causal=True))  # is_causal=True ANDs the mask with causal
+  assert not bool(plain(jnp.ones((B, 1, T, T))))
+  padded = tril.at[:, T - 3 :].set(False)  # keys of padding
+  assert not bool(plain(jnp.broadcast_to(padded, (B, 1, T, T))))
+  band = tril & ~jnp.tril(jnp.ones((T, T), bool), -3)  # a query sees itself and the 2 keys before it
+  assert bool(plain(jnp.broadcast_to(band, (B, 1, T, T)), window=(2, 0)))
+  assert not bool(plain(jnp.broadcast_to(band, (B, 1, T, T))))
+  assert not bool(plain(jnp.broadcast_to(tril, (B, 1, T, T)), window=(2, 0)))
+  # The layer gives the same output both ways: the causal mask traced, and is_causal=True.
+  ring = fr.RingMultiHeadAttention(HEADS, F, decode=False, rngs=nnx.Rngs(1))
+  x = jax.random.normal(jax.random.key(0), (B, T, F))
+  got = nnx.jit(lambda m, x, mask: m(x, mask=mask))(ring, x, jnp.broadcast_to(tril, (B, 1, T, T)))
+  want = ring(x, is_causal=True)
+  assert_close(got, want, dtype=jnp.float32)

@@ -239,8 +239,8 @@ def test_flat_kv_buffers(dtype):
 )
 def test_merged_pages(heads, head_dim, dtype, scales):
   """Merged pages [P, page_size, K * H] (any K, heads side by side along the lanes): forward and gradients against
-  the reference on the same values as [P, page_size, K, H] pages, with holes in the table, a shared prefix and
-  partial pages, foreign pages NaN-poisoned; the gradients come back merged.  Head dim 64 runs as K / 2 heads of
+  the reference on the same values as [P, page_size, K, H] pages, with holes in the table (one in a whole kv
+  block), a shared prefix and partial pages, foreign pages NaN-poisoned; the gradients come back merged.  Head dim 64 runs as K / 2 heads of
   128 lanes (`plans.lane_groups`), with a window and a soft cap."""
   N, K = heads
   rng = np.random.default_rng([80, N, head_dim])
@@ -249,10 +249,11 @@ def test_merged_pages(heads, head_dim, dtype, scales):
   if dtype == BF16:
     geom.update(page_size=16, pages_per_seq=2)
     blocks = fr.BlockSizes(block_q=16, block_kv=32)
-  seqs = [(1, 25), (5, 5), (3, 17), (0, 4), (9, 30)]
+  seqs = [(1, 25), (5, 5), (3, 17), (0, 4), (9, 30), (2, 32)]
   b = make_batch(rng, seqs, share_prefix=True, num_kv_heads=K, dtype=dtype, scale_shape=scales, **geom)
   table = np.asarray(b.page_indices).copy()
   table[2, 0] = -1
+  table[5, 1] = geom["num_pages"] + 3  # a hole in a kv block wholly below kv_len (`walk._start_whole_pages`)
   b = merged(b.replace(page_indices=jnp.asarray(table, jnp.int32)))
   assert b.k_pages.ndim == 3
   f = pallas_paged.lane_groups(b.q, b.k_pages, b.v_pages, *(b.operands.get(n) for n in ("k_scale", "v_scale")))[0]

@@ -295,3 +295,24 @@ def test_merged_pages_serve_the_same_tokens(family):
   with pytest.raises(NotImplementedError, match="merged_pages=True with seq_axis"):
     fr.ServingEngine(model, call=sm.engine_call, merged_pages=True, mesh=make_mesh((1,), ("sp",)), seq_axis="sp",
                      **GEOMETRY)  # fmt: skip
+
+
+def test_steps_run_at_the_least_token_bucket_that_holds_them(caplog):
+  """A step pads its tokens to the least of `token_buckets`, not to max_num_batched_tokens: decode steps of 2
+  sequences run 16 rows, prompt chunks up to 40; each bucket compiles once, and the tokens equal the reference's."""
+  served = Served("llama")
+  engine = fr.ServingEngine(served.model, call=sm.engine_call, **(GEOMETRY | dict(max_num_batched_tokens=40)))
+  assert engine.token_buckets == (16, 32, 40)
+  seen = []
+  call = engine.call
+  engine.call = lambda model, tokens, positions: seen.append(tokens.shape[1]) or call(model, tokens, positions)
+  prompts = _prompts(2, (26, 8))
+  with jax.log_compiles(), caplog.at_level(logging.WARNING):
+    got = engine.generate(prompts, max_new_tokens=4)
+  assert got == served.want(prompts, max_new=4)
+  assert sorted(set(seen)) == [16, 40], seen  # traced once per bucket used: the 34-token prefill, then decodes
+  assert sum("Compiling jit(_step_fn)" in r.getMessage() for r in caplog.records) == 2
+  assert fr.ServingEngine(served.model, call=sm.engine_call, **GEOMETRY, token_buckets=(4,)).token_buckets == (4, 12)
+  for bad in ((0,), (13,), (), "x"):
+    with pytest.raises(ValueError, match="token_buckets must be row counts from 1 to max_num_batched_tokens=12"):
+      fr.ServingEngine(served.model, call=sm.engine_call, **GEOMETRY, token_buckets=bad)

@@ -299,7 +299,7 @@ def masked_ring_attention(
   bidirectional ids: as in `ring_attention` (not with a dense mask)."""
   axis_name = sharding.sequence_axis(options.mesh, options.axis_name, arg="axis_name")
   options = options.replace(axis_name=axis_name)
-  causal, exact = options.is_causal, None
+  causal = options.is_causal
   tokens = dict(q_positions=q_positions, kv_positions=kv_positions, bidirectional_ids=bidirectional_ids)
   structure = None
   if isinstance(mask, masks.Mask):
@@ -313,24 +313,66 @@ def masked_ring_attention(
         "local_window_size, chunk_size, bidirectional_ids) instead of a dense mask"
       )
     B, T, N = q.shape[0], q.shape[1], q.shape[2]
-    causal, segment_ids, bidirectional_ids, exact = dense_mask_options(
-      mask,
-      B=B,
-      N=N,
-      T=T,
-      S=k.shape[1],
-      is_causal=options.is_causal,
-      segment_ids=segment_ids,
-      checked=options.check_mask,
-      local_window_size=options.local_window_size,
-      also_exact=also_exact,
+    if segment_ids is None and T == k.shape[1] and not validation.all_concrete(mask):
+      # A traced mask that is exactly causal (within the declared window) runs the causal kernels with no ids,
+      # and the recovery's passes, its kernels with ids and its host check only run for any other mask.
+      plain = plain_causal(mask, B=B, N=N, T=T, is_causal=options.is_causal, window=options.local_window_size)
+      if also_exact is not None:
+        plain = plain & also_exact
+      causal_kwargs = options.replace(is_causal=True).ring_kwargs()
+      kwargs = dict(dropout_rng=dropout_rng, sinks=sinks, segment_ids=segment_ids, also_exact=also_exact)
+      return jax.lax.cond(
+        plain,
+        lambda: ring_attention(q, k, v, dropout_rng=dropout_rng, sinks=sinks, **causal_kwargs),
+        lambda: _recovered(q, k, v, options, mask, **kwargs),
+      )
+    return _recovered(
+      q, k, v, options, mask, also_exact=also_exact, segment_ids=segment_ids, dropout_rng=dropout_rng, sinks=sinks
     )
-    tokens["bidirectional_ids"] = bidirectional_ids
 
   def attend(is_causal):
     kwargs = options.replace(is_causal=is_causal).ring_kwargs()
     return ring_attention(
       q, k, v, segment_ids=segment_ids, dropout_rng=dropout_rng, sinks=sinks, mask=structure, **tokens, **kwargs
     )
+
+  return call_with_mask_structure(attend, causal)
+
+
+def plain_causal(mask, *, B, N, T, is_causal=False, window=None):
+  """Traced bool: the dense self-attention mask is exactly causal (within `window`), for every batch row and
+  head.  One elementwise compare and reduction, fused with the mask's own construction where XLA can."""
+  m = dense_masks.dense_mask_4d(mask, B, N, T, T)
+  m = m if m.dtype == jnp.bool_ else m != 0
+  zeros = jnp.zeros((1, T), jnp.int32)
+  want = dense_masks.dense_mask_from_structure(True, zeros, zeros, local_window_size=window)  # [1, 1, T, T]
+  if is_causal:  # is_causal=True with a mask: their AND (`dense_mask_options`)
+    m = m & jnp.tril(jnp.ones((T, T), jnp.bool_))
+  return jnp.all(m == want)
+
+
+def _recovered(q, k, v, options: RingOptions, mask, *, also_exact, segment_ids, dropout_rng, sinks):
+  """`masked_ring_attention` on a dense mask recovered into its structure (`dense_mask_options`), the output
+  poisoned with NaN when a traced mask is outside the family."""
+  B, T, N = q.shape[0], q.shape[1], q.shape[2]
+  causal, segment_ids, bidirectional_ids, exact = dense_mask_options(
+    mask,
+    B=B,
+    N=N,
+    T=T,
+    S=k.shape[1],
+    is_causal=options.is_causal,
+    segment_ids=segment_ids,
+    checked=options.check_mask,
+    local_window_size=options.local_window_size,
+    also_exact=also_exact,
+  )
+
+  def attend(is_causal):
+    kwargs = options.replace(is_causal=is_causal).ring_kwargs()
+    return ring_attention(
+      q, k, v, segment_ids=segment_ids, dropout_rng=dropout_rng, sinks=sinks, bidirectional_ids=bidirectional_ids,
+      **kwargs,
+    )  # fmt: skip
 
   return poison_unless(exact, call_with_mask_structure(attend, causal))

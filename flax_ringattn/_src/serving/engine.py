@@ -97,6 +97,33 @@ def map_caches(fn, caches):
   return jax.tree.map(lambda x: fn(x) if _is_paged_cache(x) else x, caches, is_leaf=_is_paged_cache)
 
 
+def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+  """Powers of two from 16 below `max_num_batched_tokens`, then `max_num_batched_tokens`: a step pads its rows
+  to at most twice its tokens (16 at least), and compiles for at most log2(max / 8) row counts."""
+  out, t = [], 16
+  while t < max_num_batched_tokens:
+    out.append(t)
+    t *= 2
+  return (*out, max_num_batched_tokens)
+
+
+def _token_buckets(buckets, max_num_batched_tokens: int) -> tuple[int, ...]:
+  if buckets is None:
+    return default_token_buckets(max_num_batched_tokens)
+  try:
+    given = list(buckets)
+  except TypeError:
+    given = [buckets]
+  bad = [b for b in given if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or not 0 < b]
+  bad += [b for b in given if b not in bad and b > max_num_batched_tokens]
+  if bad or not given:
+    raise ValueError(
+      "ServingEngine: token_buckets must be row counts from 1 to max_num_batched_tokens="
+      f"{max_num_batched_tokens}, got token_buckets={buckets!r}" + (f" ({bad!r} not)" if bad else "")
+    )
+  return tuple(sorted({int(b) for b in given} | {max_num_batched_tokens}))
+
+
 def first_cache(caches) -> PagedKVCache:
   return next(x for x in jax.tree.leaves(caches, is_leaf=_is_paged_cache) if _is_paged_cache(x))
 
@@ -108,12 +135,16 @@ class ServingEngine:
     model: an `nnx.Module` after `convert(model, to="paged")`: its `PagedMultiHeadAttention` layers and the
       hand-written attention sites the conversion found each get a paged cache here.
     call: `call(model, tokens, positions) -> logits`: the model's own forward on a flat ragged batch (`tokens`,
-      `positions` [1, T] int32, T = max_num_batched_tokens; positions are each token's index in its own
-      sequence) returning [1, T, V].  A mask the forward builds or takes does not decide attention.
+      `positions` [1, T] int32, T one of `token_buckets`; positions are each token's index in its own sequence)
+      returning [1, T, V].  A mask the forward builds or takes does not decide attention.
     num_pages, page_size, max_num_seqs, pages_per_seq: the caches' geometry (`PagedKVCache.create`);
       max_num_seqs is the number of sequences decoded together (slots).
-    max_num_batched_tokens: rows of one step (T): prompts are prefilled in chunks that fit beside the
+    max_num_batched_tokens: the most rows of one step: prompts are prefilled in chunks that fit beside the
       decoding sequences.
+    token_buckets: the row counts T a step is compiled for; each step runs at the least one that holds its tokens
+      (padding rows cost the model's matmuls and the logits: a decode step of 64 sequences in a step of 1024 rows
+      would do 16 times its work).  Default (`default_token_buckets`): powers of two from 16 below
+      max_num_batched_tokens, and max_num_batched_tokens; `(max_num_batched_tokens,)` compiles one step program.
     mesh, seq_axis: context parallelism, as the conversion was given them (the caches' pages spread over
       `seq_axis`): a prompt of at least `ring_prefill_min_tokens` new tokens (default: max_num_batched_tokens)
       is then prefilled by the ring, sequence-parallel, in a step of its own.
@@ -122,9 +153,9 @@ class ServingEngine:
       dense on a TPU for any kv heads and head dim; such caches append, then attend, and the ring prefill
       needs 4-D pages).
 
-  `generate` / `stream` serve prompts; `stats` counts over the engine's lifetime.  The step is compiled once for
-  these shapes: prompts of other lengths, another `generate`, a draft compile nothing new (a new top_k / top_p
-  setting compiles once).
+  `generate` / `stream` serve prompts; `stats` counts over the engine's lifetime.  The step is compiled once per
+  token bucket it runs at: prompts of other lengths, another `generate`, a draft compile nothing new (a new
+  top_k / top_p setting compiles once per bucket).
   """
 
   def __init__(
@@ -142,6 +173,7 @@ class ServingEngine:
     ring_prefill_min_tokens: int | None = None,
     cache_dtype=None,
     merged_pages: bool = False,
+    token_buckets=None,
   ):
     if not isinstance(model, nnx.Module):
       raise TypeError(f"ServingEngine: model must be a flax.nnx.Module, got {type(model).__name__}")
@@ -153,6 +185,7 @@ class ServingEngine:
     self.max_num_seqs = _positive("max_num_seqs", max_num_seqs)
     self.pages_per_seq = _positive("pages_per_seq", pages_per_seq)
     self.max_num_batched_tokens = _positive("max_num_batched_tokens", max_num_batched_tokens)
+    self.token_buckets = _token_buckets(token_buckets, self.max_num_batched_tokens)
     if (seq_axis is None) != (mesh is None):
       raise ValueError(
         f"ServingEngine: mesh= and seq_axis= go together (context parallelism), got mesh={mesh!r}, "
@@ -284,6 +317,10 @@ class ServingEngine:
     return sampling.choose(row, row_id[None], seed, temperature, top_k=top_k, top_p=top_p)[0], caches
 
   # -- the host's calls -----------------------------------------------------------------------------------
+  def rows_for(self, tokens: int) -> int:
+    """The rows of a step of `tokens` new tokens: the least of `token_buckets` that holds them."""
+    return next(b for b in self.token_buckets if b >= tokens)
+
   def ragged_step(self, tokens, positions, cu_q_lens, row_ids, options):
     with self._compile_clock():
       (out, overflowed, utilization), self._caches = self._step(

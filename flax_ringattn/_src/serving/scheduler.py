@@ -201,7 +201,7 @@ class Scheduler:
     return feeds
 
   def step(self):
-    engine, S, T = self.engine, len(self.slots), self.engine.max_num_batched_tokens
+    engine, S = self.engine, len(self.slots)
     while True:
       feeds = self.plan()
       new_lens = np.zeros(S, np.int32)
@@ -214,6 +214,7 @@ class Scheduler:
         self.release(self.slots[slot], requeue=True)
     if not feeds:
       return
+    T = engine.rows_for(sum(len(feed) for feed, _ in feeds.values()))  # padding rows cost the whole model
     tokens, positions = np.zeros(T, np.int32), np.zeros(T, np.int32)
     row_ids, cu = np.zeros((T, 2), np.int32), np.zeros(S + 1, np.int32)
     for slot in range(S):

@@ -156,9 +156,32 @@ def span_ids(d: pp.PagedDims, r: Refs, s, b, slot, g):
 
 
 def _start_block(d: pp.PagedDims, r: Refs, s, b, slot, g):
-  """Starts every copy of kv block b of sequence s: its pages, and its keys' ids with spans."""
-  _start_pages(d, r, block_pages(d, r, s, b, g.kv_len), slot)
+  """Starts every copy of kv block b of sequence s: its pages, and its keys' ids with spans.  A block wholly
+  below kv_len (every block of a long sequence but its last) takes `_start_whole_pages`."""
+  if any(d.scale_rows):  # scales are copied per page that is `ok`: the general path
+    _start_pages(d, r, block_pages(d, r, s, b, g.kv_len), slot)
+  else:
+    whole = (b + 1) * d.block_tokens <= g.kv_len
+    pl.when(whole)(lambda: _start_whole_pages(d, r, s, b, slot))
+    pl.when(~whole)(lambda: _start_pages(d, r, block_pages(d, r, s, b, g.kv_len), slot))
   _run(_span_copy(d, r, s, b, slot, g.first_pos, g.kv_len), "start")
+
+
+def _start_whole_pages(d: pp.PagedDims, r: Refs, s, b, slot):
+  """`_start_pages` for a block wholly below kv_len: each page copied whole (a static size), with a table read, a
+  clamp and a range check its only scalar work per page (a decode step's time goes to the scalar core issuing copies).  A
+  page id out of [0, P) (a hole in the table) still copies the clamped page, so the block's token count is set
+  one short of whole: `block_keys` then takes its slow paths, which mask that page's keys and zero its slots."""
+  base = s * d.ppt + b * d.ppb
+  bad = jnp.zeros((), jnp.bool_)
+  for j in range(d.ppb):
+    pid = r.table[base + j]
+    bad = bad | (pid < 0) | (pid >= d.P)
+    pid = jnp.clip(pid, 0, d.P - 1)
+    for hbm, buf in ((r.k_hbm, r.k_buf), (r.v_hbm, r.v_buf)):
+      pltpu.make_async_copy(hbm.at[pid], _page_slot(d, buf, slot, j), r.sem.at[slot]).start()
+  r.tokens_sc[slot] = d.block_tokens - bad.astype(jnp.int32)
+  r.tokens_sc[2 + slot] = d.block_tokens * d.rows_per_token
 
 
 def _run(copies, method):
