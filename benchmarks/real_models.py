@@ -14,6 +14,8 @@ random weights, bf16).  Two tables:
   `--batches` sequences with `--contexts` tokens of prompt each: decode tokens/s and its share of the HBM
   roofline (weights plus the KV bytes one step reads, over the chip's bandwidth), time to the first token, and
   prefill tokens/s.
+* **longest** (`--tables longest`): for each way, the longest sequence that trains one step, doubling from
+  `--longest-from` up to `--longest-cap`, and the first length that fails, with its error.
 
 Off a TPU the kernels run in interpret mode: `--smoke` (tiny model, two steps, tiny batches) is what `make test`
 runs; its times mean nothing.  The persistent compilation cache is on (`--no-compilation-cache` to turn it off).
@@ -176,6 +178,37 @@ def train_table(report, c, args, chip) -> None:
   )
 
 
+def longest_table(report, c, args) -> None:
+  """For each way, the longest sequence (doubling from --longest-from up to --longest-cap) that trains one step on
+  the chip, and the first that does not, with its error (out of memory, as a rule)."""
+  rows = []
+  for way in args.ways:
+    T, best, failed = args.longest_from, None, ""
+    while T <= args.longest_cap:
+      rng = np.random.default_rng(0)
+      tokens = jnp.asarray(rng.integers(0, c.vocab, (args.batch, T)), jnp.int32)
+      positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (args.batch, T))
+      try:
+        model = build(way, c, T, tokens, positions, args.interpret)
+        optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+        jax.block_until_ready(_train_runner(args.remat)(model, optimizer, tokens, positions))
+        best = T
+      except Exception as e:  # noqa: BLE001 (the first length that fails is the result)
+        failed = f"T={T}: {_error(e)}"
+        break
+      finally:
+        model = optimizer = None
+      report.progress(f"longest {way}: T={T} trained")
+      T *= 2
+    rows.append([way, best, failed or f"none up to {args.longest_cap}"])
+  report.table(
+    f"Longest trainable sequence, {c.name}, batch {args.batch}" + (", remat per block" if args.remat else ""),
+    ["attention", "longest T", "first failure"],
+    rows,
+    notes=[f"One AdamW step at T = {args.longest_from}, doubling, up to {args.longest_cap}, each way as in training."],
+  )
+
+
 @functools.cache
 def _train_runner(remat: bool):
   def loss_fn(model, tokens, positions):
@@ -240,7 +273,14 @@ def serve_table(report, c, args, chip) -> None:
         roofline = (weight_bytes + kv_bytes) / bw if bw else None
         share = roofline / step * 100 if roofline else None
         late = engine.stats.compiles - compiled  # a timed run that compiled: its times are not steady state
-        row += [batch / step, step * 1e3, share, first * 1e3, batch * ctx / short, f"{late} compiles timed" * bool(late)]
+        row += [
+          batch / step,
+          step * 1e3,
+          share,
+          first * 1e3,
+          batch * ctx / short,
+          f"{late} compiles timed" * bool(late),
+        ]
       except Exception as e:  # noqa: BLE001
         row += [None, None, None, None, None, _error(e)]
       rows.append(row)
@@ -280,13 +320,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--model", default="qwen", choices=sorted(MODELS))
   p.add_argument("--smoke", action="store_true", help="a tiny model, two steps, tiny batches (CPU)")
-  p.add_argument("--tables", default="train,serve")
+  p.add_argument("--tables", default="train,serve", help="of train,serve,longest (the longest trainable sequence)")
   p.add_argument("--ways", default=",".join(WAYS), help="train: of library,splash,xla")
   p.add_argument("--seq-lens", default="8192,32768", help="train: tokens per sequence")
   p.add_argument("--batch", type=int, default=1, help="train: sequences per step")
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--remat", action="store_true", help="train: recompute each block in the backward")
+  p.add_argument("--longest-from", type=int, default=8192, help="longest: the first sequence length tried")
+  p.add_argument("--longest-cap", type=int, default=131072, help="longest: the last sequence length tried")
   p.add_argument("--layers", type=int, help="the model cut to its first N blocks (check a path before a full run)")
   p.add_argument("--batches", default="1,8,32,64", help="serve: sequences served at once")
   p.add_argument("--contexts", default="2048,8192", help="serve: prompt tokens per sequence")
@@ -327,6 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   report.note(f"- machine: {bench.machine()}")
   if "train" in args.tables:
     train_table(report, c, args, chip)
+  if "longest" in args.tables:
+    longest_table(report, c, args)
   if "serve" in args.tables:
     serve_table(report, c, args, chip)
   if cache is not None:

@@ -588,3 +588,17 @@ def test_real_models_smoke_trains_three_ways_and_serves(tmp_path):
   assert max(losses) - min(losses) < 0.05, losses  # the same model and data, one AdamW step each way
   (row,) = serve["rows"]
   assert row["notes"] == "" and row["decode tokens/s"] > 0 and row["decode step ms"] > 0 and row["TTFT ms"] > 0, row
+
+
+def test_real_models_longest_trainable_sequence_names_the_first_failure():
+  """--tables longest: each way trains one step at doubling lengths; the row gives the longest that trained and
+  the first that did not, with its error (splash refuses kv tiles under 128 tokens)."""
+  real_models = load("real_models")
+  out = io.StringIO()
+  argv = ["--smoke", "--tables", "longest", "--ways", "splash,xla", "--longest-from", "64", "--longest-cap", "128"]
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+    assert real_models.main([*argv, "--json", *NO_CACHE]) == 0
+  (table,) = (s for s in json.loads(out.getvalue())["sections"] if "table" in s)
+  splash, xla = table["rows"]
+  assert splash["longest T"] is None and splash["first failure"].startswith("T=64: ValueError"), splash
+  assert xla["longest T"] == 128 and xla["first failure"] == "none up to 128", xla

@@ -205,7 +205,9 @@ def test_a_traced_causal_mask_is_told_apart_in_one_pass():
   from flax_ringattn._src.ring import dense
 
   tril = jnp.tril(jnp.ones((T, T), bool))
-  plain = jax.jit(lambda m, **kw: dense.plain_causal(m, B=B, N=HEADS, T=T, **kw), static_argnames=("is_causal", "window"))
+  plain = jax.jit(
+    lambda m, **kw: dense.plain_causal(m, B=B, N=HEADS, T=T, **kw), static_argnames=("is_causal", "window")
+  )
   assert bool(plain(jnp.broadcast_to(tril, (B, 1, T, T))))
   assert bool(plain(jnp.ones((B, 1, T, T)), is_causal=True))  # is_causal=True ANDs the mask with causal
   assert not bool(plain(jnp.ones((B, 1, T, T))))
