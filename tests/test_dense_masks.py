@@ -200,8 +200,8 @@ def test_dot_product_attention_refuses_a_3d_mask_it_could_misread(name):
 
 
 def test_a_traced_causal_mask_is_told_apart_in_one_pass():
-  """Under jit a dense mask that is exactly causal (within the declared window) runs the causal kernels with no
-  ids (`dense.plain_causal` true: one compare and reduction); any other mask takes the recovery."""
+  """Under jit a dense mask that is exactly causal (within the declared window) skips its recovery
+  (`dense.plain_causal` true: one compare and reduction), with zero ids; any other mask takes the recovery."""
   from flax_ringattn._src.ring import dense
 
   tril = jnp.tril(jnp.ones((T, T), bool))

@@ -11,6 +11,7 @@ layers (`mask=`), `convert` and `dot_product_attention` below; no flax import.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 
@@ -299,7 +300,7 @@ def masked_ring_attention(
   bidirectional ids: as in `ring_attention` (not with a dense mask)."""
   axis_name = sharding.sequence_axis(options.mesh, options.axis_name, arg="axis_name")
   options = options.replace(axis_name=axis_name)
-  causal = options.is_causal
+  causal, exact = options.is_causal, None
   tokens = dict(q_positions=q_positions, kv_positions=kv_positions, bidirectional_ids=bidirectional_ids)
   structure = None
   if isinstance(mask, masks.Mask):
@@ -313,22 +314,32 @@ def masked_ring_attention(
         "local_window_size, chunk_size, bidirectional_ids) instead of a dense mask"
       )
     B, T, N = q.shape[0], q.shape[1], q.shape[2]
+    recover = functools.partial(
+      dense_mask_options,
+      mask,
+      B=B,
+      N=N,
+      T=T,
+      S=k.shape[1],
+      is_causal=options.is_causal,
+      segment_ids=segment_ids,
+      checked=options.check_mask,
+      local_window_size=options.local_window_size,
+      also_exact=also_exact,
+    )
     if segment_ids is None and T == k.shape[1] and not validation.all_concrete(mask):
-      # A traced mask that is exactly causal (within the declared window) runs the causal kernels with no ids,
-      # and the recovery's passes, its kernels with ids and its host check only run for any other mask.
+      # A traced mask that is exactly causal (within the declared window), as decoders build it and hand it down,
+      # is told apart by one compare and reduction: its recovery's passes and host check then do not run, and
+      # the kernels see zero ids (a tile's ids then classify it as causal alone: `masks.classify`).
       plain = plain_causal(mask, B=B, N=N, T=T, is_causal=options.is_causal, window=options.local_window_size)
       if also_exact is not None:
         plain = plain & also_exact
-      causal_kwargs = options.replace(is_causal=True).ring_kwargs()
-      kwargs = dict(dropout_rng=dropout_rng, sinks=sinks, segment_ids=segment_ids, also_exact=also_exact)
-      return jax.lax.cond(
-        plain,
-        lambda: ring_attention(q, k, v, dropout_rng=dropout_rng, sinks=sinks, **causal_kwargs),
-        lambda: _recovered(q, k, v, options, mask, **kwargs),
-      )
-    return _recovered(
-      q, k, v, options, mask, also_exact=also_exact, segment_ids=segment_ids, dropout_rng=dropout_rng, sinks=sinks
-    )
+      causal, segment_ids, bidirectional_ids, exact = jax.lax.cond(plain, _plain_structure(B, T), _traced(recover))
+      causal = True if options.is_causal else causal  # static where it was: one set of kernels
+      exact = exact if options.check_mask else None
+    else:
+      causal, segment_ids, bidirectional_ids, exact = recover()
+    tokens["bidirectional_ids"] = bidirectional_ids
 
   def attend(is_causal):
     kwargs = options.replace(is_causal=is_causal).ring_kwargs()
@@ -336,7 +347,27 @@ def masked_ring_attention(
       q, k, v, segment_ids=segment_ids, dropout_rng=dropout_rng, sinks=sinks, mask=structure, **tokens, **kwargs
     )
 
-  return call_with_mask_structure(attend, causal)
+  return poison_unless(exact, call_with_mask_structure(attend, causal))
+
+
+def _plain_structure(B: int, T: int):
+  """The structure `dense_mask_options` recovers from a causal mask, as `_traced` returns it."""
+
+  def structure():
+    zeros = jnp.zeros((B, T), jnp.int32)
+    return jnp.asarray(True), (zeros, zeros), zeros, jnp.asarray(True)
+
+  return structure
+
+
+def _traced(recover):
+  """`recover()` (`dense_mask_options` on a traced mask) with every result an array, for a `lax.cond` branch."""
+
+  def structure():
+    causal, ids, bid, exact = recover()
+    return jnp.asarray(causal), ids, bid, jnp.asarray(True) if exact is None else exact
+
+  return structure
 
 
 def plain_causal(mask, *, B, N, T, is_causal=False, window=None):
@@ -349,30 +380,3 @@ def plain_causal(mask, *, B, N, T, is_causal=False, window=None):
   if is_causal:  # is_causal=True with a mask: their AND (`dense_mask_options`)
     m = m & jnp.tril(jnp.ones((T, T), jnp.bool_))
   return jnp.all(m == want)
-
-
-def _recovered(q, k, v, options: RingOptions, mask, *, also_exact, segment_ids, dropout_rng, sinks):
-  """`masked_ring_attention` on a dense mask recovered into its structure (`dense_mask_options`), the output
-  poisoned with NaN when a traced mask is outside the family."""
-  B, T, N = q.shape[0], q.shape[1], q.shape[2]
-  causal, segment_ids, bidirectional_ids, exact = dense_mask_options(
-    mask,
-    B=B,
-    N=N,
-    T=T,
-    S=k.shape[1],
-    is_causal=options.is_causal,
-    segment_ids=segment_ids,
-    checked=options.check_mask,
-    local_window_size=options.local_window_size,
-    also_exact=also_exact,
-  )
-
-  def attend(is_causal):
-    kwargs = options.replace(is_causal=is_causal).ring_kwargs()
-    return ring_attention(
-      q, k, v, segment_ids=segment_ids, dropout_rng=dropout_rng, sinks=sinks, bidirectional_ids=bidirectional_ids,
-      **kwargs,
-    )  # fmt: skip
-
-  return poison_unless(exact, call_with_mask_structure(attend, causal))
