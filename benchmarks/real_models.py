@@ -134,18 +134,28 @@ def peak_memory() -> float | None:
   return None if peak is None else peak / 2**30
 
 
+def train_inputs(c, batch: int, T: int):
+  """(tokens, positions) [batch, T] of a training step: random tokens (seed 0), positions 0 .. T - 1."""
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, c.vocab, (batch, T)), jnp.int32)
+  return tokens, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (batch, T))
+
+
+def trainee(way: str, c, tokens, positions, interpret):
+  """(model, AdamW optimizer) of one way, built for these inputs."""
+  model = build(way, c, tokens.shape[1], tokens, positions, interpret)
+  return model, nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+
+
 def train_table(report, c, args, chip) -> None:
   rows = []
   peak = chip.peak_flops("bfloat16") if chip else None
   for T in args.seq_lens:
-    rng = np.random.default_rng(0)
-    tokens = jnp.asarray(rng.integers(0, c.vocab, (args.batch, T)), jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (args.batch, T))
+    tokens, positions = train_inputs(c, args.batch, T)
     for way in args.ways:
       row = [T, way]
       try:
-        model = build(way, c, T, tokens, positions, args.interpret)
-        optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+        model, optimizer = trainee(way, c, tokens, positions, args.interpret)
         run = _train_runner(args.remat)
         times, losses = [], []
         for i in range(args.warmup + args.steps):
@@ -185,12 +195,9 @@ def longest_table(report, c, args) -> None:
   for way in args.ways:
     T, best, failed = args.longest_from, None, ""
     while T <= args.longest_cap:
-      rng = np.random.default_rng(0)
-      tokens = jnp.asarray(rng.integers(0, c.vocab, (args.batch, T)), jnp.int32)
-      positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (args.batch, T))
+      tokens, positions = train_inputs(c, args.batch, T)
       try:
-        model = build(way, c, T, tokens, positions, args.interpret)
-        optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+        model, optimizer = trainee(way, c, tokens, positions, args.interpret)
         jax.block_until_ready(_train_runner(args.remat)(model, optimizer, tokens, positions))
         best = T
       except Exception as e:  # noqa: BLE001 (the first length that fails is the result)

@@ -114,8 +114,8 @@ def _token_buckets(buckets, max_num_batched_tokens: int) -> tuple[int, ...]:
     given = list(buckets)
   except TypeError:
     given = [buckets]
-  bad = [b for b in given if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or not 0 < b]
-  bad += [b for b in given if b not in bad and b > max_num_batched_tokens]
+  is_int = lambda b: isinstance(b, (int, np.integer)) and not isinstance(b, bool)  # noqa: E731
+  bad = [b for b in given if not (is_int(b) and 0 < b <= max_num_batched_tokens)]
   if bad or not given:
     raise ValueError(
       "ServingEngine: token_buckets must be row counts from 1 to max_num_batched_tokens="

@@ -214,7 +214,7 @@ class Scheduler:
         self.release(self.slots[slot], requeue=True)
     if not feeds:
       return
-    T = engine.rows_for(sum(len(feed) for feed, _ in feeds.values()))  # padding rows cost the whole model
+    T = engine.rows_for(int(new_lens.sum()))  # padding rows cost the whole model
     tokens, positions = np.zeros(T, np.int32), np.zeros(T, np.int32)
     row_ids, cu = np.zeros((T, 2), np.int32), np.zeros(S + 1, np.int32)
     for slot in range(S):

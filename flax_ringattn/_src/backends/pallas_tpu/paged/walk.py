@@ -59,12 +59,17 @@ def block_pages(d: pp.PagedDims, r: Refs, s, b, kv_len) -> list[Page]:
   out = []
   for j in range(d.ppb):
     entry = b * d.ppb + j
-    pid = r.table[s * d.ppt + entry]
+    valid, pid = _page_id(d, r.table[s * d.ppt + entry])
     tokens = jnp.clip(kv_len - entry * d.ps, 0, d.ps)
-    ok = (pid >= 0) & (pid < d.P) & (tokens > 0)
+    ok = valid & (tokens > 0)
     tokens = jnp.where(ok, tokens, 0)
-    out.append(Page(ok, jnp.clip(pid, 0, d.P - 1), tokens, _copy_rows(d, tokens)))
+    out.append(Page(ok, pid, tokens, _copy_rows(d, tokens)))
   return out
+
+
+def _page_id(d: pp.PagedDims, pid):
+  """(whether a page-table entry names a page, in [0, P); the entry clamped to one, safe to copy)."""
+  return (pid >= 0) & (pid < d.P), jnp.clip(pid, 0, d.P - 1)
 
 
 def _copy_rows(d: pp.PagedDims, tokens):
@@ -169,15 +174,15 @@ def _start_block(d: pp.PagedDims, r: Refs, s, b, slot, g):
 
 def _start_whole_pages(d: pp.PagedDims, r: Refs, s, b, slot):
   """`_start_pages` for a block wholly below kv_len: each page copied whole (a static size), with a table read, a
-  clamp and a range check its only scalar work per page (a decode step's time goes to the scalar core issuing copies).  A
-  page id out of [0, P) (a hole in the table) still copies the clamped page, so the block's token count is set
-  one short of whole: `block_keys` then takes its slow paths, which mask that page's keys and zero its slots."""
+  clamp and a range check its only scalar work per page (a decode step's time goes to the scalar core issuing
+  copies).  A page id out of [0, P) (a hole in the table) still copies the clamped page, so the block's token
+  count is set one short of whole: `block_keys` then takes its slow paths, which mask that page's keys and zero
+  its slots."""
   base = s * d.ppt + b * d.ppb
   bad = jnp.zeros((), jnp.bool_)
   for j in range(d.ppb):
-    pid = r.table[base + j]
-    bad = bad | (pid < 0) | (pid >= d.P)
-    pid = jnp.clip(pid, 0, d.P - 1)
+    valid, pid = _page_id(d, r.table[base + j])
+    bad = bad | ~valid
     for hbm, buf in ((r.k_hbm, r.k_buf), (r.v_hbm, r.v_buf)):
       pltpu.make_async_copy(hbm.at[pid], _page_slot(d, buf, slot, j), r.sem.at[slot]).start()
   r.tokens_sc[slot] = d.block_tokens - bad.astype(jnp.int32)
