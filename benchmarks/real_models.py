@@ -115,14 +115,18 @@ def build(way: str, c: decoders.DecoderConfig, T: int, tokens, positions, interp
 # -- training --------------------------------------------------------------------------------------------
 
 
-def forward(model, tokens, positions, remat: bool):
-  """The model's forward, each block rematerialised in the backward with `remat`."""
+REMAT_POLICIES = {"none": None, "attention": fr.save_attention_residuals}
+
+
+def forward(model, tokens, positions, remat: bool, policy: str = "none"):
+  """The model's forward, each block rematerialised in the backward with `remat`, saving what `policy`
+  (REMAT_POLICIES) names: 'attention', this library's attention output and lse (no other way has them)."""
   if not remat:
     return model(tokens, positions)
   T = tokens.shape[1]
   mask = jnp.tril(jnp.ones((1, T, T), bool))
   x = model.embed(tokens)
-  run = nnx.remat(lambda block, x: block(x, positions, mask))
+  run = nnx.remat(lambda block, x: block(x, positions, mask), policy=REMAT_POLICIES[policy])
   for block in model.blocks:
     x = run(block, x)
   return model.embed.attend(model.norm(x))
@@ -156,34 +160,37 @@ def train_table(report, c, args, chip) -> None:
       row = [T, way]
       try:
         model, optimizer = trainee(way, c, tokens, positions, args.interpret)
-        run = _train_runner(args.remat)
+        run = _train_runner(args.remat, args.remat_policy)
         times, losses = [], []
         for i in range(args.warmup + args.steps):
           t0 = time.perf_counter()
           loss = run(model, optimizer, tokens, positions)
           losses.append(float(jax.block_until_ready(loss)))
-          if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-        t = median(times)
+          times.append(time.perf_counter() - t0)
+        t = median(times[args.warmup :])
         tok_s = args.batch * T / t
         mfu = c.flops_per_token(T) * tok_s / peak * 100 if peak else None
-        row += [t * 1e3, tok_s, mfu, peak_memory(), losses[-1], ""]
+        row += [t * 1e3, tok_s, mfu, peak_memory(), losses[-1], times[0], ""]
       except Exception as e:  # noqa: BLE001 (an out-of-memory length is a result: the row says so)
-        row += [None, None, None, None, None, _error(e)]
+        row += [None, None, None, None, None, None, _error(e)]
       rows.append(row)
       report.progress(f"train T={T} {way}: {row[2:]}")
   report.table(
     f"Training {c.name} ({c.params() / 1e6:.0f}M parameters), batch {args.batch}, AdamW, bf16"
-    + (", remat per block" if args.remat else ""),
-    ["T", "attention", "step ms", "tokens/s", "MFU %", "peak GiB", "last loss", "notes"],
+    + (f", remat per block (policy: {args.remat_policy})" if args.remat else ""),
+    ["T", "attention", "step ms", "tokens/s", "MFU %", "peak GiB", "last loss", "first step s", "notes"],
     rows,
-    formats={"step ms": ".1f", "tokens/s": ",.0f", "MFU %": ".1f", "peak GiB": ".2f", "last loss": ".3f"},
+    formats={"step ms": ".1f", "tokens/s": ",.0f", "MFU %": ".1f", "peak GiB": ".2f", "last loss": ".3f"}
+    | {"first step s": ".1f"},
     notes=[
       "library: fr.convert(model, example=...) with default choices; splash: make_splash_mha_single_device "
       "(causal, GQA native, blocks of 512, q pre-scaled, vmapped over B) swapped in by hand; xla: "
       "jax.nn.dot_product_attention(is_causal=True).  Step: median of --steps after --warmup.  MFU: "
       "DecoderConfig.flops_per_token (6 x matmul parameters + causal attention as half) x tokens/s over the "
-      "chip's bf16 peak.",
+      "chip's bf16 peak.  first step s: the first step's wall time, its compile included (with the persistent "
+      "compilation cache on, a second start reads it back).  remat policy 'attention': fr.save_attention_residuals "
+      "(the library's attention output and lse saved; the other ways have no such residuals, so it saves nothing "
+      "there).",
     ],
   )
 
@@ -198,7 +205,7 @@ def longest_table(report, c, args) -> None:
       tokens, positions = train_inputs(c, args.batch, T)
       try:
         model, optimizer = trainee(way, c, tokens, positions, args.interpret)
-        jax.block_until_ready(_train_runner(args.remat)(model, optimizer, tokens, positions))
+        jax.block_until_ready(_train_runner(args.remat, args.remat_policy)(model, optimizer, tokens, positions))
         best = T
       except Exception as e:  # noqa: BLE001 (the first length that fails is the result)
         failed = f"T={T}: {_error(e)}"
@@ -217,9 +224,9 @@ def longest_table(report, c, args) -> None:
 
 
 @functools.cache
-def _train_runner(remat: bool):
+def _train_runner(remat: bool, policy: str = "none"):
   def loss_fn(model, tokens, positions):
-    logits = forward(model, tokens, positions, remat)
+    logits = forward(model, tokens, positions, remat, policy)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1].astype(jnp.float32), tokens[:, 1:])
     return ce.mean()
 
@@ -334,6 +341,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--remat", action="store_true", help="train: recompute each block in the backward")
+  p.add_argument(
+    "--remat-policy", default="none", choices=sorted(REMAT_POLICIES), help="train: what --remat saves (attention: "
+    "fr.save_attention_residuals)"
+  )
   p.add_argument("--longest-from", type=int, default=8192, help="longest: the first sequence length tried")
   p.add_argument("--longest-cap", type=int, default=131072, help="longest: the last sequence length tried")
   p.add_argument("--layers", type=int, help="the model cut to its first N blocks (check a path before a full run)")

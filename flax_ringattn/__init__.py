@@ -15,6 +15,7 @@ The public surface (see README.md for the table):
 * masks: `Mask` (every term of the mask as one object, `mask=`); dense masks:
   `padded_segment_ids`, `structure_from_dense_mask` (`DenseStructure`),
   `dense_mask_from_structure`
+* training: `save_attention_residuals` (a remat policy: the backward does not rerun the attention forward)
 * `flax_ringattn.testing`: helpers for your own tests (imported on demand)
 * `flax_ringattn.benchmarking`: the benchmark harness, hardware table and cost
   model the scripts in `benchmarks/` share (imported on demand)
@@ -31,6 +32,7 @@ from flax_ringattn._src import public as _public
 from flax_ringattn._src.advisor import Hardware, StrategyAdvice, StrategyEstimate, suggest_strategy
 from flax_ringattn._src.backends.pallas_tpu.planners import plan_block_sizes
 from flax_ringattn._src.block_sizes import BlockSizes
+from flax_ringattn._src.flash import save_attention_residuals
 from flax_ringattn._src.dense_masks import (
   DenseStructure,
   dense_mask_from_structure,
@@ -87,6 +89,7 @@ __all__ = [
   "plan_block_sizes",
   "reference_attention",
   "ring_attention",
+  "save_attention_residuals",
   "StrategyAdvice",
   "StrategyEstimate",
   "suggest_strategy",

@@ -583,11 +583,27 @@ def test_real_models_smoke_trains_three_ways_and_serves(tmp_path):
     assert real_models.main(["--smoke", "--json", *NO_CACHE]) == 0
   train, serve = (s for s in json.loads(out.getvalue())["sections"] if "table" in s)
   assert [r["attention"] for r in train["rows"]] == ["library", "splash", "xla"]
-  assert all(r["notes"] == "" and r["step ms"] > 0 for r in train["rows"]), train["rows"]
+  assert all(r["notes"] == "" and r["step ms"] > 0 and r["first step s"] > 0 for r in train["rows"]), train["rows"]
   losses = [r["last loss"] for r in train["rows"]]
   assert max(losses) - min(losses) < 0.05, losses  # the same model and data, one AdamW step each way
   (row,) = serve["rows"]
   assert row["notes"] == "" and row["decode tokens/s"] > 0 and row["decode step ms"] > 0 and row["TTFT ms"] > 0, row
+
+
+def test_real_models_remat_with_the_attention_policy_trains():
+  """--remat --remat-policy attention: blocks rematerialised with fr.save_attention_residuals (on the XLA way here:
+  the interpret-mode kernels' callbacks do not go under remat) train to the loss of the way without remat."""
+  real_models = load("real_models")
+  losses = []
+  for extra in ([], ["--remat", "--remat-policy", "attention"]):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+      assert real_models.main(["--smoke", "--tables", "train", "--ways", "xla", *extra, "--json", *NO_CACHE]) == 0
+    (table,) = (s for s in json.loads(out.getvalue())["sections"] if "table" in s)
+    (row,) = table["rows"]
+    assert row["notes"] == "", row
+    losses.append(row["last loss"])
+  assert abs(losses[0] - losses[1]) < 1e-3, losses
 
 
 def test_real_models_longest_trainable_sequence_names_the_first_failure():

@@ -223,3 +223,39 @@ def test_a_traced_causal_mask_is_told_apart_in_one_pass():
   got = nnx.jit(lambda m, x, mask: m(x, mask=mask))(ring, x, jnp.broadcast_to(tril, (B, 1, T, T)))
   want = ring(x, is_causal=True)
   assert_close(got, want, dtype=jnp.float32)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("name", ["segments+padding", "padding", "causal+segments+padding"])
+def test_a_traced_mask_runs_one_kernel_set_non_causal_ones_as_causal_with_spans(name):
+  """Under jit a traced mask's causal question is data, yet the kernels are traced once (not once per branch of a
+  cond on it: each converted layer's kernels would compile twice).  Without a window a non-causal structure runs
+  as causal with the segments as bidirectional spans (`dense._as_causal`): forward and every gradient still match
+  the reference on the real tokens, on the Pallas TPU kernels and a ring of 2."""
+  from conftest import make_mesh
+
+  from flax_ringattn._src.testing.interpret import no_races
+
+  mask, _ = _masks()[name]
+  valid, _ = _inputs()
+  ks = jax.random.split(jax.random.key(11), 4)
+  q = jax.random.normal(ks[0], (B, T, 2, 8))
+  k, v = (jax.random.normal(kk, (B, T, 1, 8)) for kk in ks[1:3])
+  do = jax.random.normal(ks[3], (B, T, 2, 8)) * valid[:, :, None, None]  # padding queries' rows carry no loss
+  mesh = make_mesh((2,), ("sp",))
+  port = lambda q, k, v, mask: fr.dot_product_attention(  # noqa: E731
+    q, k, v, mask=mask, mesh=mesh, implementation="pallas_tpu", interpret=True
+  )
+  ref = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask != 0)  # noqa: E731
+  kernels = lambda f: str(jax.make_jaxpr(f)(q, k, v, mask)).count("ring_block_fwd")  # noqa: E731
+  causal = lambda q, k, v, mask: fr.dot_product_attention(  # noqa: E731 (is_causal=True: causal is static)
+    q, k, v, mask=mask, is_causal=True, mesh=mesh, implementation="pallas_tpu", interpret=True
+  )
+  assert kernels(port) == kernels(causal), "as many kernels as with causal static, not one set per branch"
+  with no_races():
+    out, vjp = jax.vjp(lambda q, k, v: jax.jit(port)(q, k, v, mask), q, k, v)
+    grads = vjp(do)
+  ref_out, ref_vjp = jax.vjp(ref, q, k, v)
+  keep = np.asarray(valid)
+  assert_close(np.asarray(out)[keep], np.asarray(ref_out)[keep], jnp.float32)
+  assert_close(grads, ref_vjp(do), jnp.float32, "grad")

@@ -150,9 +150,12 @@ def test_plan_fits_and_one_step_larger_does_not(generation, shape):
     q_cap = planner.FWD_MAX_Q if capped and below(qs, planner.FWD_MAX_Q) else None
     kv_cap = planner.FWD_MAX_KV if capped and below(ks, planner.FWD_MAX_KV) else None
     assert (q_cap is None or bq <= q_cap) and (kv_cap is None or bk <= kv_cap)
+    group_cap = None if capped else planner.BWD_MAX_SCORES // (N // K)
     for bigger in ((_next(qs, bq), bk), (bq, _next(ks, bk))):
       if None not in bigger and ((q_cap and bigger[0] > q_cap) or (kv_cap and bigger[1] > kv_cap)):
         continue  # past the forward's cap: may fit
+      if None not in bigger and group_cap and bigger[0] * bigger[1] > group_cap >= bq * bk:
+        continue  # past the backward's score cap: may fit
       if None not in bigger:
         assert _total(kernels, *bigger, N, K, H, dtype, Hv, budget) > budget, (generation, kernels, (bq, bk), bigger)
 
@@ -162,7 +165,18 @@ def test_forward_tiles_stop_at_the_cap_unless_only_small_tiles_are_below_it():
   below the cap are small (8 x 131 = 1048 rows: 8; 640 columns: 128) keeps the whole axis, as before the cap."""
   bs = fr.plan_block_sizes(8192, 8192, 8, 8, 128, jnp.bfloat16, generation="v5e")
   assert (bs.block_q, bs.block_kv) == (planner.FWD_MAX_Q, planner.FWD_MAX_KV) == (1024, 512)
-  assert bs.bwd == (1024, 2048)  # the backward is not capped
+  assert bs.bwd == (1024, 2048)  # the backward's score tile: 2M entries with one q head per kv head
+
+
+@pytest.mark.parametrize("N, K, H", [(32, 8, 64), (14, 2, 64), (28, 4, 128), (8, 1, 256), (8, 8, 128)])
+def test_backward_score_tile_stops_at_the_cap(N, K, H):
+  """The backward's stacked score tile (G q heads x bq rows x bk columns) stays within BWD_MAX_SCORES (measured on a
+  v5e: 1024 x 2048 with 4 q heads per kv head ran 1.7x the time of 512 x 512); the cap binds, so the tile is not
+  smaller than it needs to be: one step larger in either axis would pass it or not fit."""
+  bs = fr.plan_block_sizes(8192, 8192, N, K, H, jnp.bfloat16, generation="v5e")
+  bq, bk = bs.bwd
+  assert (N // K) * bq * bk <= planner.BWD_MAX_SCORES
+  assert (N // K) * 2 * bq * bk > planner.BWD_MAX_SCORES or bk == 2048
   awkward = fr.plan_block_sizes(1048, 640, 8, 8, 128, jnp.bfloat16, generation="v5e")
   assert (awkward.block_q, awkward.block_kv) == (1048, 640)
 

@@ -38,6 +38,7 @@ from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from flax_ringattn._src import vma
 
@@ -103,8 +104,28 @@ def flash(kernel: FlashKernel, sinks, *operands):
   return _forward(kernel, sinks, operands)[0]
 
 
+# The names of the forward's own residuals (`jax.ad_checkpoint.checkpoint_name`): a remat policy that saves them
+# keeps the backward from running the forward kernel again (`save_attention_residuals`).
+RESIDUAL_NAMES = ("flax_ringattn.attention_out", "flax_ringattn.attention_lse")
+
+
+def save_attention_residuals(prim, *args, **params) -> bool:
+  """A `jax.checkpoint` / `nnx.remat` policy: save this library's attention output and its log-sum-exp (per layer
+  O(T * N * Hv), the size of the output), recompute everything else.  Under a plain remat a block's backward
+  reruns its attention forward kernel to rebuild them; with this policy it does not: one kernel fewer per layer
+  to run and to compile.  Join it with a policy of your own through `jax.checkpoint_policies.save_from_both_policies`.
+
+      run = nnx.remat(block, policy=flax_ringattn.save_attention_residuals)
+  """
+  return _SAVE_NAMED(prim, *args, **params)
+
+
+_SAVE_NAMED = jax.checkpoint_policies.save_only_these_names(*RESIDUAL_NAMES)
+
+
 def _flash_fwd(kernel, sinks, *operands):
   out, lse = _forward(kernel, sinks, operands)
+  out, lse = (checkpoint_name(x, name) for x, name in zip((out, lse), RESIDUAL_NAMES))
   # With dropout, `out` is the dropped output, so delta below is the one the dropped backward needs.
   return out, (operands, sinks, out, lse)
 

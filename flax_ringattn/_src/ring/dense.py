@@ -334,8 +334,14 @@ def masked_ring_attention(
       plain = plain_causal(mask, B=B, N=N, T=T, is_causal=options.is_causal, window=options.local_window_size)
       if also_exact is not None:
         plain = plain & also_exact
-      causal, segment_ids, bidirectional_ids, exact = jax.lax.cond(plain, _plain_structure(B, T), _traced(recover))
-      causal = True if options.is_causal else causal  # static where it was: one set of kernels
+      # Without a window, a non-causal structure is given as a causal one whose bidirectional ids are the segments
+      # (`_as_causal`), so `causal` is static and the kernels are traced once, not once per branch of a cond on it:
+      # half the kernels of every converted decoder layer to compile.
+      one_set = options.is_causal or options.local_window_size is None
+      causal, segment_ids, bidirectional_ids, exact = jax.lax.cond(
+        plain, _plain_structure(B, T), _traced(recover, as_causal=one_set)
+      )
+      causal = True if one_set else causal
       exact = exact if options.check_mask else None
     else:
       causal, segment_ids, bidirectional_ids, exact = recover()
@@ -355,19 +361,34 @@ def _plain_structure(B: int, T: int):
 
   def structure():
     zeros = jnp.zeros((B, T), jnp.int32)
-    return jnp.asarray(True), (zeros, zeros), zeros, jnp.asarray(True)
+    return jnp.asarray(True), (zeros, zeros), (zeros, zeros), jnp.asarray(True)
 
   return structure
 
 
-def _traced(recover):
-  """`recover()` (`dense_mask_options` on a traced mask) with every result an array, for a `lax.cond` branch."""
+def _traced(recover, *, as_causal: bool):
+  """`recover()` (`dense_mask_options` on a traced mask) with every result an array, for a `lax.cond` branch;
+  bidirectional ids as a (q, kv) pair.  `as_causal` (no window): a non-causal structure as its causal equal."""
 
   def structure():
-    causal, ids, bid, exact = recover()
-    return jnp.asarray(causal), ids, bid, jnp.asarray(True) if exact is None else exact
+    causal, (q_ids, kv_ids), bid, exact = recover()
+    bid = (bid, bid)
+    if as_causal:
+      causal, bid = _as_causal(causal, q_ids, kv_ids, bid)
+    return jnp.asarray(causal), (q_ids, kv_ids), bid, jnp.asarray(True) if exact is None else exact
 
   return structure
+
+
+def _as_causal(causal, q_ids, kv_ids, bid):
+  """(True, bidirectional ids) with the same visibility as a recovered (causal, segment ids, bid) without window.
+
+  Non-causal, a query sees exactly the keys of its segment (q_ids == kv_ids, padding never matches).  Causal with
+  bidirectional ids equal to the segment ids + 1 (0 for padding: no span) sees the earlier keys of its segment and,
+  through the span term, its later ones: the same set (`masks.pair_visible`: (causal | span) & segment)."""
+  span = lambda ids: jnp.where(ids >= 0, ids + 1, 0)  # noqa: E731 (labels are 0 .. S - 1, padding negative)
+  bid = tuple(jnp.where(causal, b, span(ids)) for b, ids in zip(bid, (q_ids, kv_ids)))
+  return jnp.asarray(True), bid
 
 
 def plain_causal(mask, *, B, N, T, is_causal=False, window=None):

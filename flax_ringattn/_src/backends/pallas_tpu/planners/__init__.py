@@ -8,6 +8,7 @@ against `tiling.plan_vmem_bytes` of the kernels' own `CallPlan`s.
 
 from flax_ringattn._src.backends.pallas_tpu.planners import tuned
 from flax_ringattn._src.backends.pallas_tpu.planners.block import (
+  BWD_MAX_SCORES,
   FWD_MAX_KV,
   FWD_MAX_Q,
   MAX_TILE,
@@ -53,6 +54,7 @@ from flax_ringattn._src.backends.pallas_tpu.planners.ring import (
 __all__ = [
   "tuned",
   "DEFAULT_GENERATION",
+  "BWD_MAX_SCORES",
   "FWD_MAX_KV",
   "FWD_MAX_Q",
   "MAX_TILE",

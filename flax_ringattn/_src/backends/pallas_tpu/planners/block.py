@@ -35,6 +35,13 @@ MAX_TILE = 2048
 # K/V re-streaming at 1024-row tiles stays far below the tiles' compute time.
 FWD_MAX_Q, FWD_MAX_KV = 1024, 512
 
+# The backward's score tile (the G q heads of a group stacked: G * bq rows x bk columns) stops at 2M entries.  Measured
+# on a v5e (2026-12-07, 8k tokens causal, 32 q heads over 8 kv heads of 64, bf16, forward + backward): backward tiles
+# of 512 x 512, 512 x 1024 and 256 x 1024 (1-2M entries with G = 4) ran 19.1-19.8 ms, 1024 x 1024 (4M) 29.0 ms and
+# 1024 x 2048 (8M) 32.3 ms: past VMEM's sweet spot the probabilities, dP and dS temporaries spill.  8 heads of 128
+# (G = 1) were tuned at 1024 x 2048, 2M entries.  Least HBM traffic alone picked 1024 x 2048 for G = 4.
+BWD_MAX_SCORES = 2048 * 1024
+
 
 @dataclasses.dataclass(frozen=True)
 class Footprint:
@@ -220,18 +227,23 @@ def _best(kernels, q_len, kv_len, dtype, budget, **dims):
     capped = _least_traffic(
       kernels, _capped(qs, FWD_MAX_Q), _capped(ks, FWD_MAX_KV), q_len, kv_len, dtype, budget, dims
     )
-    if capped is not None:
-      return capped
+  else:
+    group = dims["num_heads"] // dims["num_kv_heads"]
+    capped = _least_traffic(kernels, qs, ks, q_len, kv_len, dtype, budget, dims, max_scores=BWD_MAX_SCORES // group)
+  if capped is not None:
+    return capped
   return _least_traffic(kernels, qs, ks, q_len, kv_len, dtype, budget, dims)
 
 
-def _least_traffic(kernels, qs, ks, q_len, kv_len, dtype, budget, dims):
-  """`_best` over the tiles qs x ks; None if none fits."""
+def _least_traffic(kernels, qs, ks, q_len, kv_len, dtype, budget, dims, max_scores=None):
+  """`_best` over the tiles qs x ks (with `max_scores`, those with bq * bk at most that); None if none fits."""
   best, best_key = None, None
   heads = {k: dims[k] for k in ("num_heads", "num_kv_heads", "head_dim", "v_head_dim") if k in dims}
   for bq in qs:
     for bk in ks:
       if block_table_bytes(q_len // bq, kv_len // bk) > c.SMEM_TABLE_BYTES:
+        continue
+      if max_scores is not None and bq * bk > max_scores:
         continue
       need = max(
         (
