@@ -415,6 +415,7 @@ VARIANT_FIELDS = {
   "heads_major": ("forward_layout", "heads_major"),
   "natural_exp": ("natural_exp", True),
   "whole_partial_tiles": ("whole_partial_tiles", True),
+  "fused_backward": ("fused_backward", True),
 }
 
 
@@ -1000,7 +1001,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     default="",
     metavar="V[,V...]",
     help="block table: also time our op with these kernel variants (KernelDebug fields, '+'-joined: heads_major, "
-    "natural_exp, whole_partial_tiles, e.g. heads_major+natural_exp), each checked against ours and given its ms "
+    "natural_exp, whole_partial_tiles, fused_backward, e.g. heads_major+natural_exp), each checked against ours and given its ms "
     "and variant/ours columns",
   )
   add(

@@ -188,17 +188,24 @@ VARIANTS = [
     # step (its matmuls and DMA skipped); two batch rows
     dict(local_window_size=(60, 0), logits_soft_cap=30.0, batch=2),
   ),
+  # dq from the dk/dv kernel: 4 q heads per kv head, causal + segments (EMPTY, PARTIAL and FULL tiles, an EMPTY
+  # tile's dq partial written as zeros); bf16 partials with a window, a soft cap and dropout-free GQA
+  (8, 2, 128, jnp.float32, dict(fused_backward=True), dict(is_causal=True, segments=True)),
+  (8, 4, 128, jnp.bfloat16, dict(fused_backward=True), dict(local_window_size=(60, 0), logits_soft_cap=30.0)),
 ]
 
 
 @interpret
 @pytest.mark.parametrize(
-  "N, K, H, dtype, variant, opts", VARIANTS, ids=["natural-exp-token-major", "cap-heads-major-bf16"]
+  "N, K, H, dtype, variant, opts",
+  VARIANTS,
+  ids=["natural-exp-token-major", "cap-heads-major-bf16", "fused-bwd-causal-segments", "fused-bwd-window-cap-bf16"],
 )
 def test_kernel_variants(N, K, H, dtype, variant, opts):
-  """The block forward's A/B variants for chip runs (`KernelDebug.natural_exp`: the softmax with exp instead of in
+  """The block kernels' A/B variants for chip runs (`KernelDebug.natural_exp`: the softmax with exp instead of in
   log2 units, token-major, 4 q heads per kv head; `forward_layout="heads_major"` where the token-major forward would
-  run) compute the same attention: forward and gradients against the reference, 2 x 2 tiles, race-checked."""
+  run; `fused_backward`: dq from the dk/dv kernel) compute the same attention: forward and gradients against the
+  reference, 2 x 2 tiles, race-checked."""
   opts = dict(opts)
   T = 256
   q, k, v, do = _inputs(opts.pop("batch", 1), T, T, N, K, H, dtype)
@@ -208,6 +215,12 @@ def test_kernel_variants(N, K, H, dtype, variant, opts):
   token_major = N == 8 and variant.get("forward_layout") != "heads_major"
   with kernel_debug(**variant):
     _check_ring(q, k, v, do, seg, None, fr.BlockSizes(block_q=128, block_kv=128), opts, token_major=token_major)
+    if variant.get("fused_backward"):  # the gradients above came from the one fused kernel
+      loss = lambda q: fr.ring_attention(  # noqa: E731
+        q, k, v, implementation="pallas_tpu", interpret=True, block_sizes=fr.BlockSizes(block_q=128, block_kv=128)
+      ).sum()
+      program = str(jax.make_jaxpr(jax.grad(loss))(q))
+      assert "ring_block_bwd_fused" in program and "ring_block_bwd_dq" not in program
   with pytest.raises(ValueError, match="forward_layout must be 'heads_major' or None, got 'rows'"):
     kernel_debug(forward_layout="rows").__enter__()
 

@@ -9,6 +9,12 @@ axis so that nothing is written twice:
          tile in scratch, summed over the G q heads of the group inside the
          matmul (the group's rows are stacked, (G * bq, bk)).
 
+A/B variant (`KernelDebug.fused_backward`): the dk/dv kernel alone, also writing
+each tile's dq contribution dS k from the probabilities it already has, one
+partial per kv tile ([S / bk, B, N, T, H] in q's dtype, zeros on EMPTY tiles),
+summed in float32 after: two matmuls and a softmax recompute fewer per tile,
+for (S / bk) x dq of extra HBM.
+
 Both use the same tile-class and fetch-index tables as the forward (the dk/dv
 kernel on their transpose), so EMPTY tiles cost neither matmuls nor DMAs.
 q, k, dq and dk tiles are (tokens, H); v, dO and dv tiles (tokens, Hv), v's
@@ -23,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from flax_ringattn._src import masks
 from flax_ringattn._src.backends.pallas_tpu import common as c
 
 _NN = (((1,), (0,)), ((), ()))  # [m, k] x [k, n]
@@ -97,6 +104,7 @@ def dkv_plan(
   mask,
   has_dropout=False,
   Hv=None,
+  fused=False,
 ) -> c.CallPlan:
   G, Hv = N // K, H if Hv is None else Hv
   row = lambda b, h, j, i, kinds, fetch: (b, h, fetch[j, i], 0)  # noqa: E731
@@ -114,8 +122,10 @@ def dkv_plan(
     grid=(B, K, S // bk, T // bq),
     in_specs=tuple(in_specs),
     in_dtypes=_dtypes(dtype, mask, has_dropout, q_first=False),
-    out_specs=(pl.BlockSpec((None, None, bk, H), kv), pl.BlockSpec((None, None, bk, Hv), kv)),
-    out_shapes=(jax.ShapeDtypeStruct((B, K, S, H), c.F32), jax.ShapeDtypeStruct((B, K, S, Hv), c.F32)),
+    out_specs=(pl.BlockSpec((None, None, bk, H), kv), pl.BlockSpec((None, None, bk, Hv), kv))
+    + fused * (pl.BlockSpec((None, None, G, bq, H), lambda b, h, j, i, kinds, fetch: (j, b, h, i, 0)),),
+    out_shapes=(jax.ShapeDtypeStruct((B, K, S, H), c.F32), jax.ShapeDtypeStruct((B, K, S, Hv), c.F32))
+    + fused * (jax.ShapeDtypeStruct((S // bk, B, N, T, H), dtype),),
     scratch=(((bk, H), c.F32), ((bk, Hv), c.F32)),
   )
 
@@ -178,7 +188,7 @@ def _dkv_kernel(kinds_ref, fetch_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delt
   del fetch_ref
   mask_refs = refs[:num_mask_refs]
   drop_ref, refs = c.split_dropout_ref(spec, refs[num_mask_refs:])
-  dk_ref, dv_ref, dk_sc, dv_sc = refs
+  dk_ref, dv_ref, *dq_part, dk_sc, dv_sc = refs  # dq_part: [dq partial] when fused
   b, h, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
 
   @pl.when(i == 0)
@@ -199,8 +209,15 @@ def _dkv_kernel(kinds_ref, fetch_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delt
     dk_sc[...] += jax.lax.dot_general(
       ds.astype(q.dtype), q, _TN, preferred_element_type=c.F32, precision=spec.precision
     )
+    if dq_part:
+      (part,) = dq_part
+      dq = jax.lax.dot_general(ds.astype(q.dtype), k_ref[...], _NN, preferred_element_type=c.F32, precision=spec.precision)
+      part[...] = dq.reshape(part.shape).astype(part.dtype)
 
   c.by_tile_kind(kinds_ref[j, i], update)
+  if dq_part:
+    (part,) = dq_part
+    pl.when(kinds_ref[j, i] == masks.EMPTY)(lambda: part.__setitem__(..., jnp.zeros(part.shape, part.dtype)))
 
   @pl.when(i == pl.num_programs(3) - 1)
   def _finish():
@@ -215,6 +232,17 @@ def block_bwd(q, k, v, do, lse, delta, q_tok, kv_tok, *, spec, interpret, dropou
   kv_side = (c.heads_major(k), c.heads_major(v))
   n_mask = len(mask_ops)
   drop_ops = c.dropout_operands(spec, dropout)
+  if spec.debug is not None and spec.debug.fused_backward:
+    kinds_t = kinds.T
+    dk, dv, parts = c.call(
+      functools.partial(_dkv_kernel, spec=spec, num_mask_refs=n_mask),
+      dkv_plan(**dims, fused=True),
+      2,
+      interpret=interpret,
+      name="ring_block_bwd_fused",
+    )(kinds_t, c.fetch_index(kinds_t), *kv_side, *q_side, *mask_ops, *drop_ops)
+    dq = jnp.sum(parts, axis=0, dtype=c.F32)
+    return c.heads_major(dq), c.heads_major(dk), c.heads_major(dv)
 
   (dq,) = c.call(
     functools.partial(_dq_kernel, spec=spec, num_mask_refs=n_mask),
