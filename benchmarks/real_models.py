@@ -162,7 +162,7 @@ def train_table(report, c, args, chip) -> None:
         model, optimizer = trainee(way, c, tokens, positions, args.interpret)
         run = _train_runner(args.remat, args.remat_policy)
         times, losses = [], []
-        for i in range(args.warmup + args.steps):
+        for _ in range(args.warmup + args.steps):
           t0 = time.perf_counter()
           loss = run(model, optimizer, tokens, positions)
           losses.append(float(jax.block_until_ready(loss)))
@@ -342,8 +342,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--remat", action="store_true", help="train: recompute each block in the backward")
   p.add_argument(
-    "--remat-policy", default="none", choices=sorted(REMAT_POLICIES), help="train: what --remat saves (attention: "
-    "fr.save_attention_residuals)"
+    "--remat-policy",
+    default="none",
+    choices=sorted(REMAT_POLICIES),
+    help="train: what --remat saves (attention: fr.save_attention_residuals)",
   )
   p.add_argument("--longest-from", type=int, default=8192, help="longest: the first sequence length tried")
   p.add_argument("--longest-cap", type=int, default=131072, help="longest: the last sequence length tried")

@@ -32,13 +32,13 @@ from flax_ringattn._src import public as _public
 from flax_ringattn._src.advisor import Hardware, StrategyAdvice, StrategyEstimate, suggest_strategy
 from flax_ringattn._src.backends.pallas_tpu.planners import plan_block_sizes
 from flax_ringattn._src.block_sizes import BlockSizes
-from flax_ringattn._src.flash import save_attention_residuals
 from flax_ringattn._src.dense_masks import (
   DenseStructure,
   dense_mask_from_structure,
   padded_segment_ids,
   structure_from_dense_mask,
 )
+from flax_ringattn._src.flash import save_attention_residuals
 from flax_ringattn._src.implementations import available_implementations
 from flax_ringattn._src.layout import zigzag_inverse, zigzag_order, zigzag_positions
 from flax_ringattn._src.masks import Mask

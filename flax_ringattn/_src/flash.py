@@ -125,7 +125,7 @@ _SAVE_NAMED = jax.checkpoint_policies.save_only_these_names(*RESIDUAL_NAMES)
 
 def _flash_fwd(kernel, sinks, *operands):
   out, lse = _forward(kernel, sinks, operands)
-  out, lse = (checkpoint_name(x, name) for x, name in zip((out, lse), RESIDUAL_NAMES))
+  out, lse = (checkpoint_name(x, name) for x, name in zip((out, lse), RESIDUAL_NAMES, strict=True))
   # With dropout, `out` is the dropped output, so delta below is the one the dropped backward needs.
   return out, (operands, sinks, out, lse)
 

@@ -387,7 +387,7 @@ def _as_causal(causal, q_ids, kv_ids, bid):
   bidirectional ids equal to the segment ids + 1 (0 for padding: no span) sees the earlier keys of its segment and,
   through the span term, its later ones: the same set (`masks.pair_visible`: (causal | span) & segment)."""
   span = lambda ids: jnp.where(ids >= 0, ids + 1, 0)  # noqa: E731 (labels are 0 .. S - 1, padding negative)
-  bid = tuple(jnp.where(causal, b, span(ids)) for b, ids in zip(bid, (q_ids, kv_ids)))
+  bid = tuple(jnp.where(causal, b, span(ids)) for b, ids in zip(bid, (q_ids, kv_ids), strict=True))
   return jnp.asarray(True), bid
 
 

@@ -211,7 +211,9 @@ def _dkv_kernel(kinds_ref, fetch_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delt
     )
     if dq_part:
       (part,) = dq_part
-      dq = jax.lax.dot_general(ds.astype(q.dtype), k_ref[...], _NN, preferred_element_type=c.F32, precision=spec.precision)
+      dq = jax.lax.dot_general(
+        ds.astype(q.dtype), k_ref[...], _NN, preferred_element_type=c.F32, precision=spec.precision
+      )
       part[...] = dq.reshape(part.shape).astype(part.dtype)
 
   c.by_tile_kind(kinds_ref[j, i], update)
