@@ -226,17 +226,19 @@ def test_a_traced_causal_mask_is_told_apart_in_one_pass():
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("name", ["segments+padding", "padding", "causal+segments+padding"])
+@pytest.mark.parametrize("name", ["segments+padding", "causal window"])
 def test_a_traced_mask_runs_one_kernel_set_non_causal_ones_as_causal_with_spans(name):
   """Under jit a traced mask's causal question is data, yet the kernels are traced once (not once per branch of a
   cond on it: each converted layer's kernels would compile twice).  Without a window a non-causal structure runs
-  as causal with the segments as bidirectional spans (`dense._as_causal`): forward and every gradient still match
-  the reference on the real tokens, on the Pallas TPU kernels and a ring of 2."""
+  as causal with the segments as bidirectional spans (`dense._as_causal`); a window ending at the query is causal
+  already.  Forward and every gradient still match the reference on the real tokens, on the Pallas TPU kernels
+  and a ring of 2."""
   from conftest import make_mesh
 
   from flax_ringattn._src.testing.interpret import no_races
 
-  mask, _ = _masks()[name]
+  window = {"local_window_size": (3, 0)} if name == "causal window" else {}
+  mask = jnp.broadcast_to(_window_mask(), (B, 1, T, T)) if window else _masks()[name][0]
   valid, _ = _inputs()
   ks = jax.random.split(jax.random.key(11), 4)
   q = jax.random.normal(ks[0], (B, T, 2, 8))
@@ -244,12 +246,12 @@ def test_a_traced_mask_runs_one_kernel_set_non_causal_ones_as_causal_with_spans(
   do = jax.random.normal(ks[3], (B, T, 2, 8)) * valid[:, :, None, None]  # padding queries' rows carry no loss
   mesh = make_mesh((2,), ("sp",))
   port = lambda q, k, v, mask: fr.dot_product_attention(  # noqa: E731
-    q, k, v, mask=mask, mesh=mesh, implementation="pallas_tpu", interpret=True
+    q, k, v, mask=mask, mesh=mesh, implementation="pallas_tpu", interpret=True, **window
   )
   ref = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask != 0)  # noqa: E731
   kernels = lambda f: str(jax.make_jaxpr(f)(q, k, v, mask)).count("ring_block_fwd")  # noqa: E731
   causal = lambda q, k, v, mask: fr.dot_product_attention(  # noqa: E731 (is_causal=True: causal is static)
-    q, k, v, mask=mask, is_causal=True, mesh=mesh, implementation="pallas_tpu", interpret=True
+    q, k, v, mask=mask, is_causal=True, mesh=mesh, implementation="pallas_tpu", interpret=True, **window
   )
   assert kernels(port) == kernels(causal), "as many kernels as with causal static, not one set per branch"
   with no_races():

@@ -335,11 +335,13 @@ def masked_ring_attention(
       if also_exact is not None:
         plain = plain & also_exact
       # Without a window, a non-causal structure is given as a causal one whose bidirectional ids are the segments
-      # (`_as_causal`), so `causal` is static and the kernels are traced once, not once per branch of a cond on it:
-      # half the kernels of every converted decoder layer to compile.
-      one_set = options.is_causal or options.local_window_size is None
+      # (`_as_causal`); a window that ends at the query (right == 0, Gemma's and Mistral's) is causal already.
+      # Either way `causal` is static and the kernels are traced once, not once per branch of a cond on it: half
+      # the kernels of every converted decoder layer to compile.
+      window = options.local_window_size
+      one_set = options.is_causal or window is None or window[1] == 0
       causal, segment_ids, bidirectional_ids, exact = jax.lax.cond(
-        plain, _plain_structure(B, T), _traced(recover, as_causal=one_set)
+        plain, _plain_structure(B, T), _traced(recover, as_causal=window is None)
       )
       causal = True if one_set else causal
       exact = exact if options.check_mask else None
