@@ -261,3 +261,14 @@ def test_a_traced_mask_runs_one_kernel_set_non_causal_ones_as_causal_with_spans(
   keep = np.asarray(valid)
   assert_close(np.asarray(out)[keep], np.asarray(ref_out)[keep], jnp.float32)
   assert_close(grads, ref_vjp(do), jnp.float32, "grad")
+
+
+def test_a_traced_two_sided_window_given_as_an_int():
+  """local_window_size=w (an int: w keys either side) with a traced band mask: the kernels' causal question stays
+  data (a two-sided window is not causal), and the output is jax.nn's."""
+  i = jnp.arange(T)
+  band = ((i[None, :] >= i[:, None] - 3) & (i[None, :] <= i[:, None] + 3))[None, None]
+  q = jax.random.normal(jax.random.key(0), (1, T, 2, 8))
+  k, v = (jax.random.normal(key, (1, T, 1, 8)) for key in jax.random.split(jax.random.key(1)))
+  port = jax.jit(lambda q, k, v, m: fr.dot_product_attention(q, k, v, mask=m, local_window_size=3))
+  assert_close(port(q, k, v, band), jax.nn.dot_product_attention(q, k, v, mask=band), jnp.float32)

@@ -338,7 +338,7 @@ def masked_ring_attention(
       # (`_as_causal`); a window that ends at the query (right == 0, Gemma's and Mistral's) is causal already.
       # Either way `causal` is static and the kernels are traced once, not once per branch of a cond on it: half
       # the kernels of every converted decoder layer to compile.
-      window = options.local_window_size
+      window = validation.normalize_window(options.local_window_size)  # (left, right); an int w is (w, w)
       one_set = options.is_causal or window is None or window[1] == 0
       causal, segment_ids, bidirectional_ids, exact = jax.lax.cond(
         plain, _plain_structure(B, T), _traced(recover, as_causal=window is None)
