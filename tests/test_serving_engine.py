@@ -316,3 +316,17 @@ def test_steps_run_at_the_least_token_bucket_that_holds_them(caplog):
   for bad in ((0,), (13,), (), "x"):
     with pytest.raises(ValueError, match="token_buckets must be row counts from 1 to max_num_batched_tokens=12"):
       fr.ServingEngine(served.model, call=sm.engine_call, **GEOMETRY, token_buckets=bad)
+
+
+def test_warmup_compiles_every_bucket_and_changes_nothing():
+  """`warmup()` compiles one step program per token bucket (a step of padding rows only) and the release, so
+  generate compiles none; the tokens equal the reference's, the step count is untouched, and a second warmup
+  compiles nothing."""
+  served = Served("llama")
+  engine = fr.ServingEngine(served.model, call=sm.engine_call, **(GEOMETRY | dict(max_num_batched_tokens=40)))
+  assert engine.warmup() == len(engine.token_buckets) + 1 == 4  # and the release program
+  assert engine.stats.steps == 0 and engine.warmup() == 0
+  compiled = engine.stats.compiles
+  prompts = _prompts(3, (26, 8))
+  assert engine.generate(prompts, max_new_tokens=4) == served.want(prompts, max_new=4)
+  assert engine.stats.compiles == compiled and engine.stats.steps > 0

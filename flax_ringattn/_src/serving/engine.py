@@ -124,6 +124,12 @@ def _token_buckets(buckets, max_num_batched_tokens: int) -> tuple[int, ...]:
   return tuple(sorted({int(b) for b in given} | {max_num_batched_tokens}))
 
 
+def _sampling_args(options) -> tuple:
+  """(seed, temperature, top_k, top_p) as a step takes them, from `sampling.check`'s (temperature, top_k, top_p,
+  seed)."""
+  return (jnp.int32(options[3]), jnp.float32(options[0]), options[1], options[2])
+
+
 def first_cache(caches) -> PagedKVCache:
   return next(x for x in jax.tree.leaves(caches, is_leaf=_is_paged_cache) if _is_paged_cache(x))
 
@@ -400,9 +406,8 @@ class ServingEngine:
     seqs = scheduler.make_sequences(self, prompts, max_new_tokens, stop_tokens)
     if draft is not None and not callable(getattr(draft, "propose", None)):
       raise TypeError(f"draft must have propose(contexts, max_tokens) (e.g. fr.NGramDraft()), got {draft!r}")
-    sampling_args = (jnp.int32(options[3]), jnp.float32(options[0]), options[1], options[2])
-    self._graphdef, caches, self._rest = nnx.split(self.model, nnx.Cache, ...)
-    self._caches = _committed_beside(caches, self._rest)
+    sampling_args = _sampling_args(options)
+    self._take_caches()
     first = first_cache(self._caches)
     if (first.num_pages, first.max_num_seqs, first.pages_per_seq) != (
       self.num_pages,
@@ -425,6 +430,36 @@ class ServingEngine:
         self.free(np.ones(self.max_num_seqs, bool))
       finally:
         nnx.update(self.model, self._caches)
+
+  def _take_caches(self):
+    """Splits the model into (graphdef, caches, the rest) for the steps; `nnx.update(self.model, self._caches)`
+    gives the caches back."""
+    self._graphdef, caches, self._rest = nnx.split(self.model, nnx.Cache, ...)
+    self._caches = _committed_beside(caches, self._rest)
+
+  def warmup(self, *, top_k: int | None = None, top_p: float | None = None) -> int:
+    """Compiles the step program of every token bucket now (and the cache's admission and release programs), so
+    that no later step waits for one; returns how many were compiled (0 when every one already was).
+
+    A step compiles when it first needs its bucket (`token_buckets`), which a serving loop meets one by one, mid
+    stream: a mixed prefill + decode step of an odd size, a long prompt's first chunk.  Each warm-up step holds
+    no token (every row is padding), so the caches are unchanged.  `top_k` and `top_p` are part of the program:
+    pass the ones `generate` will get (the temperature and seed are not).  With JAX's persistent compilation
+    cache on, a second start reads the programs back instead of compiling them.
+    """
+    args = _sampling_args(sampling.check(0.0, top_k, top_p, 0))
+    S, before, steps = self.max_num_seqs, self.stats.compiles, self.stats.steps
+    self._take_caches()
+    try:
+      for rows in self.token_buckets:
+        zeros = np.zeros(rows, np.int32)
+        self.ragged_step(zeros, zeros, np.zeros(S + 1, np.int32), np.zeros((rows, 2), np.int32), args)
+      self.fits(np.zeros(S, np.int32))  # the admission check and the release each step and stream run
+      self.free(np.zeros(S, bool))  # (no slot)
+    finally:
+      self.stats.steps = steps  # no step of a prompt ran
+      nnx.update(self.model, self._caches)
+    return self.stats.compiles - before
 
   def generate(
     self,
