@@ -188,7 +188,8 @@ def _dkv_kernel(kinds_ref, fetch_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delt
   del fetch_ref
   mask_refs = refs[:num_mask_refs]
   drop_ref, refs = c.split_dropout_ref(spec, refs[num_mask_refs:])
-  dk_ref, dv_ref, *dq_part, dk_sc, dv_sc = refs  # dq_part: [dq partial] when fused
+  dk_ref, dv_ref, *dq_part, dk_sc, dv_sc = refs
+  dq_part = dq_part[0] if dq_part else None  # this tile's dq partial, when fused
   b, h, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
 
   @pl.when(i == 0)
@@ -209,17 +210,15 @@ def _dkv_kernel(kinds_ref, fetch_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delt
     dk_sc[...] += jax.lax.dot_general(
       ds.astype(q.dtype), q, _TN, preferred_element_type=c.F32, precision=spec.precision
     )
-    if dq_part:
-      (part,) = dq_part
+    if dq_part is not None:
       dq = jax.lax.dot_general(
         ds.astype(q.dtype), k_ref[...], _NN, preferred_element_type=c.F32, precision=spec.precision
       )
-      part[...] = dq.reshape(part.shape).astype(part.dtype)
+      dq_part[...] = dq.reshape(dq_part.shape).astype(dq_part.dtype)
 
   c.by_tile_kind(kinds_ref[j, i], update)
-  if dq_part:
-    (part,) = dq_part
-    pl.when(kinds_ref[j, i] == masks.EMPTY)(lambda: part.__setitem__(..., jnp.zeros(part.shape, part.dtype)))
+  if dq_part is not None:
+    pl.when(kinds_ref[j, i] == masks.EMPTY)(lambda: dq_part.__setitem__(..., jnp.zeros(dq_part.shape, dq_part.dtype)))
 
   @pl.when(i == pl.num_programs(3) - 1)
   def _finish():
@@ -234,31 +233,23 @@ def block_bwd(q, k, v, do, lse, delta, q_tok, kv_tok, *, spec, interpret, dropou
   kv_side = (c.heads_major(k), c.heads_major(v))
   n_mask = len(mask_ops)
   drop_ops = c.dropout_operands(spec, dropout)
-  if spec.debug is not None and spec.debug.fused_backward:
-    kinds_t = kinds.T
-    dk, dv, parts = c.call(
-      functools.partial(_dkv_kernel, spec=spec, num_mask_refs=n_mask),
-      dkv_plan(**dims, fused=True),
+  fused = spec.debug is not None and spec.debug.fused_backward
+  if not fused:
+    (dq,) = c.call(
+      functools.partial(_dq_kernel, spec=spec, num_mask_refs=n_mask),
+      dq_plan(**dims),
       2,
       interpret=interpret,
-      name="ring_block_bwd_fused",
-    )(kinds_t, c.fetch_index(kinds_t), *kv_side, *q_side, *mask_ops, *drop_ops)
-    dq = jnp.sum(parts, axis=0, dtype=c.F32)
-    return c.heads_major(dq), c.heads_major(dk), c.heads_major(dv)
-
-  (dq,) = c.call(
-    functools.partial(_dq_kernel, spec=spec, num_mask_refs=n_mask),
-    dq_plan(**dims),
-    2,
-    interpret=interpret,
-    name="ring_block_bwd_dq",
-  )(kinds, c.fetch_index(kinds), *q_side, *kv_side, *mask_ops, *drop_ops)
+      name="ring_block_bwd_dq",
+    )(kinds, c.fetch_index(kinds), *q_side, *kv_side, *mask_ops, *drop_ops)
   kinds_t = kinds.T
-  dk, dv = c.call(
+  dk, dv, *dq_parts = c.call(
     functools.partial(_dkv_kernel, spec=spec, num_mask_refs=n_mask),
-    dkv_plan(**dims),
+    dkv_plan(**dims, fused=fused),
     2,
     interpret=interpret,
-    name="ring_block_bwd_dkv",
+    name="ring_block_bwd_fused" if fused else "ring_block_bwd_dkv",
   )(kinds_t, c.fetch_index(kinds_t), *kv_side, *q_side, *mask_ops, *drop_ops)
+  if fused:
+    dq = jnp.sum(dq_parts[0], axis=0, dtype=c.F32)
   return c.heads_major(dq), c.heads_major(dk), c.heads_major(dv)
