@@ -416,6 +416,7 @@ VARIANT_FIELDS = {
   "natural_exp": ("natural_exp", True),
   "whole_partial_tiles": ("whole_partial_tiles", True),
   "fused_backward": ("fused_backward", True),
+  "split_backward": ("fused_backward", False),
 }
 
 
@@ -446,13 +447,13 @@ def on_our_layout(kernel: Callable, scale: float) -> Callable:
   return lambda q, k, v: heads(kernel(heads((q.astype(jnp.float32) * scale).astype(q.dtype)), heads(k), heads(v)))
 
 
-def our_block_tiles(T: int, N: int, H: int, block_sizes) -> str | None:
+def our_block_tiles(T: int, N: int, K: int, H: int, block_sizes) -> str | None:
   """The tiles our op runs (display only): (forward q x kv; backward q x kv), `--block-sizes` or the planner's."""
   try:
     from flax_ringattn._src.backends.pallas_tpu import planners
     from flax_ringattn._src.block_sizes import effective_tile
 
-    b = block_sizes or planners.plan_block_sizes(T, T, N, N, H, jnp.bfloat16)
+    b = block_sizes or planners.plan_block_sizes(T, T, N, K, H, jnp.bfloat16)
     tiles = [effective_tile(T, x) for x in (b.block_q, b.block_kv, *b.bwd)]  # clamped to T as the kernels do
     return "{}x{}; {}x{}".format(*tiles)
   except Exception:
@@ -601,7 +602,7 @@ def block_layout_table(report, cfg: Config, args, chip, B: int, N: int, K: int, 
         peers[f"ours {variant}"] = Candidate(fn, (q, k, v, *cotangent(do)))
       name = f"block {title}T={r.T} {mask} {r.pas}"
       if args.block_sizes and len(args.block_sizes) > 1:
-        name += f", ours {our_block_tiles(r.T, N, H, blocks)}"
+        name += f", ours {our_block_tiles(r.T, N, K, H, blocks)}"
       got = check_and_time(report, name, ours, peers, leaves, args)
       t = got["times"]
       flops = cost.attention_flops(B=B, T=r.T, N=N, H=H, is_causal=r.causal, direction=r.pas)
@@ -612,7 +613,7 @@ def block_layout_table(report, cfg: Config, args, chip, B: int, N: int, K: int, 
       t_ours = ms(t, "ours")
       tflops = flops / t_ours / 1e9 if t_ours else None
       splash_best = best_peer(t, "splash b", exclude=" BTNH")
-      row = [r.T, mask, r.pas, our_block_tiles(r.T, N, H, blocks), t_ours, ms(t, splash_best), ratio(t, splash_best)]
+      row = [r.T, mask, r.pas, our_block_tiles(r.T, N, K, H, blocks), t_ours, ms(t, splash_best), ratio(t, splash_best)]
       row += [peer_label(splash_best)]
       if not args.no_splash_layout:
         btnh = best_peer(t, "splash b", only=" BTNH")
@@ -1001,7 +1002,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     default="",
     metavar="V[,V...]",
     help="block table: also time our op with these kernel variants (KernelDebug fields, '+'-joined: heads_major, "
-    "natural_exp, whole_partial_tiles, fused_backward, e.g. heads_major+natural_exp), each checked against ours and given its ms "
+    "natural_exp, whole_partial_tiles, fused_backward, split_backward, e.g. heads_major+natural_exp), each checked against ours and given its ms "
     "and variant/ours columns",
   )
   add(

@@ -6,6 +6,8 @@ feature case; these tests cover what only this backend has.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -188,10 +190,11 @@ VARIANTS = [
     # step (its matmuls and DMA skipped); two batch rows
     dict(local_window_size=(60, 0), logits_soft_cap=30.0, batch=2),
   ),
-  # dq from the dk/dv kernel: 4 q heads per kv head, causal + segments (EMPTY, PARTIAL and FULL tiles, an EMPTY
-  # tile's dq partial written as zeros); bf16 partials with a window, a soft cap and dropout-free GQA
-  (8, 2, 128, jnp.float32, dict(fused_backward=True), dict(is_causal=True, segments=True)),
-  (8, 4, 128, jnp.bfloat16, dict(fused_backward=True), dict(local_window_size=(60, 0), logits_soft_cap=30.0)),
+  # The two-kernel backward (dq kernel + dk/dv kernel; the default elsewhere is the fused one, whose EMPTY tiles
+  # write zero dq partials): 4 q heads per kv head, causal + segments (EMPTY, PARTIAL and FULL tiles); bf16 with a
+  # window and a soft cap
+  (8, 2, 128, jnp.float32, dict(fused_backward=False), dict(is_causal=True, segments=True)),
+  (8, 4, 128, jnp.bfloat16, dict(fused_backward=False), dict(local_window_size=(60, 0), logits_soft_cap=30.0)),
 ]
 
 
@@ -199,13 +202,13 @@ VARIANTS = [
 @pytest.mark.parametrize(
   "N, K, H, dtype, variant, opts",
   VARIANTS,
-  ids=["natural-exp-token-major", "cap-heads-major-bf16", "fused-bwd-causal-segments", "fused-bwd-window-cap-bf16"],
+  ids=["natural-exp-token-major", "cap-heads-major-bf16", "split-bwd-causal-segments", "split-bwd-window-cap-bf16"],
 )
 def test_kernel_variants(N, K, H, dtype, variant, opts):
   """The block kernels' A/B variants for chip runs (`KernelDebug.natural_exp`: the softmax with exp instead of in
   log2 units, token-major, 4 q heads per kv head; `forward_layout="heads_major"` where the token-major forward would
-  run; `fused_backward`: dq from the dk/dv kernel) compute the same attention: forward and gradients against the
-  reference, 2 x 2 tiles, race-checked."""
+  run; `fused_backward=False`: a dq kernel and a dk/dv kernel instead of the fused one) compute the same attention:
+  forward and gradients against the reference, 2 x 2 tiles, race-checked."""
   opts = dict(opts)
   T = 256
   q, k, v, do = _inputs(opts.pop("batch", 1), T, T, N, K, H, dtype)
@@ -215,12 +218,13 @@ def test_kernel_variants(N, K, H, dtype, variant, opts):
   token_major = N == 8 and variant.get("forward_layout") != "heads_major"
   with kernel_debug(**variant):
     _check_ring(q, k, v, do, seg, None, fr.BlockSizes(block_q=128, block_kv=128), opts, token_major=token_major)
-    if variant.get("fused_backward"):  # the gradients above came from the one fused kernel
+    if variant.get("fused_backward") is False:  # the gradients above came from the two kernels
       loss = lambda q: fr.ring_attention(  # noqa: E731
         q, k, v, implementation="pallas_tpu", interpret=True, block_sizes=fr.BlockSizes(block_q=128, block_kv=128)
       ).sum()
       program = str(jax.make_jaxpr(jax.grad(loss))(q))
-      assert "ring_block_bwd_fused" in program and "ring_block_bwd_dq" not in program
+      assert "ring_block_bwd_dq" in program and "ring_block_bwd_dkv" in program
+      assert "ring_block_bwd_fused" not in program
   with pytest.raises(ValueError, match="forward_layout must be 'heads_major' or None, got 'rows'"):
     kernel_debug(forward_layout="rows").__enter__()
 
@@ -301,14 +305,49 @@ def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, cap, dropout, Hv):
       out_dtype=dtype,  # bf16: o stored through 32-bit words (`common.store_strided_rows`)
     )
   )
-  bwd = jax.jit(
+  bwd_of = lambda spec: jax.jit(  # noqa: E731
     lambda q, k, v, do, lse, dl, qp, kp, qs, ks, d: block_bwd(
       q, k, v, do, lse, dl, masks.Tokens(qp, qs, bid), masks.Tokens(kp, ks, bid), spec=spec, interpret=None, dropout=d
     )
   )
+  bwd = bwd_of(spec)
   text = export.export(fwd, platforms=("tpu",))(q, k, v, pos, pos, seg, seg, drop).mlir_module()
   text += export.export(bwd, platforms=("tpu",))(q, k, v, do, stat, stat, pos, pos, seg, seg, drop).mlir_module()
-  assert text.count("tpu_custom_call") == 3  # forward, dq, dk/dv
+  assert text.count("tpu_custom_call") == 2  # forward, the fused backward
+  bwd = bwd_of(dataclasses.replace(spec, block_sizes=dataclasses.replace(spec.block_sizes, fused_bwd=False)))
+  text = export.export(bwd, platforms=("tpu",))(q, k, v, do, stat, stat, pos, pos, seg, seg, drop).mlir_module()
+  assert text.count("tpu_custom_call") == 2  # the two-kernel backward: dq, dk/dv
+
+
+def _backward_kernels(q, k, v, block_sizes) -> set[str]:
+  """The block backward kernels in the gradient's jaxpr (traced only) of a ring of one on q, k, v."""
+  loss = lambda q: fr.ring_attention(  # noqa: E731
+    q, k, v, implementation="pallas_tpu", interpret=True, is_causal=True, block_sizes=block_sizes
+  ).sum()
+  program = str(jax.make_jaxpr(jax.grad(loss))(q))
+  return {n for n in ("ring_block_bwd_fused", "ring_block_bwd_dq", "ring_block_bwd_dkv") if n in program}
+
+
+def test_backward_is_fused_unless_its_dq_partials_do_not_fit(monkeypatch):
+  """`BlockSizes.fused_bwd`: None (the default, and the planner's choice where the partials fit) runs the fused
+  backward; False the dq and dk/dv kernels; None at tiles whose dq partials pass FUSED_DQ_MAX_BYTES the two kernels
+  too (the partials of [B, N, T, H] per kv tile would be HBM the call did not plan for)."""
+  from flax_ringattn._src.backends.pallas_tpu.planners import block as block_planner
+
+  q, k, v, _ = _inputs(2, 256, 256, 8, 2, 128, jnp.bfloat16)
+  tiles = fr.BlockSizes(block_q=128, block_kv=128)
+  assert _backward_kernels(q, k, v, tiles) == {"ring_block_bwd_fused"}
+  assert _backward_kernels(q, k, v, None) == {"ring_block_bwd_fused"}  # the planner's tiles
+  split = {"ring_block_bwd_dq", "ring_block_bwd_dkv"}
+  assert _backward_kernels(q, k, v, dataclasses.replace(tiles, fused_bwd=False)) == split
+  # 2 kv tiles x [2, 8, 256, 128] bf16 = 2 MiB of partials: one byte less allowed, and the two kernels run
+  partials = block_planner.fused_dq_bytes(B=2, T=256, S=256, N=8, H=128, bk=128, dtype=jnp.bfloat16)
+  assert partials == 2 * 2**20
+  monkeypatch.setattr(block_planner, "FUSED_DQ_MAX_BYTES", partials - 1)
+  assert _backward_kernels(q, k, v, tiles) == split
+  assert _backward_kernels(q, k, v, dataclasses.replace(tiles, fused_bwd=True)) == {"ring_block_bwd_fused"}
+  with pytest.raises(TypeError, match=r"BlockSizes.fused_bwd must be a bool or None, got 1"):
+    fr.BlockSizes(fused_bwd=1)
 
 
 def test_selection_and_errors():

@@ -83,9 +83,10 @@ def test_forward_runs_token_major_only_where_it_fits():
   assert not planner.forward_token_major(budget=budget, **big)
   # The planner counts the forward in the layout that runs, so 64 heads still get the forward's largest q tiles
   # (heads-major); counted token-major they would not fit above 512 rows.
-  blocks = planner.plan_block_sizes(8192, 8192, 64, 8, 128, jnp.bfloat16, generation="v5e")
+  blocks = planner.plan_block_sizes(8192, 8192, 64, 64, 128, jnp.bfloat16, generation="v5e")
   assert blocks.block_q == planner.FWD_MAX_Q > 512
-  assert not planner.forward_token_major(bq=blocks.block_q, bk=blocks.block_kv, budget=budget, num_heads=64, **dims)
+  mha = dims | {"num_kv_heads": 64}
+  assert not planner.forward_token_major(bq=blocks.block_q, bk=blocks.block_kv, budget=budget, num_heads=64, **mha)
 
 
 def test_vmem_table_matches_jax_hardware_table():
@@ -131,30 +132,50 @@ def _next(values, v):
   return bigger[0] if bigger else None
 
 
+def _fwd_caps(N, K):
+  """The forward's (q, kv) tile caps: FWD_MAX_Q x FWD_MAX_KV, or with grouped heads FWD_GROUPED_MAX_KV wide and
+  at most FWD_MAX_ROWS stacked rows."""
+  if N == K:
+    return planner.FWD_MAX_Q, planner.FWD_MAX_KV
+  return min(planner.FWD_MAX_Q, planner.FWD_MAX_ROWS // (N // K)), planner.FWD_GROUPED_MAX_KV
+
+
 @pytest.mark.parametrize("generation", sorted(planner.VMEM_BYTES))
 @pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 def test_plan_fits_and_one_step_larger_does_not(generation, shape):
   """With MLA head dims the planner counts v at its own width: were it to plan v at q/k's, it would stop one
-  step short of (or past) what fits.  The forward's tiles also stop at FWD_MAX_Q x FWD_MAX_KV (measured: larger
-  ones gain nothing), so only a larger tile within those may not fit."""
+  step short of (or past) what fits.  The forward's tiles also stop at their caps (`_fwd_caps`, measured: larger
+  ones gain nothing or spill), the backward's at its stacked score cap (the fused kernel's: also a kv cap), so
+  only a larger tile within those may not fit.  Fused backward tiles (fused_bwd None) fit the two-kernel backward
+  too, which runs at them where a batch's dq partials would not fit."""
   T, S, N, K, H, dtype, *Hv = shape
   Hv = Hv[0] if Hv else None
+  G = N // K
   budget = planner.budget_bytes(generation)
   bs = fr.plan_block_sizes(T, S, N, K, H, dtype, generation=generation, v_head_dim=Hv)
+  assert bs.fused_bwd in (None, False)
+  bwd_kernels = ("dkv_fused",) if bs.fused_bwd is None else ("dq", "dkv")
   qs, ks = planner.candidates(T, common.sublanes(dtype)), planner.candidates(S, common.LANES)
-  for kernels, (bq, bk) in ((("fwd",), (bs.block_q, bs.block_kv)), (("dq", "dkv"), bs.bwd)):
+  below = lambda ts, cap: max((t for t in ts if t <= cap), default=0) >= cap // 2  # noqa: E731
+  for kernels, (bq, bk) in ((("fwd",), (bs.block_q, bs.block_kv)), (bwd_kernels, bs.bwd)):
     assert bq in qs and bk in ks and T % bq == 0 and S % bk == 0
     assert _total(kernels, bq, bk, N, K, H, dtype, Hv, budget) <= budget
-    capped = kernels == ("fwd",)
-    below = lambda ts, cap: max((t for t in ts if t <= cap), default=0) >= cap // 2  # noqa: E731
-    q_cap = planner.FWD_MAX_Q if capped and below(qs, planner.FWD_MAX_Q) else None
-    kv_cap = planner.FWD_MAX_KV if capped and below(ks, planner.FWD_MAX_KV) else None
+    if kernels == ("dkv_fused",):
+      assert _total(("dq", "dkv"), bq, bk, N, K, H, dtype, Hv, budget) <= budget
+    q_cap = kv_cap = score_cap = None
+    if kernels == ("fwd",):
+      q_cap, kv_cap = _fwd_caps(N, K)
+      q_cap, kv_cap = (q_cap if below(qs, q_cap) else None), (kv_cap if below(ks, kv_cap) else None)
+    elif kernels == ("dkv_fused",):
+      kv_cap = planner.BWD_FUSED_MAX_KV if below(ks, planner.BWD_FUSED_MAX_KV) else None
+      score_cap = planner.BWD_FUSED_MAX_SCORES // G
+    else:
+      score_cap = planner.BWD_MAX_SCORES // G
     assert (q_cap is None or bq <= q_cap) and (kv_cap is None or bk <= kv_cap)
-    group_cap = None if capped else planner.BWD_MAX_SCORES // (N // K)
     for bigger in ((_next(qs, bq), bk), (bq, _next(ks, bk))):
       if None not in bigger and ((q_cap and bigger[0] > q_cap) or (kv_cap and bigger[1] > kv_cap)):
-        continue  # past the forward's cap: may fit
-      if None not in bigger and group_cap and bigger[0] * bigger[1] > group_cap >= bq * bk:
+        continue  # past a tile cap: may fit
+      if None not in bigger and score_cap and bigger[0] * bigger[1] > score_cap >= bq * bk:
         continue  # past the backward's score cap: may fit
       if None not in bigger:
         assert _total(kernels, *bigger, N, K, H, dtype, Hv, budget) > budget, (generation, kernels, (bq, bk), bigger)
@@ -165,20 +186,58 @@ def test_forward_tiles_stop_at_the_cap_unless_only_small_tiles_are_below_it():
   below the cap are small (8 x 131 = 1048 rows: 8; 640 columns: 128) keeps the whole axis, as before the cap."""
   bs = fr.plan_block_sizes(8192, 8192, 8, 8, 128, jnp.bfloat16, generation="v5e")
   assert (bs.block_q, bs.block_kv) == (planner.FWD_MAX_Q, planner.FWD_MAX_KV) == (1024, 512)
-  assert bs.bwd == (1024, 2048)  # the backward's score tile: 2M entries with one q head per kv head
+  assert bs.bwd == (1024, 1024) and bs.fused_bwd is None  # the fused backward's: 1M scores, 1024 wide
+  awkward = fr.plan_block_sizes(1048, 640, 8, 8, 128, jnp.bfloat16, generation="v5e")
+  assert (awkward.block_q, awkward.block_kv) == (1048, 640)
+
+
+@pytest.mark.parametrize(
+  "N, K, H, fwd, bwd",
+  [
+    # measured on a v5e (8k causal): Llama-3.2-1B's and Qwen2.5-0.5B's layouts, tuned on
+    (32, 8, 64, (1024, 1024), (256, 1024)),
+    (14, 2, 64, (512, 1024), (128, 1024)),
+    # checked on the chip after tuning: Qwen2.5-7B's layout
+    (28, 4, 128, (512, 1024), (128, 1024)),
+    (8, 1, 256, (512, 1024), (128, 1024)),
+    (16, 8, 256, (1024, 1024), (512, 1024)),
+  ],
+)
+def test_grouped_heads_get_wide_forward_tiles_and_fused_backward_tiles(N, K, H, fwd, bwd):
+  """With G = N / K > 1 q heads stacked per kv head, the forward's tiles are 1024 wide and at most FWD_MAX_ROWS
+  stacked rows tall (a 1024 x 512 forward with G = 7 ran 1.42x the time of 512 x 1024); the backward is fused, its
+  stacked score tile within BWD_FUSED_MAX_SCORES and the cap binding (one step taller would pass it)."""
+  bs = fr.plan_block_sizes(8192, 8192, N, K, H, jnp.bfloat16, generation="v5e")
+  assert ((bs.block_q, bs.block_kv), bs.bwd, bs.fused_bwd) == (fwd, bwd, None)
+  G, (bq, bk) = N // K, bs.bwd
+  assert G * bq <= planner.FWD_MAX_ROWS or bq == fwd[0]
+  assert G * bq * bk <= planner.BWD_FUSED_MAX_SCORES < G * 2 * bq * bk
+
+
+def test_backward_runs_as_two_kernels_where_the_dq_partials_would_not_fit():
+  """Where the fused backward's dq partials pass FUSED_DQ_MAX_BYTES for one batch row (32k tokens, 8 heads of 128:
+  32 partials of 64 MiB) the plan is the two-kernel backward (fused_bwd False) at its own, larger score cap; the
+  kernels decide a batch's case by `fused_backward_auto`."""
+  bs = fr.plan_block_sizes(32768, 32768, 8, 8, 128, jnp.bfloat16, generation="v5e")
+  assert bs.fused_bwd is False and bs.bwd == (1024, 2048)
+  assert not planner.fused_backward_fits(B=1, T=32768, S=32768, N=8, H=128, bk=1024, dtype=jnp.bfloat16)
+  assert planner.fused_dq_bytes(B=1, T=32768, S=32768, N=8, H=128, bk=1024, dtype=jnp.bfloat16) == 32 * 64 * 2**20
+  auto = dict(T=8192, S=8192, N=32, K=8, H=64, dtype=jnp.bfloat16)
+  assert planner.fused_backward_auto(B=1, bq=256, bk=1024, **auto)
+  assert not planner.fused_backward_auto(B=64, bq=256, bk=1024, **auto)  # 64 x 8 x 32 MiB of partials
+  assert not planner.fused_backward_auto(B=1, bq=1024, bk=1024, **auto)  # 4M stacked scores: spills
 
 
 @pytest.mark.parametrize("N, K, H", [(32, 8, 64), (14, 2, 64), (28, 4, 128), (8, 1, 256), (8, 8, 128)])
-def test_backward_score_tile_stops_at_the_cap(N, K, H):
-  """The backward's stacked score tile (G q heads x bq rows x bk columns) stays within BWD_MAX_SCORES (measured on a
-  v5e: 1024 x 2048 with 4 q heads per kv head ran 1.7x the time of 512 x 512); the cap binds, so the tile is not
-  smaller than it needs to be: one step larger in either axis would pass it or not fit."""
-  bs = fr.plan_block_sizes(8192, 8192, N, K, H, jnp.bfloat16, generation="v5e")
+def test_two_kernel_backward_score_tile_stops_at_the_cap(N, K, H):
+  """The two-kernel backward's stacked score tile (G q heads x bq rows x bk columns) stays within BWD_MAX_SCORES
+  (measured on a v5e: 1024 x 2048 with 4 q heads per kv head ran 1.7x the time of 512 x 512); the cap binds, so
+  the tile is not smaller than it needs to be: one step larger in either axis would pass it or not fit."""
+  bs = fr.plan_block_sizes(32768, 32768, N, K, H, jnp.bfloat16, generation="v5e")
+  assert bs.fused_bwd is False  # at 32k the dq partials of every layout here pass FUSED_DQ_MAX_BYTES
   bq, bk = bs.bwd
   assert (N // K) * bq * bk <= planner.BWD_MAX_SCORES
   assert (N // K) * 2 * bq * bk > planner.BWD_MAX_SCORES or bk == 2048
-  awkward = fr.plan_block_sizes(1048, 640, 8, 8, 128, jnp.bfloat16, generation="v5e")
-  assert (awkward.block_q, awkward.block_kv) == (1048, 640)
 
 
 def test_tiles_keep_their_tables_within_smem():

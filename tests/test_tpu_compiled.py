@@ -128,7 +128,9 @@ class Dense:
   case: Case
   chunk: int | None = None
   slots: str | None = None
-  fused_backward: bool = False  # `KernelDebug.fused_backward`: dq from the dk/dv kernel (two kernels, not three)
+  # `KernelDebug.fused_backward`: False runs the dq and dk/dv kernels instead of the fused backward (None: the
+  # default, fused at these sizes)
+  fused_backward: bool | None = None
 
 
 def _dense(name, mask="none", heads="mha", *, N=4, group=2, T=512, H=128, **fields):
@@ -145,8 +147,8 @@ BLOCK = [
   # two-sided window, not causal; sinks; MLA head dims (DeepSeek: qk 192, v 128)
   Dense(_dense("window_sinks_mla", "window", "gqa", N=8, B=1, window=(_n(200), _n(56)), sinks=True, H=192, Hv=128)),
   Dense(_dense("chunk_hd64", "causal", T=1024, B=2, H=64), chunk=_n(256)),
-  # Llama-3.2-1B's head layout in small: 4 q heads per kv head of 64, the fused backward's dq partials
-  Dense(_dense("fused_bwd_causal_gqa_hd64", "causal", "gqa", N=8, group=4, T=1024, B=1, H=64), fused_backward=True),
+  # Llama-3.2-1B's head layout in small (4 q heads per kv head of 64), the two-kernel backward
+  Dense(_dense("split_bwd_causal_gqa_hd64", "causal", "gqa", N=8, group=4, T=1024, B=1, H=64), fused_backward=False),
 ]
 
 
@@ -192,7 +194,7 @@ def _check_dense(run: Dense, dtype, implementation: str, kernels: int):
   sinks = make_sinks(case)
   args = (q, k, v, do, seg, sinks)
   fields = dict(slots=run.slots) if run.slots else {}
-  fields |= dict(fused_backward=True) if run.fused_backward else {}
+  fields |= dict(fused_backward=run.fused_backward) if run.fused_backward is not None else {}
   debug = kernel_debug(**fields) if fields else contextlib.nullcontext()
   with debug:  # (read when the call is traced)
     got = _compiled(_dense_run(run, dtype, implementation), *args, kernels=kernels)(*args)
@@ -215,9 +217,9 @@ def _check_dense(run: Dense, dtype, implementation: str, kernels: int):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("run", BLOCK, ids=lambda r: r.case.name)
 def test_block_kernels(run, dtype):
-  """Forward, dq, dk, dv (and dsinks) of the block kernels (forward, dq, dk/dv: three kernels; with the fused
-  backward two) on one device."""
-  _check_dense(run, dtype, "pallas_tpu", kernels=2 if run.fused_backward else 3)
+  """Forward, dq, dk, dv (and dsinks) of the block kernels (the forward and the fused backward: two kernels; with
+  the two-kernel backward three) on one device."""
+  _check_dense(run, dtype, "pallas_tpu", kernels=3 if run.fused_backward is False else 2)
 
 
 def test_block_output_in_the_callers_dtype():

@@ -46,9 +46,8 @@ class KernelDebug:
   forward_layout "heads_major" runs the heads-major forward where the token-major one would run; natural_exp computes
   the online softmax with exp, not in log2 units with exp2 (`block.forward.online_softmax_step`);
   whole_partial_tiles computes a PARTIAL tile whole, masked, instead of in row sub-tiles
-  (`tiling.forward_sub_tiles`).  fused_backward computes dq in the dk/dv kernel from the same probabilities and dS
-  (one kernel, two matmuls and one softmax recompute fewer per tile), each kv tile writing its own dq partial in
-  q's dtype, summed after (`block.backward.block_bwd`)."""
+  (`tiling.forward_sub_tiles`).  fused_backward True / False overrides the block backward's choice of one fused
+  kernel or a dq kernel and a dk/dv kernel (`BlockSizes.fused_bwd`, `common.fused_backward`); None keeps it."""
 
   slots: str | None = None
   drop_credits: bool = False
@@ -56,7 +55,7 @@ class KernelDebug:
   forward_layout: str | None = None
   natural_exp: bool = False
   whole_partial_tiles: bool = False
-  fused_backward: bool = False
+  fused_backward: bool | None = None
 
   def __post_init__(self):
     if self.slots is not None and self.slots not in _SLOTS:

@@ -35,12 +35,43 @@ MAX_TILE = 2048
 # K/V re-streaming at 1024-row tiles stays far below the tiles' compute time.
 FWD_MAX_Q, FWD_MAX_KV = 1024, 512
 
+# With grouped heads (G = N / K > 1: the group's q heads stacked into G * bq score rows) the forward's kv tiles go to
+# 1024 and its stacked rows stop at 4096.  Every kv step rescales the statistics and the accumulator of each row
+# (lane-replicated, whole vregs), a per-row cost that wider kv tiles spread over more scores.  Measured on a v5e
+# (2026-12-07, 8k tokens causal, bf16, head dim 64): 14 q heads over 2 kv heads (G = 7) ran 3.23 ms at 1024 x 512,
+# 2.44 at 512 x 512, 2.26 at 512 x 1024 and 2.27 at 256 x 1024 (splash at its best 2.16); 32 over 8 (G = 4) ran
+# 5.61 ms at 1024 x 512, 5.30 at 512 x 1024 and 5.17 at 1024 x 1024 (splash 4.96).
+FWD_GROUPED_MAX_KV, FWD_MAX_ROWS = 1024, 4096
+
 # The backward's score tile (the G q heads of a group stacked: G * bq rows x bk columns) stops at 2M entries.  Measured
 # on a v5e (2026-12-07, 8k tokens causal, 32 q heads over 8 kv heads of 64, bf16, forward + backward): backward tiles
 # of 512 x 512, 512 x 1024 and 256 x 1024 (1-2M entries with G = 4) ran 19.1-19.8 ms, 1024 x 1024 (4M) 29.0 ms and
 # 1024 x 2048 (8M) 32.3 ms: past VMEM's sweet spot the probabilities, dP and dS temporaries spill.  8 heads of 128
 # (G = 1) were tuned at 1024 x 2048, 2M entries.  Least HBM traffic alone picked 1024 x 2048 for G = 4.
 BWD_MAX_SCORES = 2048 * 1024
+
+# The fused backward (`BlockSizes.fused_bwd`: dq computed in the dk/dv kernel, one partial per kv tile) keeps more
+# temporaries live per tile (dq's f32 product besides p, dP and dS), and its tiles stop at 1M stacked scores.
+# Measured on the same v5e and shapes (forward + backward, forward tiles as above): G = 4 ran 15.62 ms at 256 x 1024
+# (1M), 15.92 at 512 x 1024 (2M) and 16.88 at 512 x 512 fused, against 19.13-19.40 unfused at any of them; G = 7
+# ran 6.91 ms at 128 x 1024 (0.9M), 7.20 at 512 x 512 (1.8M) and 12.13 at 512 x 1024 (3.7M), against 8.25-8.53
+# unfused; splash at its best (blocks 1024, its fused backward) 15.53 and 6.61.  Its kv tiles stop at 1024: least
+# traffic alone picks 2048-wide ones, and G = 4 ran 16.24 ms fused at 256 x 2048, G = 7 7.88 ms at 256 x 1024.
+BWD_FUSED_MAX_SCORES, BWD_FUSED_MAX_KV = 1024 * 1024, 1024
+
+# The fused backward runs where its dq partials, (S / bk) x [B, N, T, H] in q's dtype, take at most this much HBM
+# (they live until summed, within one block's backward); past it the dq and dk/dv kernels run apart.
+FUSED_DQ_MAX_BYTES = 1 << 30
+
+
+def fused_dq_bytes(*, B, T, S, N, H, bk, dtype) -> int:
+  """HBM bytes of the fused backward's dq partials: one [B, N, T, H] in `dtype` per kv tile of `bk`."""
+  return (S // bk) * B * N * T * H * jnp.dtype(dtype).itemsize
+
+
+def fused_backward_fits(*, B, T, S, N, H, bk, dtype) -> bool:
+  """Whether the fused backward's dq partials fit `FUSED_DQ_MAX_BYTES` (`BlockSizes.fused_bwd=None` decides by it)."""
+  return fused_dq_bytes(B=B, T=T, S=S, N=N, H=H, bk=bk, dtype=dtype) <= FUSED_DQ_MAX_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,13 +142,16 @@ def footprint(
     outputs = _tile(bq, H, f32, G)
     scratch = _tile(G * bq, H, f32)
     temporaries = 5 * score  # s (masked), p, dp, ds, ds * scale cast for the matmul
-  elif kernel == "dkv":
+  elif kernel in ("dkv", "dkv_fused"):
     inputs = k_tile + v_tile + q_tile + do_tile + 2 * row_stat + mask
     outputs = _tile(bk, H, f32) + _tile(bk, Hv, f32)  # dk, dv
     scratch = _tile(bk, H, f32) + _tile(bk, Hv, f32)
     temporaries = 5 * score  # as dq, plus p cast for dV sharing the same live range
+    if kernel == "dkv_fused":  # + the tile's dq partial (q's dtype) and its f32 product
+      outputs += q_tile
+      temporaries += _tile(G * bq, H, f32)
   else:
-    raise ValueError(f"kernel must be 'fwd', 'dq' or 'dkv', got {kernel!r}")
+    raise ValueError(f"kernel must be 'fwd', 'dq', 'dkv' or 'dkv_fused', got {kernel!r}")
   if soft_cap:
     temporaries += 2 * score  # raw / cap and tanh(raw / cap), kept for the gradient
   if dropout:
@@ -190,9 +224,13 @@ def hbm_bytes(kernel: str, *, bq, bk, q_len, kv_len, num_heads, num_kv_heads, he
     return q_in + (q_len // bq) * kv_in + q_len * num_heads * Hv * 4 + stats  # + o (f32) and lse
   if kernel == "dq":
     return q_in + do_in + 2 * stats + (q_len // bq) * kv_in + q_len * num_heads * head_dim * 4  # + dq (f32)
-  if kernel == "dkv":
-    return kv_in + (kv_len // bk) * (q_in + do_in + 2 * stats) + kv_len * num_kv_heads * (head_dim + Hv) * 4
-  raise ValueError(f"kernel must be 'fwd', 'dq' or 'dkv', got {kernel!r}")
+  if kernel in ("dkv", "dkv_fused"):
+    dkv = kv_in + (kv_len // bk) * (q_in + do_in + 2 * stats) + kv_len * num_kv_heads * (head_dim + Hv) * 4
+    if kernel == "dkv":
+      return dkv
+    # + the dq partials, written and read back by their sum, and dq (f32)
+    return dkv + 2 * (kv_len // bk) * q_in + q_len * num_heads * head_dim * 4
+  raise ValueError(f"kernel must be 'fwd', 'dq', 'dkv' or 'dkv_fused', got {kernel!r}")
 
 
 def _traffic(kernels, bq, bk, **shape) -> int:
@@ -222,14 +260,16 @@ def _best(kernels, q_len, kv_len, dtype, budget, **dims):
   choice in either dimension does not fit (else it would have been chosen).
   """
   grouped = dims["num_heads"] > dims["num_kv_heads"]
+  group = dims["num_heads"] // dims["num_kv_heads"]
   qs, ks = q_candidates(q_len, dtype, grouped=grouped), candidates(kv_len, c.LANES)
   if kernels == ("fwd",):
-    capped = _least_traffic(
-      kernels, _capped(qs, FWD_MAX_Q), _capped(ks, FWD_MAX_KV), q_len, kv_len, dtype, budget, dims
-    )
+    q_cap, kv_cap = (min(FWD_MAX_Q, FWD_MAX_ROWS // group), FWD_GROUPED_MAX_KV) if grouped else (FWD_MAX_Q, FWD_MAX_KV)
+    capped = _least_traffic(kernels, _capped(qs, q_cap), _capped(ks, kv_cap), q_len, kv_len, dtype, budget, dims)
   else:
-    group = dims["num_heads"] // dims["num_kv_heads"]
-    capped = _least_traffic(kernels, qs, ks, q_len, kv_len, dtype, budget, dims, max_scores=BWD_MAX_SCORES // group)
+    most = BWD_FUSED_MAX_SCORES if kernels == ("dkv_fused",) else BWD_MAX_SCORES
+    if kernels == ("dkv_fused",):
+      ks = _capped(ks, BWD_FUSED_MAX_KV)
+    capped = _least_traffic(kernels, qs, ks, q_len, kv_len, dtype, budget, dims, max_scores=most // group)
   if capped is not None:
     return capped
   return _least_traffic(kernels, qs, ks, q_len, kv_len, dtype, budget, dims)
@@ -347,7 +387,7 @@ def plan_block_sizes_for(shape: ProblemShape, *, generation: str | None = None) 
   if measured is not None:
     return measured
   fwd = _best(("fwd",), q_len, kv_len, dtype, budget, **dims)
-  bwd = _best(("dq", "dkv"), q_len, kv_len, dtype, budget, **dims)
+  bwd, fused_bwd = _best_backward(shape, budget, dims)
   if fwd is None or bwd is None:
     qs = q_candidates(q_len, dtype, grouped=num_heads > num_kv_heads)
     ks = candidates(kv_len, c.LANES)
@@ -363,7 +403,31 @@ def plan_block_sizes_for(shape: ProblemShape, *, generation: str | None = None) 
       f"of {budget / MiB:.1f} MiB (smallest tiles need {smallest / MiB:.1f} MiB with {num_heads // num_kv_heads} "
       f"q heads per kv head and head_dim={head_dim}{_v_dim(shape)})"
     )
-  return BlockSizes(block_q=fwd[0], block_kv=fwd[1], block_q_bwd=bwd[0], block_kv_bwd=bwd[1])
+  return BlockSizes(block_q=fwd[0], block_kv=fwd[1], block_q_bwd=bwd[0], block_kv_bwd=bwd[1], fused_bwd=fused_bwd)
+
+
+def _best_backward(shape: ProblemShape, budget: int, dims: dict):
+  """(backward tiles, `fused_bwd`): the fused backward's tiles (`BWD_FUSED_MAX_SCORES`) with fused_bwd None, where
+  its dq partials fit `FUSED_DQ_MAX_BYTES` for one batch row and the two-kernel backward fits VMEM at the same
+  tiles (the kernels decide by the call's batch, `fused_backward_auto`); else the two kernels' tiles with
+  fused_bwd False.  None tiles: nothing fits."""
+  q_len, kv_len, dtype = shape.q_len, shape.kv_len, shape.dtype
+  fused = _best(("dkv_fused",), q_len, kv_len, dtype, budget, **dims)
+  if fused is not None:
+    bq, bk = fused
+    fits = fused_backward_fits(B=1, T=q_len, S=kv_len, N=shape.num_heads, H=shape.head_dim, bk=bk, dtype=dtype)
+    split = _least_traffic(("dq", "dkv"), [bq], [bk], q_len, kv_len, dtype, budget, dims)
+    if fits and split is not None:
+      return fused, None
+  return _best(("dq", "dkv"), q_len, kv_len, dtype, budget, **dims), False
+
+
+def fused_backward_auto(*, B, T, S, N, K, H, bq, bk, dtype) -> bool:
+  """`BlockSizes.fused_bwd=None`'s choice at tiles (bq, bk): fused where its dq partials fit `FUSED_DQ_MAX_BYTES`
+  and the stacked score tile (N / K q heads) is at most `BWD_MAX_SCORES` (past it the fused kernel's temporaries
+  spill: G = 7 at 512 x 1024 ran 12.1 ms fused, 8.3 ms as two kernels)."""
+  small = (N // K) * bq * bk <= BWD_MAX_SCORES
+  return small and fused_backward_fits(B=B, T=T, S=S, N=N, H=H, bk=bk, dtype=dtype)
 
 
 def _tuned(shape: ProblemShape, generation: str, budget: int, dims: dict) -> BlockSizes | None:
@@ -377,10 +441,12 @@ def _tuned(shape: ProblemShape, generation: str, budget: int, dims: dict) -> Blo
   ks = candidates(kv_len, c.LANES)
   fwd = (entry["block_q"], entry["block_kv"])
   bwd = (entry.get("block_q_bwd") or fwd[0], entry.get("block_kv_bwd") or fwd[1])
-  for kernels, (bq, bk) in ((("fwd",), fwd), (("dq", "dkv"), bwd)):
+  fused_bwd = entry.get("fused_bwd")
+  bwd_kernels = ("dkv_fused",) if fused_bwd else ("dq", "dkv")
+  for kernels, (bq, bk) in ((("fwd",), fwd), (bwd_kernels, bwd)):
     if bq not in qs or bk not in ks or _least_traffic(kernels, [bq], [bk], q_len, kv_len, dtype, budget, dims) is None:
       return None
-  return BlockSizes(block_q=fwd[0], block_kv=fwd[1], block_q_bwd=bwd[0], block_kv_bwd=bwd[1])
+  return BlockSizes(block_q=fwd[0], block_kv=fwd[1], block_q_bwd=bwd[0], block_kv_bwd=bwd[1], fused_bwd=fused_bwd)
 
 
 def _v_dim(shape: ProblemShape) -> str:
