@@ -4,6 +4,7 @@ validation."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -17,6 +18,7 @@ from flax_ringattn._src.backends.pallas_tpu import common
 from flax_ringattn._src.backends.pallas_tpu import planners as planner
 from flax_ringattn._src.backends.pallas_tpu.block import backward as block_backward
 from flax_ringattn._src.backends.pallas_tpu.block import forward as block_forward
+from flax_ringattn._src.backends.pallas_tpu.planners import block as block_planner
 from flax_ringattn._src.backends.pallas_tpu.ring import protocol as rp
 from flax_ringattn._src.backends.pallas_tpu.ring.hbm_backward import bwd_plan_hbm
 from flax_ringattn._src.backends.pallas_tpu.ring.hbm_forward import fwd_plan_hbm
@@ -24,7 +26,12 @@ from flax_ringattn._src.backends.pallas_tpu.ring.vmem_backward import bwd_plan
 from flax_ringattn._src.backends.pallas_tpu.ring.vmem_forward import fwd_plan
 from flax_ringattn._src.options import ProblemShape
 
-PLANS = {"fwd": block_forward.fwd_plan, "dq": block_backward.dq_plan, "dkv": block_backward.dkv_plan}
+PLANS = {
+  "fwd": block_forward.fwd_plan,
+  "dq": block_backward.dq_plan,
+  "dkv": block_backward.dkv_plan,
+  "dkv_fused": functools.partial(block_backward.dkv_plan, fused=True),
+}
 
 
 @pytest.mark.parametrize("kernel", sorted(PLANS))
@@ -214,18 +221,25 @@ def test_grouped_heads_get_wide_forward_tiles_and_fused_backward_tiles(N, K, H, 
   assert G * bq * bk <= planner.BWD_FUSED_MAX_SCORES < G * 2 * bq * bk
 
 
-def test_backward_runs_as_two_kernels_where_the_dq_partials_would_not_fit():
+def test_backward_runs_as_two_kernels_where_the_dq_partials_would_not_fit(monkeypatch):
   """Where the fused backward's dq partials pass FUSED_DQ_MAX_BYTES for one batch row (32k tokens, 8 heads of 128:
   32 partials of 64 MiB) the plan is the two-kernel backward (fused_bwd False) at its own, larger score cap; the
-  kernels decide a batch's case by `fused_backward_auto`."""
+  kernels decide a batch's case by `fused_backward_auto`, which also wants the fused kernel within VMEM."""
   bs = fr.plan_block_sizes(32768, 32768, 8, 8, 128, jnp.bfloat16, generation="v5e")
   assert bs.fused_bwd is False and bs.bwd == (1024, 2048)
   assert not planner.fused_backward_fits(B=1, T=32768, S=32768, N=8, H=128, bk=1024, dtype=jnp.bfloat16)
   assert planner.fused_dq_bytes(B=1, T=32768, S=32768, N=8, H=128, bk=1024, dtype=jnp.bfloat16) == 32 * 64 * 2**20
-  auto = dict(T=8192, S=8192, N=32, K=8, H=64, dtype=jnp.bfloat16)
-  assert planner.fused_backward_auto(B=1, bq=256, bk=1024, **auto)
-  assert not planner.fused_backward_auto(B=64, bq=256, bk=1024, **auto)  # 64 x 8 x 32 MiB of partials
-  assert not planner.fused_backward_auto(B=1, bq=1024, bk=1024, **auto)  # 4M stacked scores: spills
+  llama = ProblemShape(q_len=8192, kv_len=8192, num_heads=32, num_kv_heads=8, head_dim=64, dtype=jnp.bfloat16)
+  auto = functools.partial(planner.fused_backward_auto, llama, generation="v5e")
+  assert auto(batch=1, bq=256, bk=1024)
+  assert not auto(batch=64, bq=256, bk=1024)  # 64 x 8 x 32 MiB of partials
+  assert not auto(batch=1, bq=1024, bk=1024)  # 4M stacked scores: spills
+  # A VMEM budget between the two kernels' footprints and the fused kernel's (which holds both of their tiles
+  # plus dq's): the two kernels run
+  need = {k: planner.footprint(k, bq=256, bk=1024, dtype=jnp.bfloat16, **llama.heads).total for k in PLANS}
+  assert max(need["dq"], need["dkv"]) < need["dkv_fused"]
+  monkeypatch.setattr(block_planner, "budget_bytes", lambda generation: need["dkv_fused"] - 1)
+  assert not auto(batch=1, bq=256, bk=1024)
 
 
 @pytest.mark.parametrize("N, K, H", [(32, 8, 64), (14, 2, 64), (28, 4, 128), (8, 1, 256), (8, 8, 128)])

@@ -77,18 +77,15 @@ def block_tiles(spec, q, k, *, backward: bool, v=None) -> tuple[int, int]:
 def fused_backward(spec, q, k, v, bq: int, bk: int) -> bool:
   """Whether the block backward computes dq in the dk/dv kernel (`BlockSizes.fused_bwd`): a test's
   `KernelDebug.fused_backward` first, then the call's (or the planner's) `fused_bwd`, and where that is None the
-  planner's rule at these tiles (`planners.fused_backward_auto`: the dq partials fit HBM's allowance and the
-  stacked score tile is not past the size where the fused kernel spills)."""
+  planner's rule at these tiles (`planners.fused_backward_auto`: the dq partials fit their HBM allowance, the
+  fused kernel fits VMEM, and the stacked score tile is not past the size where it spills)."""
   if spec.debug is not None and spec.debug.fused_backward is not None:
     return spec.debug.fused_backward
-  blocks = spec.block_sizes
-  if blocks is None:
-    blocks = planner.plan_block_sizes_for(ProblemShape.of(q.shape, k.shape, q.dtype, spec, v_shape=v.shape))
+  shape = ProblemShape.of(q.shape, k.shape, q.dtype, spec, v_shape=v.shape)
+  blocks = spec.block_sizes if spec.block_sizes is not None else planner.plan_block_sizes_for(shape)
   if blocks.fused_bwd is not None:
     return blocks.fused_bwd
-  B, T, N, H = q.shape
-  S, K = k.shape[1], k.shape[2]
-  return planner.fused_backward_auto(B=B, T=T, S=S, N=N, K=K, H=H, bq=bq, bk=bk, dtype=q.dtype)
+  return planner.fused_backward_auto(shape, batch=q.shape[0], bq=bq, bk=bk)
 
 
 def forward_token_major(spec, q, k, v, bq: int, bk: int) -> bool:

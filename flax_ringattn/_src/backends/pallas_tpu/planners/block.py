@@ -422,12 +422,19 @@ def _best_backward(shape: ProblemShape, budget: int, dims: dict):
   return _best(("dq", "dkv"), q_len, kv_len, dtype, budget, **dims), False
 
 
-def fused_backward_auto(*, B, T, S, N, K, H, bq, bk, dtype) -> bool:
-  """`BlockSizes.fused_bwd=None`'s choice at tiles (bq, bk): fused where its dq partials fit `FUSED_DQ_MAX_BYTES`
-  and the stacked score tile (N / K q heads) is at most `BWD_MAX_SCORES` (past it the fused kernel's temporaries
-  spill: G = 7 at 512 x 1024 ran 12.1 ms fused, 8.3 ms as two kernels)."""
-  small = (N // K) * bq * bk <= BWD_MAX_SCORES
-  return small and fused_backward_fits(B=B, T=T, S=S, N=N, H=H, bk=bk, dtype=dtype)
+def fused_backward_auto(shape: ProblemShape, *, batch: int, bq: int, bk: int, generation: str | None = None) -> bool:
+  """`BlockSizes.fused_bwd=None`'s choice for `shape` (one block's lengths, heads, features) with `batch` rows at
+  tiles (bq, bk): fused where its dq partials fit `FUSED_DQ_MAX_BYTES`, its VMEM footprint fits `generation`'s
+  budget (None: the attached TPU's) and the stacked score tile (N / K q heads) is at most `BWD_MAX_SCORES` (past it
+  the fused kernel's temporaries spill: G = 7 at 512 x 1024 ran 12.1 ms fused, 8.3 ms as two kernels)."""
+  if (shape.num_heads // shape.num_kv_heads) * bq * bk > BWD_MAX_SCORES:
+    return False
+  dims = dict(T=shape.q_len, S=shape.kv_len, N=shape.num_heads, H=shape.head_dim, dtype=shape.dtype)
+  if not fused_backward_fits(B=batch, bk=bk, **dims):
+    return False
+  budget = budget_bytes(current_generation() if generation is None else generation)
+  need = footprint("dkv_fused", bq=bq, bk=bk, dtype=shape.dtype, **shape.heads, **shape.features)
+  return need.total <= budget
 
 
 def _tuned(shape: ProblemShape, generation: str, budget: int, dims: dict) -> BlockSizes | None:
