@@ -133,18 +133,22 @@ def dkv_plan(
 
 
 def _probs_and_dscores(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_refs, *, spec, masked, drop=None):
-  """p [G * bq, bk] and dS [G * bq, bk] (d loss / d scaled logits, scale included) of one tile pair.
+  """p [G * bq, bk] and dS [G * bq, bk] (d loss / d scaled logits, without the scale: the callers multiply the
+  [G * bq, H] and [bk, H] products by it, not every score) of one tile pair.
 
+  The probabilities are recomputed in log2 units, as the forward computes them
+  (`common.scores(log2=True)`: the scale times log2(e) in one multiply, and
+  exp2, with lse times log2(e) on its column).
   With dropout (`drop`: the tile's keep / (1 - rate), `common.dropout_scale`)
   the returned p is the dropped one (what dV needs) and dP is dropped the same
   way before dS; delta already comes from the dropped output.
   """
-  s, t = c.scores(q_ref, k_ref, mask_refs, spec=spec, masked=masked)  # [G, bq, bk]
+  s, t = c.scores(q_ref, k_ref, mask_refs, spec=spec, masked=masked, log2=True)  # [G, bq, bk]
   G, bq, bk = s.shape
   lse = lse_ref[...]  # [G, bq, 1]
   # lse = -inf only for rows with no visible key anywhere; their s is -inf
   # everywhere, so shifting by 0 gives p = 0 (not NaN).
-  p = jnp.exp(s - jnp.where(jnp.isneginf(lse), 0.0, lse))
+  p = jnp.exp2(s - jnp.where(jnp.isneginf(lse), 0.0, lse * c.LOG2_E))
   do = do_ref[...].reshape(G * bq, -1)
   dp = jax.lax.dot_general(do, v_ref[...], _NT, preferred_element_type=c.F32, precision=spec.precision)
   dp = dp.reshape(G, bq, bk)
@@ -155,7 +159,7 @@ def _probs_and_dscores(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, mask_ref
     ds = ds * (1.0 - t * t)  # d(cap * tanh(x / cap)) / dx
   if drop is not None:
     p = p * drop
-  return p.reshape(G * bq, bk), (ds * spec.scale).reshape(G * bq, bk), do
+  return p.reshape(G * bq, bk), ds.reshape(G * bq, bk), do
 
 
 def _dq_kernel(kinds_ref, fetch_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, *refs, spec, num_mask_refs):
@@ -183,7 +187,7 @@ def _dq_kernel(kinds_ref, fetch_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
-    dq_ref[...] = dq_sc[...].reshape(dq_ref.shape)
+    dq_ref[...] = (dq_sc[...] * spec.scale).reshape(dq_ref.shape)
 
 
 def _dkv_kernel(kinds_ref, fetch_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, *refs, spec, num_mask_refs):
@@ -216,7 +220,7 @@ def _dkv_kernel(kinds_ref, fetch_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delt
       dq = jax.lax.dot_general(
         ds.astype(q.dtype), k_ref[...], _NN, preferred_element_type=c.F32, precision=spec.precision
       )
-      dq_part[...] = dq.reshape(dq_part.shape).astype(dq_part.dtype)
+      dq_part[...] = (dq * spec.scale).reshape(dq_part.shape).astype(dq_part.dtype)
 
   c.by_tile_kind(kinds_ref[j, i], update)
   if dq_part is not None:
@@ -224,7 +228,7 @@ def _dkv_kernel(kinds_ref, fetch_ref, k_ref, v_ref, q_ref, do_ref, lse_ref, delt
 
   @pl.when(i == pl.num_programs(3) - 1)
   def _finish():
-    dk_ref[...] = dk_sc[...]
+    dk_ref[...] = dk_sc[...] * spec.scale
     dv_ref[...] = dv_sc[...]
 
 

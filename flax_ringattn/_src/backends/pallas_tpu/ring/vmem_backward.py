@@ -156,4 +156,6 @@ def ring_bwd(q, k, v, do, lse, delta, q_tok, kv_tok, *, spec, axis_name, load_ba
     kernel = functools.partial(_kernel, spec=spec, d=d)
     sems = rp.sem_scratch(d, 2 + len(d.fields) + 2)  # K, V, the token rows; dK, dV
     dq, dk, dv = rp.ring_call(kernel, bwd_plan(d), sems, d, interpret=interpret, name="ring_bwd")(meta, kinds, *args)
-  return c.heads_major(dq), c.heads_major(dk), c.heads_major(dv)
+  # The kernels accumulate dS without the softmax scale (`block.backward._probs_and_dscores`): dq and dk take it
+  # here, once per element rather than once per score.
+  return c.heads_major(dq * spec.scale), c.heads_major(dk * spec.scale), c.heads_major(dv)
