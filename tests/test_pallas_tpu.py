@@ -329,9 +329,9 @@ def _backward_kernels(q, k, v, block_sizes) -> set[str]:
 
 
 def test_backward_is_fused_unless_its_dq_partials_do_not_fit(monkeypatch):
-  """`BlockSizes.fused_bwd`: None (the default, and the planner's choice where the partials fit) runs the fused
-  backward; False the dq and dk/dv kernels; None at tiles whose dq partials pass FUSED_DQ_MAX_BYTES the two kernels
-  too (the partials of [B, N, T, H] per kv tile would be HBM the call did not plan for)."""
+  """`BlockSizes.fused_bwd`: None (the default, and the planner's choice) runs the fused backward; False the dq and
+  dk/dv kernels; None where one kv tile's dq partial ([B, N, T, H]) alone would pass FUSED_DQ_MAX_BYTES the two
+  kernels too (HBM the call did not plan for; a larger total runs in kv chunks, `test_fused_backward_in_kv_chunks`)."""
   from flax_ringattn._src.backends.pallas_tpu.planners import block as block_planner
 
   q, k, v, _ = _inputs(2, 256, 256, 8, 2, 128, jnp.bfloat16)
@@ -340,14 +340,36 @@ def test_backward_is_fused_unless_its_dq_partials_do_not_fit(monkeypatch):
   assert _backward_kernels(q, k, v, None) == {"ring_block_bwd_fused"}  # the planner's tiles
   split = {"ring_block_bwd_dq", "ring_block_bwd_dkv"}
   assert _backward_kernels(q, k, v, dataclasses.replace(tiles, fused_bwd=False)) == split
-  # 2 kv tiles x [2, 8, 256, 128] bf16 = 2 MiB of partials: one byte less allowed, and the two kernels run
+  # 2 kv tiles x [2, 8, 256, 128] bf16 = 2 MiB of partials, 1 MiB a tile: one byte less allowed, and the two run
   partials = block_planner.fused_dq_bytes(B=2, T=256, S=256, N=8, H=128, bk=128, dtype=jnp.bfloat16)
   assert partials == 2 * 2**20
-  monkeypatch.setattr(block_planner, "FUSED_DQ_MAX_BYTES", partials - 1)
+  monkeypatch.setattr(block_planner, "FUSED_DQ_MAX_BYTES", partials // 2 - 1)
   assert _backward_kernels(q, k, v, tiles) == split
   assert _backward_kernels(q, k, v, dataclasses.replace(tiles, fused_bwd=True)) == {"ring_block_bwd_fused"}
   with pytest.raises(TypeError, match=r"BlockSizes.fused_bwd must be a bool or None, got 1"):
     fr.BlockSizes(fused_bwd=1)
+
+
+@interpret
+def test_fused_backward_in_kv_chunks(monkeypatch):
+  """Where the dq partials would pass FUSED_DQ_MAX_BYTES the fused backward runs over kv chunks (a scan of kernel
+  calls, here 2 chunks of 2 kv tiles): forward and gradients still match the reference, with causal + segments
+  (EMPTY, PARTIAL and FULL tiles in both chunks) and dropout (hashed from global positions, so a chunk drops what
+  the whole would), race-checked."""
+  from flax_ringattn._src.backends.pallas_tpu.planners import block as block_planner
+
+  T, tiles = 512, fr.BlockSizes(block_q=128, block_kv=128)
+  q, k, v, do = _inputs(1, T, T, 8, 2, 128, jnp.float32)
+  seg = (jnp.arange(T) >= 200).astype(jnp.int32)[None]
+  monkeypatch.setattr(block_planner, "FUSED_DQ_MAX_BYTES", 2 * 8 * T * 128 * 4)  # two kv tiles' f32 partials
+  opts = dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(7))
+  assert block_planner.fused_dq_chunks(B=1, T=T, S=T, N=8, H=128, bk=128, dtype=jnp.float32) == 2
+  loss = lambda q: fr.ring_attention(  # noqa: E731
+    q, k, v, segment_ids=seg, implementation="pallas_tpu", interpret=True, block_sizes=tiles, **opts
+  ).sum()
+  program = str(jax.make_jaxpr(jax.grad(loss))(q))
+  assert "scan" in program and "ring_block_bwd_fused" in program and "ring_block_bwd_dq" not in program
+  _check_ring(q, k, v, do, seg, None, tiles, opts)
 
 
 def test_selection_and_errors():

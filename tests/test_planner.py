@@ -221,18 +221,26 @@ def test_grouped_heads_get_wide_forward_tiles_and_fused_backward_tiles(N, K, H, 
   assert G * bq * bk <= planner.BWD_FUSED_MAX_SCORES < G * 2 * bq * bk
 
 
-def test_backward_runs_as_two_kernels_where_the_dq_partials_would_not_fit(monkeypatch):
-  """Where the fused backward's dq partials pass FUSED_DQ_MAX_BYTES for one batch row (32k tokens, 8 heads of 128:
-  32 partials of 64 MiB) the plan is the two-kernel backward (fused_bwd False) at its own, larger score cap; the
-  kernels decide a batch's case by `fused_backward_auto`, which also wants the fused kernel within VMEM."""
+def test_fused_backward_runs_in_kv_chunks_where_its_dq_partials_would_not_fit(monkeypatch):
+  """Where the fused backward's dq partials pass FUSED_DQ_MAX_BYTES (32k tokens, 8 heads of 128: 32 partials of 64
+  MiB) its kernel runs over the fewest equal kv chunks within it (`fused_dq_chunks`), and the plan stays fused;
+  the two kernels run only where one kv tile's partial alone would pass it, where the stacked tile passes 2M
+  scores, or where the fused kernel does not fit VMEM (`fused_backward_auto`)."""
   bs = fr.plan_block_sizes(32768, 32768, 8, 8, 128, jnp.bfloat16, generation="v5e")
-  assert bs.fused_bwd is False and bs.bwd == (1024, 2048)
-  assert not planner.fused_backward_fits(B=1, T=32768, S=32768, N=8, H=128, bk=1024, dtype=jnp.bfloat16)
+  assert bs.fused_bwd is None and bs.bwd == (1024, 1024)
   assert planner.fused_dq_bytes(B=1, T=32768, S=32768, N=8, H=128, bk=1024, dtype=jnp.bfloat16) == 32 * 64 * 2**20
+  assert planner.fused_dq_chunks(B=1, T=32768, S=32768, N=8, H=128, bk=1024, dtype=jnp.bfloat16) == 2
+  assert planner.fused_dq_chunks(B=1, T=8192, S=8192, N=8, H=128, bk=1024, dtype=jnp.bfloat16) == 1
+  # 24 kv tiles: 16 MiB partials each, 64 per chunk at most; chunks divide the tiles (not 5: 6)
+  monkeypatch.setattr(block_planner, "FUSED_DQ_MAX_BYTES", 80 * 2**20)
+  assert planner.fused_dq_chunks(B=1, T=8192, S=24 * 128, N=8, H=128, bk=128, dtype=jnp.bfloat16) == 6
+  monkeypatch.setattr(block_planner, "FUSED_DQ_MAX_BYTES", 16 * 2**20 - 1)
+  assert planner.fused_dq_chunks(B=1, T=8192, S=24 * 128, N=8, H=128, bk=128, dtype=jnp.bfloat16) is None
+  monkeypatch.undo()
   llama = ProblemShape(q_len=8192, kv_len=8192, num_heads=32, num_kv_heads=8, head_dim=64, dtype=jnp.bfloat16)
   auto = functools.partial(planner.fused_backward_auto, llama, generation="v5e")
-  assert auto(batch=1, bq=256, bk=1024)
-  assert not auto(batch=64, bq=256, bk=1024)  # 64 x 8 x 32 MiB of partials
+  assert auto(batch=1, bq=256, bk=1024) and auto(batch=8, bq=256, bk=1024)  # 8 rows: 2 chunks of 4 kv tiles
+  assert not auto(batch=64, bq=256, bk=1024)  # one kv tile's partial for 64 rows: 2 GiB
   assert not auto(batch=1, bq=1024, bk=1024)  # 4M stacked scores: spills
   # A VMEM budget between the two kernels' footprints and the fused kernel's (which holds both of their tiles
   # plus dq's): the two kernels run
@@ -243,12 +251,13 @@ def test_backward_runs_as_two_kernels_where_the_dq_partials_would_not_fit(monkey
 
 
 @pytest.mark.parametrize("N, K, H", [(32, 8, 64), (14, 2, 64), (28, 4, 128), (8, 1, 256), (8, 8, 128)])
-def test_two_kernel_backward_score_tile_stops_at_the_cap(N, K, H):
+def test_two_kernel_backward_score_tile_stops_at_the_cap(N, K, H, monkeypatch):
   """The two-kernel backward's stacked score tile (G q heads x bq rows x bk columns) stays within BWD_MAX_SCORES
   (measured on a v5e: 1024 x 2048 with 4 q heads per kv head ran 1.7x the time of 512 x 512); the cap binds, so
   the tile is not smaller than it needs to be: one step larger in either axis would pass it or not fit."""
-  bs = fr.plan_block_sizes(32768, 32768, N, K, H, jnp.bfloat16, generation="v5e")
-  assert bs.fused_bwd is False  # at 32k the dq partials of every layout here pass FUSED_DQ_MAX_BYTES
+  monkeypatch.setattr(block_planner, "FUSED_DQ_MAX_BYTES", 0)  # no kv tile's partial fits: two kernels
+  bs = fr.plan_block_sizes(8192, 8192, N, K, H, jnp.bfloat16, generation="v5e")
+  assert bs.fused_bwd is False
   bq, bk = bs.bwd
   assert (N // K) * bq * bk <= planner.BWD_MAX_SCORES
   assert (N // K) * 2 * bq * bk > planner.BWD_MAX_SCORES or bk == 2048

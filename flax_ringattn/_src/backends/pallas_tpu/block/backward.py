@@ -9,12 +9,13 @@ axis so that nothing is written twice:
          tile in scratch, summed over the G q heads of the group inside the
          matmul (the group's rows are stacked, (G * bq, bk)).
 
-Fused (`BlockSizes.fused_bwd`, by default wherever its partials fit,
-`common.fused_backward`): the dk/dv kernel alone, also writing each tile's dq
-contribution dS k from the probabilities it already has, one partial per kv
-tile ([S / bk, B, N, T, H] in q's dtype, zeros on EMPTY tiles), summed in
-float32 after: two matmuls and a softmax recompute fewer per tile, for
-(S / bk) x dq of extra HBM.  As splash's fused backward does; on a v5e
+Fused (`BlockSizes.fused_bwd`, the default, `common.fused_backward`): the
+dk/dv kernel alone, also writing each tile's dq contribution dS k from the
+probabilities it already has, one partial per kv tile ([S / bk, B, N, T, H] in
+q's dtype, zeros on EMPTY tiles), summed in float32 after: two matmuls and a
+softmax recompute fewer per tile, for (S / bk) x dq of extra HBM, bounded by
+running the kernel over kv chunks where the whole would pass
+`planners.FUSED_DQ_MAX_BYTES`.  As splash's fused backward does; on a v5e
 (2026-12-07) it ran 15-20% faster than the two kernels (planners/block.py).
 
 Both use the same tile-class and fetch-index tables as the forward (the dk/dv
@@ -33,6 +34,7 @@ from jax.experimental import pallas as pl
 
 from flax_ringattn._src import masks
 from flax_ringattn._src.backends.pallas_tpu import common as c
+from flax_ringattn._src.backends.pallas_tpu import planners
 
 _NN = (((1,), (0,)), ((), ()))  # [m, k] x [k, n]
 _NT = (((1,), (1,)), ((), ()))  # [m, k] x [n, k]
@@ -237,25 +239,60 @@ def block_bwd(q, k, v, do, lse, delta, q_tok, kv_tok, *, spec, interpret, dropou
   dims, kinds, mask_ops = c.block_setup(spec, q, k, v, q_tok, kv_tok, backward=True)
   q_side = (c.heads_major(q), c.heads_major(do), lse[..., None], delta[..., None])
   kv_side = (c.heads_major(k), c.heads_major(v))
-  n_mask = len(mask_ops)
   drop_ops = c.dropout_operands(spec, dropout)
-  fused = c.fused_backward(spec, q, k, v, dims["bq"], dims["bk"])
-  if not fused:
-    (dq,) = c.call(
-      functools.partial(_dq_kernel, spec=spec, num_mask_refs=n_mask),
-      dq_plan(**dims),
-      2,
-      interpret=interpret,
-      name="ring_block_bwd_dq",
-    )(kinds, c.fetch_index(kinds), *q_side, *kv_side, *mask_ops, *drop_ops)
+  if c.fused_backward(spec, q, k, v, dims["bq"], dims["bk"]):
+    dq, dk, dv = _fused(spec, dims, kinds, q_side, kv_side, mask_ops, q_tok, kv_tok, drop_ops, interpret=interpret)
+    return c.heads_major(dq), c.heads_major(dk), c.heads_major(dv)
+  n_mask = len(mask_ops)
+  (dq,) = c.call(
+    functools.partial(_dq_kernel, spec=spec, num_mask_refs=n_mask),
+    dq_plan(**dims),
+    2,
+    interpret=interpret,
+    name="ring_block_bwd_dq",
+  )(kinds, c.fetch_index(kinds), *q_side, *kv_side, *mask_ops, *drop_ops)
+  dk, dv = _dkv_call(spec, dims, kinds, q_side, kv_side, mask_ops, drop_ops, fused=False, interpret=interpret)
+  return c.heads_major(dq), c.heads_major(dk), c.heads_major(dv)
+
+
+def _dkv_call(spec, dims, kinds, q_side, kv_side, mask_ops, drop_ops, *, fused, interpret):
+  """The dk/dv kernel over `kinds` ([T / bq, S / bk] of the kv span in `kv_side` and `mask_ops`): (dk, dv), and
+  with `fused` the [S / bk, B, N, T, H] dq partials."""
   kinds_t = kinds.T
-  dk, dv, *dq_parts = c.call(
-    functools.partial(_dkv_kernel, spec=spec, num_mask_refs=n_mask),
+  return c.call(
+    functools.partial(_dkv_kernel, spec=spec, num_mask_refs=len(mask_ops)),
     dkv_plan(**dims, fused=fused),
     2,
     interpret=interpret,
     name="ring_block_bwd_fused" if fused else "ring_block_bwd_dkv",
   )(kinds_t, c.fetch_index(kinds_t), *kv_side, *q_side, *mask_ops, *drop_ops)
-  if fused:
-    dq = jnp.sum(dq_parts[0], axis=0, dtype=c.F32)
-  return c.heads_major(dq), c.heads_major(dk), c.heads_major(dv)
+
+
+def _fused(spec, dims, kinds, q_side, kv_side, mask_ops, q_tok, kv_tok, drop_ops, *, interpret):
+  """The fused backward, over kv chunks whose dq partials fit `planners.FUSED_DQ_MAX_BYTES` each
+  (`planners.fused_dq_chunks`): one kernel call when they all fit at once, else a scan over equal chunks of kv
+  tiles (k, v, their token rows and the tile classes sliced; the dropout hash reads global positions, so a
+  chunk drops what the whole would), dq summed across chunks in float32 and dk / dv concatenated."""
+  B, T, S, N, H, bk = (dims[x] for x in ("B", "T", "S", "N", "H", "bk"))
+  # None: one kv tile's partial alone passes the bound, and the fused backward was asked for (`fused_bwd=True`):
+  # one kv tile a chunk, the least memory it can take
+  chunks = planners.fused_dq_chunks(B=B, T=T, S=S, N=N, H=H, bk=bk, dtype=dims["dtype"]) or S // bk
+  if chunks == 1:
+    dk, dv, parts = _dkv_call(spec, dims, kinds, q_side, kv_side, mask_ops, drop_ops, fused=True, interpret=interpret)
+    return jnp.sum(parts, axis=0, dtype=c.F32), dk, dv
+  span = S // chunks  # kv tokens per chunk, whole tiles
+  chunk_dims = dict(dims, S=span)
+
+  def step(dq, n):
+    lo = n * span
+    kv = tuple(jax.lax.dynamic_slice_in_dim(x, lo, span, axis=2) for x in kv_side)  # [B, K, S, H]
+    tiles = jax.lax.dynamic_slice_in_dim(kinds, n * (span // bk), span // bk, axis=1)
+    chunk_mask = c.mask_operands(q_tok, kv_tok.slice(lo, span))
+    dk, dv, parts = _dkv_call(
+      spec, chunk_dims, tiles, q_side, kv, chunk_mask, drop_ops, fused=True, interpret=interpret
+    )
+    return dq + jnp.sum(parts, axis=0, dtype=c.F32), (dk, dv)
+
+  dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q_side[0].shape, c.F32), jnp.arange(chunks))
+  whole = lambda x: jnp.moveaxis(x, 0, 2).reshape(B, x.shape[2], S, x.shape[-1])  # noqa: E731  [C, B, K, span, H]
+  return dq, whole(dk), whole(dv)

@@ -59,8 +59,8 @@ BWD_MAX_SCORES = 2048 * 1024
 # traffic alone picks 2048-wide ones, and G = 4 ran 16.24 ms fused at 256 x 2048, G = 7 7.88 ms at 256 x 1024.
 BWD_FUSED_MAX_SCORES, BWD_FUSED_MAX_KV = 1024 * 1024, 1024
 
-# The fused backward runs where its dq partials, (S / bk) x [B, N, T, H] in q's dtype, take at most this much HBM
-# (they live until summed, within one block's backward); past it the dq and dk/dv kernels run apart.
+# The fused backward's dq partials, (S / bk) x [B, N, T, H] in q's dtype, live until summed; past this many bytes
+# the kernel runs over kv chunks (`fused_dq_chunks`), each chunk's partials summed into dq before the next.
 FUSED_DQ_MAX_BYTES = 1 << 30
 
 
@@ -69,9 +69,17 @@ def fused_dq_bytes(*, B, T, S, N, H, bk, dtype) -> int:
   return (S // bk) * B * N * T * H * jnp.dtype(dtype).itemsize
 
 
-def fused_backward_fits(*, B, T, S, N, H, bk, dtype) -> bool:
-  """Whether the fused backward's dq partials fit `FUSED_DQ_MAX_BYTES` (`BlockSizes.fused_bwd=None` decides by it)."""
-  return fused_dq_bytes(B=B, T=T, S=S, N=N, H=H, bk=bk, dtype=dtype) <= FUSED_DQ_MAX_BYTES
+def fused_dq_chunks(*, B, T, S, N, H, bk, dtype) -> int | None:
+  """The fewest equal kv chunks (each whole kv tiles) whose dq partials fit `FUSED_DQ_MAX_BYTES` apiece: the fused
+  backward runs its kernel once per chunk (`block.backward`).  None: one kv tile's partial alone passes it."""
+  tiles = S // bk
+  for chunks in range(1, tiles + 1):
+    if (
+      tiles % chunks == 0
+      and fused_dq_bytes(B=B, T=T, S=S // chunks, N=N, H=H, bk=bk, dtype=dtype) <= FUSED_DQ_MAX_BYTES
+    ):
+      return chunks
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,30 +415,30 @@ def plan_block_sizes_for(shape: ProblemShape, *, generation: str | None = None) 
 
 
 def _best_backward(shape: ProblemShape, budget: int, dims: dict):
-  """(backward tiles, `fused_bwd`): the fused backward's tiles (`BWD_FUSED_MAX_SCORES`) with fused_bwd None, where
-  its dq partials fit `FUSED_DQ_MAX_BYTES` for one batch row and the two-kernel backward fits VMEM at the same
-  tiles (the kernels decide by the call's batch, `fused_backward_auto`); else the two kernels' tiles with
-  fused_bwd False.  None tiles: nothing fits."""
+  """(backward tiles, `fused_bwd`): the fused backward's tiles (`BWD_FUSED_MAX_SCORES`, `BWD_FUSED_MAX_KV`) with
+  fused_bwd None, where one kv tile's dq partial fits `FUSED_DQ_MAX_BYTES` for one batch row and the two-kernel
+  backward fits VMEM at the same tiles (the kernels decide a call's batch by `fused_backward_auto`); else the two
+  kernels' tiles with fused_bwd False.  None tiles: nothing fits."""
   q_len, kv_len, dtype = shape.q_len, shape.kv_len, shape.dtype
   fused = _best(("dkv_fused",), q_len, kv_len, dtype, budget, **dims)
   if fused is not None:
     bq, bk = fused
-    fits = fused_backward_fits(B=1, T=q_len, S=kv_len, N=shape.num_heads, H=shape.head_dim, bk=bk, dtype=dtype)
+    fits = fused_dq_chunks(B=1, T=q_len, S=kv_len, N=shape.num_heads, H=shape.head_dim, bk=bk, dtype=dtype)
     split = _least_traffic(("dq", "dkv"), [bq], [bk], q_len, kv_len, dtype, budget, dims)
-    if fits and split is not None:
+    if fits is not None and split is not None:
       return fused, None
   return _best(("dq", "dkv"), q_len, kv_len, dtype, budget, **dims), False
 
 
 def fused_backward_auto(shape: ProblemShape, *, batch: int, bq: int, bk: int, generation: str | None = None) -> bool:
   """`BlockSizes.fused_bwd=None`'s choice for `shape` (one block's lengths, heads, features) with `batch` rows at
-  tiles (bq, bk): fused where its dq partials fit `FUSED_DQ_MAX_BYTES`, its VMEM footprint fits `generation`'s
+  tiles (bq, bk): fused where one kv tile's dq partial fits `FUSED_DQ_MAX_BYTES`, its VMEM footprint fits `generation`'s
   budget (None: the attached TPU's) and the stacked score tile (N / K q heads) is at most `BWD_MAX_SCORES` (past it
   the fused kernel's temporaries spill: G = 7 at 512 x 1024 ran 12.1 ms fused, 8.3 ms as two kernels)."""
   if (shape.num_heads // shape.num_kv_heads) * bq * bk > BWD_MAX_SCORES:
     return False
   dims = dict(T=shape.q_len, S=shape.kv_len, N=shape.num_heads, H=shape.head_dim, dtype=shape.dtype)
-  if not fused_backward_fits(B=batch, bk=bk, **dims):
+  if fused_dq_chunks(B=batch, bk=bk, **dims) is None:
     return False
   budget = budget_bytes(current_generation() if generation is None else generation)
   need = footprint("dkv_fused", bq=bq, bk=bk, dtype=shape.dtype, **shape.heads, **shape.features)
