@@ -55,17 +55,17 @@ class BlockShape:
                         dtype=jnp.dtype(self.dtype))  # fmt: skip
 
 
-def _accepted(shape: ProblemShape, generation: str, fwd, bwd) -> bool:
-  """Whether the planner would take these tiles from a table (`block._tuned`)."""
-  blocks = _blocks(fwd, bwd)
-  entry = dict(block_q=fwd[0], block_kv=fwd[1], block_q_bwd=bwd[0], block_kv_bwd=bwd[1])
+def _accepted(shape: ProblemShape, generation: str, fwd, bwd, fused_bwd=None) -> bool:
+  """Whether the planner would take these tiles (and this backward kernel choice) from a table (`block._tuned`)."""
+  blocks = _blocks(fwd, bwd, fused_bwd)
+  entry = dict(block_q=fwd[0], block_kv=fwd[1], block_q_bwd=bwd[0], block_kv_bwd=bwd[1], fused_bwd=fused_bwd)
   table = {"generation": generation, "entries": {planners.tuned.block_key(shape): entry}}
   with using(table):
     return planners.plan_block_sizes_for(shape, generation=generation) == blocks
 
 
-def _blocks(fwd, bwd) -> fr.BlockSizes:
-  return fr.BlockSizes(block_q=fwd[0], block_kv=fwd[1], block_q_bwd=bwd[0], block_kv_bwd=bwd[1])
+def _blocks(fwd, bwd, fused_bwd=None) -> fr.BlockSizes:
+  return fr.BlockSizes(block_q=fwd[0], block_kv=fwd[1], block_q_bwd=bwd[0], block_kv_bwd=bwd[1], fused_bwd=fused_bwd)
 
 
 def _fastest(calls: dict, repeats: int) -> tuple[object, dict]:
@@ -77,7 +77,8 @@ def _fastest(calls: dict, repeats: int) -> tuple[object, dict]:
 
 def tune_block(shapes: Sequence[BlockShape], *, tiles=BLOCK_TILES, repeats: int = 5, interpret=None) -> dict:
   """A table of the fastest forward, then backward, tiles of each shape (candidates: `tiles` x `tiles` that the
-  planner accepts); each entry also records the medians it was chosen on (ms)."""
+  planner accepts; the backward's each as the fused kernel and as two, its `fused_bwd`); each entry also records
+  the medians it was chosen on (ms)."""
   generation = planners.current_generation()
   entries = {}
   for s in shapes:
@@ -99,11 +100,18 @@ def tune_block(shapes: Sequence[BlockShape], *, tiles=BLOCK_TILES, repeats: int 
     fwd_ok = [t for t in pairs if _accepted(shape, generation, t, model.bwd)]
     calls = {t: functools.partial(fwd_call(_blocks(t, model.bwd)), q, k, v) for t in fwd_ok}
     fwd, fwd_ms = _fastest(calls, repeats) if calls else ((model.block_q, model.block_kv), {})
-    bwd_ok = [t for t in pairs if _accepted(shape, generation, fwd, t)]
-    calls = {t: functools.partial(grad_call(_blocks(fwd, t)), q, k, v) for t in bwd_ok}
-    bwd, bwd_ms = _fastest(calls, repeats) if calls else (model.bwd, {})
+    # The backward's candidates: each tile as the fused kernel and as the dq + dk/dv kernels (`BlockSizes.fused_bwd`)
+    bwd_ok = [(t, f) for t in pairs for f in (True, False) if _accepted(shape, generation, fwd, t, f)]
+    calls = {(t, f): functools.partial(grad_call(_blocks(fwd, t, f)), q, k, v) for t, f in bwd_ok}
+    (bwd, fused), bwd_ms = _fastest(calls, repeats) if calls else ((model.bwd, model.fused_bwd), {})
     entries[planners.tuned.block_key(shape)] = dict(
-      block_q=fwd[0], block_kv=fwd[1], block_q_bwd=bwd[0], block_kv_bwd=bwd[1], fwd_ms=fwd_ms, bwd_ms=bwd_ms
+      block_q=fwd[0],
+      block_kv=fwd[1],
+      block_q_bwd=bwd[0],
+      block_kv_bwd=bwd[1],
+      fused_bwd=fused,
+      fwd_ms=fwd_ms,
+      bwd_ms=bwd_ms,
     )
   return {"generation": generation, "jax": jax.__version__, "entries": entries}
 

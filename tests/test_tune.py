@@ -42,6 +42,29 @@ def test_planner_takes_an_accepted_entry_and_ignores_others():
       assert planners.plan_block_sizes_for(SHAPE, generation=GEN) == model, bad
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_tuned_backward_kernel_choice_is_taken_where_it_fits(fused, monkeypatch):
+  """A table entry's `fused_bwd` (the tuner times each backward tile both ways) reaches the plan; where that
+  kernel's footprint would not fit VMEM at the entry's tiles the model plans instead.  `tune._accepted` agrees."""
+  from flax_ringattn._src.backends.pallas_tpu.planners import block as block_planner
+
+  entry = dict(block_q=128, block_kv=256, block_q_bwd=256, block_kv_bwd=128, fused_bwd=fused)
+  with tune.using(_table(entry)):
+    assert planners.plan_block_sizes_for(SHAPE, generation=GEN) == fr.BlockSizes(**entry)
+  assert tune._accepted(SHAPE, GEN, (128, 256), (256, 128), fused)
+  kernels = ("dkv_fused",) if fused else ("dq", "dkv")
+  dims = dict(bq=256, bk=128, dtype=F32, **SHAPE.heads)
+  need = max(planners.footprint(k, **dims).total for k in kernels)
+  fwd = planners.footprint("fwd", bq=128, bk=256, dtype=F32, **SHAPE.heads).total
+  assert fwd < need  # a budget just below the backward's need still takes the forward's tiles
+  monkeypatch.setattr(block_planner, "budget_bytes", lambda generation: need - 1)
+  with tune.using(_table(entry)):
+    assert planners.plan_block_sizes_for(SHAPE, generation=GEN) != fr.BlockSizes(**entry)
+  assert not tune._accepted(SHAPE, GEN, (128, 256), (256, 128), fused)
+  with pytest.raises(ValueError, match="fused_bwd must be true, false or null, got 1"):
+    planners.tuned.check_table(_table(dict(entry, fused_bwd=1)))
+
+
 def test_table_form_is_checked():
   with pytest.raises(ValueError, match="'generation' string"):
     planners.tuned.check_table({"entries": {}})

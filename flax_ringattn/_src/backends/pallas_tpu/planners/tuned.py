@@ -56,6 +56,8 @@ def check_table(table) -> dict:
   for key, entry in entries.items():
     if not isinstance(entry, dict) or not all(isinstance(entry.get(k), int) for k in ("block_q", "block_kv")):
       raise ValueError(f"tuned table entry {key!r} needs int block_q and block_kv, got {entry!r}")
+    if entry.get("fused_bwd") is not None and not isinstance(entry["fused_bwd"], bool):
+      raise ValueError(f"tuned table entry {key!r}: fused_bwd must be true, false or null, got {entry['fused_bwd']!r}")
   return table
 
 
