@@ -18,6 +18,10 @@ block kernel call: the device's q shard against one kv shard), at the tiles
 * `self_check` replays small grids through the kernels' own `index_map`
   lambdas and compares the tables with the jitted JAX originals: the walk must
   agree with the kernels, so a kernel change that moves a DMA fails it.
+
+The backward modelled is the two-kernel one (dq, then dk/dv: `BlockSizes(fused_bwd=False)`), at the planner's
+backward tiles (the fused backward's where that is the plan).  The default fused backward (one kernel, the dq
+partials written by the dk/dv kernel, one per kv tile) is not modelled yet.
 """
 
 from __future__ import annotations
