@@ -319,6 +319,15 @@ def test_kernels_lower_to_mosaic_for_tpu(dtype, segments, cap, dropout, Hv):
   assert text.count("tpu_custom_call") == 2  # the two-kernel backward: dq, dk/dv
 
 
+@pytest.fixture
+def fresh_traces():
+  """Tests that patch a planner constant: the block kernels' jit caches its traces by shapes and options, so the
+  caches are cleared around them (a trace under the patch must not serve the tests after)."""
+  jax.clear_caches()
+  yield
+  jax.clear_caches()
+
+
 def _backward_kernels(q, k, v, block_sizes) -> set[str]:
   """The block backward kernels in the gradient's jaxpr (traced only) of a ring of one on q, k, v."""
   loss = lambda q: fr.ring_attention(  # noqa: E731
@@ -328,7 +337,7 @@ def _backward_kernels(q, k, v, block_sizes) -> set[str]:
   return {n for n in ("ring_block_bwd_fused", "ring_block_bwd_dq", "ring_block_bwd_dkv") if n in program}
 
 
-def test_backward_is_fused_unless_its_dq_partials_do_not_fit(monkeypatch):
+def test_backward_is_fused_unless_its_dq_partials_do_not_fit(monkeypatch, fresh_traces):
   """`BlockSizes.fused_bwd`: None (the default, and the planner's choice) runs the fused backward; False the dq and
   dk/dv kernels; None where one kv tile's dq partial ([B, N, T, H]) alone would pass FUSED_DQ_MAX_BYTES the two
   kernels too (HBM the call did not plan for; a larger total runs in kv chunks, `test_fused_backward_in_kv_chunks`)."""
@@ -344,6 +353,7 @@ def test_backward_is_fused_unless_its_dq_partials_do_not_fit(monkeypatch):
   partials = block_planner.fused_dq_bytes(B=2, T=256, S=256, N=8, H=128, bk=128, dtype=jnp.bfloat16)
   assert partials == 2 * 2**20
   monkeypatch.setattr(block_planner, "FUSED_DQ_MAX_BYTES", partials // 2 - 1)
+  jax.clear_caches()  # the block kernels' jit traced these shapes with the bound unpatched
   assert _backward_kernels(q, k, v, tiles) == split
   assert _backward_kernels(q, k, v, dataclasses.replace(tiles, fused_bwd=True)) == {"ring_block_bwd_fused"}
   with pytest.raises(TypeError, match=r"BlockSizes.fused_bwd must be a bool or None, got 1"):
@@ -351,7 +361,7 @@ def test_backward_is_fused_unless_its_dq_partials_do_not_fit(monkeypatch):
 
 
 @interpret
-def test_fused_backward_in_kv_chunks(monkeypatch):
+def test_fused_backward_in_kv_chunks(monkeypatch, fresh_traces):
   """Where the dq partials would pass FUSED_DQ_MAX_BYTES the fused backward runs over kv chunks (a scan of kernel
   calls, here 2 chunks of 2 kv tiles): forward and gradients still match the reference, with causal + segments
   (EMPTY, PARTIAL and FULL tiles in both chunks) and dropout (hashed from global positions, so a chunk drops what
@@ -362,6 +372,7 @@ def test_fused_backward_in_kv_chunks(monkeypatch):
   q, k, v, do = _inputs(1, T, T, 8, 2, 128, jnp.float32)
   seg = (jnp.arange(T) >= 200).astype(jnp.int32)[None]
   monkeypatch.setattr(block_planner, "FUSED_DQ_MAX_BYTES", 2 * 8 * T * 128 * 4)  # two kv tiles' f32 partials
+  jax.clear_caches()  # no trace of these shapes from before the patch
   opts = dict(is_causal=True, dropout_rate=0.2, dropout_rng=jax.random.key(7))
   assert block_planner.fused_dq_chunks(B=1, T=T, S=T, N=8, H=128, bk=128, dtype=jnp.float32) == 2
   loss = lambda q: fr.ring_attention(  # noqa: E731
@@ -370,6 +381,41 @@ def test_fused_backward_in_kv_chunks(monkeypatch):
   program = str(jax.make_jaxpr(jax.grad(loss))(q))
   assert "scan" in program and "ring_block_bwd_fused" in program and "ring_block_bwd_dq" not in program
   _check_ring(q, k, v, do, seg, None, tiles, opts)
+
+
+def test_layers_with_the_same_shapes_share_one_kernel_trace():
+  """The backend's block kernels sit behind one jit each (`pallas_tpu._block_fwd` / `_block_bwd`): two calls with the
+  same shapes and options, as two decoder layers make, lower to one Mosaic kernel per direction that both call,
+  not one per call (lowered for TPU on this CPU machine); another shape gets its own."""
+  from flax_ringattn._src.backends.pallas_tpu import PallasTpuBackend
+
+  spec = AttentionSpec(
+    mask=masks.MaskSpec(is_causal=True), scale=0.125, block_sizes=fr.BlockSizes(block_q=128, block_kv=128)
+  )
+  backend = PallasTpuBackend()
+  sds = jax.ShapeDtypeStruct
+  T = 256
+  pos = jnp.arange(T, dtype=jnp.int32)
+
+  def two_layers(q, k, v, q2):
+    tok = masks.Tokens(pos)
+    o1, _ = backend.fwd(q, k, v, tok, tok, spec=spec, out_dtype=q.dtype)
+    o2, _ = backend.fwd(o1.astype(q.dtype) + q, k, v, tok, tok, spec=spec, out_dtype=q.dtype)
+    o3, _ = backend.fwd(
+      q2,
+      q2,
+      q2,
+      masks.Tokens(jnp.arange(2 * T, dtype=jnp.int32)),
+      masks.Tokens(jnp.arange(2 * T, dtype=jnp.int32)),
+      spec=spec,
+      out_dtype=q.dtype,
+    )
+    return o2, o3
+
+  q = sds((1, T, 4, 128), jnp.bfloat16)
+  q2 = sds((1, 2 * T, 4, 128), jnp.bfloat16)
+  text = export.export(jax.jit(two_layers), platforms=("tpu",))(q, q, q, q2).mlir_module()
+  assert text.count("tpu_custom_call") == 2  # one forward kernel for both T = 256 calls, one for T = 512
 
 
 def test_selection_and_errors():

@@ -340,9 +340,19 @@ def masked_ring_attention(
       # the kernels of every converted decoder layer to compile.
       window = validation.normalize_window(options.local_window_size)  # (left, right); an int w is (w, w)
       one_set = options.is_causal or window is None or window[1] == 0
-      causal, segment_ids, bidirectional_ids, exact = jax.lax.cond(
-        plain, _plain_structure(B, T), _traced(recover, as_causal=window is None)
+      # The recovery behind one jit per (mask shape, options): a decoder's layers trace it once, not once each.
+      recovered = functools.partial(
+        _recovered,
+        mask,
+        also_exact,
+        B=B,
+        N=N,
+        T=T,
+        is_causal=options.is_causal,
+        checked=options.check_mask,
+        local_window_size=window,
       )
+      causal, segment_ids, bidirectional_ids, exact = jax.lax.cond(plain, _plain_structure(B, T), recovered)
       causal = True if one_set else causal
       exact = exact if options.check_mask else None
     else:
@@ -366,6 +376,26 @@ def _plain_structure(B: int, T: int):
     return jnp.asarray(True), (zeros, zeros), (zeros, zeros), jnp.asarray(True)
 
   return structure
+
+
+@functools.partial(jax.jit, static_argnames=("B", "N", "T", "is_causal", "checked", "local_window_size"))
+def _recovered(mask, also_exact, *, B, N, T, is_causal, checked, local_window_size):
+  """`_traced` of `dense_mask_options` on a traced self-attention mask (a `lax.cond` branch); `local_window_size`
+  normalized ((left, right) or None: then a non-causal structure comes back as its causal equal)."""
+  recover = functools.partial(
+    dense_mask_options,
+    mask,
+    B=B,
+    N=N,
+    T=T,
+    S=T,
+    is_causal=is_causal,
+    segment_ids=None,
+    checked=checked,
+    local_window_size=local_window_size,
+    also_exact=also_exact,
+  )
+  return _traced(recover, as_causal=local_window_size is None)()
 
 
 def _traced(recover, *, as_causal: bool):

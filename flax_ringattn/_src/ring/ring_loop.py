@@ -31,6 +31,7 @@ operand (seed and global batch / head offsets) stays on its device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -84,9 +85,18 @@ def _ring_geometry(axis_name):
 
 
 def _hop_kind(spec: AttentionSpec, q_tok, kv_tok):
-  """EMPTY / PARTIAL / FULL for a whole (q shard, kv shard) pair: one tile each."""
+  """EMPTY / PARTIAL / FULL for a whole (q shard, kv shard) pair: one tile each.  Traced tokens go through one
+  jit per (mask, shapes), so a model's layers trace the classification once; concrete ones are classified
+  eagerly, as before (a concrete EMPTY hop is then skipped without a cond)."""
   T, S = q_tok.pos.shape[-1], kv_tok.pos.shape[-1]
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((q_tok, kv_tok))):
+    return _whole_block_kind(spec.mask, q_tok, kv_tok, T, S)
   return masks.tile_kinds(spec.mask, q_tok, kv_tok, T, S)[0, 0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def _whole_block_kind(mask, q_tok, kv_tok, T: int, S: int):
+  return masks.tile_kinds(mask, q_tok, kv_tok, T, S)[0, 0]
 
 
 def _unless_empty(backend, kind, compute, skip):
