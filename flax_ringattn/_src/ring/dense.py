@@ -314,19 +314,7 @@ def masked_ring_attention(
         "local_window_size, chunk_size, bidirectional_ids) instead of a dense mask"
       )
     B, T, N = q.shape[0], q.shape[1], q.shape[2]
-    recover = functools.partial(
-      dense_mask_options,
-      mask,
-      B=B,
-      N=N,
-      T=T,
-      S=k.shape[1],
-      is_causal=options.is_causal,
-      segment_ids=segment_ids,
-      checked=options.check_mask,
-      local_window_size=options.local_window_size,
-      also_exact=also_exact,
-    )
+    shared = dict(B=B, N=N, T=T, is_causal=options.is_causal, checked=options.check_mask)
     if segment_ids is None and T == k.shape[1] and not validation.all_concrete(mask):
       # A traced mask that is exactly causal (within the declared window), as decoders build it and hand it down,
       # is told apart by one compare and reduction: its recovery's passes and host check then do not run, and
@@ -341,22 +329,19 @@ def masked_ring_attention(
       window = validation.normalize_window(options.local_window_size)  # (left, right); an int w is (w, w)
       one_set = options.is_causal or window is None or window[1] == 0
       # The recovery behind one jit per (mask shape, options): a decoder's layers trace it once, not once each.
-      recovered = functools.partial(
-        _recovered,
-        mask,
-        also_exact,
-        B=B,
-        N=N,
-        T=T,
-        is_causal=options.is_causal,
-        checked=options.check_mask,
-        local_window_size=window,
-      )
+      recovered = functools.partial(_recovered, mask, also_exact, local_window_size=window, **shared)
       causal, segment_ids, bidirectional_ids, exact = jax.lax.cond(plain, _plain_structure(B, T), recovered)
       causal = True if one_set else causal
       exact = exact if options.check_mask else None
     else:
-      causal, segment_ids, bidirectional_ids, exact = recover()
+      causal, segment_ids, bidirectional_ids, exact = dense_mask_options(
+        mask,
+        S=k.shape[1],
+        segment_ids=segment_ids,
+        local_window_size=options.local_window_size,
+        also_exact=also_exact,
+        **shared,
+      )
     tokens["bidirectional_ids"] = bidirectional_ids
 
   def attend(is_causal):
@@ -382,18 +367,9 @@ def _plain_structure(B: int, T: int):
 def _recovered(mask, also_exact, *, B, N, T, is_causal, checked, local_window_size):
   """`_traced` of `dense_mask_options` on a traced self-attention mask (a `lax.cond` branch); `local_window_size`
   normalized ((left, right) or None: then a non-causal structure comes back as its causal equal)."""
+  shape = dict(B=B, N=N, T=T, S=T, is_causal=is_causal, checked=checked)
   recover = functools.partial(
-    dense_mask_options,
-    mask,
-    B=B,
-    N=N,
-    T=T,
-    S=T,
-    is_causal=is_causal,
-    segment_ids=None,
-    checked=checked,
-    local_window_size=local_window_size,
-    also_exact=also_exact,
+    dense_mask_options, mask, segment_ids=None, local_window_size=local_window_size, also_exact=also_exact, **shape
   )
   return _traced(recover, as_causal=local_window_size is None)()
 
