@@ -274,9 +274,9 @@ def _best(kernels, q_len, kv_len, dtype, budget, **dims):
     q_cap, kv_cap = (min(FWD_MAX_Q, FWD_MAX_ROWS // group), FWD_GROUPED_MAX_KV) if grouped else (FWD_MAX_Q, FWD_MAX_KV)
     capped = _least_traffic(kernels, _capped(qs, q_cap), _capped(ks, kv_cap), q_len, kv_len, dtype, budget, dims)
   else:
-    most = BWD_FUSED_MAX_SCORES if kernels == ("dkv_fused",) else BWD_MAX_SCORES
+    most = BWD_MAX_SCORES
     if kernels == ("dkv_fused",):
-      ks = _capped(ks, BWD_FUSED_MAX_KV)
+      most, ks = BWD_FUSED_MAX_SCORES, _capped(ks, BWD_FUSED_MAX_KV)
     capped = _least_traffic(kernels, qs, ks, q_len, kv_len, dtype, budget, dims, max_scores=most // group)
   if capped is not None:
     return capped
