@@ -451,7 +451,7 @@ OPTIONS = [
   (dict(block_sizes=(128, 128)), TypeError, r"block_sizes must be a flax_ringattn\.BlockSizes, got tuple"),
   (dict(scale=float("nan")), ValueError, r"scale must be finite, got scale=nan"),
   (dict(load_balance=1), TypeError, r"load_balance must be a bool, got 1"),
-  (dict(check_mask="yes"), TypeError, r"check_mask must be a bool, got 'yes'"),
+  (dict(check_mask="yes"), TypeError, r"check_mask must be a bool or 'report', got 'yes'"),
 ]
 
 

@@ -115,9 +115,15 @@ def test_mask_outside_the_family_raises_naming_alternatives(capfd, caplog):
   x = jnp.zeros((B, T, F))
   with pytest.raises(ValueError, match=r"not of the family .*padded_segment_ids.* local_window_size="):
     ring(x, mask=_window_mask())
-  # Under jit the check runs on device: a host callback reports it on stderr and the output is NaN (raising
-  # there would hang the other devices in the ring's collectives).
-  out = jax.block_until_ready(nnx.jit(lambda m, x, mask: m(x, mask=mask))(ring, x, _window_mask()))
+  # Under jit the check runs on device and the output is NaN (raising there would hang the other devices in the
+  # ring's collectives).  By default nothing more: no host callback, which would keep the program out of JAX's
+  # persistent compilation cache.  check_mask="report" also says why on stderr, once.
+  call = nnx.jit(lambda m, x, mask: m(x, mask=mask))
+  assert np.isnan(np.asarray(call(ring, x, _window_mask()))).all()
+  assert "callback" not in jax.jit(lambda x, mask: ring(x, mask=mask)).lower(x, _window_mask()).as_text()
+  assert "attention output set to NaN" not in capfd.readouterr().err + caplog.text
+  reporting = fr.RingMultiHeadAttention(HEADS, F, decode=False, rngs=nnx.Rngs(1), check_mask="report")
+  out = jax.block_until_ready(call(reporting, x, _window_mask()))
   assert np.isnan(np.asarray(out)).all()
   # Once: through logging where it has handlers (pytest's here), else on stderr.
   said = capfd.readouterr().err + caplog.text

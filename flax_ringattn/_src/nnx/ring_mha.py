@@ -117,8 +117,10 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
       options of `ring_attention` applied on every call (scale: default H ** -0.5; 1.0
       for a model that pre-scales q).
     check_mask: verify, under jit, that a dense `mask=` was recovered exactly
-      (a host callback per call reports a failure on stderr and the output is
-      NaN; a concrete mask is always checked and raises).
+      (True: the output is NaN where not; "report": a host callback per call
+      also says why on stderr, and keeps the program out of JAX's persistent
+      compilation cache; False: no check).  A concrete mask is always checked
+      and raises.
     use_sinks: add a learnable `sinks` parameter [N] (attention sinks, as in
       gpt-oss): exp(sinks[h]) joins the softmax denominator of every row of
       head h and carries no value.  Zeros at first (load trained values with
@@ -168,7 +170,7 @@ class RingMultiHeadAttention(nnx.MultiHeadAttention):
     chunk_size: int | None = None,
     logits_soft_cap: float | None = None,
     scale: float | None = None,
-    check_mask: bool = True,
+    check_mask: bool | str = True,
     use_sinks: bool = False,
     v_head_dim: int | None = None,
     kernel_metadata: Mapping = MappingProxyType({}),
@@ -371,7 +373,7 @@ def make_ring_attention_fn(
   block_sizes=None,
   interpret=None,
   strategy: str = "ring",
-  check_mask: bool = True,
+  check_mask: bool | str = True,
 ):
   """An `attention_fn` for `nnx.MultiHeadAttention` that runs ring attention.
 

@@ -244,17 +244,28 @@ class CompilationCache:
     # Cache every executable: the defaults skip programs that compile in under a second, most of a small run.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    self.hits = self.misses = 0
+    self.requests = self.hits = self.written = 0
     jax.monitoring.register_event_listener(self._event)
 
   def _event(self, name: str, **_) -> None:
-    if name == "/jax/compilation_cache/cache_hits":
+    # JAX records a "miss" only where it writes the entry: a program it compiles but may not cache (one with a host
+    # callback, say) shows only as a request that did not hit.
+    if name == "/jax/compilation_cache/compile_requests_use_cache":
+      self.requests += 1
+    elif name == "/jax/compilation_cache/cache_hits":
       self.hits += 1
     elif name == "/jax/compilation_cache/cache_misses":
-      self.misses += 1
+      self.written += 1
+
+  @property
+  def misses(self) -> int:
+    """Programs compiled in this process (not read back), whether or not JAX then wrote them to the cache."""
+    return self.requests - self.hits
 
   def summary(self) -> str:
-    return f"compilation cache {self.directory}: {self.hits} hits, {self.misses} compiled"
+    unwritten = self.misses - self.written
+    note = f" ({unwritten} not written: a host callback in the program, or not process 0)" if unwritten > 0 else ""
+    return f"compilation cache {self.directory}: {self.hits} hits, {self.misses} compiled{note}"
 
 
 def use_compilation_cache(directory=DEFAULT_COMPILATION_CACHE) -> CompilationCache:

@@ -69,10 +69,12 @@ def dense_mask_options(
   concrete mask without spans, else [B, T] (zeros
   where there is none: a traced mask may or may not hold spans, and one
   program serves both).  The recovery is verified: a concrete mask raises
-  `ValueError` at once.  A traced one (under jit), when `checked` (the
-  default), is reported on stderr by a host callback, and `exact` (a traced
-  bool, else None) tells the caller to poison its output with NaN
-  (`poison_unless`): raising inside a multi-device program would hang it.  See
+  `ValueError` at once.  For a traced one (under jit), when `checked` (True,
+  the default, or "report"), `exact` (a traced bool, else None) tells the
+  caller to poison its output with NaN (`poison_unless`): raising inside a
+  multi-device program would hang it.  "report" also says why on stderr, in a
+  host callback (which keeps the program out of the persistent compilation
+  cache).  See
   `dense_masks.structure_from_dense_mask`.  `also_exact` (a bool scalar) joins that
   verdict (e.g. "the bias was 0 / -inf").
   """
@@ -101,7 +103,10 @@ def dense_mask_options(
     if bid is not None and not bool(jnp.any(bid != 0)):
       bid = None
   elif checked:
-    jax.debug.callback(_report_if_inexact, exact)
+    # The NaN alone by default: a host callback keeps the whole program out of JAX's persistent compilation
+    # cache (JAX writes no entry for a program with one), so every start would compile it again.
+    if checked == "report":
+      jax.debug.callback(_report_if_inexact, exact)
     verdict = exact
   if is_causal:
     causal = True
@@ -197,7 +202,7 @@ def dot_product_attention(
   head_axis=None,
   precision=None,
   interpret=None,
-  check_mask: bool = True,
+  check_mask: bool | str = True,
   sinks=None,
   q_positions=None,
   kv_positions=None,
@@ -220,8 +225,9 @@ def dot_product_attention(
       `jax.nn.dot_product_attention`'s [N, T, S], so a 3-D mask with B == N > 1
       is refused as ambiguous) or [B | 1, N | 1, T, S].  Its structure `[causal] & [window] & (q_ids[i] ==
       kv_ids[j])` is recovered and verified: a concrete mask raises at once
-      when it is not of that family; under jit the output is NaN and a host
-      callback says why on stderr (check_mask=False turns the check off).  No
+      when it is not of that family; under jit the output is NaN
+      (check_mask="report" also says why on stderr, in a host callback;
+      check_mask=False turns the check off).  No
       O(T * S) array reaches a kernel.
     bias: instead of a mask, an additive bias of 0 (visible) and large
       negatives (<= -1e6 or -inf, hidden), in the same layouts.

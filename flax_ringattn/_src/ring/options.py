@@ -35,9 +35,9 @@ class RingOptions:
   interpret: object = None
   dropout_rate: float = 0.0
   broadcast_dropout: bool = True
-  # Verify under jit that a dense mask was recovered exactly (a host callback reports a failure, the output is
-  # NaN); a concrete mask is always checked.
-  check_mask: bool = True
+  # Verify under jit that a dense mask was recovered exactly (the output is NaN where not; "report" also says why
+  # in a host callback); a concrete mask is always checked.
+  check_mask: bool | str = True
 
   def ring_kwargs(self) -> dict:
     """The keyword arguments of `ring_attention` these options stand for."""
