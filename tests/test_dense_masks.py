@@ -278,3 +278,39 @@ def test_a_traced_two_sided_window_given_as_an_int():
   k, v = (jax.random.normal(key, (1, T, 1, 8)) for key in jax.random.split(jax.random.key(1)))
   port = jax.jit(lambda q, k, v, m: fr.dot_product_attention(q, k, v, mask=m, local_window_size=3))
   assert_close(port(q, k, v, band), jax.nn.dot_product_attention(q, k, v, mask=band), jnp.float32)
+
+
+def test_a_traced_mask_puts_no_cond_around_the_diagonal_kernels():
+  """A decoder's traced causal mask makes the tokens' ids data, so whether the whole (q, kv) block is EMPTY is too.
+  Hop 0 of self-attention (the only hop on one device) is its own diagonal: it is computed without a cond around
+  its kernels, forward and backward (a cond per layer and pass costs every call).  The result is unchanged."""
+  i = jnp.arange(T)
+  mask = (i[None, :] <= i[:, None])[None, None]
+  ks = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(ks[0], (1, T, 2, 8))
+  k, v = (jax.random.normal(kk, (1, T, 1, 8)) for kk in ks[1:])
+  port = lambda q, k, v, m: fr.dot_product_attention(q, k, v, mask=m, implementation="xla")  # noqa: E731
+  loss = lambda q, k, v, m: port(q, k, v, m).sum()  # noqa: E731
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, mask)
+
+  def conds(eqns):
+    for e in eqns:
+      if e.primitive.name == "cond":
+        yield e
+      for sub in jax.core.subjaxprs(e.jaxpr) if hasattr(e, "jaxpr") else ():
+        yield from conds(sub.eqns)
+      for p in e.params.values():
+        for j in p if isinstance(p, (tuple, list)) else (p,):
+          inner = getattr(j, "jaxpr", None)
+          if inner is not None and hasattr(inner, "eqns"):
+            yield from conds(inner.eqns)
+
+  # The mask's recovery keeps its cond (plain causal or not); no two-way cond (compute or skip) holds a dot: no
+  # block sits behind one.  (The XLA backend's own per-tile conds have three branches: EMPTY, PARTIAL, FULL.)
+  two_way = [c for c in conds(jaxpr.jaxpr.eqns) if len(c.params["branches"]) == 2]
+  with_dots = [c for c in two_way if "dot_general" in str(c.params["branches"])]
+  assert not with_dots, [str(c)[:200] for c in with_dots]
+  assert len(list(conds(jaxpr.jaxpr.eqns))) >= 1  # the recovery's
+  got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v, mask)
+  want = jax.value_and_grad(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True).sum(), (0, 1, 2))
+  assert_close(got, want(q, k, v), jnp.float32)

@@ -99,14 +99,25 @@ def _whole_block_kind(mask, q_tok, kv_tok, T: int, S: int):
   return masks.tile_kinds(mask, q_tok, kv_tok, T, S)[0, 0]
 
 
-def _unless_empty(backend, kind, compute, skip):
+def _diagonal(t, T: int, S: int) -> bool:
+  """Hop t is a self-attention shard against itself: hop 0 (a static int) with as many keys as queries."""
+  return isinstance(t, int) and t == 0 and T == S
+
+
+def _unless_empty(backend, kind, compute, skip, *, diagonal: bool = False):
   """compute() for a hop with visible pairs, skip() for an EMPTY one.
 
   A backend whose kernels every ring member must call equally often (Pallas
   TPU interpret mode runs each kernel as a barrier-synchronised program over
   all simulated devices) always computes; its kernel then skips every tile.
+  So does a `diagonal` hop (hop 0 of self-attention: each query's own key)
+  whose kind is traced: it is EMPTY only where every query of the shard is
+  padding, and the kernel then skips every tile to the same result, while a
+  cond would cost every call (its operands materialised, the kernel fenced
+  off from the work around it: a converted decoder's traced mask made one per
+  layer and pass).  A concrete kind still skips an EMPTY hop.
   """
-  if backend.calls_must_be_uniform:
+  if backend.calls_must_be_uniform or (diagonal and isinstance(kind, jax.core.Tracer)):
     return compute()
   return jax.lax.cond(kind != masks.EMPTY, compute, skip)
 
@@ -144,7 +155,7 @@ def _ring_forward(q, k, v, q_tok, kv_tok, drop, cfg: RingConfig):
         vma.like(jnp.full((B, N, T), -jnp.inf, F32), q),
       )
 
-    return _unless_empty(backend, _hop_kind(spec, q_tok, tok_t), compute, skip)
+    return _unless_empty(backend, _hop_kind(spec, q_tok, tok_t), compute, skip, diagonal=_diagonal(t, T, S))
 
   def hop(t, kv, acc):
     return _merge(*acc, *part(t, kv))
@@ -190,7 +201,7 @@ def _ring_backward(operands, lse, do, delta, cfg: RingConfig):
       zv = zk if v.shape == k.shape else vma.like(jnp.zeros(v.shape, F32), k)
       return zq, zk, zv
 
-    return _unless_empty(backend, _hop_kind(spec, q_tok, tok_t), compute, skip)
+    return _unless_empty(backend, _hop_kind(spec, q_tok, tok_t), compute, skip, diagonal=_diagonal(t, q.shape[1], S))
 
   def hop(t, kv, dq, dkv_in):
     dq_b, dk_b, dv_b = part(t, kv)
