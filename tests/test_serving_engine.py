@@ -268,6 +268,7 @@ def test_admission_waits_for_pages_and_an_evicted_sequence_resumes(llama, monkey
     return ok
 
   monkeypatch.setattr(type(engine), "fits", fits)
+  monkeypatch.setattr(type(engine), "surely_fit", lambda self, new_lens, kv_lens: False)  # always ask `fits`
   evictions = engine.stats.evictions
   assert engine.generate(PROMPTS, max_new_tokens=MAX_NEW) == want
   assert engine.stats.evictions - evictions == 2
@@ -277,6 +278,31 @@ def test_admission_waits_for_pages_and_an_evicted_sequence_resumes(llama, monkey
   fr.convert(model, to="paged")
   tight = fr.ServingEngine(model, call=sm.engine_call, **(GEOMETRY | dict(num_pages=6)))
   assert tight.generate(PROMPTS, max_new_tokens=MAX_NEW) == want
+
+
+def test_steps_that_surely_fit_skip_the_device_check(llama, monkeypatch):
+  """The host decides from the last step's free pages whether a step surely fits (`surely_fit`): decode steps of a
+  roomy cache then ask the device nothing before they run, the outputs do not change, and a step the bound cannot
+  vouch for (too few free pages, a slot past its capacity, or no count yet) still asks `fits`."""
+  engine = llama.engine
+  want = engine.generate(PROMPTS, max_new_tokens=MAX_NEW)
+  calls = []
+  real_fits = type(engine).fits
+  monkeypatch.setattr(type(engine), "fits", lambda self, new_lens: calls.append(1) or real_fits(self, new_lens))
+  steps = engine.stats.steps
+  assert engine.generate(PROMPTS, max_new_tokens=MAX_NEW) == want
+  steps = engine.stats.steps - steps
+  assert 1 <= len(calls) < steps, (len(calls), steps)  # the first step of a call asks (no count yet); most do not
+  S, page, cap = engine.max_num_seqs, engine.page_size, engine.pages_per_seq * engine.page_size
+  engine._free_pages = 3
+  one = np.zeros(S, np.int32)
+  one[0] = 1
+  assert engine.surely_fit(one * 1, np.zeros(S, np.int32))  # 1 page
+  assert engine.surely_fit(one * (2 * page + 1), np.zeros(S, np.int32))  # 3 pages at most
+  assert not engine.surely_fit(one * (2 * page + 2), np.zeros(S, np.int32))  # may touch 4
+  assert not engine.surely_fit(one, one * cap)  # past the slot's capacity
+  engine._free_pages = None
+  assert not engine.surely_fit(one, np.zeros(S, np.int32))
 
 
 @pytest.mark.parametrize("family", ["llama", "mha"])

@@ -192,6 +192,7 @@ class ServingEngine:
     self.pages_per_seq = _positive("pages_per_seq", pages_per_seq)
     self.max_num_batched_tokens = _positive("max_num_batched_tokens", max_num_batched_tokens)
     self.token_buckets = _token_buckets(token_buckets, self.max_num_batched_tokens)
+    self._free_pages = None  # each owner's least free pages after the last step (`surely_fit`); None: unknown
     if (seq_axis is None) != (mesh is None):
       raise ValueError(
         f"ServingEngine: mesh= and seq_axis= go together (context parallelism), got mesh={mesh!r}, "
@@ -311,7 +312,8 @@ class ServingEngine:
     chosen = sampling.choose(logits, row_ids, seed, temperature, top_k=top_k, top_p=top_p)
     first = first_cache(caches)  # every cache has the same page table: one reports for all
     flags = jnp.zeros((self.max_num_seqs,), bool) if first.overflowed is None else first.overflowed
-    return (chosen, flags, first.utilization()), caches
+    free = jnp.min(first.num_free_pages_per_owner())  # for `surely_fit`: the next step's check on the host
+    return (chosen, flags, first.utilization(), free), caches
 
   def _prefill_fn(
     self, caches, rest, tokens, positions, slot, num_tokens, last_row, row_id, seed, temperature, *, top_k, top_p
@@ -329,13 +331,14 @@ class ServingEngine:
 
   def ragged_step(self, tokens, positions, cu_q_lens, row_ids, options):
     with self._compile_clock():
-      (out, overflowed, utilization), self._caches = self._step(
+      result, self._caches = self._step(
         self._caches, self._rest, tokens, positions, cu_q_lens, row_ids, *options[:2], top_k=options[2],
         top_p=options[3],
       )  # fmt: skip
-      got = np.asarray(out), np.asarray(overflowed), float(utilization)
+      out, overflowed, utilization, free = jax.device_get(result)  # one transfer, not one per value
+    self._free_pages = int(free)
     self.stats.steps += 1
-    return got
+    return np.asarray(out), np.asarray(overflowed), float(utilization)
 
   def ring_prefill(self, slot: int, prompt, start: int, row_id, options) -> int:
     """Prefills `prompt` (the slot's tokens from `start`, a multiple of page_size) by the ring; returns the
@@ -351,6 +354,7 @@ class ServingEngine:
     tokens = jax.device_put(layout.zigzag_order(tokens, n, axis=0), rows)
     positions = jax.device_put((start + layout.zigzag_positions(padded, n)).astype(np.int32), rows)
     last_row = int(np.nonzero(order == count - 1)[0][0])
+    self._free_pages = None  # the prefill takes pages: the host's count is stale until the next step
     with self._compile_clock():
       token, self._caches = self._prefill(
         self._caches,
@@ -374,6 +378,7 @@ class ServingEngine:
       self._caches = self._free(self._caches, jnp.asarray(slots, bool))
 
   def share(self, src: int, dst: int, num_tokens: int):
+    self._free_pages = None
     with self._compile_clock():
       self._caches = self._share(self._caches, jnp.int32(src), jnp.int32(dst), jnp.int32(num_tokens))
 
@@ -383,6 +388,21 @@ class ServingEngine:
 
   def fits(self, new_lens) -> np.ndarray:
     return np.asarray(first_cache(self._caches).fits(jnp.asarray(new_lens, jnp.int32)))
+
+  def surely_fit(self, new_lens, kv_lens) -> bool:
+    """Whether every slot's `new_lens` more tokens certainly fit the cache, decided on the host from the free pages
+    the last step reported (each owner's least) and the slots' `kv_lens` (the scheduler's count of their tokens):
+    a slot's tokens touch at most 1 + (new - 1) / page_size pages, each new or a copy of a shared one.  False
+    only means "ask the device" (`fits`): a decode step then skips that round trip.  (Were the bound ever wrong,
+    the step's own admission still flags the slot `overflowed` and the scheduler evicts it.)"""
+    if self._free_pages is None:
+      return False
+    new_lens, kv_lens = np.asarray(new_lens), np.asarray(kv_lens)
+    live = new_lens > 0
+    if np.any(kv_lens[live] + new_lens[live] > self.pages_per_seq * self.page_size):
+      return False
+    touched = 1 + (new_lens[live] + self.page_size - 2) // self.page_size
+    return int(touched.sum()) <= self._free_pages
 
   def overflowed(self) -> np.ndarray:
     flags = first_cache(self._caches).overflowed
@@ -436,6 +456,7 @@ class ServingEngine:
     gives the caches back."""
     self._graphdef, caches, self._rest = nnx.split(self.model, nnx.Cache, ...)
     self._caches = _committed_beside(caches, self._rest)
+    self._free_pages = None  # the model's caches, as the caller may have changed them: not yet counted
 
   def warmup(self, *, top_k: int | None = None, top_p: float | None = None) -> int:
     """Compiles the step program of every token bucket now (and the cache's admission and release programs), so

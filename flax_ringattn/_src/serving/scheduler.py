@@ -207,6 +207,9 @@ class Scheduler:
       new_lens = np.zeros(S, np.int32)
       for slot, (feed, _) in feeds.items():
         new_lens[slot] = len(feed)
+      fed = np.array([0 if seq is None else seq.fed for seq in self.slots], np.int32)
+      if engine.surely_fit(new_lens, fed):  # on the host, from the last step's count: no device round trip
+        break
       refused = np.nonzero(~engine.fits(new_lens))[0]
       if not len(refused):
         break
@@ -214,20 +217,7 @@ class Scheduler:
         self.release(self.slots[slot], requeue=True)
     if not feeds:
       return
-    T = engine.rows_for(int(new_lens.sum()))  # padding rows cost the whole model
-    tokens, positions = np.zeros(T, np.int32), np.zeros(T, np.int32)
-    row_ids, cu = np.zeros((T, 2), np.int32), np.zeros(S + 1, np.int32)
-    for slot in range(S):
-      feed = feeds.get(slot, ((), ()))[0]
-      start, cu[slot + 1] = cu[slot], cu[slot] + len(feed)
-      if not feed:
-        continue
-      seq = self.slots[slot]
-      pos = seq.fed + np.arange(len(feed))
-      tokens[start : start + len(feed)] = feed
-      positions[start : start + len(feed)] = pos
-      row_ids[start : start + len(feed)] = np.stack([np.full(len(feed), seq.index), pos + 1 - len(seq.prompt)], 1)
-      engine.stats.prefill_tokens_computed += int(np.sum(pos < len(seq.prompt)))
+    tokens, positions, cu, row_ids = self._rows(feeds, new_lens)
     out, overflowed, utilization = engine.ragged_step(tokens, positions, cu, row_ids, self.sampling)
     self.utils.append(utilization)
     engine.stats.cache_utilization = float(np.mean(self.utils))
@@ -257,6 +247,30 @@ class Scheduler:
     for seq, accepted in emitted:
       yield from self.emit(seq, accepted)
 
+  def _rows(self, feeds, new_lens):
+    """The step's inputs: tokens, positions, cu_q_lens and row ids ([T, 2]: the prompt's index, the row's place
+    after the prompt's end), the slots' feeds in slot order, padded to the step's token bucket.  Built with a few
+    whole-batch numpy calls: per-slot ones cost a decode step of 64 sequences about 2 ms of host time, in which the
+    device waits."""
+    engine, S = self.engine, len(self.slots)
+    n = int(new_lens.sum())
+    T = engine.rows_for(n)  # padding rows cost the whole model
+    tokens, positions = np.zeros(T, np.int32), np.zeros(T, np.int32)
+    row_ids, cu = np.zeros((T, 2), np.int32), np.zeros(S + 1, np.int32)
+    np.cumsum(new_lens, out=cu[1:])
+    order = np.nonzero(new_lens)[0]
+    lens = new_lens[order]
+    seqs = [self.slots[slot] for slot in order]
+    fed, index, prompt = (np.array([f(q) for q in seqs], np.int32) for f in (_fed, _index, _prompt_len))
+    # A row's position: its sequence's fed count plus its place in the feed (rows run in slot order).
+    pos = np.repeat(fed - cu[order], lens) + np.arange(n, dtype=np.int32)
+    tokens[:n] = np.fromiter((t for slot in order for t in feeds[slot][0]), np.int32, count=n)
+    positions[:n] = pos
+    row_ids[:n, 0] = np.repeat(index, lens)
+    row_ids[:n, 1] = pos + 1 - np.repeat(prompt, lens)
+    engine.stats.prefill_tokens_computed += int(np.sum(row_ids[:n, 1] <= 0))
+    return tokens, positions, cu, row_ids
+
   def emit(self, seq: Sequence, tokens):
     for token in tokens:
       seq.generated.append(token)
@@ -277,3 +291,15 @@ class Scheduler:
           raise CacheOverflowError(f"prompt {self.queue[0].index} does not fit the empty cache")
         break
       yield from self.step()
+
+
+def _fed(seq: Sequence) -> int:
+  return seq.fed
+
+
+def _index(seq: Sequence) -> int:
+  return seq.index
+
+
+def _prompt_len(seq: Sequence) -> int:
+  return len(seq.prompt)
