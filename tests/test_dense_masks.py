@@ -142,6 +142,10 @@ def test_check_mask_false_skips_the_jit_check():
   ring = fr.RingMultiHeadAttention(HEADS, F, decode=False, rngs=nnx.Rngs(1), check_mask=False)
   out = nnx.jit(lambda m, x, mask: m(x, mask=mask))(ring, jnp.zeros((B, T, F)), _window_mask())
   assert out.shape == (B, T, F)
+  # A misspelt value is refused on every path, the one-call port's too (it checks no other op option up front).
+  q = jnp.zeros((1, T, 2, 8))
+  with pytest.raises(TypeError, match=r"check_mask must be a bool or 'report', got 'Report'"):
+    fr.dot_product_attention(q, q, q, mask=_window_mask(), check_mask="Report")
 
 
 @pytest.mark.parametrize(
@@ -293,15 +297,13 @@ def test_a_traced_mask_puts_no_cond_around_the_diagonal_kernels():
   loss = lambda q, k, v, m: port(q, k, v, m).sum()  # noqa: E731
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, mask)
 
-  def conds(eqns):
+  def conds(eqns):  # every cond, in any sub-jaxpr (custom_vjp, pjit, remat, shard_map bodies alike)
     for e in eqns:
       if e.primitive.name == "cond":
         yield e
-      for sub in jax.core.subjaxprs(e.jaxpr) if hasattr(e, "jaxpr") else ():
-        yield from conds(sub.eqns)
       for p in e.params.values():
         for j in p if isinstance(p, (tuple, list)) else (p,):
-          inner = getattr(j, "jaxpr", None)
+          inner = j if hasattr(j, "eqns") else getattr(j, "jaxpr", None)  # a Jaxpr or a ClosedJaxpr
           if inner is not None and hasattr(inner, "eqns"):
             yield from conds(inner.eqns)
 

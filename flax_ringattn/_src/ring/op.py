@@ -248,8 +248,6 @@ def check_static_options(options) -> None:
   _check_block_sizes(options.block_sizes)
   validation.check_bool("load_balance", options.load_balance)
   validation.check_bool("is_causal", options.is_causal)
-  if not isinstance(options.check_mask, bool) and options.check_mask != "report":
-    raise TypeError(f"check_mask must be a bool or 'report', got {options.check_mask!r}")
 
 
 def use_fused_ring(choice, spec, q, k, n, strategy="ring", *, ring_size=None, v=None) -> bool:

@@ -39,6 +39,11 @@ class RingOptions:
   # in a host callback); a concrete mask is always checked.
   check_mask: bool | str = True
 
+  def __post_init__(self):
+    # Here, not in the op's checks: `dot_product_attention` and converted sites build options without them.
+    if not isinstance(self.check_mask, bool) and self.check_mask != "report":
+      raise TypeError(f"check_mask must be a bool or 'report', got {self.check_mask!r}")
+
   def ring_kwargs(self) -> dict:
     """The keyword arguments of `ring_attention` these options stand for."""
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NOT_OP_KEYWORDS}

@@ -84,14 +84,21 @@ def _ring_geometry(axis_name):
   return n, member, lambda m: layout.ring_shard(m, sizes)
 
 
-def _hop_kind(spec: AttentionSpec, q_tok, kv_tok):
-  """EMPTY / PARTIAL / FULL for a whole (q shard, kv shard) pair: one tile each.  Traced tokens go through one
-  jit per (mask, shapes), so a model's layers trace the classification once; concrete ones are classified
-  eagerly, as before (a concrete EMPTY hop is then skipped without a cond)."""
-  T, S = q_tok.pos.shape[-1], kv_tok.pos.shape[-1]
-  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((q_tok, kv_tok))):
-    return _whole_block_kind(spec.mask, q_tok, kv_tok, T, S)
-  return masks.tile_kinds(spec.mask, q_tok, kv_tok, T, S)[0, 0]
+class _HopKind:
+  """EMPTY / PARTIAL / FULL for a whole (q shard, kv shard) pair (one tile each), when called.  Traced tokens go
+  through one jit per (mask, shapes), so a model's layers trace the classification once; concrete ones are
+  classified eagerly, as before (a concrete EMPTY hop is then skipped without a cond).  `concrete`: whether the
+  kind is known before the program runs."""
+
+  def __init__(self, spec: AttentionSpec, q_tok, kv_tok):
+    self.spec, self.q_tok, self.kv_tok = spec, q_tok, kv_tok
+    self.concrete = not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((q_tok, kv_tok)))
+
+  def __call__(self):
+    T, S = self.q_tok.pos.shape[-1], self.kv_tok.pos.shape[-1]
+    if not self.concrete:
+      return _whole_block_kind(self.spec.mask, self.q_tok, self.kv_tok, T, S)
+    return masks.tile_kinds(self.spec.mask, self.q_tok, self.kv_tok, T, S)[0, 0]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4))
@@ -110,16 +117,20 @@ def _unless_empty(backend, kind, compute, skip, *, diagonal: bool = False):
   A backend whose kernels every ring member must call equally often (Pallas
   TPU interpret mode runs each kernel as a barrier-synchronised program over
   all simulated devices) always computes; its kernel then skips every tile.
-  So does a `diagonal` hop (hop 0 of self-attention: each query's own key)
-  whose kind is traced: it is EMPTY only where every query of the shard is
-  padding, and the kernel then skips every tile to the same result, while a
-  cond would cost every call (its operands materialised, the kernel fenced
-  off from the work around it: a converted decoder's traced mask made one per
-  layer and pass).  A concrete kind still skips an EMPTY hop.
+  So does a `diagonal` hop (hop 0 with as many keys as queries: in
+  self-attention each query's own key) whose kind would be traced: in
+  self-attention it is EMPTY only where every query of the shard is padding,
+  and whenever it is EMPTY the kernels skip every tile to the skip branch's
+  result, while a cond costs every call (its operands materialised, the
+  kernel fenced off from the work around it: a converted decoder's traced
+  mask made one per layer and pass).  A concrete kind still skips an EMPTY
+  hop.  `kind` is a function: the diagonal's traced one is never built.
   """
-  if backend.calls_must_be_uniform or (diagonal and isinstance(kind, jax.core.Tracer)):
+  if backend.calls_must_be_uniform:
     return compute()
-  return jax.lax.cond(kind != masks.EMPTY, compute, skip)
+  if diagonal and not kind.concrete:
+    return compute()
+  return jax.lax.cond(kind() != masks.EMPTY, compute, skip)
 
 
 def _merge(o, lse, o_b, lse_b):
@@ -155,7 +166,7 @@ def _ring_forward(q, k, v, q_tok, kv_tok, drop, cfg: RingConfig):
         vma.like(jnp.full((B, N, T), -jnp.inf, F32), q),
       )
 
-    return _unless_empty(backend, _hop_kind(spec, q_tok, tok_t), compute, skip, diagonal=_diagonal(t, T, S))
+    return _unless_empty(backend, _HopKind(spec, q_tok, tok_t), compute, skip, diagonal=_diagonal(t, T, S))
 
   def hop(t, kv, acc):
     return _merge(*acc, *part(t, kv))
@@ -201,7 +212,7 @@ def _ring_backward(operands, lse, do, delta, cfg: RingConfig):
       zv = zk if v.shape == k.shape else vma.like(jnp.zeros(v.shape, F32), k)
       return zq, zk, zv
 
-    return _unless_empty(backend, _hop_kind(spec, q_tok, tok_t), compute, skip, diagonal=_diagonal(t, q.shape[1], S))
+    return _unless_empty(backend, _HopKind(spec, q_tok, tok_t), compute, skip, diagonal=_diagonal(t, q.shape[1], S))
 
   def hop(t, kv, dq, dkv_in):
     dq_b, dk_b, dv_b = part(t, kv)

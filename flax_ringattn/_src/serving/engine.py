@@ -358,10 +358,10 @@ class ServingEngine:
   def _leaves(self):
     """The caches' leaves, the released slots freed first."""
     if self._to_free is not None:
-      slots, self._to_free = self._to_free, None
       with self._compile_clock():
         caches = jax.tree.unflatten(self._cache_def, self._cache_leaves)
-        self._caches = self._free(caches, jnp.asarray(slots, bool))
+        self._caches = self._free(caches, jnp.asarray(self._to_free, bool))
+      self._to_free = None  # (after: a release that raised stays pending, and says so at the next read)
     return self._cache_leaves
 
   # -- the host's calls -----------------------------------------------------------------------------------
@@ -374,7 +374,7 @@ class ServingEngine:
     with self._compile_clock():
       result, self._cache_leaves = self._step(
         leaves, self._rest_leaves, tokens, positions, cu_q_lens, row_ids, *options[:2],
-        **self._defs, top_k=options[2], top_p=options[3],
+        cache_def=self._cache_def, rest_def=self._rest_def, top_k=options[2], top_p=options[3],
       )  # fmt: skip
       out, overflowed, utilization, free = jax.device_get(result)  # one transfer, not one per value
     self._free_pages = int(free)
@@ -408,7 +408,8 @@ class ServingEngine:
         jnp.int32(last_row),
         jnp.asarray(row_id, jnp.int32),
         *options[:2],
-        **self._defs,
+        cache_def=self._cache_def,
+        rest_def=self._rest_def,
         top_k=options[2],
         top_p=options[3],
       )
@@ -422,7 +423,7 @@ class ServingEngine:
     self._to_free = slots.copy() if self._to_free is None else self._to_free | slots
 
   def share(self, src: int, dst: int, num_tokens: int):
-    self._free_pages = None
+    # (no new page: dst references src's pages; a copy-on-write comes with a step, whose bound counts it)
     caches = self._caches  # (released slots freed first, outside this call's clock)
     with self._compile_clock():
       self._caches = self._share(caches, jnp.int32(src), jnp.int32(dst), jnp.int32(num_tokens))
@@ -503,9 +504,8 @@ class ServingEngine:
     gives the caches back."""
     self._graphdef, caches, rest = nnx.split(self.model, nnx.Cache, ...)
     self._to_free = None  # (none pending: the last call's caches were read back into the model)
-    self._rest_leaves, rest_def = jax.tree.flatten(rest)
+    self._rest_leaves, self._rest_def = jax.tree.flatten(rest)
     self._caches = _committed_beside(caches, rest)
-    self._defs = {"cache_def": self._cache_def, "rest_def": rest_def}
     self._free_pages = None  # the model's caches, as the caller may have changed them: not yet counted
 
   def warmup(self, *, top_k: int | None = None, top_p: float | None = None) -> int:
