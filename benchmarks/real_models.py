@@ -279,9 +279,13 @@ def serve_table(report, c, args, chip) -> None:
         t0 = time.perf_counter()
         engine.generate(fresh(batch), max_new_tokens=1)
         short = time.perf_counter() - t0
+        stats = engine.stats
+        steps0, seconds0, inside0 = stats.steps, stats.seconds, stats.step_seconds
         t0 = time.perf_counter()
         engine.generate(fresh(batch), max_new_tokens=1 + args.new_tokens)
         step = max(time.perf_counter() - t0 - short, 1e-9) / args.new_tokens
+        # The engine's own work between step calls, per step of that run: the device waits through it.
+        host = ((stats.seconds - seconds0) - (stats.step_seconds - inside0)) / max(stats.steps - steps0, 1)
         kv_bytes = batch * (ctx + args.new_tokens // 2) * c.layers * 2 * c.kv_heads * c.head_dim * 2  # bf16 K, V
         roofline = (weight_bytes + kv_bytes) / bw if bw else None
         share = roofline / step * 100 if roofline else None
@@ -289,28 +293,32 @@ def serve_table(report, c, args, chip) -> None:
         row += [
           batch / step,
           step * 1e3,
+          host * 1e3,
           share,
           first * 1e3,
           batch * ctx / short,
           f"{late} compiles timed" * bool(late),
         ]
       except Exception as e:  # noqa: BLE001
-        row += [None, None, None, None, None, _error(e)]
+        row += [None, None, None, None, None, None, _error(e)]
       rows.append(row)
       report.progress(f"serve ctx={ctx} batch={batch}: {row[2:]}")
   report.table(
     f"Serving {c.name} with ServingEngine (converted to paged attention{', merged pages' * args.merged}), "
     f"page {args.page_size}, {args.new_tokens} new tokens per sequence",
-    ["context", "batch", "decode tokens/s", "decode step ms", "% HBM roofline", "TTFT ms", "prefill tokens/s", "notes"],
+    ["context", "batch", "decode tokens/s", "decode step ms", "host ms/step", "% HBM roofline", "TTFT ms"]
+    + ["prefill tokens/s", "notes"],
     rows,
-    formats={"decode tokens/s": ",.0f", "decode step ms": ".2f", "% HBM roofline": ".1f", "TTFT ms": ".1f"}
+    formats={"decode tokens/s": ",.0f", "decode step ms": ".2f", "host ms/step": ".2f", "% HBM roofline": ".1f"}
+    | {"TTFT ms": ".1f"}
     | {"prefill tokens/s": ",.0f"},
     notes=[
       "decode step: (wall time of generate to 1 + M new tokens - to 1 new token) / M, the batch's prompts fresh",
       "each run (compiled programs); decode tokens/s: batch / step.  % HBM roofline: the bytes one decode step",
       "reads (bf16 weights + every sequence's K/V at its mean length) over the chip's bandwidth, against the",
       "step.  TTFT: one prompt of `context` tokens to its first token.  prefill tokens/s: batch x context over the",
-      "run to 1 new token.",
+      "run to 1 new token.  host ms/step: the engine's wall time outside its step calls (scheduling, admission,",
+      "releases; `EngineStats.seconds - step_seconds`) over the steps of the 1 + M run: the device waits through it.",
     ],  # fmt: skip
   )
 

@@ -93,6 +93,7 @@ def test_a_second_generate_compiles_nothing_new(llama):
   assert stats.compiles == compiles
   assert stats.compile_seconds == compile_seconds and stats.seconds > seconds  # no compile: no compile time
   assert stats.generated_tokens - generated == sum(map(len, got)) == 9
+  assert 0 < stats.step_seconds < stats.seconds  # the step calls, inside generate; the rest is the host's
 
 
 def test_the_step_program_compiles_once(caplog):

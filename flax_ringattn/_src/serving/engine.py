@@ -40,7 +40,8 @@ class EngineStats:
 
   Read from `ServingEngine.stats`: `steps` and `ring_prefills` run, `compiles`; `prompt_tokens`,
   `prefill_tokens_computed` and `shared_prefix_tokens` (prefix reuse), `generated_tokens`; `draft_proposed` /
-  `draft_accepted` (speculative decoding), `evictions`, wall `seconds` (of it `compile_seconds`) and the mean
+  `draft_accepted` (speculative decoding), `evictions`, wall `seconds` (of it `compile_seconds`, and
+  `step_seconds` in the step calls: the rest is host work the device waits through) and the mean
   `cache_utilization`.  `tokens_per_s` and `as_dict()` summarise them.
   """
 
@@ -58,6 +59,10 @@ class EngineStats:
   # ... of it, the host calls that traced and compiled a program (with that call's own run): seconds minus this
   # is the steady state
   compile_seconds: float = 0.0
+  # ... of it, inside the step and ring prefill calls (dispatch, the device's run, the outputs' transfer; compiling
+  # calls included): seconds minus this is the host's own work (scheduling, admission, releases), in which the
+  # device waits
+  step_seconds: float = 0.0
   cache_utilization: float = 0.0  # mean over steps of the cache's used / allocated token slots
 
   @property
@@ -371,12 +376,14 @@ class ServingEngine:
 
   def ragged_step(self, tokens, positions, cu_q_lens, row_ids, options):
     leaves = self._leaves()  # (before the clock: a release that compiles is timed once, by its own)
+    t0 = time.perf_counter()
     with self._compile_clock():
       result, self._cache_leaves = self._step(
         leaves, self._rest_leaves, tokens, positions, cu_q_lens, row_ids, *options[:2],
         cache_def=self._cache_def, rest_def=self._rest_def, top_k=options[2], top_p=options[3],
       )  # fmt: skip
       out, overflowed, utilization, free = jax.device_get(result)  # one transfer, not one per value
+    self.stats.step_seconds += time.perf_counter() - t0
     self._free_pages = int(free)
     self.stats.steps += 1
     return np.asarray(out), np.asarray(overflowed), float(utilization)
@@ -397,6 +404,7 @@ class ServingEngine:
     last_row = int(np.nonzero(order == count - 1)[0][0])
     self._free_pages = None  # the prefill takes pages: the host's count is stale until the next step
     leaves = self._leaves()
+    t0 = time.perf_counter()
     with self._compile_clock():
       token, self._cache_leaves = self._prefill(
         leaves,
@@ -414,6 +422,7 @@ class ServingEngine:
         top_p=options[3],
       )
       token = int(token)
+    self.stats.step_seconds += time.perf_counter() - t0
     self.stats.ring_prefills += 1
     return token
 
@@ -519,7 +528,7 @@ class ServingEngine:
     cache on, a second start reads the programs back instead of compiling them.
     """
     args = _sampling_args(sampling.check(0.0, top_k, top_p, 0))
-    S, before, steps = self.max_num_seqs, self.stats.compiles, self.stats.steps
+    S, before, steps, step_seconds = self.max_num_seqs, self.stats.compiles, self.stats.steps, self.stats.step_seconds
     self._take_caches()
     try:
       for rows in self.token_buckets:
@@ -528,7 +537,7 @@ class ServingEngine:
       self.fits(np.zeros(S, np.int32))  # the admission check and the release each step and stream run
       self.free(np.zeros(S, bool))  # (no slot)
     finally:
-      self.stats.steps = steps  # no step of a prompt ran
+      self.stats.steps, self.stats.step_seconds = steps, step_seconds  # no step of a prompt ran
       nnx.update(self.model, self._caches)
     return self.stats.compiles - before
 
