@@ -316,3 +316,42 @@ def test_a_traced_mask_puts_no_cond_around_the_diagonal_kernels():
   got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v, mask)
   want = jax.value_and_grad(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True).sum(), (0, 1, 2))
   assert_close(got, want(q, k, v), jnp.float32)
+
+
+def test_the_remat_policy_saves_the_recovered_mask_structure():
+  """`save_attention_residuals` also saves what a traced mask's recovery found (O(T)), so a rematerialised block's
+  backward does not compare the [T, T] mask again (nor keep it for that): fewer [T, T] compares in the gradient's
+  program than under a plain remat, and the same gradients."""
+
+  def block(q, k, v, mask):
+    return fr.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+
+  def loss(policy):
+    def f(q, k, v):
+      i = jnp.arange(T)
+      mask = (i[None, :] <= i[:, None])[None, None]
+      return jax.checkpoint(block, policy=policy)(q, k, v, mask).sum()
+
+    return f
+
+  ks = jax.random.split(jax.random.key(5), 3)
+  q = jax.random.normal(ks[0], (1, T, 2, 8))
+  k, v = (jax.random.normal(kk, (1, T, 1, 8)) for kk in ks[1:])
+
+  def square_compares(eqns):
+    n = 0
+    for e in eqns:
+      n += e.primitive.name == "eq" and any(getattr(o.aval, "shape", ())[-2:] == (T, T) for o in e.outvars)
+      for p in e.params.values():
+        for j in p if isinstance(p, (tuple, list)) else (p,):
+          inner = j if hasattr(j, "eqns") else getattr(j, "jaxpr", None)
+          if inner is not None and hasattr(inner, "eqns"):
+            n += square_compares(inner.eqns)
+    return n
+
+  grad = {p: jax.grad(loss(p), argnums=(0, 1, 2)) for p in (None, fr.save_attention_residuals)}
+  counts = {p: square_compares(jax.make_jaxpr(g)(q, k, v).jaxpr.eqns) for p, g in grad.items()}
+  forward = square_compares(jax.make_jaxpr(loss(None))(q, k, v).jaxpr.eqns)
+  # A plain remat's backward compares everything the forward did once more; the policy's, none of it.
+  assert counts[None] - counts[fr.save_attention_residuals] >= forward > 0, (counts, forward)
+  assert_close(jax.jit(grad[fr.save_attention_residuals])(q, k, v), jax.jit(grad[None])(q, k, v), jnp.float32)

@@ -111,16 +111,22 @@ RESIDUAL_NAMES = ("flax_ringattn.attention_out", "flax_ringattn.attention_lse")
 
 def save_attention_residuals(prim, *args, **params) -> bool:
   """A `jax.checkpoint` / `nnx.remat` policy: save this library's attention output and its log-sum-exp (per layer
-  O(T * N * Hv), the size of the output), recompute everything else.  Under a plain remat a block's backward
-  reruns its attention forward kernel to rebuild them; with this policy it does not: one kernel fewer per layer
-  to run and to compile.  Join it with a policy of your own through `jax.checkpoint_policies.save_from_both_policies`.
+  O(T * N * Hv), the size of the output), and the structure recovered from a traced dense mask (O(T)); recompute
+  everything else.  Under a plain remat a block's backward reruns its attention forward kernel to rebuild them,
+  and reads the model's [T, T] mask again; with this policy it does neither: one kernel fewer per layer to run and
+  to compile.  Join it with a policy of your own through `jax.checkpoint_policies.save_from_both_policies`.
 
       run = nnx.remat(block, policy=flax_ringattn.save_attention_residuals)
   """
   return _SAVE_NAMED(prim, *args, **params)
 
 
-_SAVE_NAMED = jax.checkpoint_policies.save_only_these_names(*RESIDUAL_NAMES)
+# A traced dense mask's recovered structure (segment ids, spans, verdict: O(T) per row), named where the mask is read
+# (`ring/dense.py`): saved with the residuals, a rematerialised block's backward neither reads the [T, T] mask again
+# nor keeps it alive for the backward.
+MASK_STRUCTURE_NAME = "flax_ringattn.mask_structure"
+
+_SAVE_NAMED = jax.checkpoint_policies.save_only_these_names(*RESIDUAL_NAMES, MASK_STRUCTURE_NAME)
 
 
 def _flash_fwd(kernel, sinks, *operands):

@@ -17,8 +17,9 @@ import sys
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from flax_ringattn._src import dense_masks, masks, sharding, validation
+from flax_ringattn._src import dense_masks, flash, masks, sharding, validation
 from flax_ringattn._src.ring.op import ring_attention
 from flax_ringattn._src.ring.options import RingOptions
 
@@ -336,7 +337,10 @@ def masked_ring_attention(
       one_set = options.is_causal or window is None or window[1] == 0
       # The recovery behind one jit per (mask shape, options): a decoder's layers trace it once, not once each.
       recovered = functools.partial(_recovered, mask, also_exact, local_window_size=window, **shared)
-      causal, segment_ids, bidirectional_ids, exact = jax.lax.cond(plain, _plain_structure(B, T), recovered)
+      found = jax.lax.cond(plain, _plain_structure(B, T), recovered)
+      # Named for `save_attention_residuals`: saved, a remat's backward does not read the mask again.
+      found = jax.tree.map(lambda x: checkpoint_name(x, flash.MASK_STRUCTURE_NAME), found)
+      causal, segment_ids, bidirectional_ids, exact = found
       causal = True if one_set else causal
       exact = exact if options.check_mask else None
     else:
