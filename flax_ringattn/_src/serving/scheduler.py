@@ -261,7 +261,9 @@ class Scheduler:
     order = np.nonzero(new_lens)[0]
     lens = new_lens[order]
     seqs = [self.slots[slot] for slot in order]
-    fed, index, prompt = (np.array([f(q) for q in seqs], np.int32) for f in (_fed, _index, _prompt_len))
+    fed = np.array([q.fed for q in seqs], np.int32)
+    index = np.array([q.index for q in seqs], np.int32)
+    prompt = np.array([len(q.prompt) for q in seqs], np.int32)
     # A row's position: its sequence's fed count plus its place in the feed (rows run in slot order).
     pos = np.repeat(fed - cu[order], lens) + np.arange(n, dtype=np.int32)
     tokens[:n] = np.fromiter((t for slot in order for t in feeds[slot][0]), np.int32, count=n)
@@ -291,15 +293,3 @@ class Scheduler:
           raise CacheOverflowError(f"prompt {self.queue[0].index} does not fit the empty cache")
         break
       yield from self.step()
-
-
-def _fed(seq: Sequence) -> int:
-  return seq.fed
-
-
-def _index(seq: Sequence) -> int:
-  return seq.index
-
-
-def _prompt_len(seq: Sequence) -> int:
-  return len(seq.prompt)
