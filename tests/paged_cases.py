@@ -322,6 +322,13 @@ def merged(b: Batch) -> Batch:
   return b.replace(**{n: getattr(b, n).reshape(*getattr(b, n).shape[:2], -1) for n in ("k_pages", "v_pages")})
 
 
+def kv_pages_args(args: tuple) -> tuple:
+  """A batch's `args` (q, k_pages, v_pages, ...) with merged K and V pages as kv pages: k_pages
+  [P, 2, page_size, K * H] (a page's K, then its V), v_pages None (`PagedKVCache.create(merged="kv")`)."""
+  q, k_pages, v_pages, *rest = args
+  return (q, jnp.stack([k_pages, v_pages], axis=1), None, *rest)
+
+
 def poison(b: Batch, value=np.nan):
   """The batch with every page slot no live sequence reads (foreign pages, tails past kv_lens) set to `value`."""
   unread = slot_mask(b, ~b.read_mask())

@@ -577,6 +577,16 @@ STATIC_ERRORS = {
     r"merged k_pages \[P, page_size, K \* H\] must have a last dim that is a positive multiple of q's head dim",
   ),
   "v_pages_rank": (dict(v_pages=jnp.zeros((6, 4, 2, 8, 1))), ValueError, r"v_pages must be \[P, page_size, K, H\]"),
+  "kv_pages_not_two": (
+    dict(k_pages=jnp.zeros((6, 4, 2, 8)), v_pages=None),
+    ValueError,
+    r"with v_pages=None, k_pages must be kv pages \[P, 2, page_size, K \* H\] .* got k_pages.shape=\(6, 4, 2, 8\)",
+  ),
+  "kv_pages_not_whole_heads": (
+    dict(k_pages=jnp.zeros((6, 2, 4, 12)), v_pages=None),
+    ValueError,
+    r"kv pages k_pages \[P, 2, page_size, K \* H\] must have a last dim that is a positive multiple of q's head dim",
+  ),
   "kv_shape_mismatch": (
     dict(v_pages=jnp.zeros((7, 4, 2, 8))),
     ValueError,

@@ -233,17 +233,16 @@ def test_flat_kv_buffers(dtype):
   _check_vjp(b, dtype, blocks=blocks)
 
 
-@interpret
-@pytest.mark.parametrize(
+MERGED_LAYOUTS = pytest.mark.parametrize(
   "heads, head_dim, dtype, scales",
   [((8, 2), 8, F32, ("page", "token")), ((4, 2), 64, F32, None), ((8, 1), 128, BF16, None)],
   ids=["K2-scaled", "H64-two-heads-a-lane-group", "K1-bf16"],
 )
-def test_merged_pages(heads, head_dim, dtype, scales):
-  """Merged pages [P, page_size, K * H] (any K, heads side by side along the lanes): forward and gradients against
-  the reference on the same values as [P, page_size, K, H] pages, with holes in the table (one in a whole kv
-  block), a shared prefix and partial pages, foreign pages NaN-poisoned; the gradients come back merged.  Head dim 64 runs as K / 2 heads of
-  128 lanes (`plans.lane_groups`), with a window and a soft cap."""
+
+
+def _merged_case(heads, head_dim, dtype, scales):
+  """(batch with merged pages, blocks, feature keywords) of `MERGED_LAYOUTS`: holes in the table (one in a whole
+  kv block), a shared prefix and partial pages; head dim 64 with a window and a soft cap."""
   N, K = heads
   rng = np.random.default_rng([80, N, head_dim])
   geom = dict(GEOM, num_heads=N, head_dim=head_dim)
@@ -257,12 +256,41 @@ def test_merged_pages(heads, head_dim, dtype, scales):
   table[2, 0] = -1
   table[5, 1] = geom["num_pages"] + 3  # a hole in a kv block wholly below kv_len (`walk._start_whole_pages`)
   b = merged(b.replace(page_indices=jnp.asarray(table, jnp.int32)))
+  return b, blocks, features(WINDOW_CAP) if head_dim == 64 else {}
+
+
+@interpret
+@MERGED_LAYOUTS
+def test_merged_pages(heads, head_dim, dtype, scales):
+  """Merged pages [P, page_size, K * H] (any K, heads side by side along the lanes): forward and gradients against
+  the reference on the same values as [P, page_size, K, H] pages, foreign pages NaN-poisoned; the gradients come
+  back merged.  Head dim 64 runs as K / 2 heads of 128 lanes (`plans.lane_groups`)."""
+  b, blocks, kw = _merged_case(heads, head_dim, dtype, scales)
   assert b.k_pages.ndim == 3
   f = pallas_paged.lane_groups(b.q, b.k_pages, b.v_pages, *(b.operands.get(n) for n in ("k_scale", "v_scale")))[0]
   assert f == (2 if head_dim == 64 else 1)
-  kw = features(WINDOW_CAP) if head_dim == 64 else {}
   _, grads = _check_vjp(b, dtype, blocks=blocks, **kw)
   assert grads[1].shape == b.k_pages.shape and grads[2].shape == b.v_pages.shape
+
+
+@interpret
+@MERGED_LAYOUTS
+def test_kv_pages(heads, head_dim, dtype, scales):
+  """kv pages [P, 2, page_size, K * H] (v_pages=None: a page's K and V in one array, copied with one DMA): the
+  kernel's output and gradients equal the reference's on the same values as merged K and V pages, foreign pages
+  and tails NaN-poisoned; the pages' cotangent comes back as one [P, 2, page_size, K * H] array, v_pages' None."""
+  b, blocks, kw = _merged_case(heads, head_dim, dtype, scales)
+  do = jnp.asarray(np.random.default_rng(101).normal(size=b.out_shape), dtype)
+  want_out, (dq, dk, dv) = vjp_fn(b.args, do, **b.operands, impl="reference", **kw)
+  bad = poison(b, np.nan)
+  kv = jnp.stack([bad.k_pages, bad.v_pages], axis=1)
+  with no_races():
+    out, grads = vjp_fn((b.q, kv, None, *b.args[3:]), do, **b.operands, impl="pallas_tpu", blocks=blocks, **kw)
+    jax.block_until_ready((out, grads))
+  assert grads[2] is None and grads[1].shape == kv.shape
+  assert_close(out, want_out, dtype)
+  assert_close((grads[0], grads[1]), (dq, jnp.stack([dk, dv], axis=1)), dtype, "grad")
+  assert not np.isnan(np.asarray(out, F32)).any()
 
 
 @interpret
@@ -790,29 +818,45 @@ def test_fused_write_mla_pages():
 @interpret
 @pytest.mark.parametrize("heads, hd", [((4, 2), 64), ((8, 1), 128)], ids=["H64-K2", "K1"])
 def test_merged_cache_appends_then_attends(heads, hd):
-  """A merged cache (`PagedKVCache.create(merged=True)`: pages [P, page_size, K * H]) holds exactly the values a
-  4-D cache holds after the same appends and prefix sharing, and the Pallas TPU kernel attends over it as the XLA
-  backend does over the 4-D one.  Its calls have no fused write (Mosaic refuses one-row writes into merged pages on
-  a TPU): `fuses_cache_write` is False and `attend_and_write` says why."""
+  """A merged cache (`PagedKVCache.create(merged=True)`: pages [P, page_size, K * H]) and a kv cache
+  (`merged="kv"`: [P, 2, page_size, K * H]) hold exactly the values a 4-D cache holds after the same appends,
+  prefix sharing and rollback, and the Pallas TPU kernel attends over each as the XLA backend does over the 4-D
+  one.  Their calls have no fused write (Mosaic refuses one-row writes into merged pages on a TPU):
+  `fuses_cache_write` is False and `attend_and_write` says why."""
   N, K = heads
   rng = np.random.default_rng([83, hd])
-  caches = [fr.PagedKVCache.create(**dict(CACHE, num_kv_heads=K, head_dim=hd), merged=m) for m in (True, False)]
+  caches = [fr.PagedKVCache.create(**dict(CACHE, num_kv_heads=K, head_dim=hd), merged=m) for m in (True, "kv", False)]
   assert caches[0].k_pages.shape == (24, PS, K * hd) and (caches[0].num_kv_heads, caches[0].head_dim) == (K, hd)
+  assert caches[1].k_pages.shape == (24, 2, PS, K * hd) and caches[1].v_pages is None
+  assert (caches[1].page_size, caches[1].num_kv_heads, caches[1].head_dim, caches[1].v_head_dim) == (PS, K, hd, hd)
+
+  def check_pages(merged_cache, kv_cache, flat_cache):
+    for i, name in enumerate(("k_pages", "v_pages")):
+      flat = np.asarray(getattr(flat_cache, name))
+      np.testing.assert_array_equal(np.asarray(getattr(merged_cache, name)).reshape(flat.shape), flat, name)
+      np.testing.assert_array_equal(np.asarray(kv_cache.k_pages[:, i]).reshape(flat.shape), flat, f"kv {name}")
+
   for lens in ([13, 3], [1, 2, 4], [5, 1, 1, 9]):
     batch = _ragged(rng, lens, heads=N, kv=K, hd=hd)
-    (_, merged_cache), (want, flat_cache) = (_separate(c, *batch) for c in caches)
-    for name in ("k_pages", "v_pages"):
-      got = np.asarray(getattr(merged_cache, name)).reshape(getattr(flat_cache, name).shape)
-      np.testing.assert_array_equal(got, np.asarray(getattr(flat_cache, name)), name)
+    (_, merged_cache), (_, kv_cache), (want, flat_cache) = (_separate(c, *batch) for c in caches)
+    check_pages(merged_cache, kv_cache, flat_cache)
     q, _, _, cu, n = batch
-    c = merged_cache
-    with no_races():
-      out = jax.block_until_ready(_op("pallas", q, c.k_pages, c.v_pages, c.kv_lens, c.page_indices, cu, n))
-    assert_close(out, want, F32)
-    caches = [jax.jit(fr.PagedKVCache.share_prefix)(x, 0, 2, 11) if lens == [13, 3] else x for x in (c, flat_cache)]
-  call = paged_ops.plan_call(
-    q, c.k_pages, c.v_pages, c.kv_lens, c.page_indices, cu, n, implementation="pallas_tpu", interpret=interpret_params()
-  )
-  assert call.merged and not call.fuses_cache_write
-  with pytest.raises(NotImplementedError, match="merged pages True"):
-    call.attend_and_write(q, *batch[1:3], c.k_pages, c.v_pages)
+    for c in (merged_cache, kv_cache):
+      with no_races():
+        out = jax.block_until_ready(_op("pallas", q, c.k_pages, c.v_pages, c.kv_lens, c.page_indices, cu, n))
+      assert_close(out, want, F32)
+    caches = [merged_cache, kv_cache, flat_cache]
+    if lens == [13, 3]:
+      caches = [jax.jit(fr.PagedKVCache.share_prefix)(x, 0, 2, 11) for x in caches]
+  drop = np.asarray([1, 0, 0, 3], np.int32)  # slot 3 reads its pages alone: its dropped rows are zeroed
+  after = [x.rollback(drop).free(np.arange(CACHE["max_num_seqs"]) == 1) for x in caches]
+  assert not np.array_equal(np.asarray(after[2].k_pages), np.asarray(caches[2].k_pages))
+  check_pages(*after)
+  for c in caches[:2]:
+    call = paged_ops.plan_call(
+      q, c.k_pages, c.v_pages, c.kv_lens, c.page_indices, cu, n, implementation="pallas_tpu",
+      interpret=interpret_params(),
+    )  # fmt: skip
+    assert call.merged and not call.fuses_cache_write
+    with pytest.raises(NotImplementedError, match="merged pages True"):
+      call.attend_and_write(q, *batch[1:3], c.k_pages, c.v_pages)

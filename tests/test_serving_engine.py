@@ -307,21 +307,26 @@ def test_steps_that_surely_fit_skip_the_device_check(llama, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["llama", "mha"])
-def test_merged_pages_serve_the_same_tokens(family):
+@pytest.mark.parametrize("merged", [True, "kv"])
+def test_merged_pages_serve_the_same_tokens(family, merged):
   """ServingEngine(merged_pages=True): every cache (a hand-written site's, a paged layer's) stores its pages
-  merged, [P, page_size, K * H], appends and then attends, and the engine's tokens equal greedy decoding by full
-  recompute."""
+  merged, [P, page_size, K * H] ("kv": one [P, 2, page_size, K * H] array, a page's K and V), appends and then
+  attends, and the engine's tokens equal greedy decoding by full recompute."""
   reference, model = sm.FAMILIES[family](), sm.FAMILIES[family]()
   fr.convert(model, to="paged")
-  engine = fr.ServingEngine(model, call=sm.engine_call, merged_pages=True, **GEOMETRY)
+  engine = fr.ServingEngine(model, call=sm.engine_call, merged_pages=merged, **GEOMETRY)
   caches = [x for x in jax.tree.leaves(nnx.state(model, nnx.Cache), is_leaf=lambda x: hasattr(x, "k_pages"))]
   caches = [x for x in caches if hasattr(x, "k_pages")]
-  assert caches and all(c.k_pages.ndim == 3 and c.merged_kv_heads > 0 for c in caches)
+  rank = 4 if merged == "kv" else 3
+  assert caches and all(c.k_pages.ndim == rank and c.merged_kv_heads > 0 for c in caches)
+  assert all((c.v_pages is None) == (merged == "kv") for c in caches)
   prompts = PROMPTS[:3]
   assert engine.generate(prompts, max_new_tokens=4) == _want(reference, prompts, 4)
-  with pytest.raises(NotImplementedError, match="merged_pages=True with seq_axis"):
-    fr.ServingEngine(model, call=sm.engine_call, merged_pages=True, mesh=make_mesh((1,), ("sp",)), seq_axis="sp",
+  with pytest.raises(NotImplementedError, match=f"merged_pages={merged!r} with seq_axis"):
+    fr.ServingEngine(model, call=sm.engine_call, merged_pages=merged, mesh=make_mesh((1,), ("sp",)), seq_axis="sp",
                      **GEOMETRY)  # fmt: skip
+  with pytest.raises(TypeError, match="merged_pages must be a bool or 'kv'"):
+    fr.ServingEngine(model, call=sm.engine_call, merged_pages="KV", **GEOMETRY)
 
 
 def test_steps_run_at_the_least_token_bucket_that_holds_them(caplog):

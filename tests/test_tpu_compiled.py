@@ -34,7 +34,7 @@ import pytest
 from cases import Case, assert_block_output_is_the_cast, dtype_id, make_case, make_inputs, make_sinks, with_sinks
 from conftest import make_mesh
 from dense_oracle import dense_oracle
-from paged_cases import case_batch, features, merged, paged_vjp, poison, slot_mask
+from paged_cases import case_batch, features, kv_pages_args, merged, paged_vjp, poison, slot_mask
 from paged_oracle import paged_oracle
 
 import flax_ringattn as fr
@@ -267,7 +267,9 @@ class Paged:
   scales: object = None
   chunk: int | None = None
   spans: bool = False
-  merged: bool = False  # pages merged, [P, page_size, K * H] (the oracle reads the same values as [P, ps, K, H])
+  # pages merged, [P, page_size, K * H] (the oracle reads the same values as [P, ps, K, H]); "kv": kv pages
+  # [P, 2, page_size, K * H] (`kv_pages_args`)
+  merged: bool | str = False
 
   @property
   def quantized(self) -> bool:
@@ -338,6 +340,12 @@ PAGED = {
   ),
   "merged_kv1_hd256_bf16": Paged(make_case("m256", "causal", "mqa", N=8, H=256), BF16, 16, merged=True),
   "merged_g7_bf16": Paged(make_case("m7", "causal", "gqa", N=14, group=7, H=128), BF16, 16, merged=True),
+  # kv pages [P, 2, page_size, K * H] (one copy per page, its K and V): Qwen2.5-0.5B's 14 / 2 / 64, and one kv head
+  # of 128 with a window and a soft cap.
+  "kvpages_hd64_g7_bf16": Paged(make_case("kv64", "causal", "gqa", N=14, group=7, H=64), BF16, 16, merged="kv"),
+  "kvpages_kv1_window_cap_bf16": Paged(
+    make_case("kv1", "causal_window", "mqa", N=8, H=128, window=(_n(63), 0), soft_cap=5.0), BF16, 16, merged="kv"
+  ),
 }
 
 
@@ -369,6 +377,8 @@ def _paged_run(run: Paged, implementation: str):
 def _paged_named(run: Paged, out, grads):
   """{"out", "dq", "dk_pages", "dv_pages"[, "dsinks"]}; no page gradients for stored int8 / fp8 (not float data)."""
   named = {"out": out, **dict(zip(("dq", "dk_pages", "dv_pages", "dsinks"), grads, strict=False))}
+  if named.get("dv_pages", 0) is None:  # kv pages: dk_pages holds both
+    del named["dv_pages"]
   if run.quantized:
     del named["dk_pages"], named["dv_pages"]
   return named
@@ -387,21 +397,26 @@ def test_paged_kernel(name):
     b = merged(b4) if run.merged else b4  # the kernel's pages; the oracle reads b4's
     do = jnp.asarray(rng.normal(size=b.out_shape), run.dtype)
     fill = np.nan if jnp.issubdtype(b.k_pages.dtype, jnp.floating) else -128
-    args = (poison(b, fill).args, do, b.k_scale, b.v_scale, b.sinks, ids)
+    kv = run.merged == "kv"
+    as_given = kv_pages_args if kv else (lambda a: a)  # noqa: E731
+    args = (as_given(poison(b, fill).args), do, b.k_scale, b.v_scale, b.sinks, ids)
     if program is None:  # one program for every mix
       program = _compiled(_paged_run(run, "pallas_tpu"), *args, kernels=2)
     out, grads = program(*args)
     want_out, want_grads = paged_oracle(*b4.args, **b4.operands, do=do, bidirectional_ids=ids, **run.options())
-    page_grads = (g.reshape(p.shape) for g, p in zip(want_grads[1:3], b.args[1:3], strict=True))
+    page_grads = [g.reshape(p.shape) for g, p in zip(want_grads[1:3], b.args[1:3], strict=True)]
+    if kv:
+      page_grads = [jnp.stack(page_grads, axis=1), None]
     want_grads = (want_grads[0], *page_grads, *want_grads[3:])
-    clean = (b.args, *args[1:])
+    clean = (as_given(b.args), *args[1:])
     xla = lambda clean=clean: _paged_named(run, *jax.jit(_paged_run(run, "xla"))(*clean))  # noqa: E731
     _compare(_paged_named(run, out, grads), _paged_named(run, want_out, want_grads), run.dtype, xla)
     np.testing.assert_array_equal(np.asarray(out[b.total :], np.float32), 0.0, err_msg=f"{mix}: padding rows")
     np.testing.assert_array_equal(np.asarray(grads[0][b.total :], np.float32), 0.0, err_msg=f"{mix}: padding dq")
     if not run.quantized:
       unread = slot_mask(b, ~b.read_mask())
-      for g in grads[1:3]:
+      unread = unread[:, None] if kv else unread  # kv pages [P, 2, ps, K * H]
+      for g in grads[1 : 3 - kv]:
         assert not np.asarray(jnp.where(unread, g, 0)).any(), f"{mix}: a slot nobody reads got a gradient"
 
 

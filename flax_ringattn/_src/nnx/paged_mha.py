@@ -175,7 +175,8 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
   ):
     """Creates the paged cache (`nnx.Cache` state); int8/float8 dtypes quantize per token.  v pages have the
     layer's `v_head_dim`; with `seq_axis` the pages spread over it (num_pages a multiple of its size).
-    `merged`: pages [P, page_size, K * H] (`PagedKVCache.create`).  With a
+    `merged`: pages [P, page_size, K * H], or "kv": kv pages [P, 2, page_size, K * H]
+    (`PagedKVCache.create`).  With a
     mesh, the parameters are placed on it too (weights loaded with `nnx.update` before this call then need no
     move, and no second compile, at the first step)."""
     cache = PagedKVCache.create(
@@ -201,6 +202,8 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
         name = path[0].name
         if name in ("k_pages", "v_pages"):
           spec = P(s, None, h, *(None,) * (x.ndim - 3))  # merged [P, ps, K * H]: a device's heads' lanes
+          if cache.kv_together:  # kv pages [P, 2, ps, K * H]
+            spec = P(s, None, None, h)
         elif "scale" in name:
           spec = P(s, None, h)
         else:

@@ -56,7 +56,8 @@ class PagedKVCache:
   `free`, `rollback`, `share_prefix`, ...).  `paged_attention` reads `k_pages`, `v_pages` and `attention_view()`.
 
   Fields: `k_pages` [P, page_size, K, H], `v_pages` [P, page_size, K, Hv] (merged: [P, page_size, K * H], ...,
-  with `merged_kv_heads` (static) K, `create(merged=True)`); `page_indices` [max_num_seqs,
+  with `merged_kv_heads` (static) K, `create(merged=True)`; kv pages: `k_pages` [P, 2, page_size, K * H] holds
+  both, `v_pages` None, `kv_together` (static), `create(merged="kv")`); `page_indices` [max_num_seqs,
   pages_per_seq] int32 page ids (-1: none); `kv_lens` [max_num_seqs] int32 tokens stored; `ref_counts` [P] int32
   slots holding each page (0: free); `k_scale` / `v_scale` [P, page_size, K] for int8 / float8 pages (else
   None); `overflowed` [max_num_seqs] bool, a write did not fit (None: none); `num_shards` (static) devices the
@@ -77,6 +78,8 @@ class PagedKVCache:
   num_shards: int = dataclasses.field(default=1, metadata=dict(static=True))
   # K of a merged cache (pages [P, page_size, K * H]); 0: pages [P, page_size, K, H].  Static, as the layout.
   merged_kv_heads: int = dataclasses.field(default=0, metadata=dict(static=True))
+  # kv pages: k_pages [P, 2, page_size, K * H] holds a page's K, then its V; v_pages is None.  Static.
+  kv_together: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @classmethod
   def create(
@@ -92,7 +95,7 @@ class PagedKVCache:
     dtype=jnp.float32,
     mesh=None,
     seq_axis=None,
-    merged: bool = False,
+    merged: bool | str = False,
   ) -> PagedKVCache:
     """An empty cache; int8 / float8 dtypes store per-token, per-head scales.
 
@@ -100,7 +103,10 @@ class PagedKVCache:
 
     `merged=True` stores pages [P, page_size, K * H] (a token's kv heads side by side), which the Pallas TPU
     kernel reads densely for any K and head dim (docs/guarantees.md: with few kv heads per chip or head dim 64,
-    [P, page_size, K, H] pages are padded on a TPU).  Context-parallel serving (`paged_ring_prefill`) needs 4-D.
+    [P, page_size, K, H] pages are padded on a TPU).  `merged="kv"` also keeps a page's K and V together:
+    `k_pages` [P, 2, page_size, K * H] (its K, then its V) and `v_pages` None, so the kernel copies a page with one
+    DMA instead of two (with few kv heads a page is small, and a decode step's time goes to issuing the copies);
+    it needs v_head_dim == head_dim.  Context-parallel serving (`paged_ring_prefill`) needs 4-D pages.
 
     With `mesh` and `seq_axis` (a mesh axis, or a tuple of them, with n devices along it; default: the mesh's
     only axis), the pages, their scales and `ref_counts` are sharded on the page dimension over `seq_axis`:
@@ -121,8 +127,14 @@ class PagedKVCache:
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"PagedKVCache.create: {name} must be a positive int, got {name}={value!r}")
     dtype = contracts.page_dtype(dtype)
-    if not isinstance(merged, bool):
-      raise TypeError(f"PagedKVCache.create: merged must be a bool, got merged={merged!r}")
+    if not isinstance(merged, bool) and merged != "kv":
+      raise TypeError(f"PagedKVCache.create: merged must be a bool or 'kv', got merged={merged!r}")
+    together = merged == "kv"
+    if together and v_head_dim != head_dim:
+      raise ValueError(
+        f"PagedKVCache.create: merged='kv' keeps a page's K and V in one array, so v_head_dim must equal head_dim, "
+        f"got head_dim={head_dim}, v_head_dim={v_head_dim}; use merged=True"
+      )
     seq_axis, n = _seq_axis(num_pages, mesh, seq_axis)
     explicit = mesh is not None and sharding.has_explicit_axes(mesh, P(seq_axis))
 
@@ -143,9 +155,15 @@ class PagedKVCache:
     quantized = jnp.dtype(dtype).name in common.QUANTIZED_MAX
     scale = full((num_pages, page_size, num_kv_heads), 0, jnp.float32, by_page=True) if quantized else None
     heads = lambda h: (num_kv_heads * h,) if merged else (num_kv_heads, h)  # noqa: E731
+    if together:
+      k_pages = full((num_pages, 2, page_size, num_kv_heads * head_dim), 0, dtype, by_page=True)
+      v_pages = None
+    else:
+      k_pages = full((num_pages, page_size, *heads(head_dim)), 0, dtype, by_page=True)
+      v_pages = full((num_pages, page_size, *heads(v_head_dim)), 0, dtype, by_page=True)
     return cls(
-      k_pages=full((num_pages, page_size, *heads(head_dim)), 0, dtype, by_page=True),
-      v_pages=full((num_pages, page_size, *heads(v_head_dim)), 0, dtype, by_page=True),
+      k_pages=k_pages,
+      v_pages=v_pages,
       page_indices=full((max_num_seqs, pages_per_seq), -1, jnp.int32),
       kv_lens=full((max_num_seqs,), 0, jnp.int32),
       ref_counts=full((num_pages,), 0, jnp.int32, by_page=True),
@@ -154,6 +172,7 @@ class PagedKVCache:
       overflowed=full((max_num_seqs,), False, bool),
       num_shards=n,
       merged_kv_heads=num_kv_heads if merged else 0,
+      kv_together=together,
     )
 
   # -- shapes -----------------------------------------------------------------
@@ -163,7 +182,7 @@ class PagedKVCache:
 
   @property
   def page_size(self) -> int:
-    return self.k_pages.shape[1]
+    return self.k_pages.shape[2 if self.kv_together else 1]
 
   @property
   def max_num_seqs(self) -> int:
@@ -179,10 +198,12 @@ class PagedKVCache:
 
   @property
   def head_dim(self) -> int:
-    return self.k_pages.shape[2] // self.merged_kv_heads if self.merged_kv_heads else self.k_pages.shape[3]
+    return self.k_pages.shape[-1] // self.merged_kv_heads if self.merged_kv_heads else self.k_pages.shape[3]
 
   @property
   def v_head_dim(self) -> int:
+    if self.kv_together:
+      return self.head_dim
     return self.v_pages.shape[2] // self.merged_kv_heads if self.merged_kv_heads else self.v_pages.shape[3]
 
   @property
@@ -410,7 +431,7 @@ class PagedKVCache:
     _, _, q_lens = self._ragged(k, v, cu_q_lens, num_seqs, "reserve_append", checked)
     cache = self._reserve(q_lens, checked)
     k_store, k_sc = storage.quantize(cache.k_pages.dtype, cache.k_scale is not None, k)
-    v_store, v_sc = storage.quantize(cache.v_pages.dtype, cache.v_scale is not None, v)
+    v_store, v_sc = storage.quantize(cache.k_pages.dtype, cache.v_scale is not None, v)
     cache = dataclasses.replace(cache, kv_lens=cache.kv_lens + cache._stored_lens(q_lens))
     return cache, k_store, v_store, k_sc, v_sc
 
@@ -481,8 +502,13 @@ class PagedKVCache:
     ok = valid & (q_lens[seq] > 0) & (pos // ps < cache.pages_per_seq) & (page >= 0)
     page = jnp.where(ok, page, P)
     slot = pos % ps
-    k_pages, k_scale = storage.store(cache.k_pages, cache.k_scale, page, slot, k)
-    v_pages, v_scale = storage.store(cache.v_pages, cache.v_scale, page, slot, v)
+    if cache.kv_together:
+      k_pages, v_pages, k_scale, v_scale = storage.store_kv(
+        cache.k_pages, cache.k_scale, cache.v_scale, page, slot, k, v
+      )
+    else:
+      k_pages, k_scale = storage.store(cache.k_pages, cache.k_scale, page, slot, k)
+      v_pages, v_scale = storage.store(cache.v_pages, cache.v_scale, page, slot, v)
     return dataclasses.replace(
       cache, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale, kv_lens=cache.kv_lens + q_lens
     )

@@ -101,14 +101,17 @@ def normalize_scales(k_scale, v_scale):
 
 
 def page_dims(q, k_pages, v_pages) -> tuple[int, int, int, int, int]:
-  """(P, page_size, K, H, Hv) of pages [P, page_size, K, H] / [P, page_size, K, Hv], or of merged pages
+  """(P, page_size, K, H, Hv) of pages [P, page_size, K, H] / [P, page_size, K, Hv], of merged pages
   [P, page_size, K * H] / [P, page_size, K * Hv] (a token's kv heads side by side, H = q.shape[2]: the layout the
-  Pallas TPU kernel reads densely for any K and head dim; see `PagedKVCache.create(merged=...)`)."""
+  Pallas TPU kernel reads densely for any K and head dim; see `PagedKVCache.create(merged=...)`), or of kv pages
+  [P, 2, page_size, K * H] given as k_pages with v_pages None (`kv_pages`: a page's K and V in one array)."""
+  if v_pages is None:
+    return _kv_page_dims(q, k_pages)
   for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
-    if x.ndim not in (3, 4):
+    if not hasattr(x, "ndim") or x.ndim not in (3, 4):
       raise ValueError(
         f"{name} must be [P, page_size, K, H] (rank 4) or merged [P, page_size, K * H] (rank 3), got "
-        f"{name}.shape={tuple(x.shape)}"
+        f"{name}.shape={tuple(getattr(x, 'shape', ()))}"
       )
   four = k_pages.ndim == 4
   if k_pages.ndim != v_pages.ndim or k_pages.shape[: 2 + four] != v_pages.shape[: 2 + four]:
@@ -122,11 +125,7 @@ def page_dims(q, k_pages, v_pages) -> tuple[int, int, int, int, int]:
     return (*k_pages.shape, v_pages.shape[3])
   H = q.shape[-1]
   P, page_size, KH = k_pages.shape
-  if H < 1 or KH % H or KH == 0:
-    raise ValueError(
-      f"merged k_pages [P, page_size, K * H] must have a last dim that is a positive multiple of q's head dim "
-      f"H=q.shape[2]={H}, got k_pages.shape={tuple(k_pages.shape)}"
-    )
+  _check_merged_width("merged k_pages [P, page_size, K * H]", k_pages, H)
   K = KH // H
   if v_pages.shape[2] % K:
     raise ValueError(
@@ -134,6 +133,45 @@ def page_dims(q, k_pages, v_pages) -> tuple[int, int, int, int, int]:
       f"{KH} / H={H}), got v_pages.shape={tuple(v_pages.shape)}"
     )
   return P, page_size, K, H, v_pages.shape[2] // K
+
+
+def _check_merged_width(what: str, pages, H: int) -> None:
+  KH = pages.shape[-1]
+  if H < 1 or KH % H or KH == 0:
+    raise ValueError(
+      f"{what} must have a last dim that is a positive multiple of q's head dim H=q.shape[2]={H}, got "
+      f"k_pages.shape={tuple(pages.shape)}"
+    )
+
+
+def _kv_page_dims(q, kv_pages) -> tuple[int, int, int, int, int]:
+  shape = tuple(getattr(kv_pages, "shape", ()))
+  if len(shape) != 4 or shape[1] != 2:
+    raise ValueError(
+      "with v_pages=None, k_pages must be kv pages [P, 2, page_size, K * H] (a page's K, then its V: "
+      f"`PagedKVCache.create(merged='kv')`), got k_pages.shape={shape}"
+    )
+  H = q.shape[-1]
+  _check_merged_width("kv pages k_pages [P, 2, page_size, K * H]", kv_pages, H)
+  P, _, page_size, KH = shape
+  return P, page_size, KH // H, H, H
+
+
+def kv_together(v_pages) -> bool:
+  """Whether the call's pages are kv pages [P, 2, page_size, K * H] (given as k_pages, v_pages None)."""
+  return v_pages is None
+
+
+def page_size_of(k_pages, v_pages) -> int:
+  return k_pages.shape[2] if kv_together(v_pages) else k_pages.shape[1]
+
+
+def kv_apart(k_pages, v_pages):
+  """(k_pages, v_pages) with kv pages [P, 2, page_size, K * H] split into merged K and V pages (slices: the
+  portable backends read them so; the Pallas TPU kernel copies a page's K and V together)."""
+  if kv_together(v_pages):
+    return k_pages[:, 0], k_pages[:, 1]
+  return k_pages, v_pages
 
 
 def unmerge_pages(pages, K: int):
@@ -145,6 +183,8 @@ def unmerge_pages(pages, K: int):
 def check_paged_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale):
   """Static checks; returns (T, N, H, P, page_size, K, S, pages_per_seq)."""
   for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+    if x is None and name == "v_pages":
+      continue  # kv pages: k_pages holds both (`page_dims`)
     if not hasattr(x, "shape"):
       raise TypeError(f"{name} must be an array, got {type(x).__name__}")
   if q.ndim != 3:
@@ -156,7 +196,7 @@ def check_paged_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, nu
   if Hk != H:
     raise ValueError(f"head_dim differs: q.shape[2]={H} but k_pages.shape[3]={Hk} (q and k share a head dim)")
   if H < 1 or Hv < 1:
-    v_dim = "v_pages.shape[3]" if v_pages.ndim == 4 else "v_pages.shape[2] / K"
+    v_dim = "v_pages.shape[3]" if v_pages is not None and v_pages.ndim == 4 else "v_pages.shape[-1] / K"
     raise ValueError(f"head dims must be positive, got q.shape[2]={H} (head_dim) and {v_dim}={Hv} (v_head_dim)")
   if K == 0 or N % K:
     raise ValueError(f"the number of q heads N={N} must be a multiple of the number of kv heads K={K}")

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from flax_ringattn._src import ragged
+from flax_ringattn._src.paged import common
 
 F32 = jnp.float32
 
@@ -50,7 +51,7 @@ def local_operands(operands, axis_name, compact: bool = False):
   q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *rest = operands
   table = owned_page_ids(page_indices, axis_name, k_pages.shape[0])
   if compact:
-    kv_lens, table = compact_decode_rows(kv_lens, table, cu_q_lens, num_seqs, k_pages.shape[1])
+    kv_lens, table = compact_decode_rows(kv_lens, table, cu_q_lens, num_seqs, common.page_size_of(k_pages, v_pages))
   return q, k_pages, v_pages, kv_lens, table, cu_q_lens, num_seqs, *rest
 
 

@@ -23,6 +23,7 @@ from flax_ringattn._src.block_sizes import BlockSizes
 from flax_ringattn._src.paged import common
 
 DEFAULT_PAGED_BLOCKS = BlockSizes(block_q=16, block_kv=128)
+LIKE_K = "like k_pages"  # `PagedPallasTpu.blocks` without v_pages: v's head dim is k's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,13 +45,23 @@ class PagedXla:
   def bwd(self, q, k_pages, v_pages, *args, spec, bidirectional_ids=None):
     k4, v4 = _heads_apart(q, k_pages, v_pages)
     dq, dk, dv = xla_paged.paged_bwd(q, k4, v4, *args, spec=spec, bidirectional_ids=bidirectional_ids)
-    return dq, dk.reshape(k_pages.shape), dv.reshape(v_pages.shape)
+    return (dq, *_as_pages(dk, dv, k_pages, v_pages))
 
 
 def _heads_apart(q, k_pages, v_pages):
-  """The pages as [P, page_size, K, h] (merged ones reshaped: the XLA backend indexes kv heads)."""
+  """The pages as [P, page_size, K, h] (merged ones reshaped, kv pages split: the XLA backend indexes kv heads)."""
   K = common.page_dims(q, k_pages, v_pages)[2]
+  k_pages, v_pages = common.kv_apart(k_pages, v_pages)
   return common.unmerge_pages(k_pages, K), common.unmerge_pages(v_pages, K)
+
+
+def _as_pages(dk, dv, k_pages, v_pages):
+  """Page cotangents dk / dv [P, page_size, K, h] in the layout of the pages they belong to: (dkv, None) for kv
+  pages [P, 2, page_size, K * H]."""
+  if common.kv_together(v_pages):
+    P, _, ps, _ = k_pages.shape
+    return jnp.stack([dk.reshape(P, ps, -1), dv.reshape(P, ps, -1)], axis=1), None
+  return dk.reshape(k_pages.shape), dv.reshape(v_pages.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +75,7 @@ class PagedPallasTpu:
   def with_interpret(self, interpret):
     return dataclasses.replace(self, interpret=pallas_tpu.normalize_interpret(interpret))
 
-  def check_supported(self, *, q, k_pages, block_sizes, **call) -> None:
+  def check_supported(self, *, q, k_pages, block_sizes, v_pages=LIKE_K, **call) -> None:
     if self.interpret is None and not pallas_tpu.on_tpu():
       raise NotImplementedError(
         f"pallas_tpu needs a TPU (default backend is {jax.default_backend()!r}); pass interpret=True to run the "
@@ -72,9 +83,11 @@ class PagedPallasTpu:
       )
     if jnp.dtype(q.dtype) not in pallas_tpu.SUPPORTED_DTYPES:
       raise NotImplementedError(f"pallas_tpu supports float32 and bfloat16 inputs, got dtype={jnp.dtype(q.dtype)}")
-    blocks = self.blocks(q=q, k_pages=k_pages, block_sizes=block_sizes, **call)
+    v_pages = k_pages if v_pages is LIKE_K else v_pages
+    blocks = self.blocks(q=q, k_pages=k_pages, v_pages=v_pages, block_sizes=block_sizes, **call)
+    ps = common.page_size_of(k_pages, v_pages)
     pallas_paged.check_supported(
-      q, k_pages, block_q=blocks.block_q, pages_per_block=max(1, blocks.block_kv // k_pages.shape[1])
+      q, k_pages, v_pages, block_q=blocks.block_q, pages_per_block=max(1, blocks.block_kv // ps)
     )
 
   def blocks(
@@ -87,22 +100,23 @@ class PagedPallasTpu:
     v_scale,
     pages_per_seq,
     logits_soft_cap,
-    v_pages=None,
+    v_pages=LIKE_K,
     bidirectional=False,
   ) -> BlockSizes:
     """The call's blocks, or the planner's for its shapes (v_pages: its head dim Hv may differ from H, as in
-    MLA; None: like k_pages; `bidirectional`: the call has span ids, whose buffers the planner counts)."""
+    MLA; None: k_pages are kv pages; left out: like k_pages; `bidirectional`: the call has span ids, whose
+    buffers the planner counts)."""
     if block_sizes is not None:
       return block_sizes
     T, N, H = q.shape
-    v_pages = k_pages if v_pages is None else v_pages
+    v_pages = k_pages if v_pages is LIKE_K else v_pages
     _, ps, K, _, Hv = common.page_dims(q, k_pages, v_pages)
     f, _ = pallas_paged.lane_groups(q, k_pages, v_pages, k_scale, v_scale)
     K, H, Hv = K // f, H * f, Hv * f  # heads narrower than the lanes run f to a 128-lane group
     rows = tuple(0 if x is None else (1 if x.ndim < 3 else ps) for x in (k_scale, v_scale))
     try:
       cap = logits_soft_cap is not None
-      merged = k_pages.ndim == 3
+      merged = k_pages.ndim == 3 or common.kv_together(v_pages)  # kv pages buffer as merged ones do
       args = (T, ps, pages_per_seq, N, K, H, Hv, q.dtype, k_pages.dtype, rows, cap, bidirectional, merged)
       return _planned(*args, planners.tuned.version())
     except ValueError as e:

@@ -60,6 +60,11 @@ def paged_attention(
       / [P, page_size, K * Hv] (a token's kv heads side by side; K = the last
       dim / q's H): the Pallas TPU kernel reads those densely for any K and
       head dim (`PagedKVCache.create(merged=True)`); cotangents keep the layout.
+      Or kv pages: k_pages [P, 2, page_size, K * H] (a page's merged K, then
+      its merged V; v's head dim is H) with v_pages=None, the layout the
+      Pallas TPU kernel copies with one DMA per page instead of two (pages of
+      few kv heads are small, and a decode's time goes to issuing their
+      copies); `PagedKVCache.create(merged="kv")`.
     kv_lens: [S] tokens of each sequence in the cache, new tokens included.
     page_indices: [S, pages_per_seq] page ids of each sequence, in order.
     cu_q_lens: [S + 1] sequence i owns rows cu_q_lens[i] .. cu_q_lens[i+1]-1.
@@ -157,7 +162,7 @@ def paged_attention(
   seq_axis, shards = context_parallel_axis(mesh, seq_axis, axis_name, k_pages.shape[0], head_axis, K)
   # Inside the caller's shard_map the pages are this device's shard: the ids in the table are global.
   num_pages = k_pages.shape[0] * (shards if axis_name is not None else 1)
-  check_metadata(*call.metadata, q.shape[0], num_pages, k_pages.shape[1], checked=checked)
+  check_metadata(*call.metadata, q.shape[0], num_pages, common.page_size_of(k_pages, v_pages), checked=checked)
   if is_empty(q):
     return empty_out(q, k_pages, v_pages)
   args = (q, k_pages, v_pages, *call.metadata, call.k_scale, call.v_scale, call.bidirectional_ids)
@@ -258,11 +263,13 @@ def _on_mesh(kernel, mesh, seq_axis, head_axis, sinks, args):
   h, rep = head_axis, PartitionSpec()
   # Merged pages [P, page_size, K * H] split on their last dim: a device's kv heads' lanes are consecutive.
   pages = PartitionSpec(seq_axis, None, h, *(None,) * (args[1].ndim - 3))
+  if common.kv_together(args[2]):  # kv pages [P, 2, page_size, K * H]
+    pages = PartitionSpec(seq_axis, None, None, h)
   specs = (
     None if sinks is None else PartitionSpec(h),
     PartitionSpec(None, h, None),  # q [T, N, H]: a kv head's q heads are consecutive (K-major)
     pages,
-    pages,
+    None if args[2] is None else pages,
     rep,
     rep,
     rep,
@@ -287,7 +294,7 @@ class PagedCall:
   v_scale: object
   metadata: tuple  # (kv_lens, page_indices, cu_q_lens, num_seqs) as int32 arrays
   bidirectional_ids: object = None  # [T] int32, or None
-  merged: bool = False  # pages [P, page_size, K * H]
+  merged: bool = False  # pages [P, page_size, K * H], or kv pages [P, 2, page_size, K * H]
 
   @property
   def fuses_cache_write(self) -> bool:
@@ -330,7 +337,7 @@ class PagedCall:
       )
     q, k_new, v_new, k_pages, v_pages = (_as_array(x) for x in (q, k_new, v_new, k_pages, v_pages))
     seq_axis, _ = context_parallel_axis(mesh, seq_axis, None, k_pages.shape[0])
-    check_metadata(*self.metadata, q.shape[0], k_pages.shape[0], k_pages.shape[1], checked=checked)
+    check_metadata(*self.metadata, q.shape[0], k_pages.shape[0], common.page_size_of(k_pages, v_pages), checked=checked)
     sinks = _as_array(validation.check_sinks(sinks, q.shape[1]))
     if is_empty(q):  # no new token: the pages stay as they are
       return empty_out(q, k_pages, v_pages), k_pages, v_pages, self.k_scale, self.v_scale
@@ -414,7 +421,9 @@ def plan_call(
     block_sizes=BlockSizes(block_q=min(blocks.block_q, max(T, 1)), block_kv=pages_per_block * ps),
   )
   metadata = tuple(jnp.asarray(x, jnp.int32) for x in (kv_lens, page_indices, cu_q_lens, num_seqs))
-  return PagedCall(spec, backend, _as_array(k_scale), _as_array(v_scale), metadata, ids, merged=k_pages.ndim == 3)
+  return PagedCall(
+    spec, backend, _as_array(k_scale), _as_array(v_scale), metadata, ids, merged=k_pages.ndim == 3 or v_pages is None
+  )
 
 
 def _as_array(x):
@@ -480,6 +489,8 @@ def _zero_cotangent(x):
 
 
 def _page_cotangent(g, pages):
+  if pages is None:  # kv pages: k_pages' cotangent holds both
+    return None
   if jnp.issubdtype(pages.dtype, jnp.floating):
     return g.astype(pages.dtype)
   return jnp.zeros(pages.shape, jax.dtypes.float0)  # int8 pages: not differentiable

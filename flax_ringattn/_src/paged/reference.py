@@ -42,6 +42,7 @@ def paged_reference_attention(
   window = common.paged_window(local_window_size, sliding_window)
   chunk_size = validation.check_chunk_size(chunk_size)
   span_ids = common.check_bidirectional_ids(bidirectional_ids, T)
+  k_pages, v_pages = common.kv_apart(k_pages, v_pages)
   k_pages, v_pages = common.unmerge_pages(k_pages, K), common.unmerge_pages(v_pages, K)
   G, L, Hv = N // K, pps * ps, v_pages.shape[3]
   sinks = validation.check_sinks(sinks, N)

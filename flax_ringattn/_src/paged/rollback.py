@@ -55,15 +55,16 @@ def rollback(cache, num_tokens, checked: bool):
   page = jnp.where(rows & own & (page >= 0), page, P).reshape(-1)
   slot = jnp.broadcast_to(r, rows.shape).reshape(-1)
 
-  def clear(x):
+  def clear(x, together=False):
     if x is None:
       return None
     x = storage.zero_pages(x, released)
-    return allocator.scatter_set(x, (page, slot), jnp.zeros((), x.dtype))
+    at = (page, slice(None), slot) if together else (page, slot)  # kv pages [P, 2, ps, K * H]: K's row and V's
+    return allocator.scatter_set(x, at, jnp.zeros((), x.dtype))
 
   return dataclasses.replace(
     cache,
-    k_pages=clear(cache.k_pages),
+    k_pages=clear(cache.k_pages, cache.kv_together),
     v_pages=clear(cache.v_pages),
     k_scale=clear(cache.k_scale),
     v_scale=clear(cache.v_scale),

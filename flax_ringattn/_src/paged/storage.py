@@ -43,3 +43,18 @@ def write(pages, scale, page, slot, stored, s):
   if pages.ndim == 3:
     stored = stored.reshape(stored.shape[0], -1)
   return allocator.scatter_set(pages, (page, slot), stored), allocator.scatter_set(scale, (page, slot), s)
+
+
+def store_kv(kv_pages, k_scale, v_scale, page, slot, k, v):
+  """`store` into kv pages [P, 2, page_size, K * H] (a page's K, then its V): (kv_pages, None, k_scale, v_scale),
+  the tokens' k and v [T, K, H] written as one [T, 2, K * H] scatter."""
+  k_store, k_sc = quantize(kv_pages.dtype, k_scale is not None, k)
+  v_store, v_sc = quantize(kv_pages.dtype, v_scale is not None, v)
+  rows = jnp.stack([k_store.reshape(k.shape[0], -1), v_store.reshape(v.shape[0], -1)], axis=1)  # [T, 2, K * H]
+  kv_pages = allocator.scatter_set(kv_pages, (page, slice(None), slot), rows)
+  return (
+    kv_pages,
+    None,
+    allocator.scatter_set(k_scale, (page, slot), k_sc),
+    allocator.scatter_set(v_scale, (page, slot), v_sc),
+  )

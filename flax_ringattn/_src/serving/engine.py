@@ -178,7 +178,8 @@ class ServingEngine:
     cache_dtype: the pages' dtype (default: each layer's, each site's q dtype; int8 / float8 quantize).
     merged_pages: store the caches' pages merged, [P, page_size, K * H] (`PagedKVCache.create(merged=True)`:
       dense on a TPU for any kv heads and head dim; such caches append, then attend, and the ring prefill
-      needs 4-D pages).
+      needs 4-D pages); "kv": merged, with a page's K and V in one array [P, 2, page_size, K * H]
+      (`merged="kv"`: one copy per page in the kernel instead of two).
 
   `generate` / `stream` serve prompts; `stats` counts over the engine's lifetime.  The step is compiled once per
   token bucket it runs at: prompts of other lengths, another `generate`, a draft compile nothing new (a new
@@ -199,7 +200,7 @@ class ServingEngine:
     seq_axis=None,
     ring_prefill_min_tokens: int | None = None,
     cache_dtype=None,
-    merged_pages: bool = False,
+    merged_pages: bool | str = False,
     token_buckets=None,
   ):
     if not isinstance(model, nnx.Module):
@@ -221,10 +222,12 @@ class ServingEngine:
         f"seq_axis={seq_axis!r}"
       )
     self.mesh, self.seq_axis = mesh, seq_axis
+    if not isinstance(merged_pages, bool) and merged_pages != "kv":
+      raise TypeError(f"ServingEngine: merged_pages must be a bool or 'kv', got merged_pages={merged_pages!r}")
     if merged_pages and seq_axis is not None:
       raise NotImplementedError(
-        f"ServingEngine: merged_pages=True with seq_axis={seq_axis!r}: the ring prefill of a cache spread over a "
-        "mesh axis writes [P, page_size, K, H] pages; serve context-parallel with merged_pages=False"
+        f"ServingEngine: merged_pages={merged_pages!r} with seq_axis={seq_axis!r}: the ring prefill of a cache "
+        "spread over a mesh axis writes [P, page_size, K, H] pages; serve context-parallel with merged_pages=False"
       )
     self.ring_prefill_min_tokens = (
       self.max_num_batched_tokens

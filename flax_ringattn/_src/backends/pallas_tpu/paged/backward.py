@@ -121,7 +121,7 @@ def paged_bwd(
     return pp.gather_heads(dq, f, G), dk, dv
   T = q.shape[0]
   d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret)
-  k_pages, v_pages = pp.to_kernel_pages(d, k_pages), pp.to_kernel_pages(d, v_pages)
+  k_pages, v_pages = pp.kernel_pages(d, k_pages, v_pages)
   q, do, lse, delta, bidirectional_ids = (pp.pad_rows(x, d.T) for x in (q, do, lse, delta, bidirectional_ids))
   prefetch, scales = pp.operands(d, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
   dk0, dv0 = (jnp.zeros((d.P, d.ps, d.K, h), c.F32) for h in (d.H, d.Hv))
@@ -143,4 +143,6 @@ def paged_bwd(
   dq, dk, dv = run(*operands)
   if d.merged:  # the cotangents take the pages' layout: [P, ps, K, h] -> [P, ps, K * h]
     dk, dv = (x.reshape(d.P, d.ps, -1) for x in (dk, dv))
+  if d.together:  # kv pages: one cotangent [P, 2, ps, K * H]
+    return dq[:T], jnp.stack([dk, dv], axis=1), None
   return dq[:T], dk, dv

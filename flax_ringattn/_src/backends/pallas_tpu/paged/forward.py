@@ -158,7 +158,7 @@ def paged_fwd(
   T = q.shape[0]
   d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret)
   q, bidirectional_ids = (pp.pad_rows(x, d.T) for x in (q, bidirectional_ids))
-  k_pages, v_pages = pp.to_kernel_pages(d, k_pages), pp.to_kernel_pages(d, v_pages)
+  k_pages, v_pages = pp.kernel_pages(d, k_pages, v_pages)
   prefetch, scales = pp.operands(d, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
   scales += pp.span_operands(d, bidirectional_ids, kv_lens, cu_q_lens, num_seqs)
   kernel = functools.partial(_fwd_kernel, d=d, spec=spec)
@@ -205,10 +205,11 @@ def paged_fwd_write(
       raise NotImplementedError(
         f"the fused cache write stores per-token scales [P, page_size, K], got {name}.ndim={sc.ndim}"
       )
-  if k_pages.ndim == 3:
+  if k_pages.ndim == 3 or v_pages is None:
     raise NotImplementedError(
       "the fused cache write stores one token row at a time, which Mosaic refuses in merged pages "
-      "[P, page_size, K * H] (offsets along tiled dimensions); append the K/V, then call paged_attention"
+      "[P, page_size, K * H] and kv pages [P, 2, page_size, K * H] (offsets along tiled dimensions); append the "
+      "K/V, then call paged_attention"
     )
   T = q.shape[0]
   d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret, write=True)

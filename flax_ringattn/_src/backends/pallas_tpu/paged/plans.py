@@ -40,6 +40,9 @@ class PagedDims:
   # Merged pages: [P, ps, K * H] (a token's kv heads side by side along the lanes), copied into [2, ppb * ps, K * H]
   # buffers, where head k is the lane slice [k * H, (k + 1) * H): dense for any K, no strided load.
   merged: bool = False
+  # kv pages: one [P, 2, ps, K * H] array, a page's K and V (each merged) copied together, with one DMA, into one
+  # [2, 2, ppb * ps, K * H] buffer (slot, then K or V: `walk.Half`).  Implies `merged`, and Hv == H.
+  together: bool = False
 
   @property
   def flat(self) -> bool:
@@ -101,10 +104,12 @@ def fits_window(lo, hi, window: int, rows: int, div=operator.floordiv):
   return (hi <= row0 + window) & (row0 + window <= rows), row0
 
 
-def check_supported(q, k_pages, *, block_q, pages_per_block) -> tuple[int, int]:
-  """(bq, ppb) for this call, or NotImplementedError for valid input the kernel does not handle."""
+def check_supported(q, k_pages, v_pages=(), *, block_q, pages_per_block) -> tuple[int, int]:
+  """(bq, ppb) for this call, or NotImplementedError for valid input the kernel does not handle (v_pages None:
+  k_pages are kv pages [P, 2, ps, K * H]; left out: not)."""
   T = q.shape[0]
-  ps = k_pages.shape[1]
+  together = v_pages is None
+  ps = k_pages.shape[2] if together else k_pages.shape[1]
   if jnp.dtype(q.dtype) not in SUPPORTED_Q_DTYPES:
     raise NotImplementedError(f"pallas_tpu paged attention supports float32 and bfloat16 q, got q.dtype={q.dtype}")
   sub = c.sublanes(q.dtype)
@@ -113,7 +118,7 @@ def check_supported(q, k_pages, *, block_q, pages_per_block) -> tuple[int, int]:
       f"pallas_tpu paged attention needs page_size to be a multiple of {sub} for {jnp.dtype(q.dtype).name} q "
       f"(a page is a whole number of sublane tiles), got page_size={ps}; use implementation='xla'"
     )
-  if k_pages.ndim == 3 and ps % c.sublanes(k_pages.dtype):
+  if (k_pages.ndim == 3 or together) and ps % c.sublanes(k_pages.dtype):
     raise NotImplementedError(
       f"pallas_tpu paged attention with merged pages [P, page_size, K * H] of {jnp.dtype(k_pages.dtype).name} "
       f"needs page_size to be a multiple of {c.sublanes(k_pages.dtype)} (a page is a whole number of that dtype's "
@@ -144,11 +149,17 @@ def pad_rows(x, rows: int):
 
 
 def dims_of(q, k_pages, v_pages, page_indices, k_scale, v_scale, *, bq, ppb, write=False, spans=False) -> PagedDims:
+  """v_pages None: k_pages are kv pages [P, 2, ps, K * H] (`PagedDims.together`)."""
   T, N, H = q.shape
-  P, ps = k_pages.shape[:2]
-  merged = k_pages.ndim == 3
-  K = k_pages.shape[2] // H if merged else k_pages.shape[2]
-  Hv = v_pages.shape[2] // K if merged else v_pages.shape[3]
+  together = v_pages is None
+  if together:
+    P, _, ps, KH = k_pages.shape
+    merged, K, Hv = True, KH // H, H
+  else:
+    P, ps = k_pages.shape[:2]
+    merged = k_pages.ndim == 3
+    K = k_pages.shape[2] // H if merged else k_pages.shape[2]
+    Hv = v_pages.shape[2] // K if merged else v_pages.shape[3]
   S, pps = page_indices.shape
   rows = tuple(0 if x is None else (1 if x.ndim < 3 else ps) for x in (k_scale, v_scale))
   return PagedDims(
@@ -169,6 +180,7 @@ def dims_of(q, k_pages, v_pages, page_indices, k_scale, v_scale, *, bq, ppb, wri
     v_head_dim=None if Hv == H else Hv,
     spans=spans,
     merged=merged,
+    together=together,
   )
 
 
@@ -183,9 +195,11 @@ def lane_groups(q, k_pages, v_pages, k_scale, v_scale) -> tuple[int, int]:
   each output row keeps its own head's lanes (`gather_heads`).  f = 1 (no regrouping) for 4-D pages, quantized
   pages (their scales are per kv head), K and V head dims that differ, or K not a multiple of f.  G = N / K."""
   H, N = q.shape[-1], q.shape[1]
-  if k_pages.ndim != 3 or k_scale is not None or v_scale is not None or k_pages.shape != v_pages.shape:
+  if v_pages is not None and (k_pages.ndim != 3 or k_pages.shape != v_pages.shape):
     return 1, 0
-  K = k_pages.shape[2] // H
+  if k_scale is not None or v_scale is not None:
+    return 1, 0
+  K = k_pages.shape[-1] // H
   if H >= c.LANES or c.LANES % H or K % (c.LANES // H):
     return 1, N // K
   return c.LANES // H, N // K
@@ -230,8 +244,10 @@ def kv_buffer_shape(d: PagedDims, h: int) -> tuple:
 
 
 def page_shape(d: PagedDims, h: int) -> tuple:
-  """The page buffers as the kernels take them: merged as given [P, ps, K * h], [P, ps * K, h] when flat (a free
-  reshape), else as given [P, ps, K, h]."""
+  """The page buffers as the kernels take them: kv pages as given [P, 2, ps, K * h], merged as given
+  [P, ps, K * h], [P, ps * K, h] when flat (a free reshape), else as given [P, ps, K, h]."""
+  if d.together:
+    return (d.P, 2, d.ps, d.K * h)
   if d.merged:
     return (d.P, d.ps, d.K * h)
   return (d.P, d.ps * d.K, h) if d.flat else (d.P, d.ps, d.K, h)
@@ -242,13 +258,25 @@ def to_kernel_pages(d: PagedDims, x):
   return x if x is None else x.reshape(page_shape(d, x.shape[-1] // (d.K if d.merged else 1)))
 
 
+def kernel_pages(d: PagedDims, k_pages, v_pages) -> tuple:
+  """(k_pages, v_pages) as the kernels take them (`to_kernel_pages`); kv pages go in as both (one HBM array, two
+  operands: the kernels' signatures stay those of K and V apart)."""
+  if d.together:
+    return k_pages, k_pages
+  return to_kernel_pages(d, k_pages), to_kernel_pages(d, v_pages)
+
+
 def from_kernel_pages(d: PagedDims, x):
   """The inverse of `to_kernel_pages`: the pages in the caller's layout."""
   return x if d.merged else x.reshape(d.P, d.ps, d.K, x.shape[-1])
 
 
 def _kv_scratch(d: PagedDims):
-  bufs = [(kv_buffer_shape(d, d.H), d.page_dtype), (kv_buffer_shape(d, d.Hv), d.page_dtype)]
+  if d.together:  # [slot, K or V, rows, lanes]: a page's K and V land with one copy (`walk.Half` reads each)
+    slots, rows, lanes = kv_buffer_shape(d, d.H)
+    bufs = [((slots, 2, rows, lanes), d.page_dtype)]
+  else:
+    bufs = [(kv_buffer_shape(d, d.H), d.page_dtype), (kv_buffer_shape(d, d.Hv), d.page_dtype)]
   bufs += [((2, d.ppb, r, d.K), c.F32) for r in d.scale_rows if r]
   if d.spans:
     bufs.append(((2, 1, d.block_tokens), jnp.int32))  # the kv block's bidirectional ids, along the lanes
@@ -401,7 +429,8 @@ def operands(d: PagedDims, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, 
 
 def spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret, write=False):
   block_q, block_kv = spec.block_sizes.block_q, spec.block_sizes.block_kv
-  bq, ppb = check_supported(q, k_pages, block_q=block_q, pages_per_block=block_kv // k_pages.shape[1])
+  ps = k_pages.shape[2] if v_pages is None else k_pages.shape[1]
+  bq, ppb = check_supported(q, k_pages, v_pages, block_q=block_q, pages_per_block=block_kv // ps)
   scale_dims = [None if x is None else jnp.asarray(x) for x in (k_scale, v_scale)]
   spans = spec.mask.has_bidirectional
   d = dims_of(q, k_pages, v_pages, page_indices, *scale_dims, bq=bq, ppb=ppb, write=write, spans=spans)

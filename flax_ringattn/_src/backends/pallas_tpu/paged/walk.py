@@ -93,6 +93,10 @@ def _start_pages(d: pp.PagedDims, r: Refs, pages: list[Page], slot):
   r.tokens_sc[slot] = sum(p.tokens for p in pages)
   r.tokens_sc[2 + slot] = sum(p.rows for p in pages)
   for j, page in enumerate(pages):
+    if d.together:  # the page's K and V rows in one copy
+      dst = r.k_buf.buf.at[slot, :, pl.ds(j * d.ps, page.rows)]
+      pltpu.make_async_copy(r.k_hbm.at[page.pid, :, pl.ds(0, page.rows)], dst, r.sem.at[slot]).start()
+      continue
     for hbm, buf in ((r.k_hbm, r.k_buf), (r.v_hbm, r.v_buf)):
       dst = buf.at[slot, pl.ds(j * d.ps * per, page.rows)]
       pltpu.make_async_copy(hbm.at[page.pid, pl.ds(0, page.rows)], dst, r.sem.at[slot]).start()
@@ -183,6 +187,10 @@ def _start_whole_pages(d: pp.PagedDims, r: Refs, s, b, slot):
   for j in range(d.ppb):
     valid, pid = _page_id(d, r.table[base + j])
     bad = bad | ~valid
+    if d.together:  # one copy per page, its K and V: the scalar core issues half the copies
+      dst = r.k_buf.buf.at[slot, :, pl.ds(j * d.ps, d.ps)]
+      pltpu.make_async_copy(r.k_hbm.at[pid], dst, r.sem.at[slot]).start()
+      continue
     for hbm, buf in ((r.k_hbm, r.k_buf), (r.v_hbm, r.v_buf)):
       pltpu.make_async_copy(hbm.at[pid], _page_slot(d, buf, slot, j), r.sem.at[slot]).start()
   r.tokens_sc[slot] = d.block_tokens - bad.astype(jnp.int32)
@@ -398,10 +406,53 @@ def split_spans(d: pp.PagedDims, refs):
   return (refs.pop(0), refs.pop(0)), refs
 
 
+class Half:
+  """K (i = 0) or V (i = 1) of kv pages' VMEM buffer [2 slots, 2, rows, lanes] (`PagedDims.together`), indexed as
+  a [2 slots, rows, lanes] buffer of its own: `half[slot, ...]` and `half.at[slot, ...]` are the buffer's
+  [slot, i, ...].  The walk's copies fill both halves of a page at once through `buf`."""
+
+  def __init__(self, buf, i: int):
+    self.buf, self.i = buf, i
+
+  @property
+  def shape(self) -> tuple:
+    return (self.buf.shape[0], *self.buf.shape[2:])
+
+  @property
+  def dtype(self):
+    return self.buf.dtype
+
+  @property
+  def at(self):
+    return _HalfAt(self)
+
+  def index(self, idx) -> tuple:
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    return (idx[0], self.i, *idx[1:])
+
+  def __getitem__(self, idx):
+    return self.buf[self.index(idx)]
+
+  def __setitem__(self, idx, value):
+    self.buf[self.index(idx)] = value
+
+
+class _HalfAt:
+  def __init__(self, half: Half):
+    self.half = half
+
+  def __getitem__(self, idx):
+    return self.half.buf.at[self.half.index(idx)]
+
+
 def split_scratch(d: pp.PagedDims, refs):
-  """(k_buf, v_buf, scale_bufs, kv_ids_buf or None, keys_sc, the rest)."""
+  """(k_buf, v_buf, scale_bufs, kv_ids_buf or None, keys_sc, the rest); kv pages' one buffer as its two `Half`s."""
   refs = list(refs)
-  k_buf, v_buf = refs.pop(0), refs.pop(0)
+  if d.together:
+    buf = refs.pop(0)
+    k_buf, v_buf = Half(buf, 0), Half(buf, 1)
+  else:
+    k_buf, v_buf = refs.pop(0), refs.pop(0)
   scale_bufs = tuple(refs.pop(0) if rows else None for rows in d.scale_rows)
   ids_buf = refs.pop(0) if d.spans else None
   return k_buf, v_buf, scale_bufs, ids_buf, refs.pop(0), refs
