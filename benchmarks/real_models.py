@@ -264,7 +264,7 @@ def serve_table(report, c, args, chip) -> None:
           max_num_seqs=batch,
           pages_per_seq=pages_per_seq,
           max_num_batched_tokens=max(args.prefill_rows, batch),
-          merged_pages=args.merged,
+          merged_pages="kv" if args.kv_pages else args.merged,
         )
         rng = np.random.default_rng(ctx + batch)
         fresh = lambda n, rng=rng, ctx=ctx: [list(rng.integers(1, c.vocab, ctx)) for _ in range(n)]  # noqa: E731
@@ -304,7 +304,8 @@ def serve_table(report, c, args, chip) -> None:
       rows.append(row)
       report.progress(f"serve ctx={ctx} batch={batch}: {row[2:]}")
   report.table(
-    f"Serving {c.name} with ServingEngine (converted to paged attention{', merged pages' * args.merged}), "
+    f"Serving {c.name} with ServingEngine (converted to paged attention"
+    f"{', kv pages' if args.kv_pages else ', merged pages' * args.merged}), "
     f"page {args.page_size}, {args.new_tokens} new tokens per sequence",
     ["context", "batch", "decode tokens/s", "decode step ms", "host ms/step", "% HBM roofline", "TTFT ms"]
     + ["prefill tokens/s", "notes"],
@@ -363,6 +364,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--page-size", type=int, default=16)
   p.add_argument("--prefill-rows", type=int, default=1024, help="serve: max_num_batched_tokens")
   p.add_argument("--merged", action="store_true", help="serve: merged pages [P, page, K * H]")
+  p.add_argument("--kv-pages", action="store_true", help="serve: kv pages [P, 2, page, K * H] (merged_pages='kv')")
   p.add_argument("--interpret", action="store_true", help="kernels in interpret mode (default off a TPU)")
   bench.add_compilation_cache_args(p)
   bench.add_report_args(p)

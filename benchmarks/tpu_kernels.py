@@ -741,11 +741,11 @@ def our_paged_blocks(x: PagedInputs, blocks, pages=None) -> str | None:
     from flax_ringattn._src.paged.implementations import PagedPallasTpu
 
     k, v = (x.k, x.v) if pages is None else pages
-    page = k.shape[1]
+    page = k.shape[2] if v is None else k.shape[1]  # kv pages [P, 2, page, K * H] when v is None
     if blocks is None:
       shape = dict(k_scale=None, v_scale=None, pages_per_seq=x.meta[1].shape[1], logits_soft_cap=None)
       blocks = PagedPallasTpu().blocks(q=x.q, k_pages=k, v_pages=v, block_sizes=None, **shape)
-    bq, ppb = plans.check_supported(x.q, k, block_q=blocks.block_q, pages_per_block=blocks.block_kv // page)
+    bq, ppb = plans.check_supported(x.q, k, v, block_q=blocks.block_q, pages_per_block=blocks.block_kv // page)
     return f"{bq}x{ppb * page}"
   except Exception:
     return None
@@ -866,6 +866,8 @@ def paged_layout_table(report, steps, paged: dict, page: int, args, chip, *, tit
     ours_pages = (x.k, x.v)
     if merged_pages:  # the layout PagedKVCache.create(merged=True) stores: a token's kv heads side by side
       ours_pages = tuple(a.reshape(*a.shape[:2], K * H) for a in (x.k, x.v))
+      if args.paged_kv_pages:  # merged="kv": one [P, 2, page, K * H] array, v_pages None
+        ours_pages = (jnp.stack(ours_pages, axis=1), None)
     live = step.new_tokens  # rows past the sequences' are padding: not compared
     to_ours = lambda o, live=live: o[:live]
     kv_bytes = sum(step.kv_lens) * K * H * item * 2  # K and V of every cached token each sequence attends to
@@ -904,13 +906,21 @@ def paged_layout_table(report, steps, paged: dict, page: int, args, chip, *, tit
   )
   report.table(
     f"{title}Ragged paged attention: paged_attention(implementation='pallas_tpu') vs JAX's ragged_paged_attention; "
-    f"N={N} K={K} H={H} bfloat16, page {page}, shuffled pages" + (", ours on merged pages" if merged_pages else ""),
+    f"N={N} K={K} H={H} bfloat16, page {page}, shuffled pages"
+    + (", ours on merged pages" if merged_pages and not args.paged_kv_pages else "")
+    + (", ours on kv pages [P, 2, page, K * H]" if merged_pages and args.paged_kv_pages else ""),
     PAGED_HEADER,
     rows,
     formats=PAGED_FORMATS,
     notes=[
       "rows: q rows of the call (T = max_num_batched_tokens; rows past the new tokens are padding, not compared).",
-      ("Ours: k_pages / v_pages merged [P, page, K * H]" if merged_pages else "Ours: k_pages / v_pages [P, page, K, H]")
+      (
+        "Ours: kv pages [P, 2, page, K * H] (v_pages None)"
+        if merged_pages and args.paged_kv_pages
+        else "Ours: k_pages / v_pages merged [P, page, K * H]"
+        if merged_pages
+        else "Ours: k_pages / v_pages [P, page, K, H]"
+      )
       + "; jax: one cache [P, page, 2K, H] (K at even, V at odd heads) built",
       f"from the same pages before timing.  {peer_note}",
       "Pages: exactly those the batch needs, in a random permutation.  KV MB / GB/s: the K and V bytes of each",
@@ -1028,6 +1038,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     "--paged-layouts, 'decode,random,mixed,prefill')",
   )
   add("--paged-heads-pages", action="store_true", help="paged table: also time ours on [P, page, K, H] pages")
+  add(
+    "--paged-kv-pages",
+    action="store_true",
+    help="paged table with --paged-layouts: ours on kv pages [P, 2, page, K * H] (merged='kv': a page's K and V "
+    "in one array, one copy each) instead of merged K and V pages",
+  )
   add(
     "--layout-timeout",
     type=float,
