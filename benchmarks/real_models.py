@@ -246,30 +246,44 @@ def serve_table(report, c, args, chip) -> None:
   rows = []
   bw = chip.memory_bandwidth if chip else None
   weight_bytes = c.params() * 2
+  # One engine serves every row: sized for the largest batch and context, its step programs depend on the token
+  # bucket alone, so the rows share them (a real-size model's step program takes tens of seconds to compile).
+  batch_max, page = max(args.batches), args.page_size
+  pages_per_seq = -(-(max(args.contexts) + args.new_tokens) // page)
+  try:
+    model = decoders.Decoder(c, rngs=nnx.Rngs(0))
+    probe = jnp.zeros((1, 8), jnp.int32)
+    fr.convert(model, to="paged", example=lambda m: decoders.call(m, probe, probe), **_kernels(args.interpret))
+    engine = fr.ServingEngine(
+      model,
+      call=decoders.call,
+      num_pages=batch_max * pages_per_seq,
+      page_size=page,
+      max_num_seqs=batch_max,
+      pages_per_seq=pages_per_seq,
+      max_num_batched_tokens=max(args.prefill_rows, batch_max),
+      merged_pages="kv" if args.kv_pages else args.merged,
+    )
+    # The buckets the rows step at: decodes of each batch, and full prefill chunks (a prompt's last chunk may take
+    # a smaller one: the run of 2 new tokens below compiles it before any timing).
+    buckets = {engine.rows_for(b) for b in args.batches} | {engine.token_buckets[-1]}
+    t0 = time.perf_counter()
+    compiled = engine.warmup(buckets=sorted(buckets))
+    report.progress(
+      f"serve: {compiled} programs compiled in {time.perf_counter() - t0:.1f} s (buckets {sorted(buckets)})"
+    )
+  except Exception as e:  # noqa: BLE001
+    engine, failed = None, _error(e)
   for ctx in args.contexts:
     for batch in args.batches:
       row = [ctx, batch]
+      if engine is None:
+        rows.append(row + [None] * 6 + [failed])
+        continue
       try:
-        model = decoders.Decoder(c, rngs=nnx.Rngs(0))
-        probe = jnp.zeros((1, 8), jnp.int32)
-        fr.convert(model, to="paged", example=lambda m, probe=probe: decoders.call(m, probe, probe),
-                   **_kernels(args.interpret))  # fmt: skip
-        page = args.page_size
-        pages_per_seq = -(-(ctx + args.new_tokens) // page)
-        engine = fr.ServingEngine(
-          model,
-          call=decoders.call,
-          num_pages=batch * pages_per_seq,
-          page_size=page,
-          max_num_seqs=batch,
-          pages_per_seq=pages_per_seq,
-          max_num_batched_tokens=max(args.prefill_rows, batch),
-          merged_pages="kv" if args.kv_pages else args.merged,
-        )
         rng = np.random.default_rng(ctx + batch)
         fresh = lambda n, rng=rng, ctx=ctx: [list(rng.integers(1, c.vocab, ctx)) for _ in range(n)]  # noqa: E731
-        engine.warmup()  # every token bucket's step program (`ServingEngine.token_buckets`), before any timing
-        engine.generate(fresh(batch), max_new_tokens=2)
+        engine.generate(fresh(batch), max_new_tokens=2)  # any bucket the warm-up left out, before any timing
         compiled = engine.stats.compiles
         t0, first = time.perf_counter(), None
         for _ in engine.stream(fresh(1), max_new_tokens=1):
@@ -320,6 +334,8 @@ def serve_table(report, c, args, chip) -> None:
       "step.  TTFT: one prompt of `context` tokens to its first token.  prefill tokens/s: batch x context over the",
       "run to 1 new token.  host ms/step: the engine's wall time outside its step calls (scheduling, admission,",
       "releases; `EngineStats.seconds - step_seconds`) over the steps of the 1 + M run: the device waits through it.",
+      "One engine serves every row, sized for the largest batch and context (its step programs depend on the token",
+      "bucket alone); its warm-up compiles the buckets the rows step at (`warmup(buckets=...)`).",
     ],  # fmt: skip
   )
 

@@ -362,3 +362,15 @@ def test_warmup_compiles_every_bucket_and_changes_nothing():
   prompts = _prompts(3, (26, 8))
   assert engine.generate(prompts, max_new_tokens=4) == served.want(prompts, max_new=4)
   assert engine.stats.compiles == compiled and engine.stats.steps > 0
+
+
+def test_warmup_of_some_buckets_compiles_those_alone():
+  """`warmup(buckets=...)` compiles the step programs of the named buckets only (and the release); the others
+  compile when a step first needs them, and a bucket that is not one of `token_buckets` is refused by name."""
+  served = Served("llama")
+  engine = fr.ServingEngine(served.model, call=sm.engine_call, **(GEOMETRY | dict(max_num_batched_tokens=40)))
+  assert engine.token_buckets == (16, 32, 40)
+  assert engine.warmup(buckets=(16,)) == 2  # bucket 16 and the release program
+  assert engine.warmup(buckets=(16,)) == 0 and engine.warmup(buckets=(32, 40)) == 2
+  with pytest.raises(ValueError, match=r"buckets must be among token_buckets=\(16, 32, 40\), got \[24\]"):
+    engine.warmup(buckets=(24, 32))

@@ -520,9 +520,11 @@ class ServingEngine:
     self._caches = _committed_beside(caches, rest)
     self._free_pages = None  # the model's caches, as the caller may have changed them: not yet counted
 
-  def warmup(self, *, top_k: int | None = None, top_p: float | None = None) -> int:
+  def warmup(self, *, top_k: int | None = None, top_p: float | None = None, buckets=None) -> int:
     """Compiles the step program of every token bucket now (and the cache's admission and release programs), so
     that no later step waits for one; returns how many were compiled (0 when every one already was).
+    `buckets`: only these of `token_buckets` (a serving loop that knows its step sizes, e.g. decodes of its batch
+    and full prefill chunks, compiles only those: a real-size model's step program takes tens of seconds).
 
     A step compiles when it first needs its bucket (`token_buckets`), which a serving loop meets one by one, mid
     stream: a mixed prefill + decode step of an odd size, a long prompt's first chunk.  Each warm-up step holds
@@ -531,10 +533,20 @@ class ServingEngine:
     cache on, a second start reads the programs back instead of compiling them.
     """
     args = _sampling_args(sampling.check(0.0, top_k, top_p, 0))
+    if buckets is None:
+      buckets = self.token_buckets
+    else:
+      buckets = tuple(buckets)
+      bad = [b for b in buckets if b not in self.token_buckets]
+      if bad:
+        raise ValueError(
+          f"ServingEngine.warmup: buckets must be among token_buckets={self.token_buckets}, got {bad!r} (a step "
+          "runs at the least bucket that holds its tokens: `rows_for(tokens)`)"
+        )
     S, before, steps, step_seconds = self.max_num_seqs, self.stats.compiles, self.stats.steps, self.stats.step_seconds
     self._take_caches()
     try:
-      for rows in self.token_buckets:
+      for rows in sorted(set(buckets)):
         zeros = np.zeros(rows, np.int32)
         self.ragged_step(zeros, zeros, np.zeros(S + 1, np.int32), np.zeros((rows, 2), np.int32), args)
       self.fits(np.zeros(S, np.int32))  # the admission check and the release each step and stream run
