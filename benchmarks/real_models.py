@@ -115,12 +115,13 @@ def build(way: str, c: decoders.DecoderConfig, T: int, tokens, positions, interp
 # -- training --------------------------------------------------------------------------------------------
 
 
-REMAT_POLICIES = {"none": None, "attention": fr.save_attention_residuals}
+REMAT_POLICIES = {"none": None, "attention": fr.save_attention_residuals, "mask": fr.save_mask_structure}
 
 
 def forward(model, tokens, positions, remat: bool, policy: str = "none"):
   """The model's forward, each block rematerialised in the backward with `remat`, saving what `policy`
-  (REMAT_POLICIES) names: 'attention', this library's attention output and lse (no other way has them)."""
+  (REMAT_POLICIES) names: 'attention', this library's attention output and lse (no other way has them); 'mask', the
+  structure recovered from the model's dense mask alone (the backward neither reads nor keeps the mask)."""
   if not remat:
     return model(tokens, positions)
   T = tokens.shape[1]
@@ -369,7 +370,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     "--remat-policy",
     default="none",
     choices=sorted(REMAT_POLICIES),
-    help="train: what --remat saves (attention: fr.save_attention_residuals)",
+    help="train: what --remat saves (attention: fr.save_attention_residuals; mask: fr.save_mask_structure)",
   )
   p.add_argument("--longest-from", type=int, default=8192, help="longest: the first sequence length tried")
   p.add_argument("--longest-cap", type=int, default=131072, help="longest: the last sequence length tried")

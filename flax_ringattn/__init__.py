@@ -15,7 +15,8 @@ The public surface (see README.md for the table):
 * masks: `Mask` (every term of the mask as one object, `mask=`); dense masks:
   `padded_segment_ids`, `structure_from_dense_mask` (`DenseStructure`),
   `dense_mask_from_structure`
-* training: `save_attention_residuals` (a remat policy: the backward does not rerun the attention forward)
+* training: `save_attention_residuals` (a remat policy: the backward does not rerun the attention forward),
+  `save_mask_structure` (a remat policy for long sequences: the backward does not keep the model's dense mask)
 * `flax_ringattn.testing`: helpers for your own tests (imported on demand)
 * `flax_ringattn.benchmarking`: the benchmark harness, hardware table and cost
   model the scripts in `benchmarks/` share (imported on demand)
@@ -38,7 +39,7 @@ from flax_ringattn._src.dense_masks import (
   padded_segment_ids,
   structure_from_dense_mask,
 )
-from flax_ringattn._src.flash import save_attention_residuals
+from flax_ringattn._src.flash import save_attention_residuals, save_mask_structure
 from flax_ringattn._src.implementations import available_implementations
 from flax_ringattn._src.layout import zigzag_inverse, zigzag_order, zigzag_positions
 from flax_ringattn._src.masks import Mask
@@ -90,6 +91,7 @@ __all__ = [
   "reference_attention",
   "ring_attention",
   "save_attention_residuals",
+  "save_mask_structure",
   "StrategyAdvice",
   "StrategyEstimate",
   "suggest_strategy",

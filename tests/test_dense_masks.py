@@ -319,9 +319,10 @@ def test_a_traced_mask_puts_no_cond_around_the_diagonal_kernels():
 
 
 def test_the_remat_policy_saves_the_recovered_mask_structure():
-  """`save_attention_residuals` also saves what a traced mask's recovery found (O(T)), so a rematerialised block's
-  backward does not compare the [T, T] mask again (nor keep it for that): fewer [T, T] compares in the gradient's
-  program than under a plain remat, and the same gradients."""
+  """`save_attention_residuals` (and `save_mask_structure`, which saves that alone) also saves what a traced mask's
+  recovery found (O(T)), so a rematerialised block's
+  backward does not compare the [T, T] mask again (nor keep it for that): the gradient's program compares the
+  mask as often as the forward does (a plain remat's, twice as often), and the gradients are the same."""
 
   def block(q, k, v, mask):
     return fr.dot_product_attention(q, k, v, mask=mask, implementation="xla")
@@ -341,7 +342,9 @@ def test_the_remat_policy_saves_the_recovered_mask_structure():
   def square_compares(eqns):
     n = 0
     for e in eqns:
-      n += e.primitive.name == "eq" and any(getattr(o.aval, "shape", ())[-2:] == (T, T) for o in e.outvars)
+      # The mask check compares the mask itself (bool); the attention's own [T, T] compares are of int ids.
+      bools = all(getattr(x.aval, "dtype", None) == jnp.bool_ for x in e.invars if hasattr(x, "aval"))
+      n += e.primitive.name == "eq" and bools and any(getattr(o.aval, "shape", ())[-2:] == (T, T) for o in e.outvars)
       for p in e.params.values():
         for j in p if isinstance(p, (tuple, list)) else (p,):
           inner = j if hasattr(j, "eqns") else getattr(j, "jaxpr", None)
@@ -349,9 +352,12 @@ def test_the_remat_policy_saves_the_recovered_mask_structure():
             n += square_compares(inner.eqns)
     return n
 
-  grad = {p: jax.grad(loss(p), argnums=(0, 1, 2)) for p in (None, fr.save_attention_residuals)}
+  policies = (fr.save_attention_residuals, fr.save_mask_structure)
+  grad = {p: jax.grad(loss(p), argnums=(0, 1, 2)) for p in (None, *policies)}
   counts = {p: square_compares(jax.make_jaxpr(g)(q, k, v).jaxpr.eqns) for p, g in grad.items()}
   forward = square_compares(jax.make_jaxpr(loss(None))(q, k, v).jaxpr.eqns)
-  # A plain remat's backward compares everything the forward did once more; the policy's, none of it.
-  assert counts[None] - counts[fr.save_attention_residuals] >= forward > 0, (counts, forward)
-  assert_close(jax.jit(grad[fr.save_attention_residuals])(q, k, v), jax.jit(grad[None])(q, k, v), jnp.float32)
+  # A plain remat's backward compares the mask once more, as the forward did; the policies' backward, never.
+  assert counts[None] == 2 * forward > 0, (counts, forward)
+  for policy in policies:
+    assert counts[policy] == forward, (policy.__name__, counts, forward)
+    assert_close(jax.jit(grad[policy])(q, k, v), jax.jit(grad[None])(q, k, v), jnp.float32)

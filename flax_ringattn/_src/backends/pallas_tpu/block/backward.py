@@ -293,6 +293,10 @@ def _fused(spec, dims, kinds, q_side, kv_side, mask_ops, q_tok, kv_tok, drop_ops
     )
     return dq + jnp.sum(parts, axis=0, dtype=c.F32), (dk, dv)
 
-  dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(q_side[0].shape, c.F32), jnp.arange(chunks))
+  # The float32 dq accumulator starts as zeros tied to do: a constant zero buffer has no inputs, so XLA may place
+  # it anywhere before the scan, and in a rematerialised decoder it put every layer's there at once (32k tokens of
+  # 14 heads of 64: 22 live 224 MiB accumulators, an out-of-memory compile on a v5e).
+  zeros, _ = jax.lax.optimization_barrier((jnp.zeros(q_side[0].shape, c.F32), q_side[1]))
+  dq, (dk, dv) = jax.lax.scan(step, zeros, jnp.arange(chunks))
   whole = lambda x: jnp.moveaxis(x, 0, 2).reshape(B, x.shape[2], S, x.shape[-1])  # noqa: E731  [C, B, K, span, H]
   return dq, whole(dk), whole(dv)
