@@ -860,3 +860,32 @@ def test_merged_cache_appends_then_attends(heads, hd):
     assert call.merged and not call.fuses_cache_write
     with pytest.raises(NotImplementedError, match="merged pages True"):
       call.attend_and_write(q, *batch[1:3], c.k_pages, c.v_pages)
+
+
+def test_layers_with_the_same_shapes_share_one_paged_kernel(monkeypatch):
+  """The paged kernels sit behind one jit each (`implementations._paged_fwd` / `_paged_bwd`): the layers of a
+  decoder, which call them with the same shapes and options, lower to one Mosaic kernel per direction that each
+  calls (lowered for TPU on this CPU machine), so a serving step of a 24-block model compiles its kernel once, not
+  24 times; a call of another shape gets its own."""
+  import flax_ringattn._src.backends.pallas_tpu as pallas_tpu
+
+  monkeypatch.setattr(pallas_tpu, "on_tpu", lambda: True)  # lower the compiled kernels, as on a chip
+  sds = jax.ShapeDtypeStruct
+  S, pps, ps = 4, 4, 16
+  meta = [sds(x, jnp.int32) for x in ((S,), (S, pps), (S + 1,), (1,))]
+
+  def layers(q, kv, q2, *m):
+    out = q
+    for _ in range(3):  # three layers, one shape
+      out = fr.paged_attention(out, kv, None, *m, implementation="pallas_tpu")
+    return out, fr.paged_attention(q2, kv, None, *m, implementation="pallas_tpu")
+
+  def grad(q, kv, q2, *m):
+    return jax.grad(lambda q: layers(q, kv, q2, *m)[0].astype(jnp.float32).sum())(q)
+
+  q, q2 = sds((32, 8, 128), jnp.bfloat16), sds((64, 8, 128), jnp.bfloat16)
+  kv = sds((S * pps, 2, ps, 128), jnp.bfloat16)
+  text = export.export(jax.jit(layers), platforms=("tpu",))(q, kv, q2, *meta).mlir_module()
+  assert text.count("tpu_custom_call") == 2  # one kernel for the three 32-row calls, one for the 64-row call
+  text = export.export(jax.jit(grad), platforms=("tpu",))(q, kv, q2, *meta).mlir_module()
+  assert text.count("tpu_custom_call") == 2  # the forward and the backward, each shared by the three layers
