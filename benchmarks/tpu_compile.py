@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -96,8 +97,9 @@ def compile_step(way: str, c, T: int, args, device) -> dict:
 
 def _first_line(e: Exception) -> str:
   text = str(e).strip()
-  if "HLO temporaries" in text:
-    return text[text.index("the total memory") :].split(".")[0] + "." if "the total memory" in text else text[:160]
+  found = re.search(r"HLO temporaries \(([^)]*)\) exceeds available HBM \(([^)]*)\)", text)
+  if found:
+    return f"out of memory: {found.group(1)} of temporaries, {found.group(2)} of HBM"
   return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:160]
 
 
@@ -125,21 +127,36 @@ def longest_table(report, c, args, device) -> None:
   rows = []
   for way in args.ways:
     T, best, failed = args.longest_from, None, ""
-    while T <= args.longest_cap:
+    fits = {}
+
+    def try_length(T, way=way, fits=fits):
       r = compile_step(way, c, T, args, device)
       report.progress(f"longest {way}: T={T} {'fits' if r['fits'] else r['error']}")
-      if not r["fits"]:
-        failed = f"T={T}: {r['error']}"
+      fits[T] = r
+      return r["fits"]
+
+    while T <= args.longest_cap and try_length(T):
+      best, T = T, T * 2
+    first_out = T if T <= args.longest_cap else None
+    # Between the last length that fit and the first that did not, halve the gap down to --longest-step tokens.
+    lo, hi = best, first_out
+    while lo is not None and hi is not None and hi - lo > args.longest_step:
+      mid = (lo + hi) // 2 // args.longest_step * args.longest_step
+      if mid in (lo, hi):
         break
-      best = T
-      T *= 2
-    rows.append([way, best, failed or f"none up to {args.longest_cap}"])
+      lo, hi = (mid, hi) if try_length(mid) else (lo, mid)
+    best = lo
+    failed = f"T={hi}: {fits[hi]['error']}" if hi is not None else f"none up to {args.longest_cap}"
+    rows.append([way, best, failed])
   report.table(
     f"Longest sequence whose train step fits a {args.chip}, {c.name}, batch {args.batch}"
     + (f", remat per block (policy: {args.remat_policy})" if args.remat else ""),
     ["attention", "longest T", "first that does not fit"],
     rows,
-    notes=[f"T doubling from {args.longest_from} up to {args.longest_cap}; XLA's compile-time verdict, not a run."],
+    notes=[
+      f"T doubling from {args.longest_from} up to {args.longest_cap}, then halving the gap to {args.longest_step} "
+      "tokens; XLA's compile-time verdict for the chip, not a run.",
+    ],
   )
 
 
@@ -156,6 +173,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--remat-policy", default="none", choices=sorted(rm.REMAT_POLICIES))
   p.add_argument("--longest-from", type=int, default=8192)
   p.add_argument("--longest-cap", type=int, default=131072)
+  p.add_argument("--longest-step", type=int, default=4096, help="longest: the resolution of the search, in tokens")
   bench.add_report_args(p)
   args = p.parse_args(argv)
   args.tables = args.tables.split(",")

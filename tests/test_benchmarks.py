@@ -619,3 +619,17 @@ def test_real_models_longest_trainable_sequence_names_the_first_failure():
   splash, xla = table["rows"]
   assert splash["longest T"] is None and splash["first failure"].startswith("T=64: ValueError"), splash
   assert xla["longest T"] == 128 and xla["first failure"] == "none up to 128", xla
+
+
+def test_tpu_compile_without_libtpu_says_how_to_get_it(capsys):
+  """benchmarks/tpu_compile.py compiles for a TPU topology with libtpu installed (not in `make test`); without it
+  the script exits 2 and names the package to install, and its options parse."""
+  import importlib.util
+
+  tpu_compile = load("tpu_compile")
+  args = tpu_compile.parse_args(["--tables", "memory,longest", "--seq-lens", "256,512", "--remat-policy", "mask"])
+  assert args.tables == ["memory", "longest"] and args.seq_lens == [256, 512] and args.remat_policy == "mask"
+  if importlib.util.find_spec("libtpu") is not None:
+    pytest.skip("libtpu is installed: the script would compile for a TPU here")
+  assert tpu_compile.main(["--seq-lens", "256", "--layers", "1"]) == 2
+  assert "pip install 'libtpu==0.0.42.*'" in capsys.readouterr().err
