@@ -127,15 +127,8 @@ class PagedKVCache:
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"PagedKVCache.create: {name} must be a positive int, got {name}={value!r}")
     dtype = contracts.page_dtype(dtype)
-    if not isinstance(merged, bool) and merged != "kv":
-      raise TypeError(f"PagedKVCache.create: merged must be a bool or 'kv', got merged={merged!r}")
-    together = merged == "kv"
-    if together and v_head_dim != head_dim:
-      raise ValueError(
-        f"PagedKVCache.create: merged='kv' keeps a page's K and V in one array, so v_head_dim must equal head_dim, "
-        f"got head_dim={head_dim}, v_head_dim={v_head_dim}; use merged=True"
-      )
-    seq_axis, n = _seq_axis(num_pages, mesh, seq_axis)
+    together = contracts.kv_together(merged, head_dim, v_head_dim)
+    seq_axis, n = contracts.seq_axis(num_pages, mesh, seq_axis)
     explicit = mesh is not None and sharding.has_explicit_axes(mesh, P(seq_axis))
 
     def full(shape, value, dtype, *, by_page=False):
@@ -155,12 +148,11 @@ class PagedKVCache:
     quantized = jnp.dtype(dtype).name in common.QUANTIZED_MAX
     scale = full((num_pages, page_size, num_kv_heads), 0, jnp.float32, by_page=True) if quantized else None
     heads = lambda h: (num_kv_heads * h,) if merged else (num_kv_heads, h)  # noqa: E731
-    if together:
-      k_pages = full((num_pages, 2, page_size, num_kv_heads * head_dim), 0, dtype, by_page=True)
-      v_pages = None
-    else:
-      k_pages = full((num_pages, page_size, *heads(head_dim)), 0, dtype, by_page=True)
-      v_pages = full((num_pages, page_size, *heads(v_head_dim)), 0, dtype, by_page=True)
+    k_shape = (
+      (num_pages, 2, page_size, num_kv_heads * head_dim) if together else (num_pages, page_size, *heads(head_dim))
+    )
+    k_pages = full(k_shape, 0, dtype, by_page=True)  # kv pages: K and V in one array, v_pages None
+    v_pages = None if together else full((num_pages, page_size, *heads(v_head_dim)), 0, dtype, by_page=True)
     return cls(
       k_pages=k_pages,
       v_pages=v_pages,
@@ -605,22 +597,3 @@ class PagedKVCache:
       kv_lens=pick(self.kv_lens.at[dst].set(num_tokens), self.kv_lens),
       ref_counts=allocator.placed_like(refs, self.ref_counts),
     )
-
-
-def _seq_axis(num_pages: int, mesh, seq_axis):
-  """(seq_axis, n): the mesh axis (or tuple of axes) the pages are spread over, by default the mesh's only axis,
-  and the devices along it; (None, 1) without a mesh."""
-  if mesh is None:
-    if seq_axis is not None:
-      raise ValueError(f"PagedKVCache.create: seq_axis={seq_axis!r} needs mesh=... (the mesh that has the axis)")
-    return None, 1
-  seq_axis = sharding.sequence_axis(mesh, seq_axis, arg="seq_axis")
-  seq_axis = tuple(seq_axis) if isinstance(seq_axis, list) else seq_axis
-  sharding.check_mesh_axes(mesh, where="PagedKVCache.create", seq_axis=seq_axis)
-  n = sharding.axes_size(mesh, seq_axis)
-  if num_pages % n:
-    raise ValueError(
-      f"PagedKVCache.create: num_pages={num_pages} must be a multiple of the {n} devices along "
-      f"seq_axis={seq_axis!r} (each device owns num_pages / n pages)"
-    )
-  return seq_axis, n

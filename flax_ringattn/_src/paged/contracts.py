@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flax_ringattn._src import sharding
 from flax_ringattn._src.paged import common
 
 _INT32_MAX = 2**31 - 1
@@ -130,3 +131,35 @@ def slot_problems(name: str, index, S: int):
   """[(bad, message, values)] of a slot index out of [0, S) (traced: `slot` raised for a concrete one)."""
   bad = (index < 0) | (index >= S)
   return [(bad, f"{name}={{i}} must be a slot in [0, max_num_seqs={S})", dict(i=index))]
+
+
+def kv_together(merged, head_dim: int, v_head_dim: int) -> bool:
+  """`PagedKVCache.create`'s `merged`: a bool, or "kv" (kv pages [P, 2, page_size, K * H]: True), which holds K and V
+  in one array and so needs v_head_dim == head_dim."""
+  if not isinstance(merged, bool) and merged != "kv":
+    raise TypeError(f"PagedKVCache.create: merged must be a bool or 'kv', got merged={merged!r}")
+  if merged == "kv" and v_head_dim != head_dim:
+    raise ValueError(
+      f"PagedKVCache.create: merged='kv' keeps a page's K and V in one array, so v_head_dim must equal head_dim, "
+      f"got head_dim={head_dim}, v_head_dim={v_head_dim}; use merged=True"
+    )
+  return merged == "kv"
+
+
+def seq_axis(num_pages: int, mesh, seq_axis):
+  """(seq_axis, n): the mesh axis (or tuple of axes) the pages are spread over, by default the mesh's only axis,
+  and the devices along it; (None, 1) without a mesh."""
+  if mesh is None:
+    if seq_axis is not None:
+      raise ValueError(f"PagedKVCache.create: seq_axis={seq_axis!r} needs mesh=... (the mesh that has the axis)")
+    return None, 1
+  seq_axis = sharding.sequence_axis(mesh, seq_axis, arg="seq_axis")
+  seq_axis = tuple(seq_axis) if isinstance(seq_axis, list) else seq_axis
+  sharding.check_mesh_axes(mesh, where="PagedKVCache.create", seq_axis=seq_axis)
+  n = sharding.axes_size(mesh, seq_axis)
+  if num_pages % n:
+    raise ValueError(
+      f"PagedKVCache.create: num_pages={num_pages} must be a multiple of the {n} devices along "
+      f"seq_axis={seq_axis!r} (each device owns num_pages / n pages)"
+    )
+  return seq_axis, n
