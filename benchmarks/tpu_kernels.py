@@ -741,7 +741,7 @@ def our_paged_blocks(x: PagedInputs, blocks, pages=None) -> str | None:
     from flax_ringattn._src.paged.implementations import PagedPallasTpu
 
     k, v = (x.k, x.v) if pages is None else pages
-    page = k.shape[2] if v is None else k.shape[1]  # kv pages [P, 2, page, K * H] when v is None
+    page = plans.page_size(k, v)
     if blocks is None:
       shape = dict(k_scale=None, v_scale=None, pages_per_seq=x.meta[1].shape[1], logits_soft_cap=None)
       blocks = PagedPallasTpu().blocks(q=x.q, k_pages=k, v_pages=v, block_sizes=None, **shape)

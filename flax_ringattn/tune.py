@@ -123,14 +123,15 @@ def tune_paged(
   heads: tuple[int, int, int],
   page_size: int = 16,
   dtype: str = "bfloat16",
-  merged: bool = False,
+  merged: bool | str = False,
   q_blocks=PAGED_Q,
   kv_blocks=PAGED_KV,
   repeats: int = 5,
   interpret=None,
 ) -> dict:
   """A table entry for one decode batch (`num_seqs` sequences of `kv_len` tokens, one new token each) with
-  `heads` = (N, K, H): the fastest (block_q, block_kv) that the planner accepts."""
+  `heads` = (N, K, H): the fastest (block_q, block_kv) that the planner accepts.  `merged`: False (pages
+  [P, page, K, H]), True ([P, page, K * H]) or "kv" (kv pages [P, 2, page, K * H], which share merged pages' key)."""
   N, K, H = heads
   generation = planners.current_generation()
   pps = -(-kv_len // page_size)
@@ -140,12 +141,16 @@ def tune_paged(
   dt = jnp.dtype(dtype)
   keys = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(keys[0], (num_seqs, N, H), dt)
-  page = (P, page_size, K * H) if merged else (P, page_size, K, H)
-  k, v = (jax.random.normal(x, page, dt) for x in keys[1:])
+  if merged == "kv":  # kv pages [P, 2, page, K * H]: one array, v_pages None (planned as merged pages are)
+    k, v = jax.random.normal(keys[1], (P, 2, page_size, K * H), dt), None
+  else:
+    page = (P, page_size, K * H) if merged else (P, page_size, K, H)
+    k, v = (jax.random.normal(x, page, dt) for x in keys[1:])
   meta = [jnp.full((num_seqs,), kv_len, jnp.int32), jnp.asarray(table)]
   meta += [jnp.arange(num_seqs + 1, dtype=jnp.int32), jnp.asarray([num_seqs], jnp.int32)]
   f, _ = paged.lane_groups(q, k, v, None, None)
   plan_heads = (N, K // f, H * f)
+  merged = bool(merged)  # kv pages buffer as merged ones do: one key
   key = planners.tuned.paged_key(num_seqs, page_size, pps, *plan_heads, None, dt, dt, (0, 0), False, False, merged)
   calls = {}
   for bq in q_blocks:
@@ -195,6 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--heads", default="32,8,128", help="paged: N,K,H")
   parser.add_argument("--page-size", type=int, default=16)
   parser.add_argument("--merged", action="store_true", help="paged: merged pages [P, page, K * H]")
+  parser.add_argument("--kv-pages", action="store_true", help="paged: kv pages [P, 2, page, K * H]")
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--interpret", action="store_true", help="Pallas TPU interpret mode (CPU; times mean nothing)")
@@ -212,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     heads = tuple(_ints(args.heads))
     tables = [
       tune_paged(num_seqs=n, kv_len=kv, heads=heads, page_size=args.page_size, dtype=args.dtype,
-                 merged=args.merged, repeats=args.repeats, interpret=interpret)
+                 merged="kv" if args.kv_pages else args.merged, repeats=args.repeats, interpret=interpret)
       for n, kv in (_ints(d, "x") for d in args.decode)
     ]  # fmt: skip
   out = Path(args.out)

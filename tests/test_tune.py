@@ -16,6 +16,7 @@ import flax_ringattn as fr
 from flax_ringattn import tune
 from flax_ringattn._src.backends.pallas_tpu import planners
 from flax_ringattn._src.options import ProblemShape
+from flax_ringattn._src.paged.implementations import PagedPallasTpu
 from flax_ringattn._src.testing.interpret import interpret_params, no_races
 
 F32 = jnp.float32
@@ -106,10 +107,10 @@ def test_tuned_tiles_never_change_results(monkeypatch):
 @pytest.mark.interpret
 @pytest.mark.races_not_read("the tuner's timing runs; the kernels' own tests read the race detector")
 def test_tuner_cli_writes_what_the_paged_planner_reads(tmp_path):
-  """`python -m flax_ringattn.tune paged` on a tiny merged decode batch writes an entry the planner then takes
-  (registered from the file); a second run merges into the same file."""
+  """`python -m flax_ringattn.tune paged` on a tiny decode batch of kv pages writes an entry the planner then takes
+  for them (registered from the file: kv pages are planned under merged pages' key)."""
   path = tmp_path / "table.json"
-  argv = ["paged", "--decode", "4x64", "--heads", "4,2,64", "--page-size", "8", "--dtype", "float32", "--merged"]
+  argv = ["paged", "--decode", "4x64", "--heads", "4,2,64", "--page-size", "8", "--dtype", "float32", "--kv-pages"]
   assert tune.main([*argv, "--interpret", "--repeats", "1", "--out", str(path)]) == 0
   table = json.loads(path.read_text())
   ((key, entry),) = table["entries"].items()
@@ -117,5 +118,15 @@ def test_tuner_cli_writes_what_the_paged_planner_reads(tmp_path):
   with tune.using(str(path)):
     got = planners.plan_paged_block_sizes(4, 8, 8, 4, 1, 128, F32, merged=True, generation=table["generation"])
   assert (got.block_q, got.block_kv) == (entry["block_q"], entry["block_kv"])
+  # The op's own plan for a kv-pages call (v_pages None) reads that key: an entry other than the model's choice
+  # (kv blocks of 2 pages, not all 8) is taken.
+  q = jax.ShapeDtypeStruct((4, 4, 64), F32)
+  kv = jax.ShapeDtypeStruct((32, 2, 8, 2 * 64), F32)
+  call = dict(q=q, k_pages=kv, v_pages=None, block_sizes=None, k_scale=None, v_scale=None, pages_per_seq=8)
+  plan = lambda: PagedPallasTpu(interpret=True).blocks(**call, logits_soft_cap=None)  # noqa: E731
+  assert plan().block_kv == 64
+  hand = dict(table, entries={key: dict(block_q=entry["block_q"], block_kv=16)})
+  with tune.using(hand):
+    assert (plan().block_q, plan().block_kv) == (entry["block_q"], 16)
   with pytest.raises(SystemExit):
     tune.main(["block", "--out", str(path)])  # no --shape

@@ -104,12 +104,17 @@ def fits_window(lo, hi, window: int, rows: int, div=operator.floordiv):
   return (hi <= row0 + window) & (row0 + window <= rows), row0
 
 
-def check_supported(q, k_pages, v_pages=(), *, block_q, pages_per_block) -> tuple[int, int]:
+def page_size(k_pages, v_pages) -> int:
+  """Tokens per page: kv pages [P, 2, ps, K * H] when v_pages is None, else [P, ps, ...]."""
+  return k_pages.shape[2] if v_pages is None else k_pages.shape[1]
+
+
+def check_supported(q, k_pages, v_pages, *, block_q, pages_per_block) -> tuple[int, int]:
   """(bq, ppb) for this call, or NotImplementedError for valid input the kernel does not handle (v_pages None:
-  k_pages are kv pages [P, 2, ps, K * H]; left out: not)."""
+  k_pages are kv pages [P, 2, ps, K * H])."""
   T = q.shape[0]
   together = v_pages is None
-  ps = k_pages.shape[2] if together else k_pages.shape[1]
+  ps = page_size(k_pages, v_pages)
   if jnp.dtype(q.dtype) not in SUPPORTED_Q_DTYPES:
     raise NotImplementedError(f"pallas_tpu paged attention supports float32 and bfloat16 q, got q.dtype={q.dtype}")
   sub = c.sublanes(q.dtype)
@@ -429,7 +434,7 @@ def operands(d: PagedDims, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, 
 
 def spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret, write=False):
   block_q, block_kv = spec.block_sizes.block_q, spec.block_sizes.block_kv
-  ps = k_pages.shape[2] if v_pages is None else k_pages.shape[1]
+  ps = page_size(k_pages, v_pages)
   bq, ppb = check_supported(q, k_pages, v_pages, block_q=block_q, pages_per_block=block_kv // ps)
   scale_dims = [None if x is None else jnp.asarray(x) for x in (k_scale, v_scale)]
   spans = spec.mask.has_bidirectional
