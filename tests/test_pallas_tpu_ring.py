@@ -592,7 +592,8 @@ def test_layer_with_tuple_seq_axis():
 def test_default_prefers_the_kernel_ring_where_it_fits():
   """implementation=None on a TPU: the in-kernel ring (VMEM or HBM slots) when its tiles fit VMEM, else the ring
   loop over pallas_tpu's block kernels; named, "pallas_tpu_ring" is always the fused ring and "pallas_tpu" never;
-  in interpret mode implementation=None never picks it."""
+  in interpret mode implementation=None never picks it, nor for a ring of one (no axis, or an axis of size 1:
+  the block kernels run it, as a model on one chip calls them)."""
   from flax_ringattn._src.backends.pallas_tpu import PallasTpuBackend
   from flax_ringattn._src.backends.registry import Choice
   from flax_ringattn._src.ring import op
@@ -611,6 +612,10 @@ def test_default_prefers_the_kernel_ring_where_it_fits():
   assert not op.use_fused_ring(Choice(PallasTpuBackend(), "pallas_tpu"), spec, *small, 4)  # named block kernels
   assert not op.use_fused_ring(Choice(PallasTpuBackend(interpret=interpret_params()), None), spec, *small, 4)
   assert not op.use_fused_ring(auto, spec, *small, 4, strategy="all_gather")
+  assert not op.use_fused_ring(auto, spec, *small, 1)  # mesh=... with a ring axis of size 1
+  assert not op.use_fused_ring(auto, spec, *small, 1, ring_size=1)  # no axis_name: one device
+  assert op.use_fused_ring(auto, spec, *small, 1, ring_size=4)  # inside shard_map: local shards, a ring of 4
+  assert op.use_fused_ring(Choice(PallasTpuBackend(), "pallas_tpu_ring", (("fused", True),)), spec, *small, 1)
   long = (  # 32K tokens per device (planned for v4 off TPU: 16 MiB of VMEM)
     jax.ShapeDtypeStruct((1, 4 << 15, 8, 128), jnp.bfloat16),
     jax.ShapeDtypeStruct((1, 4 << 15, 2, 128), jnp.bfloat16),

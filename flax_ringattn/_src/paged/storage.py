@@ -6,15 +6,24 @@ rows into that device's own pages.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from flax_ringattn._src.paged import allocator, common
 
 
 def zero_pages(x, released):
+  """x [P, ...] with the pages where `released` [P] is True zeroed.  Behind a `lax.cond` on any of them: the select
+  reads and writes every page, and a serving step, whose reserve releases a page only in a rare copy-on-write,
+  would otherwise pay that pass over the whole cache in every layer (on a v5e, a decode step of 64 sequences
+  spent most of its time in such whole-cache passes)."""
   if x is None:
     return None
-  return jnp.where(released.reshape((x.shape[0],) + (1,) * (x.ndim - 1)), jnp.zeros((), x.dtype), x)
+
+  def zeroed(x):
+    return jnp.where(released.reshape((x.shape[0],) + (1,) * (x.ndim - 1)), jnp.zeros((), x.dtype), x)
+
+  return jax.lax.cond(jnp.any(released), zeroed, lambda x: x, x)
 
 
 def quantize(dtype, scaled: bool, x):
@@ -50,8 +59,19 @@ def store_kv(kv_pages, k_scale, v_scale, page, slot, k, v):
   the tokens' k and v [T, K, H] written as one [T, 2, K * H] scatter."""
   k_store, k_sc = quantize(kv_pages.dtype, k_scale is not None, k)
   v_store, v_sc = quantize(kv_pages.dtype, v_scale is not None, v)
-  rows = jnp.stack([k_store.reshape(k.shape[0], -1), v_store.reshape(v.shape[0], -1)], axis=1)  # [T, 2, K * H]
-  kv_pages = allocator.scatter_set(kv_pages, (page, slice(None), slot), rows)
+  T = k.shape[0]
+  if allocator.explicit_sharding(kv_pages) is None:
+    # As rows of a [2P, page_size, K * H] view (page p's K at 2p, its V at 2p + 1; a free reshape): a scatter of
+    # whole minor rows, as into merged pages.  Scattered at (page, :, slot) instead, XLA on a TPU relays the whole
+    # cache out to [P, page_size, 2, K * H] and back around the scatter, in every layer of every step.
+    P, _, ps, KH = kv_pages.shape
+    rows = jnp.concatenate([k_store.reshape(T, KH), v_store.reshape(T, KH)])  # [2T, K * H]
+    at = jnp.concatenate([2 * page, 2 * page + 1])  # a dropped token's page P lands past 2P - 1: dropped too
+    halves = allocator.scatter_set(kv_pages.reshape(2 * P, ps, KH), (at, jnp.concatenate([slot, slot])), rows)
+    kv_pages = halves.reshape(kv_pages.shape)
+  else:
+    rows = jnp.stack([k_store.reshape(T, -1), v_store.reshape(T, -1)], axis=1)  # [T, 2, K * H]
+    kv_pages = allocator.scatter_set(kv_pages, (page, slice(None), slot), rows)
   return (
     kv_pages,
     None,

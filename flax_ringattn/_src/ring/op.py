@@ -253,8 +253,10 @@ def check_static_options(options) -> None:
 def use_fused_ring(choice, spec, q, k, n, strategy="ring", *, ring_size=None, v=None) -> bool:
   """Whether the ring strategy runs as the backend's fused in-kernel ring: always when the call asked for it
   (`implementation="pallas_tpu_ring"`), and with implementation=None where the backend has one, compiles for its
-  chip (never in interpret mode) and its planner finds slots and tiles for shards of q [B, T / n, ...] and
-  k [B, S / n, ...] (VMEM slots, or HBM slots with only tiles in VMEM)."""
+  chip (never in interpret mode), the ring has more than one member (a ring of one has nothing to overlap: the
+  block kernels, tuned against splash and writing the output in q's dtype, run it) and its planner finds slots
+  and tiles for shards of q [B, T / n, ...] and k [B, S / n, ...] (VMEM slots, or HBM slots with only tiles in
+  VMEM)."""
   if choice.option("fused"):
     if strategy != "ring":
       raise NotImplementedError(
@@ -265,7 +267,7 @@ def use_fused_ring(choice, spec, q, k, n, strategy="ring", *, ring_size=None, v=
   backend = choice.backend
   if choice.requested is not None or strategy != "ring" or not hasattr(backend, "fused_ring"):
     return False
-  if backend.interpret is not None:
+  if backend.interpret is not None or (n if ring_size is None else ring_size) == 1:
     return False
   shape = ProblemShape.of(q.shape, k.shape, q.dtype, spec, split=n, v_shape=None if v is None else v.shape)
   return backend.fused_ring_fits(shape, n=n if ring_size is None else ring_size)
