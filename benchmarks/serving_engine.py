@@ -163,7 +163,8 @@ def make_engine(model, prompts, args) -> tuple[fr.ServingEngine, int]:
 def engine_cache_bytes(engine) -> int:
   caches = nnx.state(engine.model, nnx.Cache)
   leaves = jax.tree.leaves(caches, is_leaf=lambda x: isinstance(x, fr.PagedKVCache))
-  return sum(c.k_pages.nbytes + c.v_pages.nbytes for c in leaves if isinstance(c, fr.PagedKVCache))
+  pages = lambda c: c.k_pages.nbytes + (0 if c.v_pages is None else c.v_pages.nbytes)  # noqa: E731 (kv pages)
+  return sum(pages(c) for c in leaves if isinstance(c, fr.PagedKVCache))
 
 
 def check(runs: dict[str, list[list[int]]], reference: str) -> list[bench.Check]:

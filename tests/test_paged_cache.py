@@ -157,9 +157,10 @@ def test_create_rejects_bad_sizes(bad):
 
 
 def test_create_rejects_bad_layouts():
-  """`merged` is a bool or "kv"; kv pages hold K and V in one array, so their head dims must match (MLA: merged)."""
+  """`merged` is a bool, "kv" or "auto"; kv pages hold K and V in one array, so their head dims must match (MLA:
+  merged)."""
   kw = dict(num_pages=4, page_size=8, max_num_seqs=2, pages_per_seq=2, num_kv_heads=1, head_dim=4)
-  with pytest.raises(TypeError, match="merged must be a bool or 'kv', got merged='KV'"):
+  with pytest.raises(TypeError, match="merged must be a bool, 'kv' or 'auto', got merged='KV'"):
     fr.PagedKVCache.create(**kw, merged="KV")
   with pytest.raises(ValueError, match="merged='kv' .* v_head_dim must equal head_dim, got head_dim=4, v_head_dim=2"):
     fr.PagedKVCache.create(**kw, v_head_dim=2, merged="kv")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import serving_models as sm
@@ -325,8 +326,34 @@ def test_merged_pages_serve_the_same_tokens(family, merged):
   with pytest.raises(NotImplementedError, match=f"merged_pages={merged!r} with seq_axis"):
     fr.ServingEngine(model, call=sm.engine_call, merged_pages=merged, mesh=make_mesh((1,), ("sp",)), seq_axis="sp",
                      **GEOMETRY)  # fmt: skip
-  with pytest.raises(TypeError, match="merged_pages must be a bool or 'kv'"):
+  with pytest.raises(TypeError, match="merged_pages must be a bool, 'kv' or 'auto'"):
     fr.ServingEngine(model, call=sm.engine_call, merged_pages="KV", **GEOMETRY)
+
+
+def test_default_pages_are_the_librarys_choice():
+  """merged_pages="auto" (the engine's default): kv pages where a page is whole sublane tiles of its dtype and K and
+  V have one head dim, merged pages for MLA, 4-D pages spread over a mesh (the ring prefill writes them) or where a
+  page is a partial tile; the engine's default caches are kv pages."""
+  from flax_ringattn._src.paged import contracts
+
+  mesh = make_mesh((1,), ("sp",))
+  for args, want in (
+    ((16, jnp.bfloat16, 64, 64, None), ("kv", True)),
+    ((8, jnp.float32, 128, 128, None), ("kv", True)),
+    ((8, jnp.bfloat16, 128, 128, None), (False, False)),  # half a bf16 tile
+    ((16, jnp.int8, 128, 128, None), (False, False)),  # half an int8 tile
+    ((32, jnp.int8, 128, 128, None), ("kv", True)),
+    ((16, jnp.bfloat16, 192, 128, None), (True, False)),  # MLA
+    ((16, jnp.bfloat16, 64, 64, mesh), (False, False)),
+  ):
+    assert contracts.pages("auto", *args) == want, args
+  assert contracts.pages(False, 16, jnp.bfloat16, 64, 64, None) == (False, False)  # asked for: kept
+  model = sm.FAMILIES["llama"]()
+  fr.convert(model, to="paged")
+  fr.ServingEngine(model, call=sm.engine_call, **dict(GEOMETRY, page_size=8))  # whole f32 tiles
+  caches = [x for x in jax.tree.leaves(nnx.state(model, nnx.Cache), is_leaf=lambda x: hasattr(x, "k_pages"))]
+  caches = [x for x in caches if hasattr(x, "k_pages")]
+  assert caches and all(c.kv_together for c in caches)
 
 
 def test_steps_run_at_the_least_token_bucket_that_holds_them(caplog):

@@ -175,7 +175,8 @@ class PagedMultiHeadAttention(nnx.MultiHeadAttention):
   ):
     """Creates the paged cache (`nnx.Cache` state); int8/float8 dtypes quantize per token.  v pages have the
     layer's `v_head_dim`; with `seq_axis` the pages spread over it (num_pages a multiple of its size).
-    `merged`: pages [P, page_size, K * H], or "kv": kv pages [P, 2, page_size, K * H]
+    `merged`: pages [P, page_size, K * H], "kv": kv pages [P, 2, page_size, K * H], or "auto" (the layout
+    `ServingEngine` picks by default)
     (`PagedKVCache.create`).  With a
     mesh, the parameters are placed on it too (weights loaded with `nnx.update` before this call then need no
     move, and no second compile, at the first step)."""

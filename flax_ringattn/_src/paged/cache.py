@@ -106,7 +106,8 @@ class PagedKVCache:
     [P, page_size, K, H] pages are padded on a TPU).  `merged="kv"` also keeps a page's K and V together:
     `k_pages` [P, 2, page_size, K * H] (its K, then its V) and `v_pages` None, so the kernel copies a page with one
     DMA instead of two (with few kv heads a page is small, and a decode step's time goes to issuing the copies);
-    it needs v_head_dim == head_dim.  Context-parallel serving (`paged_ring_prefill`) needs 4-D pages.
+    it needs v_head_dim == head_dim.  Context-parallel serving (`paged_ring_prefill`) needs 4-D pages.  "auto":
+    kv pages, merged ones for MLA, 4-D ones over a mesh or where a page is a partial tile (`contracts.pages`).
 
     With `mesh` and `seq_axis` (a mesh axis, or a tuple of them, with n devices along it; default: the mesh's
     only axis), the pages, their scales and `ref_counts` are sharded on the page dimension over `seq_axis`:
@@ -127,7 +128,7 @@ class PagedKVCache:
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"PagedKVCache.create: {name} must be a positive int, got {name}={value!r}")
     dtype = contracts.page_dtype(dtype)
-    together = contracts.kv_together(merged, head_dim, v_head_dim)
+    merged, together = contracts.pages(merged, page_size, dtype, head_dim, v_head_dim, mesh)
     seq_axis, n = contracts.seq_axis(num_pages, mesh, seq_axis)
     explicit = mesh is not None and sharding.has_explicit_axes(mesh, P(seq_axis))
 

@@ -176,10 +176,10 @@ class ServingEngine:
       `seq_axis`): a prompt of at least `ring_prefill_min_tokens` new tokens (default: max_num_batched_tokens)
       is then prefilled by the ring, sequence-parallel, in a step of its own.
     cache_dtype: the pages' dtype (default: each layer's, each site's q dtype; int8 / float8 quantize).
-    merged_pages: store the caches' pages merged, [P, page_size, K * H] (`PagedKVCache.create(merged=True)`:
-      dense on a TPU for any kv heads and head dim; such caches append, then attend, and the ring prefill
-      needs 4-D pages); "kv": merged, with a page's K and V in one array [P, 2, page_size, K * H]
-      (`merged="kv"`: one copy per page in the kernel instead of two).
+    merged_pages: the caches' page layout (`PagedKVCache.create(merged=...)`).  "auto" (default): per cache, kv
+      pages [P, 2, page_size, K * H] (a page's K and V in one array: one copy per page in the TPU kernel), merged
+      pages for MLA, [P, page_size, K, H] ones context-parallel or where a page is a partial sublane tile (int8
+      pages of 16 tokens); True: merged [P, page_size, K * H]; "kv": kv pages; False: [P, page_size, K, H].
 
   `generate` / `stream` serve prompts; `stats` counts over the engine's lifetime.  The step is compiled once per
   token bucket it runs at: prompts of other lengths, another `generate`, a draft compile nothing new (a new
@@ -200,7 +200,7 @@ class ServingEngine:
     seq_axis=None,
     ring_prefill_min_tokens: int | None = None,
     cache_dtype=None,
-    merged_pages: bool | str = False,
+    merged_pages: bool | str = "auto",
     token_buckets=None,
   ):
     if not isinstance(model, nnx.Module):
@@ -222,9 +222,9 @@ class ServingEngine:
         f"seq_axis={seq_axis!r}"
       )
     self.mesh, self.seq_axis = mesh, seq_axis
-    if not isinstance(merged_pages, bool) and merged_pages != "kv":
-      raise TypeError(f"ServingEngine: merged_pages must be a bool or 'kv', got merged_pages={merged_pages!r}")
-    if merged_pages and seq_axis is not None:
+    if not isinstance(merged_pages, bool) and merged_pages not in ("kv", "auto"):
+      raise TypeError(f"ServingEngine: merged_pages must be a bool, 'kv' or 'auto', got merged_pages={merged_pages!r}")
+    if merged_pages and merged_pages != "auto" and seq_axis is not None:
       raise NotImplementedError(
         f"ServingEngine: merged_pages={merged_pages!r} with seq_axis={seq_axis!r}: the ring prefill of a cache "
         "spread over a mesh axis writes [P, page_size, K, H] pages; serve context-parallel with merged_pages=False"
