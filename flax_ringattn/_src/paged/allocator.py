@@ -141,15 +141,25 @@ def free_per_owner(refs, n: int):
 
 def serve(extra, candidate, free):
   """Admission in slot order: slot s takes its extra[s] [n] pages when candidate[s] and every owner still has
-  them.  Returns (accepted [S] bool, free_before [S, n]: each owner's pages left after the slots before s)."""
+  them.  Returns (accepted [S] bool, free_before [S, n]: each owner's pages left after the slots before s).
 
-  def step(used, x):
-    pages, ok = x
-    take = ok & jnp.all(used + pages <= free)
-    return used + jnp.where(take, pages, 0), (take, free - used)
+  When every candidate's pages fit at once (a serving step, as a rule) all are taken, and the pages left before
+  each slot are a prefix sum; only otherwise does the slot-by-slot scan run (on a TPU, a `while` of S tiny steps:
+  0.12 ms a layer in a decode step of 64 sequences)."""
+  wanted = jnp.where(candidate[:, None], extra, 0)
 
-  _, (accepted, free_before) = jax.lax.scan(step, jnp.zeros_like(free), (extra, candidate))
-  return accepted, free_before
+  def all_fit():
+    return candidate, free - (jnp.cumsum(wanted, axis=0) - wanted)
+
+  def in_order():
+    def step(used, x):
+      pages, ok = x
+      take = ok & jnp.all(used + pages <= free)
+      return used + jnp.where(take, pages, 0), (take, free - used)
+
+    return jax.lax.scan(step, jnp.zeros_like(free), (extra, candidate))[1]
+
+  return jax.lax.cond(jnp.all(jnp.sum(wanted, axis=0) <= free), all_fit, in_order)
 
 
 def free_lists(refs, n: int):
