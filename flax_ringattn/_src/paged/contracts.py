@@ -140,7 +140,7 @@ def pages(merged, page_size: int, dtype, head_dim: int, v_head_dim: int, mesh) -
   for MLA, 4-D pages [P, page_size, K, H] when the cache is spread over a mesh (the ring prefill writes them) or
   a page is a partial tile.  On a v5e, kv pages decode at 0.97-2.2x `ragged_paged_attention` where 4-D pages
   ran at 0.13-0.17x with 1, 2 or 4 kv heads, and a serving step writes them without relaying the cache out."""
-  if isinstance(merged, str) and merged == "auto":
+  if merged == "auto":
     if mesh is not None or page_size % tiling.sublanes(dtype):
       merged = False
     else:

@@ -267,10 +267,11 @@ def use_fused_ring(choice, spec, q, k, n, strategy="ring", *, ring_size=None, v=
   backend = choice.backend
   if choice.requested is not None or strategy != "ring" or not hasattr(backend, "fused_ring"):
     return False
-  if backend.interpret is not None or (n if ring_size is None else ring_size) == 1:
+  ring = n if ring_size is None else ring_size
+  if backend.interpret is not None or ring == 1:
     return False
   shape = ProblemShape.of(q.shape, k.shape, q.dtype, spec, split=n, v_shape=None if v is None else v.shape)
-  return backend.fused_ring_fits(shape, n=n if ring_size is None else ring_size)
+  return backend.fused_ring_fits(shape, n=ring)
 
 
 def _local_fn(axis_name, load_balance, spec, backend, strategy, fused):
