@@ -854,6 +854,10 @@ def paged_layout_table(report, steps, paged: dict, page: int, args, chip, *, tit
 
     rpa = functools.partial(ragged_paged_attention, sm_scale=scale, vmem_limit_bytes=args.vmem_limit_mib * MIB)
     peer_name, timed_peer, peer_fn = "jax", "jax", jax.jit(rpa)  # one jit: compiled once per shape
+    # --jax-paged-blocks: jax's kernel at each (q rows, kv tokens) block too; the row reports its fastest
+    sweep = {f"jax {bq}x{kv}": (bq, kv) for bq, kv in args.jax_paged_blocks if kv % page == 0}
+    jax_at = {name: jax.jit(functools.partial(rpa, num_queries_per_block=bq, num_kv_pages_per_block=kv // page))
+              for name, (bq, kv) in sweep.items()}  # fmt: skip
   bad = sorted(set(args.paged_rows or ()) - set(range(len(steps))))
   if bad:
     raise SystemExit(f"--paged-rows: no row {bad} (this run's paged table has rows 0 to {len(steps) - 1})")
@@ -875,6 +879,8 @@ def paged_layout_table(report, steps, paged: dict, page: int, args, chip, *, tit
     # Several --paged-blocks: one row per choice, each checked and timed against the same (compiled once) peer.
     for blocks, ours in zip(choices, ours_fns, strict=True):
       peers = {peer_name: Candidate(peer_fn, (x.q, kv, *x.meta), to_ours, timed=timed_peer is not None)}
+      if timed_peer is not None and H % 128 == 0:  # it refuses other head dims, at every block size
+        peers |= {name: Candidate(fn, (x.q, kv, *x.meta), to_ours) for name, fn in jax_at.items()}
       if merged_pages and (args.paged_heads_pages or H % 128):
         # ragged_paged_attention refuses head dims that are not whole lanes: ours on 4-D pages is the check there
         peers["ours [P, page, K, H]"] = Candidate(ours, (x.q, x.k, x.v, *x.meta), to_ours)
@@ -886,10 +892,13 @@ def paged_layout_table(report, steps, paged: dict, page: int, args, chip, *, tit
       t = got["times"]
       t_ours = ms(t, "ours")
       gbs = total / t_ours / 1e6 if t_ours else None
+      # jax at its best: its default blocks, or the fastest of --jax-paged-blocks
+      best = timed_peer and best_peer(t, "jax")
+      jax_at_best = jax_paged_blocks(x) if best == "jax" else best and best.split(" ", 1)[1]
       rows.append([step.name, step.rows, len(step.q_lens), step.new_tokens, kv_bytes / 1e6, t_ours,
-                   ms(t, timed_peer), ratio(t, timed_peer), gbs,
+                   ms(t, best), ratio(t, best), gbs,
                    gbs and bw and 100 * gbs * 1e9 / bw, got["err"], our_paged_blocks(x, blocks, ours_pages),
-                   jax_paged_blocks(x), notes_cell(got["errors"])])  # fmt: skip
+                   jax_at_best, notes_cell(got["errors"])])  # fmt: skip
       if merged_pages and (args.paged_heads_pages or H % 128):
         rows[-1][-1] = (
           (rows[-1][-1] + "; " if rows[-1][-1] else "") + f"[P,page,K,H] pages: {heads_ms:.3f} ms"
@@ -901,8 +910,11 @@ def paged_layout_table(report, steps, paged: dict, page: int, args, chip, *, tit
     "JAX's ragged_paged_attention does not run in interpret mode: checked against its ref_ragged_paged_attention "
     "(jnp) instead, not timed."
     if args.interpret
-    else f"jax: ragged_paged_attention(..., sm_scale, vmem_limit_bytes={args.vmem_limit_mib} MiB), its tuned "
-    "default blocks."
+    else f"jax: ragged_paged_attention(..., sm_scale, vmem_limit_bytes={args.vmem_limit_mib} MiB), the fastest of "
+    "its tuned default blocks"
+    + (f" and of {', '.join(f'{bq}x{kv}' for bq, kv in args.jax_paged_blocks)} (q rows x kv tokens; "
+       "num_queries_per_block, num_kv_pages_per_block)" if args.jax_paged_blocks else "")
+    + "; 'jax blocks' names the fastest."
   )
   report.table(
     f"{title}Ragged paged attention: paged_attention(implementation='pallas_tpu') vs JAX's ragged_paged_attention; "
@@ -1060,6 +1072,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     help="paged table: our BlockSizes as block_q,block_kv (default: the planner); several: a sweep, one row per "
     "choice and batch, each timed against the same compiled jax kernel",
   )
+  add(
+    "--jax-paged-blocks",
+    default="32x1024,32x4096,64x2048,16x2048,128x1024",
+    metavar="BQxKV[,...]",
+    help="paged table: ragged_paged_attention's blocks to try beside its tuned defaults, q rows x kv tokens "
+    "(num_queries_per_block x num_kv_pages_per_block * page; '' for its defaults alone); each row reports its fastest",
+  )
   add("--paged-rows", default=None, help="paged table: comma-separated row numbers to run, from 0 (default: all)")
   add("--vmem-limit-mib", type=int, default=64, help="paged table: ragged_paged_attention's vmem_limit_bytes")
   add("--seed", type=int, default=0)
@@ -1088,6 +1107,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   except ValueError as e:
     parser.error(f"--paged-layouts: {e}")
   args.paged_steps = None if args.paged_steps is None else names(args.paged_steps)
+  try:
+    pairs = [tuple(int(n) for n in b.split("x")) for b in names(args.jax_paged_blocks)]
+    assert all(len(b) == 2 and min(b) > 0 for b in pairs)
+    args.jax_paged_blocks = pairs
+  except (ValueError, AssertionError):
+    parser.error(f"--jax-paged-blocks takes BQxKV pairs such as 32x1024, got {args.jax_paged_blocks!r}")
   try:
     args.paged_rows = None if args.paged_rows is None else ints(args.paged_rows)
   except ValueError:
