@@ -363,10 +363,14 @@ class PagedKVCache:
     # must still not write into the shared page: it lets go of it.
     lost = (cow > 0) & ~ok_copy
     refs = refs_in.at[jnp.where(cow > 0, old, P)].add(-1, mode="drop")
-    # Two slots sharing a page may both copy it in the same step; the original
-    # then loses its last reference and, like any released page, is zeroed.
-    released = (refs <= 0) & (refs_in > 0)
-    k_pages, v_pages, k_scale, v_scale = (storage.zero_pages(x, released) for x in (k_pages, v_pages, k_scale, v_scale))
+    # Two slots sharing a page may both copy it in the same step; the original then loses its last reference and,
+    # like any released page, is zeroed.  Only such originals can be released here, at most one per slot: zeros go
+    # into those pages alone (a select over every page passed over the whole cache in every layer and step).
+    at = jnp.clip(old, 0, P - 1)
+    released = jnp.where((cow > 0) & (refs[at] <= 0) & (refs_in[at] > 0), old, P)  # [S] page ids, P: none
+    k_pages, v_pages, k_scale, v_scale = (
+      storage.zero_listed_pages(x, released) for x in (k_pages, v_pages, k_scale, v_scale)
+    )
     table = self.page_indices.at[jnp.arange(S), j0].set(jnp.where(ok_copy, fresh, jnp.where(lost, -1, old)))
 
     # New pages for the tokens beyond what each slot holds.

@@ -13,10 +13,9 @@ from flax_ringattn._src.paged import allocator, common
 
 
 def zero_pages(x, released):
-  """x [P, ...] with the pages where `released` [P] is True zeroed.  Behind a `lax.cond` on any of them: the select
-  reads and writes every page, and a serving step, whose reserve releases a page only in a rare copy-on-write,
-  would otherwise pay that pass over the whole cache in every layer (on a v5e, a decode step of 64 sequences
-  spent most of its time in such whole-cache passes)."""
+  """x [P, ...] with the pages where `released` [P] is True zeroed (a release of slots, a rollback).  Behind a
+  `lax.cond` on any of them: the select reads and writes every page.  A serving step's reserve, which releases
+  at most a copy-on-write's original per slot, zeroes those by id instead (`zero_listed_pages`)."""
   if x is None:
     return None
 
@@ -24,6 +23,12 @@ def zero_pages(x, released):
     return jnp.where(released.reshape((x.shape[0],) + (1,) * (x.ndim - 1)), jnp.zeros((), x.dtype), x)
 
   return jax.lax.cond(jnp.any(released), zeroed, lambda x: x, x)
+
+
+def zero_listed_pages(x, ids):
+  """x [P, ...] with the pages ids [n] (P: none) zeroed: a scatter into those pages alone, for a few pages known by
+  id (`zero_pages` takes a mask over every page)."""
+  return allocator.scatter_set(x, ids, jnp.zeros((), None if x is None else x.dtype))
 
 
 def quantize(dtype, scaled: bool, x):
