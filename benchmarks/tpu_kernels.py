@@ -912,8 +912,12 @@ def paged_layout_table(report, steps, paged: dict, page: int, args, chip, *, tit
     if args.interpret
     else f"jax: ragged_paged_attention(..., sm_scale, vmem_limit_bytes={args.vmem_limit_mib} MiB), the fastest of "
     "its tuned default blocks"
-    + (f" and of {', '.join(f'{bq}x{kv}' for bq, kv in args.jax_paged_blocks)} (q rows x kv tokens; "
-       "num_queries_per_block, num_kv_pages_per_block)" if args.jax_paged_blocks else "")
+    + (
+      f" and of {', '.join(f'{bq}x{kv}' for bq, kv in args.jax_paged_blocks)} (q rows x kv tokens; "
+      "num_queries_per_block, num_kv_pages_per_block)"
+      if args.jax_paged_blocks
+      else ""
+    )
     + "; 'jax blocks' names the fastest."
   )
   report.table(

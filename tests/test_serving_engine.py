@@ -401,3 +401,47 @@ def test_warmup_of_some_buckets_compiles_those_alone():
   assert engine.warmup(buckets=(16,)) == 0 and engine.warmup(buckets=(32, 40)) == 2
   with pytest.raises(ValueError, match=r"buckets must be among token_buckets=\(16, 32, 40\), got \[24\]"):
     engine.warmup(buckets=(24, 32))
+
+
+def test_a_step_allocates_pages_once_for_every_layer(monkeypatch):
+  """Every layer's cache shares one page table: a step program makes the page allocation once and each layer
+  applies it to its own pages (per layer, it repeated a few dozen scatters over the page counts in every layer),
+  and the tokens still equal the reference's."""
+  served = Served("llama")
+  calls = []
+  reservation = fr.PagedKVCache.reservation
+  monkeypatch.setattr(
+    fr.PagedKVCache, "reservation", lambda self, *a, **k: calls.append(1) or reservation(self, *a, **k)
+  )
+  engine = fr.ServingEngine(served.model, call=sm.engine_call, **GEOMETRY)
+  assert engine.warmup() == 2 and len(served.report.converted) == 2  # one step program (bucket 12), two layers
+  assert len(calls) == 1
+  prompts = _prompts(4, (9, 6))
+  assert engine.generate(prompts, max_new_tokens=4) == served.want(prompts, max_new=4)
+
+
+def test_a_step_allocates_once_for_converted_multi_head_attention_too(monkeypatch):
+  """As above, for `nnx.MultiHeadAttention` layers replaced by `PagedMultiHeadAttention` (their own call path)."""
+  served = Served("mha")
+  calls = []
+  reservation = fr.PagedKVCache.reservation
+  monkeypatch.setattr(
+    fr.PagedKVCache, "reservation", lambda self, *a, **k: calls.append(1) or reservation(self, *a, **k)
+  )
+  engine = fr.ServingEngine(served.model, call=sm.engine_call, **GEOMETRY)
+  assert engine.warmup() == 2 and len(served.report.replaced) >= 2
+  assert len(calls) == 1
+
+
+def test_caches_with_different_page_tables_are_refused(llama):
+  """A step allocates once for all the caches, so the engine refuses caches whose page tables differ (one
+  written by hand between calls) by name, before any step."""
+  llama.engine.generate(PROMPTS[:1], max_new_tokens=2)
+  caches = [v for _, v in nnx.iter_graph(llama.model) if isinstance(v, nnx.Cache)]
+  caches = [v for v in caches if isinstance(v.get_value(), fr.PagedKVCache)]
+  first = caches[0].get_value()
+  caches[0].set_value(first.reserve(jnp.asarray([3, 0], jnp.int32)))
+  with pytest.raises(ValueError, match=r"share one page table, but cache 1's page_indices differs from cache 0's"):
+    llama.engine.generate(PROMPTS[:1], max_new_tokens=2)
+  caches[0].set_value(first)
+  assert llama.engine.generate(PROMPTS[:1], max_new_tokens=2) == [llama.want(PROMPTS[:1], 2)[0]]

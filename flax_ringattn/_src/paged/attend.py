@@ -23,7 +23,10 @@ def ragged(
 
   Where the call's backend fuses the write (pallas_tpu, heads not split), pages are reserved (copy-on-write
   included) in XLA and the kernel writes the new rows and attends in one launch; elsewhere the tokens are
-  appended, then attended."""
+  appended, then attended.  Called with the ragged batch of the `ServingEngine` step under way (the same
+  cu_q_lens and num_seqs objects), the cache applies the step's page allocation, which the engine made once for
+  every layer (`PagedKVCache.reservation`), instead of allocating its own."""
+  reservation = _step_reservation(cu_q_lens, num_seqs)
   if q.shape[0] > 0:  # an empty step stores nothing
     if mesh is None or head_axis is None:
       call = plan_call(
@@ -31,14 +34,20 @@ def ragged(
         k_scale=cache.k_scale, v_scale=cache.v_scale, **options,
       )  # fmt: skip
       if call.fuses_cache_write:
-        cache, k_new, v_new, k_sc, v_sc = cache.reserve_append(k, v, cu_q_lens, num_seqs, checked=checked)
+        if reservation is None:
+          cache, k_new, v_new, k_sc, v_sc = cache.reserve_append(k, v, cu_q_lens, num_seqs, checked=checked)
+        else:
+          cache, k_new, v_new, k_sc, v_sc = cache._reserve_append(k, v, cu_q_lens, num_seqs, checked, reservation)
         call = call.with_cache(cache.k_scale, cache.v_scale, *cache.attention_view())
         out, k_pages, v_pages, k_scale, v_scale = call.attend_and_write(
           q, k_new, v_new, cache.k_pages, cache.v_pages, k_new_scale=k_sc, v_new_scale=v_sc, sinks=sinks,
           checked=checked, **({} if seq_axis is None else dict(mesh=mesh, seq_axis=seq_axis)),
         )  # fmt: skip
         return out, dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages, k_scale=k_scale, v_scale=v_scale)
-    cache = cache.append(k, v, cu_q_lens, num_seqs, checked=checked)
+    if reservation is None:
+      cache = cache.append(k, v, cu_q_lens, num_seqs, checked=checked)
+    else:
+      cache = cache._append(k, v, cu_q_lens, num_seqs, checked, reservation)
   kv_lens, table = cache.attention_view()
   split = mesh is not None and (head_axis is not None or seq_axis is not None)
   layout = dict(mesh=mesh, seq_axis=seq_axis, head_axis=head_axis) if split else {}
@@ -94,3 +103,11 @@ def in_step(cache, q, k, v, current: paged_step.Step, **kwargs):
   if current.kind == "ring_prefill":
     return ring_prefill(cache, q, k, v, current.slot, current.num_tokens, **kwargs)
   return ragged(cache, q, k, v, current.cu_q_lens, current.num_seqs, **kwargs)
+
+
+def _step_reservation(cu_q_lens, num_seqs):
+  """The current serving step's page allocation when this is its ragged batch (the very objects), else None."""
+  current = paged_step.current()
+  if current is None or current.kind != "ragged" or current.reservation is None:
+    return None
+  return current.reservation if cu_q_lens is current.cu_q_lens and num_seqs is current.num_seqs else None

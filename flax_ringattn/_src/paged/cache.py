@@ -46,6 +46,20 @@ from flax_ringattn._src.validation import check_bool
 __all__ = ["CacheOverflowError", "PagedKVCache"]
 
 
+@dataclasses.dataclass(frozen=True)
+class Reservation:
+  """A write's page allocation (`PagedKVCache.reservation`), apart from the pages it moves: what any cache of the
+  same page table becomes (`PagedKVCache._reserve(..., reservation=...)`)."""
+
+  admission: admission.Admission  # who fits, and why not (its errors are raised by each cache that applies it)
+  overflowed: jax.Array  # [S] bool, refused writes included
+  page_indices: jax.Array  # [S, pages_per_seq] the new page table
+  ref_counts: jax.Array  # [P] (replicated)
+  copy_from: jax.Array  # [S] each slot's shared partial page, copied (copy-on-write) ...
+  copy_to: jax.Array  # [S] ... into this page (num_pages: no copy)
+  released: jax.Array  # [S] page ids zeroed, originals of copies left without a reference (num_pages: none)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
@@ -337,16 +351,47 @@ class PagedKVCache:
     checked = check_bool("checked", checked)
     return self._reserve(self._new_lens(new_lens, "reserve", checked), checked)
 
-  def _reserve(self, new_lens, checked: bool, owners=None) -> PagedKVCache:
+  def _reserve(self, new_lens, checked: bool, owners=None, reservation: Reservation | None = None) -> PagedKVCache:
+    """`reserve` of `new_lens` [S] more tokens; or, given a `reservation` that `reservation(new_lens)` of a cache
+    with this one's page table made, its page moves applied to this cache's pages (the allocation not run
+    again)."""
+    r = self.reservation(new_lens, owners) if reservation is None else reservation
+    admission.check(self, r.admission, checked)
+    return self._apply(r)
+
+  def reservation(self, new_lens, owners=None) -> Reservation:
+    """The page allocation of `reserve` for `new_lens` [S] (its admission, the new page table and reference
+    counts, the copy-on-write and release page moves), without touching the pages.
+
+    Every cache of one page table (`ServingEngine` keeps one for all the layers of a model) gets the same
+    allocation: compute it once per step and pass it to each layer's write, instead of allocating per layer."""
     a = admission.admit(self, new_lens, owners)
-    admission.check(self, a, checked)
     refused = a.wants & ~a.accepted
     new_lens = jnp.where(a.accepted, a.new_lens, 0)
-    cache = dataclasses.replace(self, overflowed=self._overflowed() | refused)
-    return cache._grow(new_lens, owners)
+    return self._grow(new_lens, a, self._overflowed() | refused, owners)
 
-  def _grow(self, new_lens, owners=None) -> PagedKVCache:
-    """The page moves of `reserve` for `new_lens` [S] that fit (all of them, by `admission.admit`)."""
+  def _apply(self, r: Reservation) -> PagedKVCache:
+    """This cache with reservation `r` made: its pages copied (copy-on-write) and zeroed (released), and r's page
+    table, reference counts and refusals."""
+    n = self.num_shards
+    moved = []
+    for x in (self.k_pages, self.v_pages, self.k_scale, self.v_scale):
+      x = allocator.copy_pages(x, r.copy_from, r.copy_to, n)
+      moved.append(storage.zero_listed_pages(x, r.released))
+    k_pages, v_pages, k_scale, v_scale = moved
+    return dataclasses.replace(
+      self,
+      k_pages=k_pages,
+      v_pages=v_pages,
+      page_indices=r.page_indices,
+      ref_counts=allocator.placed_like(r.ref_counts, self.ref_counts),
+      k_scale=k_scale,
+      v_scale=v_scale,
+      overflowed=r.overflowed,
+    )
+
+  def _grow(self, new_lens, a, overflowed, owners=None) -> Reservation:
+    """The page moves of `reserve` for `new_lens` [S] that fit (all of them, by `admission.admit`: `a`)."""
     P, S, pps, n = self.num_pages, self.max_num_seqs, self.pages_per_seq, self.num_shards
     refs_in = allocator.replicated(self.ref_counts)
     extra, have, need, cow, cow_owner = self._extra(new_lens, refs_in, owners)
@@ -356,9 +401,6 @@ class PagedKVCache:
 
     # Copy-on-write of the partially filled, shared page of each slot (fresh is on the same owner as old).
     ok_copy = fresh < P
-    k_pages, v_pages, k_scale, v_scale = (
-      allocator.copy_pages(x, old, fresh, n) for x in (self.k_pages, self.v_pages, self.k_scale, self.v_scale)
-    )
     # Admission leaves every served slot its pages, so a copy always finds one; were it not to, the slot
     # must still not write into the shared page: it lets go of it.
     lost = (cow > 0) & ~ok_copy
@@ -368,9 +410,6 @@ class PagedKVCache:
     # into those pages alone (a select over every page passed over the whole cache in every layer and step).
     at = jnp.clip(old, 0, P - 1)
     released = jnp.where((cow > 0) & (refs[at] <= 0) & (refs_in[at] > 0), old, P)  # [S] page ids, P: none
-    k_pages, v_pages, k_scale, v_scale = (
-      storage.zero_listed_pages(x, released) for x in (k_pages, v_pages, k_scale, v_scale)
-    )
     table = self.page_indices.at[jnp.arange(S), j0].set(jnp.where(ok_copy, fresh, jnp.where(lost, -1, old)))
 
     # New pages for the tokens beyond what each slot holds.
@@ -379,15 +418,7 @@ class PagedKVCache:
     table = jnp.where(grow, jnp.where(ids < P, ids, -1), table)
     refs = refs.at[jnp.where(ok_copy, fresh, P)].set(1, mode="drop")
     refs = refs.at[ids.reshape(-1)].set(1, mode="drop")
-    return dataclasses.replace(
-      self,
-      k_pages=k_pages,
-      v_pages=v_pages,
-      page_indices=table,
-      ref_counts=allocator.placed_like(refs, self.ref_counts),
-      k_scale=k_scale,
-      v_scale=v_scale,
-    )
+    return Reservation(a, overflowed, table, refs, old, fresh, released)
 
   def _stored_lens(self, q_lens):
     """[S] new tokens each slot stores this step: its q_lens, or 0 where its write was refused (`overflowed`)."""
@@ -411,8 +442,12 @@ class PagedKVCache:
     """Reserves pages and writes the new k [T, K, H] and v [T, K, Hv] of a ragged batch; kv_lens grows (see
     `reserve` for a write that does not fit).  The batch's metadata follows `paged_attention`'s rules (`_ragged`):
     eagerly a breach raises `ValueError`; under jit, `checked=True` reports it under checkify."""
+    return self._append(k, v, cu_q_lens, num_seqs, checked)
+
+  def _append(self, k, v, cu_q_lens, num_seqs, checked: bool, reservation: Reservation | None = None):
+    """`append`, with the step's allocation given (`reservation`) or made here (None)."""
     cu, n, q_lens = self._ragged(k, v, cu_q_lens, num_seqs, "append", checked)
-    cache = self._reserve(q_lens, checked)
+    cache = self._reserve(q_lens, checked, reservation=reservation)
     return cache._write(k, v, cu, n, cache._stored_lens(q_lens), k.shape[0])
 
   @eager.method
@@ -425,8 +460,12 @@ class PagedKVCache:
     kernel must read the lengths and page table of `cache.attention_view()`, so that a refused slot's tokens are
     stored nowhere.
     """
+    return self._reserve_append(k, v, cu_q_lens, num_seqs, checked)
+
+  def _reserve_append(self, k, v, cu_q_lens, num_seqs, checked: bool, reservation: Reservation | None = None):
+    """`reserve_append`, with the step's allocation given (`reservation`) or made here (None)."""
     _, _, q_lens = self._ragged(k, v, cu_q_lens, num_seqs, "reserve_append", checked)
-    cache = self._reserve(q_lens, checked)
+    cache = self._reserve(q_lens, checked, reservation=reservation)
     k_store, k_sc = storage.quantize(cache.k_pages.dtype, cache.k_scale is not None, k)
     v_store, v_sc = storage.quantize(cache.k_pages.dtype, cache.v_scale is not None, v)
     cache = dataclasses.replace(cache, kv_lens=cache.kv_lens + cache._stored_lens(q_lens))

@@ -30,6 +30,8 @@ class Step:
   slot: object = None  # ring prefill: the slot (int32 scalar)
   num_tokens: object = None  # ring prefill: the prompt's real tokens
   needs: list = dataclasses.field(default_factory=list)  # discover: (owner, key, CacheNeed) of each site
+  # ragged: the step's page allocation, made once for all the caches (they share one page table), or None
+  reservation: object = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flax_ringattn._src import layout
+from flax_ringattn._src import layout, ragged
 from flax_ringattn._src.nnx import handwritten_paged
 from flax_ringattn._src.nnx.handwritten_paged import PagedSiteOptions
 from flax_ringattn._src.nnx.paged_mha import PagedMultiHeadAttention
@@ -149,6 +149,28 @@ def _sampling_args(options) -> tuple:
   """(seed, temperature, top_k, top_p) as a step takes them, from `sampling.check`'s (temperature, top_k, top_p,
   seed)."""
   return (jnp.int32(options[3]), jnp.float32(options[0]), options[1], options[2])
+
+
+_PAGE_TABLE = ("kv_lens", "page_indices", "ref_counts", "overflowed")
+
+
+def _check_one_page_table(cache_leaves, cache_def) -> None:
+  """Raises ValueError unless every cache of the model has the first one's page table (lengths, pages, reference
+  counts, refusals): a step allocates pages once for all of them (`PagedKVCache.reservation`).  The engine's own
+  calls keep them equal; a cache changed by hand between calls would not be."""
+  caches = [x for x in jax.tree.leaves(jax.tree.unflatten(cache_def, cache_leaves), is_leaf=_is_paged_cache)
+            if _is_paged_cache(x)]  # fmt: skip
+  if len(caches) < 2:
+    return
+  tables = jax.device_get([[getattr(c, f) for f in _PAGE_TABLE] for c in caches])
+  for i, table in enumerate(tables[1:], 1):
+    for name, a, b in zip(_PAGE_TABLE, tables[0], table, strict=True):
+      if (a is None) != (b is None) or (a is not None and not np.array_equal(a, b)):
+        raise ValueError(
+          f"ServingEngine: the model's paged caches must share one page table, but cache {i}'s {name} differs "
+          f"from cache 0's (a cache written outside the engine, e.g. by calling the model or "
+          "PagedKVCache.append by hand between calls): re-create the caches (init_cache) before serving"
+        )
 
 
 def first_cache(caches) -> PagedKVCache:
@@ -334,7 +356,12 @@ class ServingEngine:
   def _step_fn(self, caches, rest, tokens, positions, cu_q_lens, row_ids, seed, temperature, *, top_k, top_p):
     self.stats.compiles += 1
     num_seqs = jnp.full((1,), self.max_num_seqs, jnp.int32)
-    logits, caches = self._run_model(caches, rest, tokens, positions, Step("ragged", cu_q_lens, num_seqs))
+    # Every layer's cache has the same page table (`_take_caches` checks it): the step's page allocation is made
+    # once here, and each layer applies it to its own pages (allocated per layer, it was a few dozen small
+    # scatters over the page counts in every layer of every step).
+    reservation = first_cache(caches).reservation(ragged.seq_q_lens(cu_q_lens, num_seqs))
+    current = Step("ragged", cu_q_lens, num_seqs, reservation=reservation)
+    logits, caches = self._run_model(caches, rest, tokens, positions, current)
     chosen = sampling.choose(logits, row_ids, seed, temperature, top_k=top_k, top_p=top_p)
     first = first_cache(caches)  # every cache has the same page table: one reports for all
     flags = jnp.zeros((self.max_num_seqs,), bool) if first.overflowed is None else first.overflowed
@@ -518,6 +545,7 @@ class ServingEngine:
     self._to_free = None  # (none pending: the last call's caches were read back into the model)
     self._rest_leaves, self._rest_def = jax.tree.flatten(rest)
     self._caches = _committed_beside(caches, rest)
+    _check_one_page_table(self._cache_leaves, self._cache_def)
     self._free_pages = None  # the model's caches, as the caller may have changed them: not yet counted
 
   def warmup(self, *, top_k: int | None = None, top_p: float | None = None, buckets=None) -> int:
