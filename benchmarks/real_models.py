@@ -11,9 +11,9 @@ random weights, bf16).  Two tables:
   Each row: median step time, tokens/s, MFU (model FLOPs, causal attention counted as half, over the chip's bf16
   peak), and the peak memory the device reports.  `--remat` recomputes each block in the backward.
 * **serve**: `ServingEngine` over the model converted to paged attention, batches of
-  `--batches` sequences with `--contexts` tokens of prompt each: decode tokens/s and its share of the HBM
-  roofline (weights plus the KV bytes one step reads, over the chip's bandwidth), time to the first token, and
-  prefill tokens/s.
+  `--batches` sequences with `--contexts` tokens of prompt each: decode tokens/s over the engine's pure decode
+  steps of the whole batch (`EngineStats.decode_*`) and its share of the HBM roofline (weights plus the KV bytes
+  one step reads, over the chip's bandwidth), time to the first token, and prefill tokens/s.
 * **longest** (`--tables longest`): for each way, the longest sequence that trains one step, doubling from
   `--longest-from` up to `--longest-cap`, and the first length that fails, with its error.
 
@@ -243,14 +243,48 @@ def _train_runner(remat: bool, policy: str = "none"):
 # -- serving ---------------------------------------------------------------------------------------------
 
 
+def decode_run_tokens(ctx: int, batch: int, rows: int, new_tokens: int) -> int:
+  """max_new_tokens of a row's decode run: the prefill's token, then as many as the steps the batch's prefill spans,
+  then `new_tokens` (M).  Under continuous batching the first prompts decode while the last ones still prefill (a
+  step takes the decodes first and fills its other rows with prompt chunks: at least rows - batch of them), so the
+  whole batch decodes together from the last prompt's first token to the first prompt's last: about M steps."""
+  span = -(-batch * ctx // max(rows - batch, rows // 2)) + 1
+  return 1 + span + new_tokens
+
+
+def decode_window(engine, prompts, max_new_tokens: int):
+  """Streams `prompts` to `max_new_tokens` new tokens each; returns (steps, tokens, seconds) of the engine's pure
+  decode steps (`EngineStats.decode_*`) in which every prompt decoded, from the last prompt's first token to the
+  first prompt's last, and the mean of the tokens each sequence had generated in them.  Without such a step
+  (`max_new_tokens` too few for the batch's prefill), every pure decode step of the run, however many it held."""
+  stats, count = engine.stats, [0] * len(prompts)
+  counters = lambda: np.array([stats.decode_steps, stats.decode_tokens, stats.decode_seconds])  # noqa: E731
+  run = start = end = (counters(), 0)  # (the counters, the tokens generated so far)
+  for index, _ in engine.stream(prompts, max_new_tokens=max_new_tokens):
+    count[index] += 1
+    if count[index] == 1 and all(count):  # the last prompt's first token: the next step decodes them all
+      start = (counters(), sum(count))
+    if count[index] == max_new_tokens and end is run:  # the first prompt's last: its step decoded them all
+      end = (counters(), sum(count))
+  if end[0][0] - start[0][0] < 1:  # no step of the whole batch: the run's own
+    start, end = run, (counters(), max_new_tokens * len(prompts))
+  steps, tokens, seconds = end[0] - start[0]
+  return int(steps), int(tokens), float(seconds), (start[1] + end[1]) / 2 / len(prompts)
+
+
 def serve_table(report, c, args, chip) -> None:
   rows = []
   bw = chip.memory_bandwidth if chip else None
   weight_bytes = c.params() * 2
+  kv_token_bytes = c.layers * 2 * c.kv_heads * c.head_dim * 2  # bf16 K and V of one token
   # One engine serves every row: sized for the largest batch and context, its step programs depend on the token
   # bucket alone, so the rows share them (a real-size model's step program takes tens of seconds to compile).
   batch_max, page = max(args.batches), args.page_size
-  pages_per_seq = -(-(max(args.contexts) + args.new_tokens) // page)
+  step_rows = max(args.prefill_rows, batch_max)
+  run_tokens = {
+    (ctx, b): decode_run_tokens(ctx, b, step_rows, args.new_tokens) for ctx in args.contexts for b in args.batches
+  }
+  pages_per_seq = max(-(-(ctx + n) // page) for (ctx, _), n in run_tokens.items())
   try:
     model = decoders.Decoder(c, rngs=nnx.Rngs(0))
     probe = jnp.zeros((1, 8), jnp.int32)
@@ -262,52 +296,52 @@ def serve_table(report, c, args, chip) -> None:
       page_size=page,
       max_num_seqs=batch_max,
       pages_per_seq=pages_per_seq,
-      max_num_batched_tokens=max(args.prefill_rows, batch_max),
+      max_num_batched_tokens=step_rows,
       merged_pages="kv" if args.kv_pages else args.merged,
     )
-    # The buckets the rows step at: decodes of each batch, and full prefill chunks (a prompt's last chunk may take
-    # a smaller one: the run of 2 new tokens below compiles it before any timing).
-    buckets = {engine.rows_for(b) for b in args.batches} | {engine.token_buckets[-1]}
+    # Every bucket by default: a step that mixes decodes and a prompt chunk can land on any of them.
+    buckets = engine.token_buckets
+    if args.warm_buckets:
+      buckets = sorted({engine.rows_for(min(n, step_rows)) for n in args.warm_buckets})
     t0 = time.perf_counter()
-    compiled = engine.warmup(buckets=sorted(buckets))
-    report.progress(
-      f"serve: {compiled} programs compiled in {time.perf_counter() - t0:.1f} s (buckets {sorted(buckets)})"
-    )
+    compiled = engine.warmup(buckets=buckets)
+    report.progress(f"serve: {compiled} programs compiled in {time.perf_counter() - t0:.1f} s (buckets {buckets})")
   except Exception as e:  # noqa: BLE001
     engine, failed = None, _error(e)
   for ctx in args.contexts:
     for batch in args.batches:
       row = [ctx, batch]
       if engine is None:
-        rows.append(row + [None] * 6 + [failed])
+        rows.append(row + [None] * 8 + [failed])
         continue
       try:
         rng = np.random.default_rng(ctx + batch)
         fresh = lambda n, rng=rng, ctx=ctx: [list(rng.integers(1, c.vocab, ctx)) for _ in range(n)]  # noqa: E731
-        engine.generate(fresh(batch), max_new_tokens=2)  # any bucket the warm-up left out, before any timing
+        if args.warm_buckets:
+          engine.generate(fresh(batch), max_new_tokens=2)  # a bucket the warm-up left out, before any timing
         compiled = engine.stats.compiles
         t0, first = time.perf_counter(), None
         for _ in engine.stream(fresh(1), max_new_tokens=1):
           first = time.perf_counter() - t0 if first is None else first
-        # Decode alone: the same batch run to 1 and to 1 + M new tokens (fresh prompts, so no pages are shared
-        # across runs); the difference is M decode steps of the whole batch.
         t0 = time.perf_counter()
         engine.generate(fresh(batch), max_new_tokens=1)
         short = time.perf_counter() - t0
         stats = engine.stats
         steps0, seconds0, inside0 = stats.steps, stats.seconds, stats.step_seconds
-        t0 = time.perf_counter()
-        engine.generate(fresh(batch), max_new_tokens=1 + args.new_tokens)
-        step = max(time.perf_counter() - t0 - short, 1e-9) / args.new_tokens
+        # Decode: the engine's own count of its pure decode steps (fresh prompts: no pages shared across runs).
+        steps, tokens, seconds, generated = decode_window(engine, fresh(batch), run_tokens[ctx, batch])
+        step = seconds / max(steps, 1)
+        decoded = tokens / max(steps, 1)  # sequences a step: the batch, unless the run was too short for it
         # The engine's own work between step calls, per step of that run: the device waits through it.
         host = ((stats.seconds - seconds0) - (stats.step_seconds - inside0)) / max(stats.steps - steps0, 1)
-        kv_bytes = batch * (ctx + args.new_tokens // 2) * c.layers * 2 * c.kv_heads * c.head_dim * 2  # bf16 K, V
+        kv_bytes = decoded * (ctx + generated) * kv_token_bytes
         roofline = (weight_bytes + kv_bytes) / bw if bw else None
-        share = roofline / step * 100 if roofline else None
+        share = roofline / step * 100 if roofline and steps else None
         late = engine.stats.compiles - compiled  # a timed run that compiled: its times are not steady state
         row += [
-          batch / step,
-          step * 1e3,
+          decoded,
+          tokens / seconds if seconds > 0 else None,
+          step * 1e3 if steps else None,
           host * 1e3,
           share,
           first * 1e3,
@@ -315,28 +349,33 @@ def serve_table(report, c, args, chip) -> None:
           f"{late} compiles timed" * bool(late),
         ]
       except Exception as e:  # noqa: BLE001
-        row += [None, None, None, None, None, None, _error(e)]
+        row += [None] * 8 + [_error(e)]
       rows.append(row)
       report.progress(f"serve ctx={ctx} batch={batch}: {row[2:]}")
   report.table(
     f"Serving {c.name} with ServingEngine (converted to paged attention"
     f"{', kv pages' if args.kv_pages else ', merged pages' * args.merged}), "
-    f"page {args.page_size}, {args.new_tokens} new tokens per sequence",
-    ["context", "batch", "decode tokens/s", "decode step ms", "host ms/step", "% HBM roofline", "TTFT ms"]
-    + ["prefill tokens/s", "notes"],
+    f"page {args.page_size}, decode timed over M = {args.new_tokens} steps of the whole batch",
+    ["context", "batch", "decode batch", "decode tokens/s", "decode step ms", "host ms/step", "% HBM roofline"]
+    + ["TTFT ms", "prefill tokens/s", "notes"],
     rows,
-    formats={"decode tokens/s": ",.0f", "decode step ms": ".2f", "host ms/step": ".2f", "% HBM roofline": ".1f"}
-    | {"TTFT ms": ".1f"}
-    | {"prefill tokens/s": ",.0f"},
+    formats={"decode batch": ".1f", "decode tokens/s": ",.0f", "decode step ms": ".2f", "host ms/step": ".2f"}
+    | {"% HBM roofline": ".1f", "TTFT ms": ".1f", "prefill tokens/s": ",.0f"},
     notes=[
-      "decode step: (wall time of generate to 1 + M new tokens - to 1 new token) / M, the batch's prompts fresh",
-      "each run (compiled programs); decode tokens/s: batch / step.  % HBM roofline: the bytes one decode step",
-      "reads (bf16 weights + every sequence's K/V at its mean length) over the chip's bandwidth, against the",
-      "step.  TTFT: one prompt of `context` tokens to its first token.  prefill tokens/s: batch x context over the",
-      "run to 1 new token.  host ms/step: the engine's wall time outside its step calls (scheduling, admission,",
-      "releases; `EngineStats.seconds - step_seconds`) over the steps of the 1 + M run: the device waits through it.",
-      "One engine serves every row, sized for the largest batch and context (its step programs depend on the token",
-      "bucket alone); its warm-up compiles the buckets the rows step at (`warmup(buckets=...)`).",
+      "decode: the engine's pure decode steps (EngineStats.decode_steps / decode_tokens / decode_seconds: steps whose",
+      "every row is one new token of a sequence past its prompt; their step-call wall time) of one generate of the",
+      "batch's prompts (fresh: no pages shared), counted from the last prompt's first token to the first prompt's",
+      "last.  Continuous batching decodes the first prompts beside the later ones' prefill, so the run generates",
+      "M + the steps the batch's prefill spans; in those counted steps the whole batch decodes.  decode batch:",
+      "decode tokens / decode steps (the batch, unless the run was too short; then every pure decode step counts).",
+      "decode tokens/s: decode tokens / decode seconds; decode step ms: decode seconds / decode steps.  % HBM",
+      "roofline: the bytes one decode step reads (bf16 weights + the K/V of decode batch sequences at their mean",
+      "length) over the chip's bandwidth, against the step.  TTFT: one prompt of `context` tokens to its first token.",
+      "prefill tokens/s: batch x context over a run to 1 new token.  host ms/step: the engine's wall time outside its",
+      "step calls (scheduling, admission, releases; `EngineStats.seconds - step_seconds`) over the steps of the decode",
+      "run: the device waits through it.  One engine serves every row, sized for the largest batch and context (its",
+      "step programs depend on the token bucket alone); its warm-up compiles every token bucket (`--warm-buckets`:",
+      "only those named, and an untimed run of each batch first).",
     ],  # fmt: skip
   )
 
@@ -377,9 +416,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--layers", type=int, help="the model cut to its first N blocks (check a path before a full run)")
   p.add_argument("--batches", default="1,8,32,64", help="serve: sequences served at once")
   p.add_argument("--contexts", default="2048,8192", help="serve: prompt tokens per sequence")
-  p.add_argument("--new-tokens", type=int, default=64, help="serve: tokens generated per sequence")
+  p.add_argument(
+    "--new-tokens",
+    type=int,
+    default=64,
+    help="serve: M, the decode steps timed with the whole batch (a row's run generates M + the steps its batch's "
+    "prefill spans, since its first prompts start decoding that much earlier than its last)",
+  )
   p.add_argument("--page-size", type=int, default=16)
   p.add_argument("--prefill-rows", type=int, default=1024, help="serve: max_num_batched_tokens")
+  p.add_argument(
+    "--warm-buckets",
+    default="",
+    help="serve: warm only the token buckets that hold these step sizes (e.g. the batches and --prefill-rows) "
+    "instead of every bucket: fewer step programs to compile (tens of seconds each at a real size), but a mixed "
+    "prefill + decode step at a bucket left out compiles inside a timed run (its notes then say so)",
+  )
   p.add_argument("--merged", action="store_true", help="serve: merged pages [P, page, K * H]")
   p.add_argument("--kv-pages", action="store_true", help="serve: kv pages [P, 2, page, K * H] (merged_pages='kv')")
   p.add_argument("--interpret", action="store_true", help="kernels in interpret mode (default off a TPU)")
@@ -388,6 +440,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   args = p.parse_args(argv)
   ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
   args.seq_lens, args.batches, args.contexts = ints(args.seq_lens), ints(args.batches), ints(args.contexts)
+  args.warm_buckets = ints(args.warm_buckets)
   args.ways, args.tables = args.ways.split(","), args.tables.split(",")
   if jax.default_backend() != "tpu":
     args.interpret = True

@@ -56,7 +56,8 @@ from flax_ringattn._src.reference import reference_attention
 from flax_ringattn._src.ring.dense import dot_product_attention
 from flax_ringattn._src.ring.op import ring_attention
 from flax_ringattn._src.serving.draft import NGramDraft
-from flax_ringattn._src.serving.engine import EngineStats, ServingEngine
+from flax_ringattn._src.serving.engine import ServingEngine
+from flax_ringattn._src.serving.stats import EngineStats
 
 __version__ = "0.1.0"
 

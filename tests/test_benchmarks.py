@@ -588,7 +588,9 @@ def test_real_models_smoke_trains_three_ways_and_serves(tmp_path):
   assert max(losses) - min(losses) < 0.05, losses  # the same model and data, one AdamW step each way
   (row,) = serve["rows"]
   assert row["notes"] == "" and row["decode tokens/s"] > 0 and row["decode step ms"] > 0 and row["TTFT ms"] > 0, row
-  assert 0 < row["host ms/step"] < row["decode step ms"], row
+  assert 0 < row["host ms/step"] < row["decode step ms"] and row["prefill tokens/s"] > 0, row
+  # Decode is timed over the engine's pure decode steps in which the whole batch decoded.
+  assert row["decode batch"] == row["batch"] == 2, row
 
 
 def test_real_models_remat_with_the_attention_policy_trains():

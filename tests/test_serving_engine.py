@@ -186,6 +186,39 @@ def test_speculative_decoding_is_exact_and_takes_fewer_steps(llama):
   assert want == llama.want(repetitive, 8)
 
 
+def test_decode_stats_count_the_pure_decode_steps_alone(llama, monkeypatch):
+  """`stats.decode_*` count the steps whose every row is one new token of a sequence past its prompt.  Prompts of 5
+  and 14 tokens through steps of 12 rows: a prefill step (5 + 7 tokens), a mixed one (the first prompt's decode
+  beside the second's last 7), then decodes of both and, last, of the second alone.  A run to one new token decodes
+  nothing, nor does a step with a draft's proposals."""
+  engine, stats = llama.engine, llama.engine.stats
+  seen = []  # each step's (decodes, sequences, rows)
+  step = engine.ragged_step
+
+  def spy(tokens, positions, cu_q_lens, row_ids, options, *, decodes=0):
+    lens = np.diff(cu_q_lens)
+    seen.append((decodes, int(np.count_nonzero(lens)), int(lens.sum())))
+    return step(tokens, positions, cu_q_lens, row_ids, options, decodes=decodes)
+
+  monkeypatch.setattr(engine, "ragged_step", spy)
+  counters = lambda: (stats.decode_steps, stats.decode_tokens, stats.decode_seconds)  # noqa: E731
+  before = counters()
+  engine.generate(PROMPTS[:2], max_new_tokens=1)
+  assert counters() == before and len(seen) == 2 and not any(d for d, _, _ in seen)
+  seen.clear()
+  engine.generate(PROMPTS[:2], max_new_tokens=MAX_NEW)
+  assert [d for d, _, _ in seen] == [0, 0, 2, 2, 2, 2, 1], seen
+  assert all(rows == n for d, n, rows in seen if d), seen  # one row per sequence
+  steps, tokens, seconds = (a - b for a, b in zip(counters(), before, strict=True))
+  assert (steps, tokens) == (5, sum(d for d, _, _ in seen)) and tokens / steps <= 2 and seconds > 0
+  assert (
+    stats.as_dict()["decode_tokens_per_s"] == stats.decode_tokens_per_s == stats.decode_tokens / stats.decode_seconds
+  )
+  seen.clear()
+  engine.generate(PROMPTS[:2], max_new_tokens=MAX_NEW, draft=_WrongDraft())
+  assert any(rows > n for _, n, rows in seen) and not any(d for d, n, rows in seen if rows > n), seen
+
+
 def test_a_prompt_that_cannot_fit_raises_before_any_step(llama):
   steps = llama.engine.stats.steps
   with pytest.raises(fr.CacheOverflowError, match=r"prompt 1 can never fit a slot: its 30 tokens"):

@@ -14,7 +14,6 @@ split off once per `generate` and donated to every step; the model holds them ag
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import time
 
@@ -32,45 +31,7 @@ from flax_ringattn._src.nnx.paged_mha import PagedMultiHeadAttention
 from flax_ringattn._src.paged.cache import PagedKVCache
 from flax_ringattn._src.paged.step import Step, serving_step
 from flax_ringattn._src.serving import sampling, scheduler
-
-
-@dataclasses.dataclass
-class EngineStats:
-  """Counts over the engine's lifetime (every `generate` / `stream` call adds to them).
-
-  Read from `ServingEngine.stats`: `steps` and `ring_prefills` run, `compiles`; `prompt_tokens`,
-  `prefill_tokens_computed` and `shared_prefix_tokens` (prefix reuse), `generated_tokens`; `draft_proposed` /
-  `draft_accepted` (speculative decoding), `evictions`, wall `seconds` (of it `compile_seconds`, and
-  `step_seconds` in the step calls: the rest is host work the device waits through) and the mean
-  `cache_utilization`.  `tokens_per_s` and `as_dict()` summarise them.
-  """
-
-  steps: int = 0  # ragged steps run (ring prefills not included)
-  ring_prefills: int = 0  # prompts prefilled by the ring (context parallel)
-  compiles: int = 0  # traces of the engine's jitted programs (steps, ring prefills, cache updates)
-  prompt_tokens: int = 0  # tokens of the prompts served
-  prefill_tokens_computed: int = 0  # prompt tokens run through the model (shared prefixes are not)
-  shared_prefix_tokens: int = 0  # prompt tokens taken from another sequence's pages
-  generated_tokens: int = 0
-  draft_proposed: int = 0  # speculative tokens proposed by the draft
-  draft_accepted: int = 0  # ... and kept
-  evictions: int = 0  # sequences freed and re-queued because their tokens did not fit
-  seconds: float = 0.0  # wall time inside generate / stream
-  # ... of it, the host calls that traced and compiled a program (with that call's own run): seconds minus this
-  # is the steady state
-  compile_seconds: float = 0.0
-  # ... of it, inside the step and ring prefill calls (dispatch, the device's run, the outputs' transfer; compiling
-  # calls included): seconds minus this is the host's own work (scheduling, admission, releases), in which the
-  # device waits
-  step_seconds: float = 0.0
-  cache_utilization: float = 0.0  # mean over steps of the cache's used / allocated token slots
-
-  @property
-  def tokens_per_s(self) -> float:
-    return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0
-
-  def as_dict(self) -> dict:
-    return dataclasses.asdict(self) | {"tokens_per_s": self.tokens_per_s}
+from flax_ringattn._src.serving.stats import EngineStats
 
 
 def _positive(name: str, value) -> int:
@@ -404,7 +365,10 @@ class ServingEngine:
     """The rows of a step of `tokens` new tokens: the least of `token_buckets` that holds them."""
     return next(b for b in self.token_buckets if b >= tokens)
 
-  def ragged_step(self, tokens, positions, cu_q_lens, row_ids, options):
+  def ragged_step(self, tokens, positions, cu_q_lens, row_ids, options, *, decodes: int = 0):
+    """One step of the model over a flat ragged batch; returns (chosen tokens, overflowed flags, utilization).
+    `decodes`: the step's sequences when it is a pure decode step (each one new token, after its prompt), else 0
+    (for `stats.decode_*`)."""
     leaves = self._leaves()  # (before the clock: a release that compiles is timed once, by its own)
     t0 = time.perf_counter()
     with self._compile_clock():
@@ -413,7 +377,12 @@ class ServingEngine:
         cache_def=self._cache_def, rest_def=self._rest_def, top_k=options[2], top_p=options[3],
       )  # fmt: skip
       out, overflowed, utilization, free = jax.device_get(result)  # one transfer, not one per value
-    self.stats.step_seconds += time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0
+    self.stats.step_seconds += elapsed
+    if decodes:
+      self.stats.decode_steps += 1
+      self.stats.decode_tokens += decodes
+      self.stats.decode_seconds += elapsed
     self._free_pages = int(free)
     self.stats.steps += 1
     return np.asarray(out), np.asarray(overflowed), float(utilization)

@@ -218,7 +218,9 @@ class Scheduler:
     if not feeds:
       return
     tokens, positions, cu, row_ids = self._rows(feeds, new_lens)
-    out, overflowed, utilization = engine.ragged_step(tokens, positions, cu, row_ids, self.sampling)
+    out, overflowed, utilization = engine.ragged_step(
+      tokens, positions, cu, row_ids, self.sampling, decodes=len(feeds) if self._decodes_only(feeds) else 0
+    )
     self.utils.append(utilization)
     engine.stats.cache_utilization = float(np.mean(self.utils))
     drop = np.zeros(S, np.int32)
@@ -246,6 +248,15 @@ class Scheduler:
       engine.rollback(drop)
     for seq, accepted in emitted:
       yield from self.emit(seq, accepted)
+
+  def _decodes_only(self, feeds) -> bool:
+    """Whether every feed is one new token of a sequence whose prompt and output so far are in its slot (a pure
+    decode step): a prompt's last token alone, or a resumed sequence's re-fed output, is not one."""
+    for slot, (feed, _) in feeds.items():
+      seq = self.slots[slot]
+      if len(feed) != 1 or not seq.generated or len(seq.prompt) + len(seq.generated) - seq.fed != 1:
+        return False
+    return True
 
   def _rows(self, feeds, new_lens):
     """The step's inputs: tokens, positions, cu_q_lens and row ids ([T, 2]: the prompt's index, the row's place
