@@ -30,7 +30,6 @@ import time
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -68,8 +67,7 @@ def compile_step(way: str, c, T: int, args, device) -> dict:
     model, optimizer = nnx.merge(graph, state)
 
     def loss_fn(model):
-      logits = rm.forward(model, tokens, positions, args.remat, args.remat_policy)
-      return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1].astype(jnp.float32), tokens[:, 1:]).mean()
+      return rm.loss(model, tokens, positions, args.remat, args.remat_policy, args.loss_chunk)
 
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
@@ -171,6 +169,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p.add_argument("--layers", type=int, help="the model cut to its first N blocks")
   p.add_argument("--remat", action="store_true", help="recompute each block in the backward")
   p.add_argument("--remat-policy", default="none", choices=sorted(rm.REMAT_POLICIES))
+  p.add_argument("--loss-chunk", type=int, default=0, help="real_models.py's --loss-chunk")
   p.add_argument("--longest-from", type=int, default=8192)
   p.add_argument("--longest-cap", type=int, default=131072)
   p.add_argument("--longest-step", type=int, default=4096, help="longest: the resolution of the search, in tokens")

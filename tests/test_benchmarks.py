@@ -8,12 +8,14 @@ import io
 import json
 import math
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from bench_scripts import load, never
+from flax import nnx
 
 import flax_ringattn as fr
 from flax_ringattn import benchmarking as bench
@@ -607,6 +609,24 @@ def test_real_models_remat_with_the_attention_policy_trains():
     assert row["notes"] == "", row
     losses.append(row["last loss"])
   assert abs(losses[0] - losses[1]) < 1e-3, losses
+
+
+def test_real_models_chunked_loss_equals_the_whole_one():
+  """--loss-chunk: the cross-entropy over chunks of positions (their logits recomputed in the backward) equals the
+  loss over all positions' logits at once, value and gradients, for a chunk that does not divide the positions."""
+  real_models = load("real_models")
+  decoders = sys.modules["_decoders"]
+  c = decoders.tiny(real_models.MODELS["qwen"], dtype="float32")
+  model = decoders.Decoder(c, rngs=nnx.Rngs(0))
+  tokens, positions = real_models.train_inputs(c, 2, 24)
+
+  def value_and_grad(chunk):
+    fn = lambda m: real_models.loss(m, tokens, positions, False, "none", chunk)  # noqa: E731
+    return nnx.value_and_grad(fn)(model)
+
+  (whole, g_whole), (chunked, g_chunked) = value_and_grad(0), value_and_grad(5)
+  np.testing.assert_allclose(chunked, whole, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g_chunked, g_whole)
 
 
 def test_real_models_longest_trainable_sequence_names_the_first_failure():
