@@ -42,11 +42,15 @@ TOPOLOGIES = {"v5e": "v5e:1x1"}
 
 
 def tpu_device(chip: str):
-  """A device of a one-chip `chip` topology (no TPU attached: libtpu's compile-only description), and the Pallas
-  TPU backend told that it targets a TPU (its own check reads the attached backend)."""
+  """A device of a one-chip `chip` topology (no TPU attached: libtpu's compile-only description), the Pallas TPU
+  backend told that it targets a TPU (its own check reads the attached backend), and the planners that it is a
+  `chip` (off a TPU they plan for `chip.DEFAULT_GENERATION`, v4: smaller VMEM, other tiles)."""
   from jax.experimental import topologies
 
   import flax_ringattn._src.backends.pallas_tpu as pallas_tpu
+  from flax_ringattn._src.backends.pallas_tpu.planners import chip as planner_chip
+
+  planner_chip.DEFAULT_GENERATION = chip
 
   topo = topologies.get_topology_desc(
     platform="tpu", topology_name=TOPOLOGIES[chip], chip_config_name="default", chips_per_host_bounds=(1, 1, 1),

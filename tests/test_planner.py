@@ -295,14 +295,17 @@ def test_planner_errors():
     fr.plan_block_sizes(1024, 1024, 6, 4, 128, jnp.bfloat16)
   with pytest.raises(ValueError, match=r"q_len must be a positive int, got q_len=0"):
     fr.plan_block_sizes(0, 1024, 8, 8, 128, jnp.bfloat16)
-  with pytest.raises(ValueError, match=r"no legal tiles for q_len=4096, kv_len=4096 fit the v4 VMEM budget"):
+  with pytest.raises(ValueError, match=r"no legal tiles for q_len=4096, kv_len=4096 fit both the v4 VMEM budget"):
     fr.plan_block_sizes(4096, 4096, 64, 1, 4096, jnp.float32, generation="v4")
   with pytest.raises(ValueError, match=r"no legal TPU tile for q_len=4000 .* or kv_len=4000 \(multiples of 128"):
     fr.plan_block_sizes(4000, 4000, 32, 8, 128, jnp.bfloat16, generation="v5e")
   with pytest.raises(ValueError, match=r"v_head_dim must be a positive int, got v_head_dim=0"):
     fr.plan_block_sizes(1024, 1024, 8, 8, 128, jnp.bfloat16, v_head_dim=0)
-  with pytest.raises(ValueError, match=r"fit the v4 VMEM budget .* head_dim=128, v_head_dim=65536\)"):
+  with pytest.raises(ValueError, match=r"fit both the v4 VMEM budget .* head_dim=128, v_head_dim=65536\)"):
     fr.plan_block_sizes(4096, 4096, 8, 8, 128, jnp.float32, generation="v4", v_head_dim=65536)
+  # Long axes: tiles small enough for VMEM have tile tables too large for SMEM (Qwen2.5-0.5B's heads at 64k on v4).
+  with pytest.raises(ValueError, match=r"SMEM's 512 KiB of tile tables .* KiB of tables.*shard the sequence"):
+    fr.plan_block_sizes(65536, 65536, 14, 2, 64, jnp.bfloat16, generation="v4")
 
 
 def _pallas(q, k, v, blocks):

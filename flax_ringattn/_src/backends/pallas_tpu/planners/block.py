@@ -406,10 +406,15 @@ def plan_block_sizes_for(shape: ProblemShape, *, generation: str | None = None) 
         f"or the whole axis up to {MAX_TILE}{whole}) or kv_len={kv_len} (multiples of {c.LANES}, same rule)"
       )
     smallest = footprint("dq", bq=qs[0], bk=ks[0], dtype=dtype, **dims).total
+    # A tile pair must fit both: the VMEM budget, and SMEM for its tile tables (q_len / bq x kv_len / bk entries).
+    # Long axes need large tiles for the tables, and large tiles may not fit VMEM.
+    tables = block_table_bytes(q_len // qs[0], kv_len // ks[0])
     raise ValueError(
-      f"plan_block_sizes: no legal tiles for q_len={q_len}, kv_len={kv_len} fit the {generation} VMEM budget "
-      f"of {budget / MiB:.1f} MiB (smallest tiles need {smallest / MiB:.1f} MiB with {num_heads // num_kv_heads} "
-      f"q heads per kv head and head_dim={head_dim}{_v_dim(shape)})"
+      f"plan_block_sizes: no legal tiles for q_len={q_len}, kv_len={kv_len} fit both the {generation} VMEM budget "
+      f"of {budget / MiB:.1f} MiB and SMEM's {c.SMEM_TABLE_BYTES // 1024} KiB of tile tables (the smallest tiles, "
+      f"{qs[0]} x {ks[0]}, need {smallest / MiB:.1f} MiB of VMEM and {tables // 1024} KiB of tables, with "
+      f"{num_heads // num_kv_heads} q heads per kv head and head_dim={head_dim}{_v_dim(shape)}); shard the sequence "
+      "over a ring axis (each device plans its shard)"
     )
   return BlockSizes(block_q=fwd[0], block_kv=fwd[1], block_q_bwd=bwd[0], block_kv_bwd=bwd[1], fused_bwd=fused_bwd)
 
