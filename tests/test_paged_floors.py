@@ -43,7 +43,7 @@ def test_backends_import_nothing_of_the_paged_op():
   up = {m for m in _imports(SRC / "ragged.py") if m.startswith(above)}
   assert not up, f"ragged.py imports {sorted(up)}"
   # The op's folder: its API and call plan, registry, checks, cache (its admission, allocator, argument contracts,
-  # eager programs, storage and rollback), context parallelism and ring prefill, the serving step, oracle, rules.
+  # eager programs, reservations, storage and rollback), context parallelism and ring prefill, the serving step, oracle, rules.
   assert sorted(p.name for p in (SRC / "paged").glob("*.py")) == [
     "__init__.py",
     "admission.py",
@@ -58,6 +58,7 @@ def test_backends_import_nothing_of_the_paged_op():
     "implementations.py",
     "op.py",
     "reference.py",
+    "reservations.py",
     "ring_prefill.py",
     "rollback.py",
     "step.py",

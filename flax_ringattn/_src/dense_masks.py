@@ -171,9 +171,7 @@ def structure_from_dense_mask(mask, *, local_window_size=None, spans: bool = Tru
   # is seen by nobody), and then label0[j] = first[j].  So only row-wise reductions run: they fuse with the
   # mask and stay on the device's rows when T is sharded (a column-wise one would not, and would hold a
   # [B, T / n, S] int32 temporary).  For any other mask a wrong label only makes the verification fail.
-  # (The diagonal by a row-wise reduction, not a gather: a gather from the mask makes XLA write a mask that a model
-  # builds from iota to memory whole; every pass here otherwise fuses with its construction.)
-  seen = jnp.any(m0 & _eye(T), axis=-1) if T == S else jnp.any(m0, axis=1)  # [B, S]
+  seen = jnp.diagonal(m0, axis1=1, axis2=2) if T == S else jnp.any(m0, axis=1)  # [B, S]
   label = first if T == S else jnp.take_along_axis(first, jnp.argmax(m0, axis=1).astype(jnp.int32), axis=1)
   label = jnp.where(seen, label, jnp.arange(S, dtype=jnp.int32)[None])
   for _ in range(max(1, int(np.ceil(np.log2(max(S, 2))))) + 1):
@@ -193,22 +191,13 @@ def structure_from_dense_mask(mask, *, local_window_size=None, spans: bool = Tru
       )
       return jnp.where(ok, candidate, 0), ok
 
-    # Eagerly, only when causal + segments do not already rebuild the mask.  Traced, always, and selected after:
-    # a `lax.cond` would take the mask as an operand, which XLA writes to memory whole.
+    # Only when causal + segments do not already rebuild the mask (the common case pays no further pass).
     if validation.all_concrete(exact):
       bid, found = (bid, jnp.asarray(False)) if bool(exact) else with_spans()
     else:
-      candidate, ok = with_spans()
-      found = ~exact & ok
-      bid = jnp.where(found, candidate, 0)
+      bid, found = jax.lax.cond(exact, lambda: (jnp.zeros_like(first), jnp.asarray(False)), with_spans)
     is_causal, exact = is_causal | found, exact | found
   return DenseStructure(is_causal, q_ids, kv_ids, exact, bid)
-
-
-def _eye(T: int):
-  """[T, T] bool identity from iota (it fuses with its reader)."""
-  i = jnp.arange(T, dtype=jnp.int32)
-  return i[:, None] == i[None, :]
 
 
 def _replicated(x):
@@ -228,8 +217,7 @@ def _span_ids(m0, sees):
   others 0.  (A row-wise argmax from the right; a wrong guess only fails the verification.)"""
   T = m0.shape[-1]
   idx = jnp.arange(T, dtype=jnp.int32)[None]
-  # The last key each row sees (T - 1 for a row that sees none) by a max (a reversed argmax wrote a reversed copy)
-  last = jnp.where(sees, jnp.max(jnp.where(m0, jnp.arange(T, dtype=jnp.int32), -1), axis=-1), T - 1)
+  last = (T - 1 - jnp.argmax(m0[..., ::-1], axis=-1)).astype(jnp.int32)
   ahead = sees & (last > idx)
   before = jnp.pad(jnp.where(ahead, last, -1)[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
   return jnp.where(ahead | (before == idx), last + 1, 0)
@@ -249,7 +237,7 @@ def _any_pair(m, pred, q_ids, kv_ids, bid=None):
   kb = None if bid is None else bid[:, None, None, :]
   full = pred(m, i, j, q_ids[:, None, :, None], kv_ids[:, None, None, :], qb, kb)
   idx = jnp.argmax(full, axis=-1).astype(jnp.int32)  # [B, N, T]
-  mv = jnp.any(m & (j == idx[..., None]), axis=-1)  # m at the winners, by a fused reduction (not a gather)
+  mv = jnp.take_along_axis(m, idx[..., None], axis=-1)[..., 0]
   at = lambda ids: jnp.take_along_axis(jnp.broadcast_to(ids[:, None, :], (B, N, S)), idx, axis=-1)  # noqa: E731
   qb = None if bid is None else bid[:, None, :]
   return jnp.any(pred(mv, i[:, 0], idx, q_ids[:, None, :], at(kv_ids), qb, None if bid is None else at(bid)))

@@ -336,13 +336,8 @@ def masked_ring_attention(
       window = validation.normalize_window(options.local_window_size)  # (left, right); an int w is (w, w)
       one_set = options.is_causal or window is None or window[1] == 0
       # The recovery behind one jit per (mask shape, options): a decoder's layers trace it once, not once each.
-      # It runs whatever `plain` says and the result is selected after, not behind a `lax.cond`: a cond's operand
-      # is written to memory whole, and a model's [T, T] mask, built from iota, otherwise fuses into every pass
-      # that reads it.  Compiled for a v5e (Qwen2.5-0.5B, 24 blocks, remat saving the structure, a chunked
-      # loss), the step held the mask in a T x T slot and its longest sequence was 81,920 tokens to splash's
-      # 90,112; now 90,112 too, and XLA merges the layers' identical recoveries into 11 passes over T x T a step.
       recovered = functools.partial(_recovered, mask, also_exact, local_window_size=window, **shared)
-      found = jax.tree.map(lambda a, b: jnp.where(plain, a, b), _plain_structure(B, T)(), recovered())
+      found = jax.lax.cond(plain, _plain_structure(B, T), recovered)
       # Named for `save_attention_residuals`: saved, a remat's backward does not read the mask again.
       found = jax.tree.map(lambda x: checkpoint_name(x, flash.MASK_STRUCTURE_NAME), found)
       causal, segment_ids, bidirectional_ids, exact = found
@@ -380,7 +375,7 @@ def _plain_structure(B: int, T: int):
 
 @functools.partial(jax.jit, static_argnames=("B", "N", "T", "is_causal", "checked", "local_window_size"))
 def _recovered(mask, also_exact, *, B, N, T, is_causal, checked, local_window_size):
-  """`_traced` of `dense_mask_options` on a traced self-attention mask; `local_window_size`
+  """`_traced` of `dense_mask_options` on a traced self-attention mask (a `lax.cond` branch); `local_window_size`
   normalized ((left, right) or None: then a non-causal structure comes back as its causal equal)."""
   shape = dict(B=B, N=N, T=T, S=T, is_causal=is_causal, checked=checked)
   recover = functools.partial(
@@ -390,8 +385,7 @@ def _recovered(mask, also_exact, *, B, N, T, is_causal, checked, local_window_si
 
 
 def _traced(recover, *, as_causal: bool):
-  """`recover()` (`dense_mask_options` on a traced mask) with every result an array (selected against the plain
-  structure);
+  """`recover()` (`dense_mask_options` on a traced mask) with every result an array, for a `lax.cond` branch;
   bidirectional ids as a (q, kv) pair.  `as_causal` (no window): a non-causal structure as its causal equal."""
 
   def structure():
