@@ -283,9 +283,9 @@ def decode_run_tokens(ctx: int, batch: int, rows: int, new_tokens: int) -> int:
 
 
 def decode_window(engine, prompts, max_new_tokens: int):
-  """Streams `prompts` to `max_new_tokens` new tokens each; returns (steps, tokens, seconds) of the engine's pure
-  decode steps (`EngineStats.decode_*`) in which every prompt decoded, from the last prompt's first token to the
-  first prompt's last, and the mean of the tokens each sequence had generated in them.  Without such a step
+  """Streams `prompts` to `max_new_tokens` new tokens each; returns (steps, tokens, seconds, generated): the
+  engine's pure decode steps (`EngineStats.decode_*`) in which every prompt decoded, from the last prompt's first
+  token to the first prompt's last, and the mean of the tokens each sequence had generated in them.  Without such a step
   (`max_new_tokens` too few for the batch's prefill), every pure decode step of the run, however many it held."""
   stats, count = engine.stats, [0] * len(prompts)
   counters = lambda: np.array([stats.decode_steps, stats.decode_tokens, stats.decode_seconds])  # noqa: E731

@@ -28,7 +28,9 @@ def zero_pages(x, released):
 def zero_listed_pages(x, ids):
   """x [P, ...] with the pages ids [n] (P: none) zeroed: a scatter into those pages alone, for a few pages known by
   id (`zero_pages` takes a mask over every page)."""
-  return allocator.scatter_set(x, ids, jnp.zeros((), None if x is None else x.dtype))
+  if x is None:
+    return None
+  return allocator.scatter_set(x, ids, jnp.zeros((), x.dtype))
 
 
 def quantize(dtype, scaled: bool, x):
