@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import pathlib
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 
@@ -302,6 +303,58 @@ def decode_window(engine, prompts, max_new_tokens: int):
   return int(steps), int(tokens), float(seconds), (start[1] + end[1]) / 2 / len(prompts)
 
 
+def profile_decode(engine, prompts, max_new_tokens: int, steps: int, trace_dir: str):
+  """Traces `steps` pure decode steps of the whole batch (`jax.profiler`, from the step after the last prompt's
+  first token); returns (steps traced, their step-call wall seconds, `bench.DeviceTime`).  None for the time
+  when the run had no such step."""
+  stats, count, start, traced = engine.stats, [0] * len(prompts), None, None
+  for index, _ in engine.stream(prompts, max_new_tokens=max_new_tokens):
+    count[index] += 1
+    if start is None and all(count):
+      jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+      start = (stats.decode_steps, stats.decode_seconds)
+    if start is not None and traced is None and stats.decode_steps - start[0] >= steps:
+      jax.profiler.stop_trace()
+      traced = (stats.decode_steps - start[0], stats.decode_seconds - start[1])
+  if start is not None and traced is None:  # the run ended first
+    jax.profiler.stop_trace()
+    traced = (stats.decode_steps - start[0], stats.decode_seconds - start[1])
+  if not traced or traced[0] < 1:
+    return 0, 0.0, None
+  return traced[0], traced[1], bench.device_time(trace_dir)
+
+
+def profile_table(report, engine, c, ctx, batch, args) -> None:
+  """--profile-decode N: where a decode step of the largest batch goes, by device op."""
+  rng = np.random.default_rng(ctx * batch)
+  prompts = [list(rng.integers(1, c.vocab, ctx)) for _ in range(batch)]
+  trace_dir = tempfile.mkdtemp(prefix="real_models_trace_")
+  max_new = decode_run_tokens(ctx, batch, max(args.prefill_rows, batch), args.profile_decode + 2)
+  steps, seconds, found = profile_decode(engine, prompts, max_new, args.profile_decode, trace_dir)
+  title = f"Device time of a decode step: {c.name}, batch {batch}, context {ctx}, page {args.page_size}"
+  if found is None or not found.programs:
+    report.note(f"{title}: no device trace ({steps} decode steps traced on {jax.default_backend()})")
+    return
+  per = lambda us: us / steps / 1e3  # noqa: E731  ms a step
+  rows = [["(all programs)", per(found.program_us), None, seconds / steps * 1e3]]
+  rows += [[name, per(us), runs / steps, None] for name, us, runs in found.top(args.profile_top)]
+  report.table(
+    title,
+    ["op", "device ms a step", "runs a step", "step-call wall ms"],
+    rows,
+    formats={"device ms a step": ".3f", "runs a step": ".1f", "step-call wall ms": ".2f"},
+    notes=[
+      f"{steps} pure decode steps of the whole batch traced (jax.profiler; benchmarking.device_time sums the",
+      "trace's device ops by name).  The first row: the step programs' device time against the step calls' wall",
+      "time (dispatch, input transfers and the read back of the chosen tokens are the difference).",
+    ],
+  )
+
+
+# --pages: ServingEngine's merged_pages for each name.
+PAGE_LAYOUTS = {"auto": "auto", "kv": "kv", "merged": True, "heads": False}
+
+
 def serve_table(report, c, args, chip) -> None:
   rows = []
   bw = chip.memory_bandwidth if chip else None
@@ -327,7 +380,7 @@ def serve_table(report, c, args, chip) -> None:
       max_num_seqs=batch_max,
       pages_per_seq=pages_per_seq,
       max_num_batched_tokens=step_rows,
-      merged_pages="kv" if args.kv_pages else args.merged,
+      merged_pages=PAGE_LAYOUTS[args.pages],
     )
     # Every bucket by default: a step that mixes decodes and a prompt chunk can land on any of them.
     buckets = engine.token_buckets
@@ -384,7 +437,7 @@ def serve_table(report, c, args, chip) -> None:
       report.progress(f"serve ctx={ctx} batch={batch}: {row[2:]}")
   report.table(
     f"Serving {c.name} with ServingEngine (converted to paged attention"
-    f"{', kv pages' if args.kv_pages else ', merged pages' * args.merged}), "
+    f", {args.pages} pages), "
     f"page {args.page_size}, decode timed over M = {args.new_tokens} steps of the whole batch",
     ["context", "batch", "decode batch", "decode tokens/s", "decode step ms", "host ms/step", "% HBM roofline"]
     + ["TTFT ms", "prefill tokens/s", "notes"],
@@ -408,6 +461,8 @@ def serve_table(report, c, args, chip) -> None:
       "only those named, and an untimed run of each batch first).",
     ],  # fmt: skip
   )
+  for ctx in args.contexts if engine is not None and args.profile_decode else ():
+    profile_table(report, engine, c, ctx, batch_max, args)
 
 
 def _kernels(interpret: bool) -> dict:
@@ -460,7 +515,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     help="serve: M, the decode steps timed with the whole batch (a row's run generates M + the steps its batch's "
     "prefill spans, since its first prompts start decoding that much earlier than its last)",
   )
-  p.add_argument("--page-size", type=int, default=16)
+  p.add_argument(
+    "--page-size",
+    type=int,
+    default=64,
+    help="serve: tokens per page (64: on a v5e the 24-block Qwen2.5-0.5B decode step of 64 x 2k ran 9.5 ms on kv "
+    "pages of 64 against 15.3 ms on pages of 16, the paged kernel 218 against 451 us a layer)",
+  )
   p.add_argument("--prefill-rows", type=int, default=1024, help="serve: max_num_batched_tokens")
   p.add_argument(
     "--warm-buckets",
@@ -469,8 +530,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     "instead of every bucket: fewer step programs to compile (tens of seconds each at a real size), but a mixed "
     "prefill + decode step at a bucket left out compiles inside a timed run (its notes then say so)",
   )
-  p.add_argument("--merged", action="store_true", help="serve: merged pages [P, page, K * H]")
-  p.add_argument("--kv-pages", action="store_true", help="serve: kv pages [P, 2, page, K * H] (merged_pages='kv')")
+  p.add_argument(
+    "--pages",
+    default="auto",
+    choices=sorted(PAGE_LAYOUTS),
+    help="serve: the caches' page layout (ServingEngine's merged_pages): auto (the library's choice, default), kv "
+    "[P, 2, page, K * H], merged [P, page, K * H], heads [P, page, K, H]",
+  )
+  p.add_argument(
+    "--profile-decode",
+    type=int,
+    default=0,
+    metavar="N",
+    help="serve: after each context's rows, trace N decode steps of the largest batch and print their device time "
+    "by op (jax.profiler)",
+  )
+  p.add_argument("--profile-top", type=int, default=20, help="serve, --profile-decode: the ops listed")
   p.add_argument("--interpret", action="store_true", help="kernels in interpret mode (default off a TPU)")
   bench.add_compilation_cache_args(p)
   bench.add_report_args(p)

@@ -26,7 +26,9 @@
 * models: `hardware` (the chip table: `chip("tpu_v5e")`, `CHIPS`), `cost`
   (FLOPs, bytes, a ring hop's compute against its transfer), and
   `collective_volume` / `compiled_stats` (bytes sent and memory of a compiled
-  program).
+  program); `device_time(trace_dir)` the device time per program and per op
+  of a `jax.profiler` trace (`create_perfetto_trace=True`), without
+  TensorBoard.
 """
 
 from flax_ringattn._src.perf import cost, hardware
@@ -55,6 +57,7 @@ from flax_ringattn._src.perf.harness import (
 )
 from flax_ringattn._src.perf.hlo import CommVolume, CompiledStats, collective_volume, compiled_stats
 from flax_ringattn._src.perf.problems import PROBLEM_SETS, Problem, fwd_bwd
+from flax_ringattn._src.perf.trace import DeviceTime, device_time
 
 __all__ = [
   "EXIT_OK",
@@ -66,6 +69,7 @@ __all__ = [
   "CommVolume",
   "CompilationCache",
   "CompiledStats",
+  "DeviceTime",
   "Paired",
   "Problem",
   "Report",
@@ -77,6 +81,7 @@ __all__ = [
   "compiled_stats",
   "cost",
   "count_compiles",
+  "device_time",
   "error",
   "fwd_bwd",
   "hardware",

@@ -4,9 +4,11 @@ the JSON report, the hardware table against JAX's, the cost model by hand, and t
 from __future__ import annotations
 
 import contextlib
+import gzip
 import io
 import json
 import math
+import os
 import re
 import sys
 
@@ -582,8 +584,9 @@ def test_real_models_smoke_trains_three_ways_and_serves(tmp_path):
   real_models = load("real_models")
   out = io.StringIO()
   with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-    assert real_models.main(["--smoke", "--json", *NO_CACHE]) == 0
-  train, serve = (s for s in json.loads(out.getvalue())["sections"] if "table" in s)
+    assert real_models.main(["--smoke", "--profile-decode", "1", "--json", *NO_CACHE]) == 0
+  sections = json.loads(out.getvalue())["sections"]
+  train, serve = (s for s in sections if "table" in s)
   assert [r["attention"] for r in train["rows"]] == ["library", "splash", "xla"]
   assert all(r["notes"] == "" and r["step ms"] > 0 and r["first step s"] > 0 for r in train["rows"]), train["rows"]
   losses = [r["last loss"] for r in train["rows"]]
@@ -593,6 +596,38 @@ def test_real_models_smoke_trains_three_ways_and_serves(tmp_path):
   assert 0 < row["host ms/step"] < row["decode step ms"] and row["prefill tokens/s"] > 0, row
   # Decode is timed over the engine's pure decode steps in which the whole batch decoded.
   assert row["decode batch"] == row["batch"] == 2, row
+  # --profile-decode traced a decode step; a CPU trace has no device process, and the report says so.
+  assert any("no device trace (1 decode steps traced on cpu)" in str(s.get("note", "")) for s in sections), sections
+
+
+def test_device_time_sums_a_traces_device_ops_by_name(tmp_path):
+  """benchmarking.device_time: the device process's programs and ops, summed by name; host events and other
+  threads left out; the newest trace read."""
+  meta = [
+    {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+    {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:TPU:0"}},
+    {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "XLA Modules"}},
+    {"ph": "M", "name": "thread_name", "pid": 2, "tid": 8, "args": {"name": "XLA Ops"}},
+    {"ph": "M", "name": "thread_name", "pid": 2, "tid": 9, "args": {"name": "Steps"}},
+  ]
+  x = lambda pid, tid, name, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "dur": dur, "ts": 0}  # noqa: E731
+  events = meta + [x(2, 7, "jit_step", 100.0), x(2, 7, "jit_step", 50.0), x(2, 8, "paged_fwd", 30.0)]
+  events += [x(2, 8, "paged_fwd", 10.0), x(2, 8, "fusion.1", 5.0), x(2, 9, "step 1", 999.0), x(1, 3, "host op", 7.0)]
+  old = tmp_path / "plugins" / "profile" / "a" / "perfetto_trace.json.gz"
+  old.parent.mkdir(parents=True)
+  with gzip.open(old, "wt") as f:
+    json.dump({"traceEvents": meta}, f)
+  new = tmp_path / "plugins" / "profile" / "b" / "perfetto_trace.json.gz"
+  new.parent.mkdir(parents=True)
+  with gzip.open(new, "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  os.utime(old, (1, 1))
+  found = bench.device_time(tmp_path)
+  assert found.programs == {"jit_step": 150.0} and found.program_us == 150.0
+  assert found.ops == {"paged_fwd": 40.0, "fusion.1": 5.0}
+  assert found.top(1) == [("paged_fwd", 40.0, 2)]
+  with pytest.raises(FileNotFoundError, match="perfetto_trace.json.gz"):
+    bench.device_time(tmp_path / "nothing")
 
 
 def test_real_models_remat_with_the_attention_policy_trains():
