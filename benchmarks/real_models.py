@@ -381,6 +381,7 @@ def serve_table(report, c, args, chip) -> None:
       pages_per_seq=pages_per_seq,
       max_num_batched_tokens=step_rows,
       merged_pages=PAGE_LAYOUTS[args.pages],
+      overlap=not args.no_overlap,
     )
     # Every bucket by default: a step that mixes decodes and a prompt chunk can land on any of them.
     buckets = engine.token_buckets
@@ -437,7 +438,7 @@ def serve_table(report, c, args, chip) -> None:
       report.progress(f"serve ctx={ctx} batch={batch}: {row[2:]}")
   report.table(
     f"Serving {c.name} with ServingEngine (converted to paged attention"
-    f", {args.pages} pages), "
+    f", {args.pages} pages{', overlap off' * args.no_overlap}), "
     f"page {args.page_size}, decode timed over M = {args.new_tokens} steps of the whole batch",
     ["context", "batch", "decode batch", "decode tokens/s", "decode step ms", "host ms/step", "% HBM roofline"]
     + ["TTFT ms", "prefill tokens/s", "notes"],
@@ -451,7 +452,9 @@ def serve_table(report, c, args, chip) -> None:
       "last.  Continuous batching decodes the first prompts beside the later ones' prefill, so the run generates",
       "M + the steps the batch's prefill spans; in those counted steps the whole batch decodes.  decode batch:",
       "decode tokens / decode steps (the batch, unless the run was too short; then every pure decode step counts).",
-      "decode tokens/s: decode tokens / decode seconds; decode step ms: decode seconds / decode steps.  % HBM",
+      "decode tokens/s: decode tokens / decode seconds; decode step ms: decode seconds / decode steps (a step that",
+      "overlapped the one before it, `ServingEngine(overlap=True)`, runs from that one's read to its own: the host's",
+      "work between them is inside, and host ms/step counts only what is left outside).  % HBM",
       "roofline: the bytes one decode step reads (bf16 weights + the K/V of decode batch sequences at their mean",
       "length) over the chip's bandwidth, against the step.  TTFT: one prompt of `context` tokens to its first token.",
       "prefill tokens/s: batch x context over a run to 1 new token.  host ms/step: the engine's wall time outside its",
@@ -546,6 +549,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     "by op (jax.profiler)",
   )
   p.add_argument("--profile-top", type=int, default=20, help="serve, --profile-decode: the ops listed")
+  p.add_argument(
+    "--no-overlap",
+    action="store_true",
+    help="serve: ServingEngine(overlap=False): each decode step read before the next is dispatched",
+  )
   p.add_argument("--interpret", action="store_true", help="kernels in interpret mode (default off a TPU)")
   bench.add_compilation_cache_args(p)
   bench.add_report_args(p)

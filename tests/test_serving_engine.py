@@ -193,14 +193,14 @@ def test_decode_stats_count_the_pure_decode_steps_alone(llama, monkeypatch):
   nothing, nor does a step with a draft's proposals."""
   engine, stats = llama.engine, llama.engine.stats
   seen = []  # each step's (decodes, sequences, rows)
-  step = engine.ragged_step
+  step = engine.start_step
 
-  def spy(tokens, positions, cu_q_lens, row_ids, options, *, decodes=0):
+  def spy(tokens, positions, cu_q_lens, row_ids, options, *, decodes=0, after=None):
     lens = np.diff(cu_q_lens)
     seen.append((decodes, int(np.count_nonzero(lens)), int(lens.sum())))
-    return step(tokens, positions, cu_q_lens, row_ids, options, decodes=decodes)
+    return step(tokens, positions, cu_q_lens, row_ids, options, decodes=decodes, after=after)
 
-  monkeypatch.setattr(engine, "ragged_step", spy)
+  monkeypatch.setattr(engine, "start_step", spy)
   counters = lambda: (stats.decode_steps, stats.decode_tokens, stats.decode_seconds)  # noqa: E731
   before = counters()
   engine.generate(PROMPTS[:2], max_new_tokens=1)
@@ -264,6 +264,39 @@ def test_a_stream_closed_early_leaves_the_caches_empty(llama):
   for cache in caches:
     assert int(cache.num_free_pages()) == cache.num_pages and not np.asarray(cache.kv_lens).any()
   assert llama.engine.generate(PROMPTS[:2], max_new_tokens=3) == [w[:3] for w in llama.want(PROMPTS[:2], 3)]
+
+
+def test_overlapped_decode_steps_change_no_token_and_leak_no_page(llama):
+  """overlap=True dispatches a decode step before the host reads the one before it, its tokens taken on the
+  device.  The tokens are those of overlap=False, also when a sequence stops on a stop token while the next step
+  already runs for it (its extra row is discarded); the steps compile nothing new; a stream closed with a step
+  in flight leaves every page free.  (Mutation: feeding the next step its host tokens of the step before breaks
+  the equality.)"""
+  engine, stats = llama.engine, llama.engine.stats
+  want = llama.want(PROMPTS)
+  stop = want[1][2]  # the second prompt stops at its third token at the latest
+  cut = [w[: w.index(stop) + 1] if stop in w else w for w in want]
+  assert any(len(c) < len(w) for c, w in zip(cut, want, strict=True))
+  engine.generate(PROMPTS[:1], max_new_tokens=2)  # (every program compiled before the counts below)
+  got, compiles = {}, stats.compiles
+  for overlap in (False, True):
+    engine.overlap = overlap
+    before = stats.overlapped_steps
+    got[overlap] = engine.generate(PROMPTS, max_new_tokens=MAX_NEW, stop_tokens=[stop])
+    assert (stats.overlapped_steps > before) == overlap, (overlap, stats.overlapped_steps, before)
+  assert got[True] == got[False] == cut
+  assert stats.compiles == compiles
+  before = stats.overlapped_steps
+  stream = engine.stream(PROMPTS, max_new_tokens=MAX_NEW)
+  while stats.overlapped_steps == before:
+    next(stream)
+  stream.close()
+  caches = [v.get_value() for _, v in nnx.iter_graph(llama.model) if isinstance(v, nnx.Cache)]
+  for cache in (c for c in caches if isinstance(c, fr.PagedKVCache)):
+    assert int(cache.num_free_pages()) == cache.num_pages and not np.asarray(cache.kv_lens).any()
+  assert engine.generate(PROMPTS, max_new_tokens=MAX_NEW) == want
+  with pytest.raises(TypeError, match=r"overlap must be a bool, got overlap='yes'"):
+    fr.ServingEngine(sm.mha_style(), call=sm.engine_call, overlap="yes", **GEOMETRY)
 
 
 def test_context_parallel_engine_equals_one_device():

@@ -134,6 +134,20 @@ def _check_one_page_table(cache_leaves, cache_def) -> None:
         )
 
 
+class _Running:
+  """A step `ServingEngine.start_step` dispatched: its device outputs (`result`: chosen, overflowed, utilization,
+  free pages), when its dispatch began (`t0`) and how long it took, its decode count, the running step it
+  followed (`after`), and, once `finish_step` read it, when that read ended (`read_end`)."""
+
+  def __init__(self, result, t0: float, dispatch: float, decodes: int, after):
+    self.result, self.t0, self.dispatch, self.decodes, self.after = result, t0, dispatch, decodes, after
+    self.read_end = None
+
+  @property
+  def chosen(self):
+    return self.result[0]
+
+
 def first_cache(caches) -> PagedKVCache:
   return next(x for x in jax.tree.leaves(caches, is_leaf=_is_paged_cache) if _is_paged_cache(x))
 
@@ -163,6 +177,12 @@ class ServingEngine:
       pages [P, 2, page_size, K * H] (a page's K and V in one array: one copy per page in the TPU kernel), merged
       pages for MLA, [P, page_size, K, H] ones context-parallel or where a page is a partial sublane tile (int8
       pages of 16 tokens); True: merged [P, page_size, K * H]; "kv": kv pages; False: [P, page_size, K, H].
+    overlap: True (default): a decode step whose successor is certain (the same sequences, all still decoding,
+      their pages surely free, no draft, nothing waiting for a free slot) dispatches that successor, its tokens
+      taken on the device, before the host reads the step's tokens, so the host's work per step (reading and
+      emitting tokens, the next step's inputs, the dispatch) runs beside the device instead of between its steps.
+      The output is the same (every token's choice depends on its own row only); a sequence that stops on a stop
+      token has its extra row discarded.  False: each step is read before the next is planned.
 
   `generate` / `stream` serve prompts; `stats` counts over the engine's lifetime.  The step is compiled once per
   token bucket it runs at: prompts of other lengths, another `generate`, a draft compile nothing new (a new
@@ -185,6 +205,7 @@ class ServingEngine:
     cache_dtype=None,
     merged_pages: bool | str = "auto",
     token_buckets=None,
+    overlap: bool = True,
   ):
     if not isinstance(model, nnx.Module):
       raise TypeError(f"ServingEngine: model must be a flax.nnx.Module, got {type(model).__name__}")
@@ -197,6 +218,9 @@ class ServingEngine:
     self.pages_per_seq = _positive("pages_per_seq", pages_per_seq)
     self.max_num_batched_tokens = _positive("max_num_batched_tokens", max_num_batched_tokens)
     self.token_buckets = _token_buckets(token_buckets, self.max_num_batched_tokens)
+    if not isinstance(overlap, bool):
+      raise TypeError(f"ServingEngine: overlap must be a bool, got overlap={overlap!r}")
+    self.overlap = overlap
     self._free_pages = None  # each owner's least free pages after the last step (`surely_fit`); None: unknown
     self._to_free = None  # [S] bool: slots released since the caches were last read (`_leaves`)
     if (seq_axis is None) != (mesh is None):
@@ -369,19 +393,43 @@ class ServingEngine:
     """One step of the model over a flat ragged batch; returns (chosen tokens, overflowed flags, utilization).
     `decodes`: the step's sequences when it is a pure decode step (each one new token, after its prompt), else 0
     (for `stats.decode_*`)."""
+    return self.finish_step(self.start_step(tokens, positions, cu_q_lens, row_ids, options, decodes=decodes))
+
+  def start_step(self, tokens, positions, cu_q_lens, row_ids, options, *, decodes: int = 0, after=None):
+    """Dispatches one step (`ragged_step`'s arguments) without waiting for it; `finish_step` reads its outputs.
+    `tokens` may be a running step's `chosen` (a device array: the tokens it is choosing), so a decode step goes
+    to the device before the host has read the step before it.  `after`: that running step, whose read ends
+    where this step's wall time starts (its host work then overlaps the device's run)."""
     leaves = self._leaves()  # (before the clock: a release that compiles is timed once, by its own)
     t0 = time.perf_counter()
+    if not isinstance(tokens, jax.Array) and leaves and leaves[0].committed and len(leaves[0].devices()) == 1:
+      # Host tokens go where a step's chosen tokens are (committed beside the caches): a step fed another's
+      # choices (`overlap`) then runs the same program, not one compiled for a committed argument of its own.
+      tokens = jax.device_put(tokens, leaves[0].sharding)
     with self._compile_clock():
       result, self._cache_leaves = self._step(
         leaves, self._rest_leaves, tokens, positions, cu_q_lens, row_ids, *options[:2],
         cache_def=self._cache_def, rest_def=self._rest_def, top_k=options[2], top_p=options[3],
       )  # fmt: skip
-      out, overflowed, utilization, free = jax.device_get(result)  # one transfer, not one per value
-    elapsed = time.perf_counter() - t0
+    return _Running(result, t0, time.perf_counter() - t0, decodes, after)
+
+  def finish_step(self, step: _Running):
+    """Waits for a step `start_step` dispatched; returns (chosen tokens, overflowed flags, utilization).  Its wall
+    time: from its dispatch to this read, or for a step started before the previous one was read, from that read's
+    end (its own dispatch ran inside the previous step's time, and the host's work after that read ran beside the
+    device, which had this step queued): each second of wall time is counted once."""
+    out, overflowed, utilization, free = jax.device_get(step.result)  # one transfer, not one per value
+    end = time.perf_counter()
+    if step.after is None:
+      elapsed = end - step.t0
+    else:
+      elapsed = end - step.after.read_end  # (its dispatch ran inside the previous step's time)
+      self.stats.overlapped_steps += 1
+    step.read_end = end
     self.stats.step_seconds += elapsed
-    if decodes:
+    if step.decodes:
       self.stats.decode_steps += 1
-      self.stats.decode_tokens += decodes
+      self.stats.decode_tokens += step.decodes
       self.stats.decode_seconds += elapsed
     self._free_pages = int(free)
     self.stats.steps += 1

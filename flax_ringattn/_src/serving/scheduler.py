@@ -218,15 +218,60 @@ class Scheduler:
     if not feeds:
       return
     tokens, positions, cu, row_ids = self._rows(feeds, new_lens)
-    out, overflowed, utilization = engine.ragged_step(
-      tokens, positions, cu, row_ids, self.sampling, decodes=len(feeds) if self._decodes_only(feeds) else 0
-    )
+    decodes = len(feeds) if self._decodes_only(feeds) else 0
+    running = engine.start_step(tokens, positions, cu, row_ids, self.sampling, decodes=decodes)
+    owners = {slot: self.slots[slot] for slot in feeds}
+    while True:
+      following = self._follow(feeds, owners, positions, cu, row_ids, running) if decodes else None
+      out, overflowed, utilization = engine.finish_step(running)
+      yield from self._take(feeds, owners, cu, out, overflowed, utilization)
+      if following is None:
+        return
+      running, positions, row_ids = following
+
+  def _follow(self, feeds, owners, positions, cu, row_ids, running):
+    """The next decode step of the same sequences, dispatched before the host reads `running` (a pure decode
+    step), its tokens `running`'s own choices on the device: (the step, its positions, its row ids), or None.
+
+    Only where the host's next plan would be that very step whatever `running` chooses, bar a stop token:
+    `overlap` on, no draft, no mesh (ring prefills), every running sequence in it and still decoding after it,
+    nothing waiting that a free slot could admit, and both steps' pages surely free on the host's count
+    (`surely_fit`: no `fits` round trip, so no overflow).  A sequence that stops at `running` has its row of the
+    next step discarded (`_take`: its slot is released by then, and freed with what that row wrote)."""
+    engine = self.engine
+    if not engine.overlap or self.draft is not None or engine.mesh is not None:
+      return None
+    running_seqs = self.running()
+    if len(running_seqs) != len(feeds) or (self.queue and len(running_seqs) < len(self.slots)):
+      return None
+    S = len(self.slots)
+    new_lens, fed = np.zeros(S, np.int32), np.zeros(S, np.int32)
+    for slot in feeds:
+      seq = owners[slot]
+      # one step (`running`) is not yet taken: after it, the sequence must still owe at least one token
+      if self.slots[slot] is not seq or len(seq.generated) + 2 > seq.max_new:
+        return None
+      new_lens[slot], fed[slot] = 2, seq.fed  # `running`'s token and the next one's
+    if not engine.surely_fit(new_lens, fed):
+      return None
+    live = (np.arange(len(positions)) < cu[-1]).astype(np.int32)
+    positions = positions + live
+    row_ids = row_ids + np.stack([np.zeros_like(live), live], axis=1)
+    step = engine.start_step(running.chosen, positions, cu, row_ids, self.sampling, decodes=len(feeds), after=running)
+    return step, positions, row_ids
+
+  def _take(self, feeds, owners, cu, out, overflowed, utilization):
+    """A step's outputs taken: overflowed slots evicted, accepted tokens emitted, rejected proposals rolled back.
+    A slot released after the step was dispatched (a stop token in the step before it) is skipped."""
+    engine, S = self.engine, len(self.slots)
     self.utils.append(utilization)
     engine.stats.cache_utilization = float(np.mean(self.utils))
     drop = np.zeros(S, np.int32)
     emitted = []
     for slot, (feed, proposed) in feeds.items():
       seq = self.slots[slot]
+      if seq is None or seq is not owners[slot]:
+        continue
       if overflowed[slot]:
         self.release(seq, requeue=True)
         continue

@@ -13,7 +13,8 @@ class EngineStats:
   `prefill_tokens_computed` and `shared_prefix_tokens` (prefix reuse), `generated_tokens`; `draft_proposed` /
   `draft_accepted` (speculative decoding), `evictions`, wall `seconds` (of it `compile_seconds`, and
   `step_seconds` in the step calls: the rest is host work the device waits through) and the mean
-  `cache_utilization`.  `decode_steps`, `decode_tokens` and `decode_seconds` count the pure decode steps alone
+  `cache_utilization`; `overlapped_steps` (decode steps dispatched before the previous one was read).
+  `decode_steps`, `decode_tokens` and `decode_seconds` count the pure decode steps alone
   (every row one new token of a sequence whose prompt is in the cache: no prompt chunk, no draft proposal).
   `tokens_per_s`, `decode_tokens_per_s` and `as_dict()` summarise them.
   """
@@ -43,6 +44,10 @@ class EngineStats:
   decode_steps: int = 0
   decode_tokens: int = 0  # the sequences those steps decoded (one token each)
   decode_seconds: float = 0.0  # ... the steps' wall time, as step_seconds counts it (compiling calls included)
+  # Of the ragged steps, those dispatched before the host read the step before them (`ServingEngine(overlap=True)`,
+  # pure decode steps): their step_seconds run from that read's end to their own, so the host's work between
+  # the two (the tokens' emission, the next step's inputs and dispatch) is inside step_seconds, beside the device.
+  overlapped_steps: int = 0
 
   @property
   def tokens_per_s(self) -> float:
