@@ -285,6 +285,11 @@ def test_overlapped_decode_steps_change_no_token_and_leak_no_page(llama):
     got[overlap] = engine.generate(PROMPTS, max_new_tokens=MAX_NEW, stop_tokens=[stop])
     assert (stats.overlapped_steps > before) == overlap, (overlap, stats.overlapped_steps, before)
   assert got[True] == got[False] == cut
+  sampled = {}
+  for overlap in (False, True):  # each token's key is its own row's (prompt index, token index)
+    engine.overlap = overlap
+    sampled[overlap] = engine.generate(PROMPTS, max_new_tokens=MAX_NEW, temperature=1.5, seed=3)
+  assert sampled[True] == sampled[False] != want
   assert stats.compiles == compiles
   before = stats.overlapped_steps
   stream = engine.stream(PROMPTS, max_new_tokens=MAX_NEW)
