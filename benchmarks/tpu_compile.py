@@ -49,8 +49,10 @@ def tpu_device(chip: str):
 
   import flax_ringattn._src.backends.pallas_tpu as pallas_tpu
   from flax_ringattn._src.backends.pallas_tpu.planners import chip as planner_chip
+  from flax_ringattn._src.ring import dense
 
   planner_chip.DEFAULT_GENERATION = chip
+  dense.FUSED_RECOVERY = True  # a traced mask's recovery as a TPU runs it (`dense.fused_recovery`), from this CPU
 
   topo = topologies.get_topology_desc(
     platform="tpu", topology_name=TOPOLOGIES[chip], chip_config_name="default", chips_per_host_bounds=(1, 1, 1),

@@ -210,3 +210,29 @@ def test_convert_a_decoder_with_the_mask(kind):
     )
 
   assert_close(grads(model), grads(ref), F32, "grad")
+
+
+def test_the_fused_recovery_finds_the_same_structure(monkeypatch):
+  """`fused=True` (a TPU's choice: gather-free passes, spans looked for unconditionally and selected after) and the
+  default recover the same structure from a traced mask, field by field, for masks of the family (spans, chunks,
+  plain causal) and outside it; through `dot_product_attention` under jit (`dense.FUSED_RECOVERY`) the output
+  is the same, an outside mask's NaN included."""
+  from flax_ringattn._src.ring import dense
+
+  i, j = np.indices((T, T))
+  cases = {kind: _mask(kind)[0] for kind in KINDS} | {name: m[None] for name, m in _outside().items()}
+  cases["causal"] = (j <= i)[None]
+  recover = jax.jit(fr.structure_from_dense_mask, static_argnames=("fused",))
+  q, k, v, _ = _qkv()
+  for name, mask in cases.items():
+    mask = jnp.asarray(mask)
+    want, got = recover(mask, fused=False), recover(mask, fused=True)
+    for field, a, b in zip(want._fields, want, got, strict=True):
+      np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=f"{name}: {field}")
+    outs = {}
+    for fused in (False, True):
+      monkeypatch.setattr(dense, "FUSED_RECOVERY", fused)
+      attend = jax.jit(lambda q, k, v, m: fr.dot_product_attention(q, k, v, mask=m[:, None], implementation="xla"))
+      outs[fused] = np.asarray(attend(q[: mask.shape[0]], k[: mask.shape[0]], v[: mask.shape[0]], mask))
+    np.testing.assert_array_equal(outs[True], outs[False], err_msg=name)
+    assert np.isnan(outs[True]).all() == (name in _outside()), name

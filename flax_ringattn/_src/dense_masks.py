@@ -133,7 +133,9 @@ class DenseStructure(NamedTuple):
   bidirectional_ids: jax.Array | None  # [B, T] int32 (0: no span), or None when spans were not looked for
 
 
-def structure_from_dense_mask(mask, *, local_window_size=None, spans: bool = True) -> DenseStructure:
+def structure_from_dense_mask(
+  mask, *, local_window_size=None, spans: bool = True, fused: bool = False
+) -> DenseStructure:
   """The structure (causal, segment ids, bidirectional spans) of a dense self-attention mask, verified.
 
   Args:
@@ -143,6 +145,13 @@ def structure_from_dense_mask(mask, *, local_window_size=None, spans: bool = Tru
     spans: also look for bidirectional spans (a causal mask OR-ed with blocks
       of tokens that see each other: Gemma 3's image tokens, a prefix-LM
       prefix) when causal + segments do not rebuild the mask.
+    fused: read a traced mask by fused reductions only (no gather from it, no
+      reversed copy) and look for spans unconditionally (no `lax.cond`, whose
+      operand XLA writes to memory): every pass then fuses with the mask's
+      own construction, so a mask a model builds from iota is never written
+      whole.  What a TPU compiles well (`ring.dense.fused_recovery`); the
+      CPU's compiler holds [T, S] temporaries for these passes instead.  The
+      same structure either way.
 
   Returns:
     A `DenseStructure`: `is_causal`, `q_ids`, `kv_ids` (padding: see
@@ -171,33 +180,49 @@ def structure_from_dense_mask(mask, *, local_window_size=None, spans: bool = Tru
   # is seen by nobody), and then label0[j] = first[j].  So only row-wise reductions run: they fuse with the
   # mask and stay on the device's rows when T is sharded (a column-wise one would not, and would hold a
   # [B, T / n, S] int32 temporary).  For any other mask a wrong label only makes the verification fail.
-  seen = jnp.diagonal(m0, axis1=1, axis2=2) if T == S else jnp.any(m0, axis=1)  # [B, S]
+  if T != S:
+    seen = jnp.any(m0, axis=1)  # [B, S]
+  elif fused:  # the diagonal by a row-wise reduction (a gather from the mask writes it whole)
+    seen = jnp.any(m0 & _eye(T), axis=-1)
+  else:
+    seen = jnp.diagonal(m0, axis1=1, axis2=2)
   label = first if T == S else jnp.take_along_axis(first, jnp.argmax(m0, axis=1).astype(jnp.int32), axis=1)
   label = jnp.where(seen, label, jnp.arange(S, dtype=jnp.int32)[None])
   for _ in range(max(1, int(np.ceil(np.log2(max(S, 2))))) + 1):
     label = jnp.take_along_axis(label, label, axis=1)
   kv_ids = jnp.where(seen, label, PAD_KV_ID)
   q_ids = jnp.where(sees, jnp.take_along_axis(label, first, axis=1), PAD_Q_ID)
-  is_causal = ~_any_pair(m, lambda mv, i, j, qid, kid, qb, kb: mv & (j > i), q_ids, kv_ids)
+  is_causal = ~_any_pair(m, lambda mv, i, j, qid, kid, qb, kb: mv & (j > i), q_ids, kv_ids, fused=fused)
   rule = _structure_rule(is_causal, window)
-  exact = ~_any_pair(m, lambda mv, i, j, qid, kid, qb, kb: mv != rule(i, j, qid, kid), q_ids, kv_ids)
+  exact = ~_any_pair(m, lambda mv, i, j, qid, kid, qb, kb: mv != rule(i, j, qid, kid), q_ids, kv_ids, fused=fused)
   if spans and T == S:
     rule = _structure_rule(True, window, spans=True)
 
     def with_spans():
-      candidate = _span_ids(m0, sees)
+      candidate = _span_ids(m0, sees, fused=fused)
       ok = ~_any_pair(
-        m, lambda mv, i, j, qid, kid, qb, kb: mv != rule(i, j, qid, kid, qb, kb), q_ids, kv_ids, candidate
-      )
+        m, lambda mv, i, j, qid, kid, qb, kb: mv != rule(i, j, qid, kid, qb, kb), q_ids, kv_ids, candidate,
+        fused=fused,
+      )  # fmt: skip
       return jnp.where(ok, candidate, 0), ok
 
     # Only when causal + segments do not already rebuild the mask (the common case pays no further pass).
     if validation.all_concrete(exact):
       bid, found = (bid, jnp.asarray(False)) if bool(exact) else with_spans()
+    elif fused:  # always, selected after
+      candidate, ok = with_spans()
+      found = ~exact & ok
+      bid = jnp.where(found, candidate, 0)
     else:
       bid, found = jax.lax.cond(exact, lambda: (jnp.zeros_like(first), jnp.asarray(False)), with_spans)
     is_causal, exact = is_causal | found, exact | found
   return DenseStructure(is_causal, q_ids, kv_ids, exact, bid)
+
+
+def _eye(T: int):
+  """[T, T] bool identity from iota (it fuses with its reader)."""
+  i = jnp.arange(T, dtype=jnp.int32)
+  return i[:, None] == i[None, :]
 
 
 def _replicated(x):
@@ -210,20 +235,23 @@ def _replicated(x):
   return jax.reshard(x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
 
 
-def _span_ids(m0, sees):
+def _span_ids(m0, sees, *, fused: bool = False):
   """Candidate bidirectional ids of a causal mask with spans, [B, T] from m0 [B, T, T]: under causal only a
   span lets a row see a later key, so every token of a contiguous span but its last sees up to the span's
   last token b, and the last one is where its predecessor's view ends.  Each span's tokens get b + 1, the
   others 0.  (A row-wise argmax from the right; a wrong guess only fails the verification.)"""
   T = m0.shape[-1]
   idx = jnp.arange(T, dtype=jnp.int32)[None]
-  last = (T - 1 - jnp.argmax(m0[..., ::-1], axis=-1)).astype(jnp.int32)
+  if fused:  # the last key each row sees by a max (a reversed argmax writes a reversed copy); none: T - 1
+    last = jnp.where(sees, jnp.max(jnp.where(m0, idx, -1), axis=-1), T - 1)
+  else:
+    last = (T - 1 - jnp.argmax(m0[..., ::-1], axis=-1)).astype(jnp.int32)
   ahead = sees & (last > idx)
   before = jnp.pad(jnp.where(ahead, last, -1)[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
   return jnp.where(ahead | (before == idx), last + 1, 0)
 
 
-def _any_pair(m, pred, q_ids, kv_ids, bid=None):
+def _any_pair(m, pred, q_ids, kv_ids, bid=None, *, fused: bool = False):
   """any(pred) over every (batch, head, query i, key j) of m [B, N, T, S], with an argmax over j (which XLA
   fuses with the elementwise predicate) and the predicate recomputed at the [B, N, T] winners only.
 
@@ -237,7 +265,10 @@ def _any_pair(m, pred, q_ids, kv_ids, bid=None):
   kb = None if bid is None else bid[:, None, None, :]
   full = pred(m, i, j, q_ids[:, None, :, None], kv_ids[:, None, None, :], qb, kb)
   idx = jnp.argmax(full, axis=-1).astype(jnp.int32)  # [B, N, T]
-  mv = jnp.take_along_axis(m, idx[..., None], axis=-1)[..., 0]
+  if fused:  # m at the winners by a fused reduction, not a gather
+    mv = jnp.any(m & (j == idx[..., None]), axis=-1)
+  else:
+    mv = jnp.take_along_axis(m, idx[..., None], axis=-1)[..., 0]
   at = lambda ids: jnp.take_along_axis(jnp.broadcast_to(ids[:, None, :], (B, N, S)), idx, axis=-1)  # noqa: E731
   qb = None if bid is None else bid[:, None, :]
   return jnp.any(pred(mv, i[:, 0], idx, q_ids[:, None, :], at(kv_ids), qb, None if bid is None else at(bid)))

@@ -60,7 +60,7 @@ def _report_if_inexact(exact):
 
 
 def dense_mask_options(
-  mask, *, B, N, T, S, is_causal, segment_ids, checked: bool, local_window_size=None, also_exact=None
+  mask, *, B, N, T, S, is_causal, segment_ids, checked: bool, local_window_size=None, also_exact=None, fused=False
 ):
   """Turns a dense mask into (is_causal, segment_ids, bidirectional_ids, exact) for `ring_attention`.
 
@@ -76,8 +76,8 @@ def dense_mask_options(
   multi-device program would hang it.  "report" also says why on stderr, in a
   host callback (which keeps the program out of the persistent compilation
   cache).  See
-  `dense_masks.structure_from_dense_mask`.  `also_exact` (a bool scalar) joins that
-  verdict (e.g. "the bias was 0 / -inf").
+  `dense_masks.structure_from_dense_mask` (`fused`: its gather-free passes).  `also_exact` (a bool scalar) joins
+  that verdict (e.g. "the bias was 0 / -inf").
   """
   if segment_ids is not None:
     raise ValueError("pass either mask=... or segment_ids=..., not both (segment_ids already describe the mask)")
@@ -91,7 +91,9 @@ def dense_mask_options(
     mask = mask != 0
   if is_causal:
     mask = mask & jnp.tril(jnp.ones((T, S), bool))
-  causal, q_ids, kv_ids, exact, bid = dense_masks.structure_from_dense_mask(mask, local_window_size=local_window_size)
+  causal, q_ids, kv_ids, exact, bid = dense_masks.structure_from_dense_mask(
+    mask, local_window_size=local_window_size, fused=fused
+  )
   if also_exact is not None:
     exact = exact & also_exact
   if q_ids.shape[0] != B:
@@ -336,8 +338,17 @@ def masked_ring_attention(
       window = validation.normalize_window(options.local_window_size)  # (left, right); an int w is (w, w)
       one_set = options.is_causal or window is None or window[1] == 0
       # The recovery behind one jit per (mask shape, options): a decoder's layers trace it once, not once each.
-      recovered = functools.partial(_recovered, mask, also_exact, local_window_size=window, **shared)
-      found = jax.lax.cond(plain, _plain_structure(B, T), recovered)
+      fused = fused_recovery()
+      recovered = functools.partial(_recovered, mask, also_exact, local_window_size=window, fused=fused, **shared)
+      if fused:
+        # On a TPU the recovery runs whatever `plain` says and is selected after: a `lax.cond`'s operand is
+        # written to memory whole, and a model's [T, T] mask, built from iota, otherwise fuses into every pass
+        # that reads it.  Compiled for a v5e (Qwen2.5-0.5B, 24 blocks, remat saving the structure, a chunked
+        # loss), the cond held the mask in a T x T slot and the longest sequence was 81,920 tokens to splash's
+        # 90,112; selected after, 90,112 too, XLA merging the layers' identical recoveries into 11 passes a step.
+        found = jax.tree.map(lambda a, b: jnp.where(plain, a, b), _plain_structure(B, T)(), recovered())
+      else:
+        found = jax.lax.cond(plain, _plain_structure(B, T), recovered)
       # Named for `save_attention_residuals`: saved, a remat's backward does not read the mask again.
       found = jax.tree.map(lambda x: checkpoint_name(x, flash.MASK_STRUCTURE_NAME), found)
       causal, segment_ids, bidirectional_ids, exact = found
@@ -373,14 +384,25 @@ def _plain_structure(B: int, T: int):
   return structure
 
 
-@functools.partial(jax.jit, static_argnames=("B", "N", "T", "is_causal", "checked", "local_window_size"))
-def _recovered(mask, also_exact, *, B, N, T, is_causal, checked, local_window_size):
+# Whether a traced dense mask's recovery runs unconditionally with gather-free passes (`fused_recovery`): None
+# (default) on a TPU; True or False forces it (`benchmarks/tpu_compile.py` compiles for a TPU from a CPU host).
+FUSED_RECOVERY: bool | None = None
+
+
+def fused_recovery() -> bool:
+  """Whether masked attention recovers a traced mask unconditionally, by fused passes (`FUSED_RECOVERY`)."""
+  return jax.default_backend() == "tpu" if FUSED_RECOVERY is None else bool(FUSED_RECOVERY)
+
+
+@functools.partial(jax.jit, static_argnames=("B", "N", "T", "is_causal", "checked", "local_window_size", "fused"))
+def _recovered(mask, also_exact, *, B, N, T, is_causal, checked, local_window_size, fused=False):
   """`_traced` of `dense_mask_options` on a traced self-attention mask (a `lax.cond` branch); `local_window_size`
   normalized ((left, right) or None: then a non-causal structure comes back as its causal equal)."""
   shape = dict(B=B, N=N, T=T, S=T, is_causal=is_causal, checked=checked)
   recover = functools.partial(
-    dense_mask_options, mask, segment_ids=None, local_window_size=local_window_size, also_exact=also_exact, **shape
-  )
+    dense_mask_options, mask, segment_ids=None, local_window_size=local_window_size, also_exact=also_exact,
+    fused=fused, **shape,
+  )  # fmt: skip
   return _traced(recover, as_causal=local_window_size is None)()
 
 
