@@ -343,6 +343,10 @@ PAGED = {
   # kv pages [P, 2, page_size, K * H] (one copy per page, its K and V): Qwen2.5-0.5B's 14 / 2 / 64, and one kv head
   # of 128 with a window and a soft cap.
   "kvpages_hd64_g7_bf16": Paged(make_case("kv64", "causal", "gqa", N=14, group=7, H=64), BF16, 16, merged="kv"),
+  # ... on pages of 64 tokens: `benchmarks/real_models.py`'s serving default (2.1x pages of 16 on the chip).
+  "kvpages_hd64_g7_page64_bf16": Paged(
+    make_case("kv64p64", "causal", "gqa", N=14, group=7, H=64), BF16, 64, merged="kv"
+  ),
   "kvpages_kv1_window_cap_bf16": Paged(
     make_case("kv1", "causal_window", "mqa", N=8, H=128, window=(_n(63), 0), soft_cap=5.0), BF16, 16, merged="kv"
   ),
