@@ -28,9 +28,15 @@ from flax_ringattn._src import layout, ragged
 from flax_ringattn._src.nnx import handwritten_paged
 from flax_ringattn._src.nnx.handwritten_paged import PagedSiteOptions
 from flax_ringattn._src.nnx.paged_mha import PagedMultiHeadAttention
-from flax_ringattn._src.paged.cache import PagedKVCache
 from flax_ringattn._src.paged.step import Step, serving_step
 from flax_ringattn._src.serving import sampling, scheduler
+from flax_ringattn._src.serving.caches import (
+  check_one_page_table,
+  committed_beside,
+  first_cache,
+  map_caches,
+  on_leaves,
+)
 from flax_ringattn._src.serving.stats import EngineStats
 
 
@@ -38,45 +44,6 @@ def _positive(name: str, value) -> int:
   if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
     raise ValueError(f"ServingEngine: {name} must be a positive int, got {name}={value!r}")
   return int(value)
-
-
-def _committed_beside(caches, weights):
-  """`caches` with their uncommitted arrays committed to the one device the committed weights are on (a restored
-  checkpoint's): fresh caches are uncommitted, and a step with committed weights returns committed ones, so the
-  first generate's second step compiled the step program again (a new signature, no new trace, so
-  `stats.compiles` did not see it).  Weights that are uncommitted, or on several devices, leave them as they are."""
-  devices = {d for x in jax.tree.leaves(weights) if isinstance(x, jax.Array) and x.committed for d in x.devices()}
-  if len(devices) != 1:
-    return caches
-  (device,) = devices
-  return jax.tree.map(
-    lambda x: jax.device_put(x, device) if isinstance(x, jax.Array) and not x.committed else x, caches
-  )
-
-
-def _on_leaves(fn):
-  """fn(caches, rest, *args, **kw) -> (out, caches) as a function of the caches' and the weights' leaves and
-  their (static) tree definitions, returning the new caches' leaves."""
-
-  def run(cache_leaves, rest_leaves, *args, cache_def, rest_def, **kwargs):
-    caches, rest = jax.tree.unflatten(cache_def, cache_leaves), jax.tree.unflatten(rest_def, rest_leaves)
-    out, caches = fn(caches, rest, *args, **kwargs)
-    leaves, new_def = jax.tree.flatten(caches)
-    if new_def != cache_def:  # the host keeps one definition for the caches it holds as leaves
-      raise AssertionError(f"ServingEngine: a step changed the caches' structure: {cache_def} -> {new_def}")
-    return out, leaves
-
-  run.__name__, run.__qualname__ = fn.__name__, fn.__qualname__  # jit's name in logs and profiles: the step's
-  return run
-
-
-def _is_paged_cache(x) -> bool:
-  return isinstance(x, PagedKVCache)
-
-
-def map_caches(fn, caches):
-  """fn applied to every `PagedKVCache` of a state (other leaves unchanged)."""
-  return jax.tree.map(lambda x: fn(x) if _is_paged_cache(x) else x, caches, is_leaf=_is_paged_cache)
 
 
 def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
@@ -112,28 +79,6 @@ def _sampling_args(options) -> tuple:
   return (jnp.int32(options[3]), jnp.float32(options[0]), options[1], options[2])
 
 
-_PAGE_TABLE = ("kv_lens", "page_indices", "ref_counts", "overflowed")
-
-
-def _check_one_page_table(cache_leaves, cache_def) -> None:
-  """Raises ValueError unless every cache of the model has the first one's page table (lengths, pages, reference
-  counts, refusals): a step allocates pages once for all of them (`PagedKVCache.reservation`).  The engine's own
-  calls keep them equal; a cache changed by hand between calls would not be."""
-  caches = [x for x in jax.tree.leaves(jax.tree.unflatten(cache_def, cache_leaves), is_leaf=_is_paged_cache)
-            if _is_paged_cache(x)]  # fmt: skip
-  if len(caches) < 2:
-    return
-  tables = jax.device_get([[getattr(c, f) for f in _PAGE_TABLE] for c in caches])
-  for i, table in enumerate(tables[1:], 1):
-    for name, a, b in zip(_PAGE_TABLE, tables[0], table, strict=True):
-      if (a is None) != (b is None) or (a is not None and not np.array_equal(a, b)):
-        raise ValueError(
-          f"ServingEngine: the model's paged caches must share one page table, but cache {i}'s {name} differs "
-          f"from cache 0's (a cache written outside the engine, e.g. by calling the model or "
-          "PagedKVCache.append by hand between calls): re-create the caches (init_cache) before serving"
-        )
-
-
 class _Running:
   """A step `ServingEngine.start_step` dispatched: its device outputs (`result`: chosen, overflowed, utilization,
   free pages), when its dispatch began (`t0`) and how long it took, its decode count, the running step it
@@ -146,10 +91,6 @@ class _Running:
   @property
   def chosen(self):
     return self.result[0]
-
-
-def first_cache(caches) -> PagedKVCache:
-  return next(x for x in jax.tree.leaves(caches, is_leaf=_is_paged_cache) if _is_paged_cache(x))
 
 
 class ServingEngine:
@@ -280,8 +221,8 @@ class ServingEngine:
         "nothing would be served from a paged cache"
       )
     static = ("cache_def", "rest_def", "top_k", "top_p")
-    self._step = jax.jit(_on_leaves(self._step_fn), static_argnames=static, donate_argnums=(0,))
-    self._prefill = jax.jit(_on_leaves(self._prefill_fn), static_argnames=static, donate_argnums=(0,))
+    self._step = jax.jit(on_leaves(self._step_fn), static_argnames=static, donate_argnums=(0,))
+    self._prefill = jax.jit(on_leaves(self._prefill_fn), static_argnames=static, donate_argnums=(0,))
     self._free = jax.jit(
       self._counted(lambda caches, slots: map_caches(lambda c: c.free(slots), caches)), donate_argnums=(0,)
     )
@@ -561,8 +502,8 @@ class ServingEngine:
     self._graphdef, caches, rest = nnx.split(self.model, nnx.Cache, ...)
     self._to_free = None  # (none pending: the last call's caches were read back into the model)
     self._rest_leaves, self._rest_def = jax.tree.flatten(rest)
-    self._caches = _committed_beside(caches, rest)
-    _check_one_page_table(self._cache_leaves, self._cache_def)
+    self._caches = committed_beside(caches, rest)
+    check_one_page_table(self._cache_leaves, self._cache_def)
     self._free_pages = None  # the model's caches, as the caller may have changed them: not yet counted
 
   def warmup(self, *, top_k: int | None = None, top_p: float | None = None, buckets=None) -> int:
