@@ -81,11 +81,11 @@ def _sampling_args(options) -> tuple:
 
 class _Running:
   """A step `ServingEngine.start_step` dispatched: its device outputs (`result`: chosen, overflowed, utilization,
-  free pages), when its dispatch began (`t0`) and how long it took, its decode count, the running step it
-  followed (`after`), and, once `finish_step` read it, when that read ended (`read_end`)."""
+  free pages), when its dispatch began (`t0`), its decode count, the running step it followed (`after`), and,
+  once `finish_step` read it, when that read ended (`read_end`)."""
 
-  def __init__(self, result, t0: float, dispatch: float, decodes: int, after):
-    self.result, self.t0, self.dispatch, self.decodes, self.after = result, t0, dispatch, decodes, after
+  def __init__(self, result, t0: float, decodes: int, after):
+    self.result, self.t0, self.decodes, self.after = result, t0, decodes, after
     self.read_end = None
 
   @property
@@ -163,6 +163,7 @@ class ServingEngine:
       raise TypeError(f"ServingEngine: overlap must be a bool, got overlap={overlap!r}")
     self.overlap = overlap
     self._free_pages = None  # each owner's least free pages after the last step (`surely_fit`); None: unknown
+    self._tokens_sharding = None  # where host tokens go before a step (`_take_caches`)
     self._to_free = None  # [S] bool: slots released since the caches were last read (`_leaves`)
     if (seq_axis is None) != (mesh is None):
       raise ValueError(
@@ -343,16 +344,14 @@ class ServingEngine:
     where this step's wall time starts (its host work then overlaps the device's run)."""
     leaves = self._leaves()  # (before the clock: a release that compiles is timed once, by its own)
     t0 = time.perf_counter()
-    if not isinstance(tokens, jax.Array) and leaves and leaves[0].committed and len(leaves[0].devices()) == 1:
-      # Host tokens go where a step's chosen tokens are (committed beside the caches): a step fed another's
-      # choices (`overlap`) then runs the same program, not one compiled for a committed argument of its own.
-      tokens = jax.device_put(tokens, leaves[0].sharding)
+    if self._tokens_sharding is not None and not isinstance(tokens, jax.Array):
+      tokens = jax.device_put(tokens, self._tokens_sharding)
     with self._compile_clock():
       result, self._cache_leaves = self._step(
         leaves, self._rest_leaves, tokens, positions, cu_q_lens, row_ids, *options[:2],
         cache_def=self._cache_def, rest_def=self._rest_def, top_k=options[2], top_p=options[3],
       )  # fmt: skip
-    return _Running(result, t0, time.perf_counter() - t0, decodes, after)
+    return _Running(result, t0, decodes, after)
 
   def finish_step(self, step: _Running):
     """Waits for a step `start_step` dispatched; returns (chosen tokens, overflowed flags, utilization).  Its wall
@@ -504,6 +503,11 @@ class ServingEngine:
     self._rest_leaves, self._rest_def = jax.tree.flatten(rest)
     self._caches = committed_beside(caches, rest)
     check_one_page_table(self._cache_leaves, self._cache_def)
+    # Host tokens go where a step's chosen tokens come back (committed beside the caches, when the caches are
+    # committed to one device): a step fed another's choices (`overlap`) then runs the same program, not one
+    # compiled for a committed argument of its own.  The caches keep their placement from step to step.
+    leaf = self._cache_leaves[0]
+    self._tokens_sharding = leaf.sharding if leaf.committed and len(leaf.devices()) == 1 else None
     self._free_pages = None  # the model's caches, as the caller may have changed them: not yet counted
 
   def warmup(self, *, top_k: int | None = None, top_p: float | None = None, buckets=None) -> int:
