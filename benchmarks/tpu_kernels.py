@@ -155,6 +155,9 @@ def layout_steps(rng_seed: int = 0) -> dict[str, Step]:
   return {
     "decode": decode(64, 4096),
     "short": decode(64, 512),
+    # The engine's batch-64 decode at 2k: a 2048-token prompt and up to 16 new tokens, so each sequence's last kv
+    # block holds a few tokens (`real_models.py --tables serve --contexts 2048`).
+    "engine": decode(64, 2064),
     "random": Step("decode 64, random lengths 64..4096", (1,) * 64, lens, 64),
     "mixed": mixed([(512, 0), (512, 0)], tuple(h + 1 for h in spread(64, 2048, 30)), 1056, "2 x 512 new + 30 decodes"),
     "prefill": mixed([(1024, 1024)] * 4, (), 4096, "prefill 4 x 1024 new on 1024 cached"),
@@ -690,12 +693,15 @@ class PagedInputs:
   meta: tuple  # kv_lens [S], page_indices [S, pages_per_seq], cu_q_lens [S + 1], num_seqs [1], all int32
 
 
-def paged_inputs(step: Step, N: int, K: int, H: int, page_size: int, seed: int) -> PagedInputs:
-  """Exactly the pages the step needs, handed out in a shuffled order so no sequence's pages are contiguous."""
+def paged_inputs(
+  step: Step, N: int, K: int, H: int, page_size: int, seed: int, *, contiguous: bool = False
+) -> PagedInputs:
+  """Exactly the pages the step needs, handed out in a shuffled order so no sequence's pages are contiguous
+  (`contiguous`: in order, each sequence's pages one run, as a fresh `ServingEngine` allocates a prompt's)."""
   rng = np.random.default_rng(seed)
   need = pages_for(step.kv_lens, page_size)
   P = int(need.sum())
-  perm = rng.permutation(P)
+  perm = np.arange(P) if contiguous else rng.permutation(P)
   table = np.zeros((len(need), int(need.max())), np.int32)  # unused slots name page 0: never read
   starts = np.concatenate([[0], np.cumsum(need)])
   for i, n in enumerate(need):
@@ -865,7 +871,7 @@ def paged_layout_table(report, steps, paged: dict, page: int, args, chip, *, tit
   for i, step in enumerate(steps):
     if args.paged_rows is not None and i not in args.paged_rows:
       continue
-    x = paged_inputs(step, N, K, H, page, args.seed + i)
+    x = paged_inputs(step, N, K, H, page, args.seed + i, contiguous=args.paged_contiguous)
     kv = combined_cache(x.k, x.v)
     ours_pages = (x.k, x.v)
     if merged_pages:  # the layout PagedKVCache.create(merged=True) stores: a token's kv heads side by side
@@ -922,7 +928,7 @@ def paged_layout_table(report, steps, paged: dict, page: int, args, chip, *, tit
   )
   report.table(
     f"{title}Ragged paged attention: paged_attention(implementation='pallas_tpu') vs JAX's ragged_paged_attention; "
-    f"N={N} K={K} H={H} bfloat16, page {page}, shuffled pages"
+    f"N={N} K={K} H={H} bfloat16, page {page}, {'contiguous' if args.paged_contiguous else 'shuffled'} pages"
     + (", ours on merged pages" if merged_pages and not args.paged_kv_pages else "")
     + (", ours on kv pages [P, 2, page, K * H]" if merged_pages and args.paged_kv_pages else ""),
     PAGED_HEADER,
@@ -1052,6 +1058,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     default=None,
     help="paged table: which batches, comma-separated names of LAYOUT_STEPS (default: the classic five; with "
     "--paged-layouts, 'decode,random,mixed,prefill')",
+  )
+  add(
+    "--paged-contiguous",
+    action="store_true",
+    help="paged table: each sequence's pages in one run of consecutive ids (default: shuffled)",
   )
   add("--paged-heads-pages", action="store_true", help="paged table: also time ours on [P, page, K, H] pages")
   add(

@@ -181,9 +181,11 @@ def test_second_start_reads_compiled_programs_back(tmp_path):
   counts = []
   for extra in ((), (), ("--max-batched-tokens", "24")):
     out = _run(EXAMPLES / "serve_handwritten.py", *args, *extra)
-    m = re.search(r"^compilation cache .*: (\d+) hits, (\d+) compiled$", out, re.M)
+    line = r"^compilation cache .*: (\d+) hits, (\d+) compiled; ([\d.]+) s in XLA compiles and cache reads$"
+    m = re.search(line, out, re.M)
     assert m and "plain: equal to full recompute" in out, out
-    counts.append((int(m.group(1)), int(m.group(2))))
-  (_, first), (hits, second), (_, changed) = counts
+    counts.append((int(m.group(1)), int(m.group(2)), float(m.group(3))))
+  (_, first, first_s), (hits, second, second_s), (_, changed, _) = counts
   assert first > 10 and second <= first // 10 and hits >= first, counts
+  assert second_s < first_s, counts  # reading programs back takes less time than compiling them
   assert changed > 0, counts  # a new step shape is not served from the old entries

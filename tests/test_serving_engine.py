@@ -305,6 +305,19 @@ def test_overlapped_decode_steps_change_no_token_and_leak_no_page(llama):
     fr.ServingEngine(sm.mha_style(), call=sm.engine_call, overlap="yes", **GEOMETRY)
 
 
+def test_decode_steps_overlap_in_a_full_cache():
+  """A cache with no free page: decode tokens that go into each sequence's own partly filled page take none, so the
+  host vouches for the next step and dispatches it early (`surely_fit`'s exact count; a bound that reserved a
+  page per sequence and step would never overlap here).  The tokens are the reference's."""
+  reference, model = sm.llama_style(), sm.llama_style()
+  fr.convert(model, to="paged")
+  prompts = _prompts(3, (9, 9))  # 9 tokens and 3 fed new ones: the 12 that 3 pages of 4 hold
+  tight = dict(num_pages=6, page_size=4, max_num_seqs=2, pages_per_seq=3, max_num_batched_tokens=20)
+  engine = fr.ServingEngine(model, call=sm.engine_call, **tight)
+  assert engine.generate(prompts, max_new_tokens=4) == _want(reference, prompts, 4)
+  assert engine.stats.overlapped_steps > 0
+
+
 def test_context_parallel_engine_equals_one_device():
   """The caches spread over 2 devices; prompts of 8 new tokens or more are prefilled by the ring (zigzag layout,
   sequence-sharded through the whole model), the rest chunked; the outputs are the one-device ones."""
@@ -372,11 +385,27 @@ def test_steps_that_surely_fit_skip_the_device_check(llama, monkeypatch):
   one = np.zeros(S, np.int32)
   one[0] = 1
   assert engine.surely_fit(one * 1, np.zeros(S, np.int32))  # 1 page
-  assert engine.surely_fit(one * (2 * page + 1), np.zeros(S, np.int32))  # 3 pages at most
-  assert not engine.surely_fit(one * (2 * page + 2), np.zeros(S, np.int32))  # may touch 4
+  assert engine.surely_fit(one * 3 * page, np.zeros(S, np.int32))  # 3 new pages
+  assert not engine.surely_fit(one * (3 * page + 1), np.zeros(S, np.int32))  # 4
+  assert engine.surely_fit(one * 3 * page, one * (page + 1))  # the slot's own last page, then 3 new ones
+  assert not engine.surely_fit(one * (3 * page + page), one * (page + 1))  # 4 new ones
   assert not engine.surely_fit(one, one * cap)  # past the slot's capacity
+  engine._free_pages = 0
+  assert engine.surely_fit(one, one)  # a token into the slot's own partly filled page takes none
+  assert not engine.surely_fit(one, one * page)  # a token past a full page takes one
+  # A share of a partial page: both slots' last pages may be shared, so a write may copy each page it touches
+  # (1 + (new - 1) / page_size); a release of the slot clears that.
+  engine._mark_shared_tail([0])
+  assert not engine.surely_fit(one, one)
+  engine._free_pages = 3
+  assert engine.surely_fit(one * (2 * page + 1), one)  # touches 3: each may be a copy
+  assert not engine.surely_fit(one * (2 * page + 2), one)  # may touch 4
+  engine.free(one.astype(bool))
+  engine._free_pages = 0
+  assert engine.surely_fit(one, one)
   engine._free_pages = None
   assert not engine.surely_fit(one, np.zeros(S, np.int32))
+  engine._to_free = None  # (nothing was taken: the next call's release would free an empty slot)
 
 
 @pytest.mark.parametrize("family", ["llama", "mha"])

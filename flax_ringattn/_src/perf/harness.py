@@ -245,7 +245,9 @@ class CompilationCache:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     self.requests = self.hits = self.written = 0
+    self.compile_seconds = 0.0
     jax.monitoring.register_event_listener(self._event)
+    jax.monitoring.register_event_duration_secs_listener(self._duration)
 
   def _event(self, name: str, **_) -> None:
     # JAX records a "miss" only where it writes the entry: a program it compiles but may not cache (one with a host
@@ -257,6 +259,11 @@ class CompilationCache:
     elif name == "/jax/compilation_cache/cache_misses":
       self.written += 1
 
+  def _duration(self, name: str, seconds: float, **_) -> None:
+    # XLA's compile step of every jitted program, a read back from the cache included: what a second start saves.
+    if name == "/jax/core/compile/backend_compile_duration":
+      self.compile_seconds += seconds
+
   @property
   def misses(self) -> int:
     """Programs compiled in this process (not read back), whether or not JAX then wrote them to the cache."""
@@ -265,7 +272,10 @@ class CompilationCache:
   def summary(self) -> str:
     unwritten = self.misses - self.written
     note = f" ({unwritten} not written: a host callback in the program, or not process 0)" if unwritten > 0 else ""
-    return f"compilation cache {self.directory}: {self.hits} hits, {self.misses} compiled{note}"
+    return (
+      f"compilation cache {self.directory}: {self.hits} hits, {self.misses} compiled{note}; "
+      f"{self.compile_seconds:.1f} s in XLA compiles and cache reads"
+    )
 
 
 def use_compilation_cache(directory=DEFAULT_COMPILATION_CACHE) -> CompilationCache:

@@ -163,6 +163,9 @@ class ServingEngine:
       raise TypeError(f"ServingEngine: overlap must be a bool, got overlap={overlap!r}")
     self.overlap = overlap
     self._free_pages = None  # each owner's least free pages after the last step (`surely_fit`); None: unknown
+    # [S] bool: slots whose last, partly filled page may be shared with another slot, so that their next write
+    # copies it (`surely_fit`); set by a share of a partial page and a rollback, cleared when the slot is freed
+    self._shared_tail = None
     self._tokens_sharding = None  # where host tokens go before a step (`_take_caches`)
     self._to_free = None  # [S] bool: slots released since the caches were last read (`_leaves`)
     if (seq_axis is None) != (mesh is None):
@@ -417,35 +420,50 @@ class ServingEngine:
     """Releases the slots `slots` ([S] bool) marks: their pages are freed before the caches are next read."""
     slots = np.asarray(slots, bool)
     self._to_free = slots.copy() if self._to_free is None else self._to_free | slots
+    if self._shared_tail is not None:
+      self._shared_tail &= ~slots
 
   def share(self, src: int, dst: int, num_tokens: int):
     # (no new page: dst references src's pages; a copy-on-write comes with a step, whose bound counts it)
     caches = self._caches  # (released slots freed first, outside this call's clock)
     with self._compile_clock():
       self._caches = self._share(caches, jnp.int32(src), jnp.int32(dst), jnp.int32(num_tokens))
+    if num_tokens % self.page_size:  # the page holding the last shared token is partly filled, and now shared
+      self._mark_shared_tail([src, dst])
 
   def rollback(self, drop):
     caches = self._caches
     with self._compile_clock():
       self._caches = self._rollback(caches, jnp.asarray(drop, jnp.int32))
+    self._mark_shared_tail(np.nonzero(np.asarray(drop) > 0)[0])  # a slot cut back may end inside a shared page
+
+  def _mark_shared_tail(self, slots):
+    if self._shared_tail is None:
+      self._shared_tail = np.ones(self.max_num_seqs, bool)
+    self._shared_tail[np.asarray(slots, np.int64)] = True
 
   def fits(self, new_lens) -> np.ndarray:
     return np.asarray(first_cache(self._caches).fits(jnp.asarray(new_lens, jnp.int32)))
 
   def surely_fit(self, new_lens, kv_lens) -> bool:
     """Whether every slot's `new_lens` more tokens certainly fit the cache, decided on the host from the free pages
-    the last step reported (each owner's least) and the slots' `kv_lens` (the scheduler's count of their tokens):
-    a slot's tokens touch at most 1 + (new - 1) / page_size pages, each new or a copy of a shared one.  False
+    the last step reported (each owner's least) and the slots' `kv_lens` (the scheduler's count of their tokens).
+    A slot takes a free page for each page past its last that its new tokens reach, and none for its last, partly
+    filled page: that page is its own, unless a share of a partial page or a rollback touched the slot since it
+    was last freed (`_shared_tail`); such a slot may copy every page it touches, 1 + (new - 1) / page_size.  (A
+    share of whole pages leaves both slots' partial pages unshared: the scheduler shares only whole pages.)  False
     only means "ask the device" (`fits`): a decode step then skips that round trip.  (Were the bound ever wrong,
     the step's own admission still flags the slot `overflowed` and the scheduler evicts it.)"""
-    if self._free_pages is None:
+    if self._free_pages is None or self._shared_tail is None:
       return False
     new_lens, kv_lens = np.asarray(new_lens), np.asarray(kv_lens)
     live = new_lens > 0
-    if np.any(kv_lens[live] + new_lens[live] > self.pages_per_seq * self.page_size):
+    kv, new, ps = kv_lens[live], new_lens[live], self.page_size
+    if np.any(kv + new > self.pages_per_seq * ps):
       return False
-    touched = 1 + (new_lens[live] + self.page_size - 2) // self.page_size
-    return int(touched.sum()) <= self._free_pages
+    fresh = -(-(kv + new) // ps) + kv // -ps  # pages past the slot's last that its new tokens reach
+    touched = 1 + (new + ps - 2) // ps
+    return int(np.where(self._shared_tail[live], touched, fresh).sum()) <= self._free_pages
 
   def overflowed(self) -> np.ndarray:
     flags = first_cache(self._caches).overflowed
@@ -509,6 +527,8 @@ class ServingEngine:
     leaf = self._cache_leaves[0]
     self._tokens_sharding = leaf.sharding if leaf.committed and len(leaf.devices()) == 1 else None
     self._free_pages = None  # the model's caches, as the caller may have changed them: not yet counted
+    # Slots that hold tokens as the stream starts (the caller's doing) may share pages; empty ones share none.
+    self._shared_tail = np.asarray(first_cache(self._caches).kv_lens) > 0
 
   def warmup(self, *, top_k: int | None = None, top_p: float | None = None, buckets=None) -> int:
     """Compiles the step program of every token bucket now (and the cache's admission and release programs), so
