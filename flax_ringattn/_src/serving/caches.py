@@ -1,5 +1,5 @@
 """The engine's caches held as flat leaves between steps: committing them beside the weights, running a step on
-leaves, finding and checking the model's `PagedKVCache`s."""
+leaves, finding and checking the model's `PagedKVCache`s, and the host's count of the pages a step takes."""
 
 from __future__ import annotations
 
@@ -72,3 +72,21 @@ def check_one_page_table(cache_leaves, cache_def) -> None:
 
 def first_cache(caches) -> PagedKVCache:
   return next(x for x in jax.tree.leaves(caches, is_leaf=is_paged_cache) if is_paged_cache(x))
+
+
+def pages_taken(new_lens, kv_lens, page_size: int, pages_per_seq: int, shared_tail):
+  """The most free pages that slots holding `kv_lens` tokens take to store `new_lens` more ([S] int each), or None
+  where a slot would pass its `pages_per_seq` pages.
+
+  A slot takes a page for each page past its last that its new tokens reach, and none for its last, partly
+  filled page: that page is its own, unless a share of a partial page or a rollback touched the slot since it
+  was last freed (`shared_tail` [S] bool); such a slot may copy every page it touches, 1 + (new - 1) /
+  page_size.  A share of whole pages (the scheduler's only kind) leaves both slots' partial pages unshared."""
+  new_lens, kv_lens = np.asarray(new_lens), np.asarray(kv_lens)
+  live = new_lens > 0
+  kv, new, ps = kv_lens[live], new_lens[live], page_size
+  if np.any(kv + new > pages_per_seq * ps):
+    return None
+  fresh = -(-(kv + new) // ps) + kv // -ps  # pages past the slot's last that its new tokens reach
+  touched = 1 + (new + ps - 2) // ps
+  return int(np.where(np.asarray(shared_tail)[live], touched, fresh).sum())

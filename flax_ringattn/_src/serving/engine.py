@@ -36,6 +36,7 @@ from flax_ringattn._src.serving.caches import (
   first_cache,
   map_caches,
   on_leaves,
+  pages_taken,
 )
 from flax_ringattn._src.serving.stats import EngineStats
 
@@ -437,7 +438,7 @@ class ServingEngine:
       self._caches = self._rollback(caches, jnp.asarray(drop, jnp.int32))
     self._mark_shared_tail(np.nonzero(np.asarray(drop) > 0)[0])  # a slot cut back may end inside a shared page
 
-  def _mark_shared_tail(self, slots):
+  def _mark_shared_tail(self, slots):  # (`caches.pages_taken`)
     if self._shared_tail is None:
       self._shared_tail = np.ones(self.max_num_seqs, bool)
     self._shared_tail[np.asarray(slots, np.int64)] = True
@@ -447,23 +448,13 @@ class ServingEngine:
 
   def surely_fit(self, new_lens, kv_lens) -> bool:
     """Whether every slot's `new_lens` more tokens certainly fit the cache, decided on the host from the free pages
-    the last step reported (each owner's least) and the slots' `kv_lens` (the scheduler's count of their tokens).
-    A slot takes a free page for each page past its last that its new tokens reach, and none for its last, partly
-    filled page: that page is its own, unless a share of a partial page or a rollback touched the slot since it
-    was last freed (`_shared_tail`); such a slot may copy every page it touches, 1 + (new - 1) / page_size.  (A
-    share of whole pages leaves both slots' partial pages unshared: the scheduler shares only whole pages.)  False
-    only means "ask the device" (`fits`): a decode step then skips that round trip.  (Were the bound ever wrong,
-    the step's own admission still flags the slot `overflowed` and the scheduler evicts it.)"""
+    the last step reported (each owner's least) and the slots' `kv_lens` (the scheduler's count of their tokens;
+    `caches.pages_taken`).  False only means "ask the device" (`fits`): a decode step then skips that round trip.
+    (Were the bound ever wrong, the step's admission still flags the slot `overflowed`; the scheduler evicts it.)"""
     if self._free_pages is None or self._shared_tail is None:
       return False
-    new_lens, kv_lens = np.asarray(new_lens), np.asarray(kv_lens)
-    live = new_lens > 0
-    kv, new, ps = kv_lens[live], new_lens[live], self.page_size
-    if np.any(kv + new > self.pages_per_seq * ps):
-      return False
-    fresh = -(-(kv + new) // ps) + kv // -ps  # pages past the slot's last that its new tokens reach
-    touched = 1 + (new + ps - 2) // ps
-    return int(np.where(self._shared_tail[live], touched, fresh).sum()) <= self._free_pages
+    taken = pages_taken(new_lens, kv_lens, self.page_size, self.pages_per_seq, self._shared_tail)
+    return taken is not None and taken <= self._free_pages
 
   def overflowed(self) -> np.ndarray:
     flags = first_cache(self._caches).overflowed
