@@ -294,6 +294,29 @@ def test_kv_pages(heads, head_dim, dtype, scales):
 
 
 @interpret
+def test_partial_kv_blocks_compute_on_their_keys():
+  """A sequence's last kv block, partly filled, is computed on the least of `walk.key_levels` that holds its keys
+  (128, 512 or the whole 1024 here): last blocks of 16, 128, 129, 600 and 100 keys, full blocks, a hole in a
+  partial block, decodes and a prefill, on merged pages with foreign pages and tails NaN-poisoned.  The forward
+  equals the reference's (the backward computes on whole blocks).  (Mutation: a level one token short of its keys
+  fails.)"""
+  rng = np.random.default_rng(61)
+  geom = dict(num_pages=160, page_size=64, pages_per_seq=32, num_tokens=48, max_num_seqs=8, num_heads=4, head_dim=64)
+  seqs = [(1, 1040), (1, 1152), (1, 1153), (5, 1624), (1, 100), (1, 2048), (24, 1100)]
+  b = make_batch(rng, seqs, num_kv_heads=2, **geom)
+  table = np.asarray(b.page_indices).copy()
+  table[3, 20] = -1  # a hole in a partial block (its tokens then read as missing: `block_keys`)
+  b = merged(b.replace(page_indices=jnp.asarray(table, jnp.int32)))
+  blocks = fr.BlockSizes(block_q=16, block_kv=1024)
+  d = pallas_paged.dims_of(b.q, b.k_pages, b.v_pages, b.page_indices, None, None, bq=16, ppb=16)
+  assert pallas_paged.walk.key_levels(d) == (128, 512, 1024)
+  want = fwd_fn(b.args, impl="reference")
+  with no_races():
+    got = jax.block_until_ready(fwd_fn(poison(b).args, impl="pallas_tpu", blocks=blocks))
+  assert_close(got, want, F32)
+
+
+@interpret
 @pytest.mark.parametrize(
   "page_dtype, scales, blocks",
   [("int8", ("token", "page"), BLOCKS), ("float8_e4m3fn", ("scalar", "token"), None)],

@@ -40,14 +40,16 @@ def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *res
   l_sc[...] = jnp.zeros(l_sc.shape, c.F32)
   acc_sc[...] = jnp.zeros(acc_sc.shape, c.F32)
 
-  def update(s, b, slot, g, keys, row0, rows):
-    """Online softmax of kv block b over the folded rows [row0, row0 + rows)."""
-    ids = w.span_ids(d, r, s, b, slot, g)
-    vis = w.mask(d, spec, q_lo, g.start, g.end, g.first_pos, b, keys, ids, row0=row0, rows=rows)
+  def update(s, b, slot, g, keys, row0, rows, nk):
+    """Online softmax of the first nk keys of kv block b over the folded rows [row0, row0 + rows)."""
+    q_ids, kv_ids = w.span_ids(d, r, s, b, slot, g)
+    ids = (q_ids, None if kv_ids is None else kv_ids[:, :nk])
+    vis = w.mask(d, spec, q_lo, g.start, g.end, g.first_pos, b, keys[:, :nk], ids, row0=row0, rows=rows, keys=nk)
     at = pl.ds(row0, rows)
+    whole = nk == d.block_tokens
     for k in range(d.K):
-      kk, _ = w.load_head(d, k_buf, scale_bufs[0], slot, k)
-      vv, _ = w.load_head(d, v_buf, scale_bufs[1], slot, k)
+      kk, _ = w.load_head(d, k_buf, scale_bufs[0], slot, k, keys=None if whole else nk)
+      vv, _ = w.load_head(d, v_buf, scale_bufs[1], slot, k, keys=None if whole else nk)
       s_ = w.dot(q_sc[k, at, :], kk, ((1,), (1,)), d.q_dtype) * spec.scale
       if spec.logits_soft_cap is not None:
         s_ = spec.logits_soft_cap * jnp.tanh(s_ / spec.logits_soft_cap)
@@ -61,18 +63,27 @@ def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *res
       m_sc[k, at, :] = jnp.broadcast_to(m_new, (rows, c.LANES))
       acc_sc[k, at, :] = alpha * acc_sc[k, at, :] + w.dot(p, vv, ((1,), (0,)), d.q_dtype)  # [rows, Hv]
 
-  def visit(s, b, slot, g, keys):
+  def on_keys(s, b, slot, g, keys, nk):
     if d.window_rows is None:
-      update(s, b, slot, g, keys, 0, d.bq * G)
+      update(s, b, slot, g, keys, 0, d.bq * G, nk)
       return
     # A sequence with few rows here (a decode token: G rows) is computed on its window alone.
     narrow, row0 = w.row_window(d, g, q_lo)
-    pl.when(narrow)(lambda: update(s, b, slot, g, keys, row0, d.window_rows))
-    pl.when(~narrow)(lambda: update(s, b, slot, g, keys, 0, d.bq * G))
+    pl.when(narrow)(lambda: update(s, b, slot, g, keys, row0, d.window_rows, nk))
+    pl.when(~narrow)(lambda: update(s, b, slot, g, keys, 0, d.bq * G, nk))
+
+  levels = w.key_levels(d)
+
+  def visit(s, b, slot, g, keys, limit):
+    if len(levels) == 1:
+      on_keys(s, b, slot, g, keys, levels[0])
+      return
+    for nk in levels:  # a sequence's last block on as few keys as hold its own (`walk.key_levels`)
+      pl.when(limit == nk)(functools.partial(on_keys, s, b, slot, g, keys, nk))
 
   if d.write:
     _write_block(d, spec, r, new_refs, q_lo)
-  w.walk(d, spec, r, q_lo, visit)
+  w.walk(d, spec, r, q_lo, visit, levels)
   for k in range(d.K):
     l, m = l_sc[k][:, :1], m_sc[k][:, :1]
     # No visible key (padding rows, empty sequences): o = 0, lse = -inf (with sinks, flash.py then gives the row

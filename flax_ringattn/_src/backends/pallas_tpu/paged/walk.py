@@ -207,10 +207,35 @@ def _each(descs, method):
     getattr(desc, method)()
 
 
-def block_keys(d: pp.PagedDims, r: Refs, s, b, slot, kv_len):
+# The least key count of `key_levels`: the scores' [rows, keys] tile stays lane-dense.
+MIN_KEY_LEVEL = 128
+
+
+def key_levels(d: pp.PagedDims) -> tuple[int, ...]:
+  """The key counts, ascending, that the forward computes a kv block on: the least that holds the block's keys
+  below kv_len (`key_limit`), so a sequence's last, partly filled block costs its keys, not the whole block.  On a
+  v5e (14 / 2 / 64, kv pages of 64, kv blocks of 1024 tokens, 64 decodes) a decode of 2064 tokens took 0.285 ms
+  against 0.181 ms at 2048: its third block, 16 keys, cost as much as a whole one.  Merged pages without scales
+  only (a prefix of a merged buffer's rows is its first keys); else the whole block."""
+  bt = d.block_tokens
+  if not d.merged or any(d.scale_rows) or bt < 2 * MIN_KEY_LEVEL:
+    return (bt,)
+  return tuple(sorted({max(MIN_KEY_LEVEL, bt // 8), max(MIN_KEY_LEVEL, bt // 2), bt}))
+
+
+def key_limit(levels: tuple[int, ...], n):
+  """The least of `levels` that is >= n (traced), n <= the last level."""
+  limit = jnp.int32(levels[-1])
+  for level in reversed(levels[:-1]):
+    limit = jnp.where(n <= level, level, limit)
+  return limit
+
+
+def block_keys(d: pp.PagedDims, r: Refs, s, b, slot, kv_len, limit=None):
   """[1, block_tokens] bool: which key slots of kv block b (in VMEM slot `slot`) hold a key: below kv_len, on a
-  page that was copied.  Every other slot of the K, V and scale buffers is zeroed here, so stale VMEM or NaN in
-  a page's tail can reach no product (p is exactly 0 there, but 0 * NaN is not).
+  page that was copied.  Every other slot of the K, V and scale buffers below `limit` (default: all; the slots
+  the caller computes on) is zeroed here, so stale VMEM or NaN in a page's tail can reach no product (p is
+  exactly 0 there, but 0 * NaN is not).
 
   A block whose pages were all copied whole (every block of a sequence but its last, in a cache without holes)
   costs a few scalar ops; pages missing from the table (-1 ids) cost a lane mask, and pages not copied whole a
@@ -234,8 +259,11 @@ def block_keys(d: pp.PagedDims, r: Refs, s, b, slot, kv_len):
   @pl.when(~clean)
   def _():
     for j, page in enumerate(block_pages(d, r, s, b, kv_len)):
+      below = page.tokens < d.ps
+      if limit is not None:
+        below = below & (j * d.ps < limit)
 
-      @pl.when(page.tokens < d.ps)
+      @pl.when(below)
       def _(j=j, keep=page.tokens):
         views = [(_page_slot(d, buf, slot, j), d.rows_per_token) for buf in (r.k_buf, r.v_buf)]
         views += [(sc.at[slot, j], 1) for sc in r.scale_bufs if sc is not None]  # [rows, K]
@@ -247,11 +275,13 @@ def block_keys(d: pp.PagedDims, r: Refs, s, b, slot, kv_len):
   return r.keys_sc[...] != 0
 
 
-def load_head(d: pp.PagedDims, buf, scale_buf, slot, k):
-  """[block_tokens, H or Hv] float32 values of kv head k (dequantised), and the scale [ppb, rows, 1] or None."""
+def load_head(d: pp.PagedDims, buf, scale_buf, slot, k, keys=None):
+  """[block_tokens, H or Hv] float32 values of kv head k (dequantised), and the scale [ppb, rows, 1] or None.
+  `keys`: the block's first `keys` tokens only (merged pages without scales, `key_levels`)."""
   if d.merged:
     h = buf.shape[-1] // d.K
-    x = buf[slot, :, k * h : (k + 1) * h]  # [bt, h]: a lane slice, aligned when h % 128 == 0
+    rows = slice(None) if keys is None else pl.ds(0, keys)
+    x = buf[slot, rows, k * h : (k + 1) * h]  # [bt, h]: a lane slice, aligned when h % 128 == 0
     if scale_buf is None:
       # In the page dtype, as the matmul takes it (`dot`): a round trip through f32 (exact, but two VPU passes
       # over the block) took 2.8x the time of a 64 x 4096 decode on a v5e (32 / 8 / 64: 2.9 against 1.02 ms).
@@ -279,13 +309,28 @@ def fold(x, G):
   return x.reshape(x.shape[0] * G, *x.shape[2:])
 
 
-def mask(d: pp.PagedDims, spec, q_lo, seq_start, seq_end, first_pos, b, valid_row, ids=(None, None), row0=0, rows=None):
-  """[rows, block_tokens] visibility of kv block b for the rows of one sequence in this q block, on the folded
-  rows [row0, row0 + rows) (default: all bq * G); `ids`: the rows' and keys' bidirectional ids (`span_ids`)."""
+def mask(
+  d: pp.PagedDims,
+  spec,
+  q_lo,
+  seq_start,
+  seq_end,
+  first_pos,
+  b,
+  valid_row,
+  ids=(None, None),
+  row0=0,
+  rows=None,
+  keys=None,
+):
+  """[rows, keys] visibility of kv block b for the rows of one sequence in this q block, on the folded rows
+  [row0, row0 + rows) (default: all bq * G) and the block's first `keys` keys (default: all); `valid_row` and
+  `ids` (the rows' and keys' bidirectional ids, `span_ids`) as wide as `keys`."""
   rows = d.bq * d.G if rows is None else rows
+  keys = d.block_tokens if keys is None else keys
   t = q_lo + jax.lax.div(row0 + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), d.G)  # global row of q
   pos = first_pos + (t - seq_start)
-  kv_pos = b * d.block_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, d.block_tokens), 1)
+  kv_pos = b * d.block_tokens + jax.lax.broadcasted_iota(jnp.int32, (1, keys), 1)
   return (t >= seq_start) & (t < seq_end) & valid_row & masks.pair_visible(spec.mask, pos, kv_pos, None, None, *ids)
 
 
@@ -342,9 +387,10 @@ def first_seq(d: pp.PagedDims, r: Refs, q_lo, n):
   return jax.lax.while_loop(lambda s: (s < n) & (r.cu[jnp.minimum(s + 1, d.S)] <= q_lo), lambda s: s + 1, 0)
 
 
-def walk(d: pp.PagedDims, spec, r: Refs, q_lo, visit):
-  """Calls visit(s, b, slot, seq, keys) for every (sequence, kv block) that the rows [q_lo, q_lo + bq)
-  can see, with block b's pages in VMEM slot `slot` and `keys` its `block_keys`.
+def walk(d: pp.PagedDims, spec, r: Refs, q_lo, visit, levels=None):
+  """Calls visit(s, b, slot, seq, keys, limit) for every (sequence, kv block) that the rows [q_lo, q_lo + bq)
+  can see, with block b's pages in VMEM slot `slot`, `keys` its `block_keys` and `limit` the least of `levels`
+  (default: the whole block) that holds its keys below kv_len: the visit computes on the first `limit` keys.
 
   One copy is always in flight ahead of the compute: the next block of the sequence, or, during its last
   block, the first block of the next sequence (a decode batch is mostly one-block sequences).
@@ -352,6 +398,7 @@ def walk(d: pp.PagedDims, spec, r: Refs, q_lo, visit):
   q_hi = q_lo + d.bq
   n = jnp.clip(r.num_seqs[0], 0, d.S)
   live = lambda s: (s < n) & (r.cu[jnp.minimum(s, d.S)] < q_hi)  # noqa: E731
+  levels = (d.block_tokens,) if levels is None else levels
 
   def seq_step(carry):
     s, slot, started = carry
@@ -379,7 +426,8 @@ def walk(d: pp.PagedDims, spec, r: Refs, q_lo, visit):
 
       _wait_pages(d, r, s, b, g.kv_len, cur)
       _run(_span_copy(d, r, s, b, cur, g.first_pos, g.kv_len), "wait")
-      visit(s, b, cur, g, block_keys(d, r, s, b, cur, g.kv_len))
+      limit = key_limit(levels, jnp.clip(g.kv_len - b * d.block_tokens, 0, d.block_tokens))
+      visit(s, b, cur, g, block_keys(d, r, s, b, cur, g.kv_len, limit), limit)
       return nxt
 
     slot = jax.lax.fori_loop(g.lo, g.hi, kv_step, slot)
