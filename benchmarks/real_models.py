@@ -284,12 +284,15 @@ def decode_run_tokens(ctx: int, batch: int, rows: int, new_tokens: int) -> int:
 
 
 def decode_window(engine, prompts, max_new_tokens: int):
-  """Streams `prompts` to `max_new_tokens` new tokens each; returns (steps, tokens, seconds, generated): the
-  engine's pure decode steps (`EngineStats.decode_*`) in which every prompt decoded, from the last prompt's first
-  token to the first prompt's last, and the mean of the tokens each sequence had generated in them.  Without such a step
-  (`max_new_tokens` too few for the batch's prefill), every pure decode step of the run, however many it held."""
+  """Streams `prompts` to `max_new_tokens` new tokens each; returns (steps, tokens, seconds, overlapped, generated):
+  the engine's pure decode steps (`EngineStats.decode_*`) in which every prompt decoded, from the last prompt's
+  first token to the first prompt's last, how many steps the engine dispatched ahead meanwhile
+  (`EngineStats.overlapped_steps`), and the mean of the tokens each sequence had generated in them.  Without such a
+  step (`max_new_tokens` too few for the batch's prefill), every pure decode step of the run, however many it held."""
   stats, count = engine.stats, [0] * len(prompts)
-  counters = lambda: np.array([stats.decode_steps, stats.decode_tokens, stats.decode_seconds])  # noqa: E731
+  counters = lambda: np.array(  # noqa: E731
+    [stats.decode_steps, stats.decode_tokens, stats.decode_seconds, stats.overlapped_steps]
+  )
   run = start = end = (counters(), 0)  # (the counters, the tokens generated so far)
   for index, _ in engine.stream(prompts, max_new_tokens=max_new_tokens):
     count[index] += 1
@@ -299,8 +302,8 @@ def decode_window(engine, prompts, max_new_tokens: int):
       end = (counters(), sum(count))
   if end[0][0] - start[0][0] < 1:  # no step of the whole batch: the run's own
     start, end = run, (counters(), max_new_tokens * len(prompts))
-  steps, tokens, seconds = end[0] - start[0]
-  return int(steps), int(tokens), float(seconds), (start[1] + end[1]) / 2 / len(prompts)
+  steps, tokens, seconds, overlapped = end[0] - start[0]
+  return int(steps), int(tokens), float(seconds), int(overlapped), (start[1] + end[1]) / 2 / len(prompts)
 
 
 def profile_decode(engine, prompts, max_new_tokens: int, steps: int, trace_dir: str):
@@ -396,7 +399,7 @@ def serve_table(report, c, args, chip) -> None:
     for batch in args.batches:
       row = [ctx, batch]
       if engine is None:
-        rows.append(row + [None] * 8 + [failed])
+        rows.append(row + [None] * 9 + [failed])
         continue
       try:
         rng = np.random.default_rng(ctx + batch)
@@ -413,7 +416,7 @@ def serve_table(report, c, args, chip) -> None:
         stats = engine.stats
         steps0, seconds0, inside0 = stats.steps, stats.seconds, stats.step_seconds
         # Decode: the engine's own count of its pure decode steps (fresh prompts: no pages shared across runs).
-        steps, tokens, seconds, generated = decode_window(engine, fresh(batch), run_tokens[ctx, batch])
+        steps, tokens, seconds, overlapped, generated = decode_window(engine, fresh(batch), run_tokens[ctx, batch])
         step = seconds / max(steps, 1)
         decoded = tokens / max(steps, 1)  # sequences a step: the batch, unless the run was too short for it
         # The engine's own work between step calls, per step of that run: the device waits through it.
@@ -427,23 +430,25 @@ def serve_table(report, c, args, chip) -> None:
           tokens / seconds if seconds > 0 else None,
           step * 1e3 if steps else None,
           host * 1e3,
+          min(overlapped, steps) / steps * 100 if steps else None,
           share,
           first * 1e3,
           batch * ctx / short,
           f"{late} compiles timed" * bool(late),
         ]
       except Exception as e:  # noqa: BLE001
-        row += [None] * 8 + [_error(e)]
+        row += [None] * 9 + [_error(e)]
       rows.append(row)
       report.progress(f"serve ctx={ctx} batch={batch}: {row[2:]}")
   report.table(
     f"Serving {c.name} with ServingEngine (converted to paged attention"
     f", {args.pages} pages{', overlap off' * args.no_overlap}), "
     f"page {args.page_size}, decode timed over M = {args.new_tokens} steps of the whole batch",
-    ["context", "batch", "decode batch", "decode tokens/s", "decode step ms", "host ms/step", "% HBM roofline"]
-    + ["TTFT ms", "prefill tokens/s", "notes"],
+    ["context", "batch", "decode batch", "decode tokens/s", "decode step ms", "host ms/step", "% overlapped"]
+    + ["% HBM roofline", "TTFT ms", "prefill tokens/s", "notes"],
     rows,
     formats={"decode batch": ".1f", "decode tokens/s": ",.0f", "decode step ms": ".2f", "host ms/step": ".2f"}
+    | {"% overlapped": ".0f"}
     | {"% HBM roofline": ".1f", "TTFT ms": ".1f", "prefill tokens/s": ",.0f"},
     notes=[
       "decode: the engine's pure decode steps (EngineStats.decode_steps / decode_tokens / decode_seconds: steps whose",
@@ -454,7 +459,9 @@ def serve_table(report, c, args, chip) -> None:
       "decode tokens / decode steps (the batch, unless the run was too short; then every pure decode step counts).",
       "decode tokens/s: decode tokens / decode seconds; decode step ms: decode seconds / decode steps (a step that",
       "overlapped the one before it, `ServingEngine(overlap=True)`, runs from that one's read to its own: the host's",
-      "work between them is inside, and host ms/step counts only what is left outside).  % HBM",
+      "work between them is inside, and host ms/step counts only what is left outside).  % overlapped: the share of",
+      "those steps dispatched before the step ahead of them was read (0 with --no-overlap, or where the host could",
+      "not vouch for the next step's pages).  % HBM",
       "roofline: the bytes one decode step reads (bf16 weights + the K/V of decode batch sequences at their mean",
       "length) over the chip's bandwidth, against the step.  TTFT: one prompt of `context` tokens to its first token.",
       "prefill tokens/s: batch x context over a run to 1 new token.  host ms/step: the engine's wall time outside its",
