@@ -561,6 +561,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     action="store_true",
     help="serve: ServingEngine(overlap=False): each decode step read before the next is dispatched",
   )
+  p.add_argument(
+    "--paged-fwd-slots",
+    type=int,
+    default=None,
+    metavar="N",
+    help="serve: the paged forward's kv slots, N - 1 kv blocks in flight (default: the library's)",
+  )
   p.add_argument("--interpret", action="store_true", help="kernels in interpret mode (default off a TPU)")
   bench.add_compilation_cache_args(p)
   bench.add_report_args(p)
@@ -580,6 +587,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   cache = bench.compilation_cache_from_args(args)
+  if args.paged_fwd_slots is not None:  # an A/B of the paged forward's kv slots (this process only)
+    from flax_ringattn._src.backends.pallas_tpu import tiling
+
+    tiling.PAGED_FWD_SLOTS = args.paged_fwd_slots
   c = MODELS[args.model]
   if args.smoke:
     c = decoders.tiny(c, dtype="bfloat16")

@@ -1060,6 +1060,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     "--paged-layouts, 'decode,random,mixed,prefill')",
   )
   add(
+    "--paged-fwd-slots",
+    type=int,
+    default=None,
+    metavar="N",
+    help="paged table: the paged forward's kv slots, N - 1 kv blocks in flight while one is computed (default: the "
+    "library's, tiling.PAGED_FWD_SLOTS)",
+  )
+  add(
     "--paged-contiguous",
     action="store_true",
     help="paged table: each sequence's pages in one run of consecutive ids (default: shuffled)",
@@ -1178,6 +1186,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   start = time.perf_counter()
   args = parse_args(argv)
   cache = bench.compilation_cache_from_args(args)  # a second start reads the compiled kernels and peers back
+  if args.paged_fwd_slots is not None:  # an A/B of the paged forward's kv slots (this process only)
+    from flax_ringattn._src.backends.pallas_tpu import tiling
+
+    tiling.PAGED_FWD_SLOTS = args.paged_fwd_slots
   cfg = config(args)
   gen, chip = attached_chip()
   dev = jax.devices()[0]

@@ -40,7 +40,7 @@ from tolerances import assert_close
 
 import flax_ringattn as fr
 from flax_ringattn._src import validation
-from flax_ringattn._src.backends.pallas_tpu import common
+from flax_ringattn._src.backends.pallas_tpu import common, tiling
 from flax_ringattn._src.backends.pallas_tpu import paged as pallas_paged
 from flax_ringattn._src.backends.pallas_tpu import planners as planner
 from flax_ringattn._src.masks import MaskSpec
@@ -294,12 +294,15 @@ def test_kv_pages(heads, head_dim, dtype, scales):
 
 
 @interpret
-def test_partial_kv_blocks_compute_on_their_keys():
+@pytest.mark.parametrize("slots", [None, 2, 4])
+def test_partial_kv_blocks_compute_on_their_keys(slots, monkeypatch):
   """A sequence's last kv block, partly filled, is computed on the least of `walk.key_levels` that holds its keys
   (128, 512 or the whole 1024 here): last blocks of 16, 128, 129, 600 and 100 keys, full blocks, a hole in a
-  partial block, decodes and a prefill, on merged pages with foreign pages and tails NaN-poisoned.  The forward
-  equals the reference's (the backward computes on whole blocks).  (Mutation: a level one token short of its keys
-  fails.)"""
+  partial block, decodes and a prefill, on merged pages with foreign pages and tails NaN-poisoned; the forward
+  equals the reference's (the backward computes on whole blocks), with the forward's kv slots as planned and with
+  2 and 4 (1 and 3 blocks in flight, `walk.walk`).  (Mutation: a level one token short of its keys fails.)"""
+  if slots is not None:
+    monkeypatch.setattr(tiling, "PAGED_FWD_SLOTS", slots)
   rng = np.random.default_rng(61)
   geom = dict(num_pages=160, page_size=64, pages_per_seq=32, num_tokens=48, max_num_seqs=8, num_heads=4, head_dim=64)
   seqs = [(1, 1040), (1, 1152), (1, 1153), (5, 1624), (1, 100), (1, 2048), (24, 1100)]
@@ -311,8 +314,9 @@ def test_partial_kv_blocks_compute_on_their_keys():
   d = pallas_paged.dims_of(b.q, b.k_pages, b.v_pages, b.page_indices, None, None, bq=16, ppb=16)
   assert pallas_paged.walk.key_levels(d) == (128, 512, 1024)
   want = fwd_fn(b.args, impl="reference")
+  run = jax.jit(functools.partial(_op, "pallas_tpu", blocks=blocks))  # traced here: with this test's slots
   with no_races():
-    got = jax.block_until_ready(fwd_fn(poison(b).args, impl="pallas_tpu", blocks=blocks))
+    got = jax.block_until_ready(run(*poison(b).args))
   assert_close(got, want, F32)
 
 
@@ -613,6 +617,7 @@ def test_planner_model_counts_exactly_the_kernels_buffers(kernel, page_dtype):
       page_dtype=jnp.dtype(page_dtype),
       scale_rows=rows,
       v_head_dim=Hv,
+      slots=tiling.PAGED_FWD_SLOTS if kernel == "paged_fwd" else 2,  # the forward keeps two kv blocks in flight
     )
     model = planner.paged_footprint(
       kernel,

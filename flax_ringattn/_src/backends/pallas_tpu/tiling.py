@@ -19,6 +19,10 @@ LANES = 128  # minor (lane) dimension of a TPU vreg
 # SMEM is 1 MiB per core from v4 on (JAX's tpu_info); the two scalar-prefetched
 # tile tables of one kernel may use half of it.
 SMEM_TABLE_BYTES = 512 * 1024
+# kv blocks in the paged forward's VMEM: two in flight while one is computed (`paged.walk.walk`).  A decode visit
+# of a kv block costs about the time its copies take (with two slots on a v5e, 2026-12-07: about 1.3 us for 512 KB,
+# half the chip's bandwidth, with no more than one block in flight); the backward keeps two.
+PAGED_FWD_SLOTS = 3
 F32 = jnp.float32
 
 
@@ -49,16 +53,17 @@ def paged_kv_buffer_shape(
   page_dtype,
   head_dims: tuple[int, ...],
   merged: bool = False,
+  slots: int = 2,
 ):
-  """The paged kernels' two-slot VMEM buffer of one kv block's K (head_dim H) or V (Hv) pages: [2, ppb * ps, K * h]
+  """The paged kernels' VMEM buffer of `slots` kv blocks' K (head_dim H) or V (Hv) pages: [slots, ppb * ps, K * h]
   for merged pages ([P, page_size, K * h], a token per row with its heads side by side along the lanes), flat
-  [2, ppb * ps * K, h] when `flat_kv_pages` (of both head dims, `head_dims`), else [2, ppb * ps, K, h] (a token
-  per row)."""
+  [slots, ppb * ps * K, h] when `flat_kv_pages` (of both head dims, `head_dims`), else [slots, ppb * ps, K, h] (a
+  token per row)."""
   ppb, ps, K = pages_per_block, page_size, num_kv_heads
   if merged:
-    return (2, ppb * ps, K * head_dim)
+    return (slots, ppb * ps, K * head_dim)
   flat = flat_kv_pages(page_dtype, K, head_dims)
-  return (2, ppb * ps * K, head_dim) if flat else (2, ppb * ps, K, head_dim)
+  return (slots, ppb * ps * K, head_dim) if flat else (slots, ppb * ps, K, head_dim)
 
 
 def token_major_forward(num_heads: int, bq: int, head_dims: tuple[int, ...]) -> bool:

@@ -71,11 +71,11 @@ def _bwd_kernel(
     # Read-add-write of every page read, one at a time (a page may repeat in a table row).
     def add_page(j, pid):
       for acc_hbm, blk, page_sc in ((dk_hbm, dk_blk, dk_page), (dv_hbm, dv_blk, dv_page)):
-        rd = pltpu.make_async_copy(acc_hbm.at[pid], page_sc, sem.at[2])
+        rd = pltpu.make_async_copy(acc_hbm.at[pid], page_sc, sem.at[d.slots])
         rd.start()
         rd.wait()
         page_sc[...] = page_sc[...] + blk[j]
-        wr = pltpu.make_async_copy(page_sc, acc_hbm.at[pid], sem.at[2])
+        wr = pltpu.make_async_copy(page_sc, acc_hbm.at[pid], sem.at[d.slots])
         wr.start()
         wr.wait()
 
@@ -133,8 +133,8 @@ def paged_bwd(
   # dK/dV pages are read-modified-written across grid steps: the steps run in order on one core.
   run = pp.launch(
     kernel,
+    d,
     pp.bwd_plan(d),
-    num_semaphores=3,
     semantics=("arbitrary",),
     aliases={n - 2: 1, n - 1: 2},
     interpret=interpret,

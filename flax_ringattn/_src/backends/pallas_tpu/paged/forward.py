@@ -11,6 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from flax_ringattn._src.backends.pallas_tpu import common as c
+from flax_ringattn._src.backends.pallas_tpu import tiling
 from flax_ringattn._src.backends.pallas_tpu.paged import plans as pp
 from flax_ringattn._src.backends.pallas_tpu.paged import walk as w
 
@@ -128,7 +129,7 @@ def _write_rows(d: pp.PagedDims, r: w.Refs, new_refs, q_lo, s, seq_start, lo_row
     @pl.when(ok)
     def _():
       for src, dst, pages in pairs:
-        copy = pltpu.make_async_copy(src.at[t - q_lo], _page_row(d, dst, safe, slot, pages), r.sem.at[2])
+        copy = pltpu.make_async_copy(src.at[t - q_lo], _page_row(d, dst, safe, slot, pages), r.sem.at[d.slots])
         copy.start()
         copy.wait()
 
@@ -167,15 +168,13 @@ def paged_fwd(
     out, lse = paged_fwd(pp.spread_heads(q, f, G), *args, spec=spec, interpret=interpret)
     return pp.gather_heads(out, f, G), lse
   T = q.shape[0]
-  d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret)
+  d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret, slots=tiling.PAGED_FWD_SLOTS)
   q, bidirectional_ids = (pp.pad_rows(x, d.T) for x in (q, bidirectional_ids))
   k_pages, v_pages = pp.kernel_pages(d, k_pages, v_pages)
   prefetch, scales = pp.operands(d, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
   scales += pp.span_operands(d, bidirectional_ids, kv_lens, cu_q_lens, num_seqs)
   kernel = functools.partial(_fwd_kernel, d=d, spec=spec)
-  run = pp.launch(
-    kernel, pp.fwd_plan(d), num_semaphores=2, semantics=("parallel",), aliases={}, interpret=interpret, name="paged_fwd"
-  )
+  run = pp.launch(kernel, d, pp.fwd_plan(d), semantics=("parallel",), aliases={}, interpret=interpret, name="paged_fwd")
   out, lse = run(*prefetch, q, k_pages, v_pages, *scales)
   return out[:T], lse[:T]
 
@@ -223,7 +222,9 @@ def paged_fwd_write(
       "K/V, then call paged_attention"
     )
   T = q.shape[0]
-  d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret, write=True)
+  d = pp.spec_dims(
+    q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret, write=True, slots=tiling.PAGED_FWD_SLOTS
+  )
   k_pages, v_pages = pp.to_kernel_pages(d, k_pages), pp.to_kernel_pages(d, v_pages)
   q, k_new, v_new, k_new_scale, v_new_scale = (
     pp.pad_rows(x, d.T) for x in (q, k_new, v_new, k_new_scale, v_new_scale)
@@ -246,8 +247,8 @@ def paged_fwd_write(
   kernel = functools.partial(_fwd_kernel, d=d, spec=spec)
   run = pp.launch(
     kernel,
+    d,
     pp.fwd_plan(d),
-    num_semaphores=3,
     semantics=("arbitrary",),
     aliases=aliases,
     interpret=interpret,

@@ -41,8 +41,9 @@ class PagedDims:
   # buffers, where head k is the lane slice [k * H, (k + 1) * H): dense for any K, no strided load.
   merged: bool = False
   # kv pages: one [P, 2, ps, K * H] array, a page's K and V (each merged) copied together, with one DMA, into one
-  # [2, 2, ppb * ps, K * H] buffer (slot, then K or V: `walk.Half`).  Implies `merged`, and Hv == H.
+  # [slots, 2, ppb * ps, K * H] buffer (slot, then K or V: `walk.Half`).  Implies `merged`, and Hv == H.
   together: bool = False
+  slots: int = 2  # kv blocks in VMEM: slots - 1 in flight while one is computed (`walk.walk`)
 
   @property
   def flat(self) -> bool:
@@ -244,8 +245,8 @@ def _any():
 
 
 def kv_buffer_shape(d: PagedDims, h: int) -> tuple:
-  """The two-slot VMEM buffer of one kv block's K (h = H) or V (h = Hv) pages."""
-  return c.paged_kv_buffer_shape(d.ppb, d.ps, d.K, h, d.page_dtype, (d.H, d.Hv), merged=d.merged)
+  """The VMEM buffer of `PagedDims.slots` kv blocks' K (h = H) or V (h = Hv) pages."""
+  return c.paged_kv_buffer_shape(d.ppb, d.ps, d.K, h, d.page_dtype, (d.H, d.Hv), merged=d.merged, slots=d.slots)
 
 
 def page_shape(d: PagedDims, h: int) -> tuple:
@@ -282,9 +283,9 @@ def _kv_scratch(d: PagedDims):
     bufs = [((slots, 2, rows, lanes), d.page_dtype)]
   else:
     bufs = [(kv_buffer_shape(d, d.H), d.page_dtype), (kv_buffer_shape(d, d.Hv), d.page_dtype)]
-  bufs += [((2, d.ppb, r, d.K), c.F32) for r in d.scale_rows if r]
+  bufs += [((d.slots, d.ppb, r, d.K), c.F32) for r in d.scale_rows if r]
   if d.spans:
-    bufs.append(((2, 1, d.block_tokens), jnp.int32))  # the kv block's bidirectional ids, along the lanes
+    bufs.append(((d.slots, 1, d.block_tokens), jnp.int32))  # the kv block's bidirectional ids, along the lanes
   bufs.append(((1, d.block_tokens), jnp.int32))  # which key slots of the block hold a key (`walk.block_keys`)
   return bufs
 
@@ -385,10 +386,10 @@ def bwd_plan(d: PagedDims) -> c.CallPlan:
   )
 
 
-def launch(kernel, plan: c.CallPlan, *, num_semaphores, semantics, aliases, interpret, name):
+def launch(kernel, d: PagedDims, plan: c.CallPlan, *, semantics, aliases, interpret, name):
   scratch = [pltpu.VMEM(shape, dtype) for shape, dtype in plan.scratch]
-  scratch.append(pltpu.SemaphoreType.DMA((num_semaphores,)))
-  scratch.append(pltpu.SMEM((4,), jnp.int32))  # tokens and rows copied into each kv slot (`walk.Refs.tokens_sc`)
+  scratch.append(pltpu.SemaphoreType.DMA((d.slots + 1,)))  # one per kv slot, one for the kernel's own copies
+  scratch.append(pltpu.SMEM((2 * d.slots,), jnp.int32))  # tokens and rows copied into each kv slot (`walk.Refs`)
 
   def run(*args):
     args = vma.unify(*args)
@@ -432,14 +433,14 @@ def operands(d: PagedDims, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, 
   return prefetch, tuple(scales)
 
 
-def spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret, write=False):
+def spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret, write=False, slots=2):
   block_q, block_kv = spec.block_sizes.block_q, spec.block_sizes.block_kv
   ps = page_size(k_pages, v_pages)
   bq, ppb = check_supported(q, k_pages, v_pages, block_q=block_q, pages_per_block=block_kv // ps)
   scale_dims = [None if x is None else jnp.asarray(x) for x in (k_scale, v_scale)]
   spans = spec.mask.has_bidirectional
   d = dims_of(q, k_pages, v_pages, page_indices, *scale_dims, bq=bq, ppb=ppb, write=write, spans=spans)
-  return dataclasses.replace(d, T=padded_rows(d.T, bq), compiled=interpret is None)
+  return dataclasses.replace(d, T=padded_rows(d.T, bq), compiled=interpret is None, slots=slots)
 
 
 def span_operands(d: PagedDims, ids, kv_lens, cu_q_lens, num_seqs):

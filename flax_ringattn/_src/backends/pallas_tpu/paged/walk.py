@@ -27,16 +27,17 @@ class Refs:
   k_hbm: object
   v_hbm: object
   scales_hbm: tuple  # k_scale / v_scale [P, rows, K] (None when absent)
-  k_buf: object  # [2, ppb * ps * K, H] (flat, `plans.kv_buffer_shape`) or [2, ppb * ps, K, H]
+  k_buf: object  # [slots, ppb * ps * K, H] (flat, `plans.kv_buffer_shape`) or [slots, ppb * ps, K, H]
   v_buf: object  # the same with Hv
-  scale_bufs: tuple  # [2, ppb, rows, K] (None when absent)
-  sem: object  # DMA semaphores; [0] and [1]: the kv slots
-  # [4] int32 (SMEM): [0:2] the tokens below kv_len copied into each kv slot by its last `_start_pages`, [2:4] the
-  # rows its copies moved (the DMA semaphore's count: more than the tokens where merged pages copy whole tiles)
+  scale_bufs: tuple  # [slots, ppb, rows, K] (None when absent)
+  sem: object  # DMA semaphores; [0, slots): the kv slots (`PagedDims.slots`), [slots]: the kernel's own copies
+  # [2 * slots] int32 (SMEM): [0, slots) the tokens below kv_len copied into each kv slot by its last `_start_pages`,
+  # [slots, 2 * slots) the rows its copies moved (the DMA semaphore's count: more than the tokens where merged
+  # pages copy whole tiles)
   tokens_sc: object = None
   q_ids: object = None  # [bq, 1] the q block's bidirectional ids (VMEM), or None
   kv_ids_hbm: object = None  # [span_rows, 1, bt] the kv id table (`plans.span_operands`)
-  kv_ids_buf: object = None  # [2, 1, bt] the kv block's ids, one slot per kv slot
+  kv_ids_buf: object = None  # [slots, 1, bt] the kv block's ids, one per kv slot
   keys_sc: object = None  # [1, bt] int32: the current block's `block_keys`
 
 
@@ -91,7 +92,7 @@ def _start_pages(d: pp.PagedDims, r: Refs, pages: list[Page], slot):
   `Refs.tokens_sc`.  Scales (small, and per page) are copied whole, on the pages that are `ok`."""
   per = d.rows_per_token
   r.tokens_sc[slot] = sum(p.tokens for p in pages)
-  r.tokens_sc[2 + slot] = sum(p.rows for p in pages)
+  r.tokens_sc[d.slots + slot] = sum(p.rows for p in pages)
   for j, page in enumerate(pages):
     if d.together:  # the page's K and V rows in one copy
       dst = r.k_buf.buf.at[slot, :, pl.ds(j * d.ps, page.rows)]
@@ -121,7 +122,7 @@ def _wait_pages(d: pp.PagedDims, r: Refs, s, b, kv_len, slot):
   """Waits for every copy `_start_pages` started into kv slot `slot` (block b of sequence s): one wait per K and
   V buffer for the block's byte count (the DMA semaphore counts bytes; the view waited on only supplies the
   count)."""
-  rows = r.tokens_sc[2 + slot]
+  rows = r.tokens_sc[d.slots + slot]
   if d.merged:
     rows = pl.multiple_of(rows, c.sublanes(d.page_dtype))
 
@@ -194,7 +195,7 @@ def _start_whole_pages(d: pp.PagedDims, r: Refs, s, b, slot):
     for hbm, buf in ((r.k_hbm, r.k_buf), (r.v_hbm, r.v_buf)):
       pltpu.make_async_copy(hbm.at[pid], _page_slot(d, buf, slot, j), r.sem.at[slot]).start()
   r.tokens_sc[slot] = d.block_tokens - bad.astype(jnp.int32)
-  r.tokens_sc[2 + slot] = d.block_tokens * d.rows_per_token
+  r.tokens_sc[d.slots + slot] = d.block_tokens * d.rows_per_token
 
 
 def _run(copies, method):
@@ -392,49 +393,65 @@ def walk(d: pp.PagedDims, spec, r: Refs, q_lo, visit, levels=None):
   can see, with block b's pages in VMEM slot `slot`, `keys` its `block_keys` and `limit` the least of `levels`
   (default: the whole block) that holds its keys below kv_len: the visit computes on the first `limit` keys.
 
-  One copy is always in flight ahead of the compute: the next block of the sequence, or, during its last
-  block, the first block of the next sequence (a decode batch is mostly one-block sequences).
+  The visits run in order, sequence by sequence; `PagedDims.slots` - 1 blocks are always in flight ahead of the
+  compute, whichever sequences they belong to (a decode batch is mostly sequences of a few blocks).  Visit k uses
+  slot k % slots; at its start the copies of visit k + slots - 1 go into the slot visit k - 1 has just freed.
+  With two slots one block's copies run while one is computed, and a visit waits for the next block's copies
+  whenever it computes faster than they move (a sequence's short last block, say).
   """
   q_hi = q_lo + d.bq
   n = jnp.clip(r.num_seqs[0], 0, d.S)
   live = lambda s: (s < n) & (r.cu[jnp.minimum(s, d.S)] < q_hi)  # noqa: E731
   levels = (d.block_tokens,) if levels is None else levels
+  seq = lambda s: seq_in_block(d, spec, r, jnp.minimum(s, d.S - 1), q_lo)  # noqa: E731
 
-  def seq_step(carry):
-    s, slot, started = carry
-    g = seq_in_block(d, spec, r, s, q_lo)
-    has_work = g.lo < g.hi
+  def with_work(s):
+    """The first sequence from s on with a kv block to visit, or the first not live."""
 
-    @pl.when(has_work & ~started)
-    def _():
-      _start_block(d, r, s, g.lo, slot, g)
+    def idle(s):
+      g = seq(s)
+      return live(s) & (g.lo >= g.hi)
 
-    s2 = jnp.minimum(s + 1, d.S - 1)
-    g2 = seq_in_block(d, spec, r, s2, q_lo)
-    next_ok = live(s + 1) & (g2.lo < g2.hi)
+    return jax.lax.while_loop(idle, lambda s: s + 1, s)
 
-    def kv_step(b, cur):
-      nxt = 1 - cur
+  def after(v):
+    """The visit after v = (s, b, ok): the next block of s, else the first block of the next sequence with one;
+    ok False past the last (and after a visit that is not ok)."""
+    s, b, ok = v
 
-      @pl.when(b + 1 < g.hi)
-      def _():
-        _start_block(d, r, s, b + 1, nxt, g)
+    def next_seq():
+      s2 = with_work(s + 1)
+      return s2, seq(s2).lo, live(s2)
 
-      @pl.when((b + 1 == g.hi) & next_ok)
-      def _():
-        _start_block(d, r, s2, g2.lo, nxt, g2)
+    same = b + 1 < seq(s).hi
+    s2, b2, ok2 = jax.lax.cond(same, lambda: (s, b + 1, jnp.ones((), jnp.bool_)), next_seq)
+    return s2, b2, ok & ok2
 
-      _wait_pages(d, r, s, b, g.kv_len, cur)
-      _run(_span_copy(d, r, s, b, cur, g.first_pos, g.kv_len), "wait")
-      limit = key_limit(levels, jnp.clip(g.kv_len - b * d.block_tokens, 0, d.block_tokens))
-      visit(s, b, cur, g, block_keys(d, r, s, b, cur, g.kv_len, limit), limit)
-      return nxt
+  def start(v, slot):
+    s, b, ok = v
+    pl.when(ok)(lambda: _start_block(d, r, s, b, slot, seq(s)))
 
-    slot = jax.lax.fori_loop(g.lo, g.hi, kv_step, slot)
-    return s + 1, slot, has_work & next_ok
+  ahead = d.slots - 1
+  s0 = with_work(first_seq(d, r, q_lo, n))
+  queue = [(s0, seq(s0).lo, live(s0))]  # visits k .. k + ahead - 1, started (k: the one computed next)
+  for _ in range(ahead - 1):
+    queue.append(after(queue[-1]))
+  for i, v in enumerate(queue):
+    start(v, i)
 
-  init = (first_seq(d, r, q_lo, n), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.bool_))
-  jax.lax.while_loop(lambda c: live(c[0]), seq_step, init)
+  def step(carry):
+    k, queue = carry
+    new = after(queue[-1])
+    start(new, jax.lax.rem(k + ahead, d.slots))
+    (s, b, _), slot = queue[0], jax.lax.rem(k, d.slots)
+    g = seq(s)
+    _wait_pages(d, r, s, b, g.kv_len, slot)
+    _run(_span_copy(d, r, s, b, slot, g.first_pos, g.kv_len), "wait")
+    limit = key_limit(levels, jnp.clip(g.kv_len - b * d.block_tokens, 0, d.block_tokens))
+    visit(s, b, slot, g, block_keys(d, r, s, b, slot, g.kv_len, limit), limit)
+    return k + 1, (*queue[1:], new)
+
+  jax.lax.while_loop(lambda c: c[1][0][2], step, (jnp.zeros((), jnp.int32), tuple(queue)))
 
 
 def split_refs(d: pp.PagedDims, refs):

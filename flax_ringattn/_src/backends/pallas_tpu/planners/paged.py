@@ -64,14 +64,16 @@ def paged_footprint(
   G, L, f32 = N // K, pages_per_block * page_size, jnp.float32
   q_block = c.padded_bytes((bq, N, H), dtype)
   o_block = c.padded_bytes((bq, N, Hv), dtype)  # o, or do
+  slots = c.PAGED_FWD_SLOTS if kernel == "paged_fwd" else 2  # kv blocks in VMEM (`paged.walk.walk`)
   kv_slots = sum(
-    c.padded_bytes(c.paged_kv_buffer_shape(ppb, ps, K, h, page_dtype, (H, Hv), merged), page_dtype) for h in (H, Hv)
+    c.padded_bytes(c.paged_kv_buffer_shape(ppb, ps, K, h, page_dtype, (H, Hv), merged, slots), page_dtype)
+    for h in (H, Hv)
   )
-  kv_slots += sum(c.padded_bytes((2, ppb, r, K), f32) for r in scale_rows if r)
+  kv_slots += sum(c.padded_bytes((slots, ppb, r, K), f32) for r in scale_rows if r)
   kv_slots += c.padded_bytes((1, L), jnp.int32)  # which slots hold a key
   span_block = 0
   if bidirectional:
-    kv_slots += c.padded_bytes((2, 1, L), jnp.int32)
+    kv_slots += c.padded_bytes((slots, 1, L), jnp.int32)
     span_block = c.padded_bytes((bq, 1), jnp.int32)
   score = G * bq * L * 4  # one f32 [bq * G, L] tile
   head_kv = L * (H + Hv) * 4  # one kv head's K and V block, dequantised to f32
