@@ -12,8 +12,10 @@ metadata (SMEM), with no precomputed schedule:
      blocks they can see (causal upper end, sliding-window lower end);
   3. for each kv block of `ppb` pages: async copies of the pages (all kv
      heads of a page are contiguous, so one copy per page and per K/V) into a
-     two-slot VMEM buffer; the next block (of the same sequence, or the first
-     block of the next sequence) is in flight while block b is used.  Each
+     VMEM buffer of `PagedDims.slots` kv blocks; the visits run in one loop,
+     and the next slots - 1 blocks (of this sequence or the next ones) are in
+     flight while block b is used (the forward keeps two in flight, the
+     backward one: `tiling.PAGED_FWD_SLOTS`).  Each
      copy moves exactly the page's tokens below kv_len (a dynamic size, 0 for
      a page past kv_len or missing from the table), so the starts take no
      branch per page, and the DMA semaphore, which counts bytes, is waited on

@@ -37,7 +37,7 @@ class PagedDims:
   v_head_dim: int | None = None  # v's (and the output's) head dim when it differs from H (MLA); None: H
   spans: bool = False  # bidirectional ids: the q block's ids in, the kv blocks' ids copied with the pages
   compiled: bool = False  # compiled for a TPU (not interpret mode): flat pages are read through 32-bit words
-  # Merged pages: [P, ps, K * H] (a token's kv heads side by side along the lanes), copied into [2, ppb * ps, K * H]
+  # Merged pages: [P, ps, K * H] (a token's kv heads side by side along the lanes), copied into [slots, ppb * ps, K * H]
   # buffers, where head k is the lane slice [k * H, (k + 1) * H): dense for any K, no strided load.
   merged: bool = False
   # kv pages: one [P, 2, ps, K * H] array, a page's K and V (each merged) copied together, with one DMA, into one
@@ -47,7 +47,7 @@ class PagedDims:
 
   @property
   def flat(self) -> bool:
-    """Pages travel as [P, ps * K, H] into flat [2, ppb * ps * K, H] kv buffers (`tiling.flat_kv_pages`)."""
+    """Pages travel as [P, ps * K, H] into flat [slots, ppb * ps * K, H] kv buffers (`tiling.flat_kv_pages`)."""
     return not self.merged and c.flat_kv_pages(self.page_dtype, self.K, (self.H, self.Hv))
 
   @property

@@ -1,4 +1,4 @@
-"""The walk both paged kernels share: page copies into the two-slot kv buffer, the masks of a block, and the
+"""The walk both paged kernels share: page copies into the kv slots, the masks of a block, and the
 sequence-by-sequence visit of the kv blocks a q block can see (steps 1 to 3 of the package docstring)."""
 
 from __future__ import annotations

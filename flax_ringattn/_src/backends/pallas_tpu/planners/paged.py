@@ -55,8 +55,8 @@ def paged_footprint(
   `scale_rows`: per-page rows of (k_scale, v_scale): 0 without a scale, 1 per page (and for a scalar scale),
   page_size per token.  `v_head_dim`: v's (and the output's) head dim when it differs from `head_dim` (MLA):
   the v pages, the output, do and the accumulators of o and dV are that wide.  Pages stay in HBM; the kernel
-  copies them into a two-slot buffer itself.  `bidirectional`: span ids, the q block's [bq, 1] (pipelined) and
-  the kv block's [1, L] (with the pages' slots).  `merged`: pages [P, page_size, K * H] (`paged.plans.PagedDims`):
+  copies them into a buffer of kv slots itself (`tiling.PAGED_FWD_SLOTS` for the forward, two for the backward).
+  `bidirectional`: span ids, the q block's [bq, 1] (pipelined) and the kv block's [1, L] (with the pages' slots).  `merged`: pages [P, page_size, K * H] (`paged.plans.PagedDims`):
   a kv block's buffer is [L, K * H], dense for any K.
   """
   N, K, H, ps, ppb = num_heads, num_kv_heads, head_dim, page_size, pages_per_block
