@@ -56,8 +56,9 @@ def paged_footprint(
   page_size per token.  `v_head_dim`: v's (and the output's) head dim when it differs from `head_dim` (MLA):
   the v pages, the output, do and the accumulators of o and dV are that wide.  Pages stay in HBM; the kernel
   copies them into a buffer of kv slots itself (`tiling.PAGED_FWD_SLOTS` for the forward, two for the backward).
-  `bidirectional`: span ids, the q block's [bq, 1] (pipelined) and the kv block's [1, L] (with the pages' slots).  `merged`: pages [P, page_size, K * H] (`paged.plans.PagedDims`):
-  a kv block's buffer is [L, K * H], dense for any K.
+  `bidirectional`: span ids, the q block's [bq, 1] (pipelined) and the kv block's [1, L] (with the pages' slots).
+  `merged`: pages [P, page_size, K * H] (`paged.plans.PagedDims`): a kv block's buffer is [L, K * H], dense for
+  any K.
   """
   N, K, H, ps, ppb = num_heads, num_kv_heads, head_dim, page_size, pages_per_block
   Hv = H if v_head_dim is None else v_head_dim
