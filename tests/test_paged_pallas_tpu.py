@@ -617,7 +617,7 @@ def test_planner_model_counts_exactly_the_kernels_buffers(kernel, page_dtype):
       page_dtype=jnp.dtype(page_dtype),
       scale_rows=rows,
       v_head_dim=Hv,
-      slots=tiling.PAGED_FWD_SLOTS if kernel == "paged_fwd" else 2,  # the forward keeps two kv blocks in flight
+      slots=tiling.PAGED_FWD_SLOTS if kernel == "paged_fwd" else tiling.PAGED_BWD_SLOTS,
     )
     model = planner.paged_footprint(
       kernel,

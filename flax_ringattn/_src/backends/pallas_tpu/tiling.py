@@ -19,10 +19,12 @@ LANES = 128  # minor (lane) dimension of a TPU vreg
 # SMEM is 1 MiB per core from v4 on (JAX's tpu_info); the two scalar-prefetched
 # tile tables of one kernel may use half of it.
 SMEM_TABLE_BYTES = 512 * 1024
-# kv blocks in the paged forward's VMEM: two in flight while one is computed (`paged.walk.walk`).  A decode visit
-# of a kv block costs about the time its copies take (with two slots on a v5e, 2026-12-07: about 1.3 us for 512 KB,
-# half the chip's bandwidth, with no more than one block in flight); the backward keeps two.
+# kv blocks in the paged kernels' VMEM (`paged.walk.walk`): the forward's, two in flight while one is computed.  A
+# decode visit of a kv block costs about the time its copies take (with two slots on a v5e, 2026-12-07: about
+# 1.3 us for 512 KB, half the chip's bandwidth, with no more than one block in flight).  The backward's, one in
+# flight: its visits compute far longer than their copies take.
 PAGED_FWD_SLOTS = 3
+PAGED_BWD_SLOTS = 2
 F32 = jnp.float32
 
 

@@ -15,7 +15,7 @@ metadata (SMEM), with no precomputed schedule:
      VMEM buffer of `PagedDims.slots` kv blocks; the visits run in one loop,
      and the next slots - 1 blocks (of this sequence or the next ones) are in
      flight while block b is used (the forward keeps two in flight, the
-     backward one: `tiling.PAGED_FWD_SLOTS`).  Each
+     backward one: `tiling.PAGED_FWD_SLOTS`, `PAGED_BWD_SLOTS`).  Each
      copy moves exactly the page's tokens below kv_len (a dynamic size, 0 for
      a page past kv_len or missing from the table), so the starts take no
      branch per page, and the DMA semaphore, which counts bytes, is waited on

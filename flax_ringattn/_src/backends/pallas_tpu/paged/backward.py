@@ -10,6 +10,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from flax_ringattn._src.backends.pallas_tpu import common as c
+from flax_ringattn._src.backends.pallas_tpu import tiling
 from flax_ringattn._src.backends.pallas_tpu.paged import plans as pp
 from flax_ringattn._src.backends.pallas_tpu.paged import walk as w
 
@@ -120,7 +121,7 @@ def paged_bwd(
     )
     return pp.gather_heads(dq, f, G), dk, dv
   T = q.shape[0]
-  d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret)
+  d = pp.spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret, slots=tiling.PAGED_BWD_SLOTS)
   k_pages, v_pages = pp.kernel_pages(d, k_pages, v_pages)
   q, do, lse, delta, bidirectional_ids = (pp.pad_rows(x, d.T) for x in (q, do, lse, delta, bidirectional_ids))
   prefetch, scales = pp.operands(d, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)

@@ -433,7 +433,7 @@ def operands(d: PagedDims, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, 
   return prefetch, tuple(scales)
 
 
-def spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret, write=False, slots=2):
+def spec_dims(q, k_pages, v_pages, page_indices, k_scale, v_scale, spec, interpret, *, slots: int, write=False):
   block_q, block_kv = spec.block_sizes.block_q, spec.block_sizes.block_kv
   ps = page_size(k_pages, v_pages)
   bq, ppb = check_supported(q, k_pages, v_pages, block_q=block_q, pages_per_block=block_kv // ps)

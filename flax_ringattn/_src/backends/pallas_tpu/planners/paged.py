@@ -55,7 +55,7 @@ def paged_footprint(
   `scale_rows`: per-page rows of (k_scale, v_scale): 0 without a scale, 1 per page (and for a scalar scale),
   page_size per token.  `v_head_dim`: v's (and the output's) head dim when it differs from `head_dim` (MLA):
   the v pages, the output, do and the accumulators of o and dV are that wide.  Pages stay in HBM; the kernel
-  copies them into a buffer of kv slots itself (`tiling.PAGED_FWD_SLOTS` for the forward, two for the backward).
+  copies them into a buffer of kv slots itself (`tiling.PAGED_FWD_SLOTS`, `PAGED_BWD_SLOTS`).
   `bidirectional`: span ids, the q block's [bq, 1] (pipelined) and the kv block's [1, L] (with the pages' slots).
   `merged`: pages [P, page_size, K * H] (`paged.plans.PagedDims`): a kv block's buffer is [L, K * H], dense for
   any K.
@@ -65,7 +65,7 @@ def paged_footprint(
   G, L, f32 = N // K, pages_per_block * page_size, jnp.float32
   q_block = c.padded_bytes((bq, N, H), dtype)
   o_block = c.padded_bytes((bq, N, Hv), dtype)  # o, or do
-  slots = c.PAGED_FWD_SLOTS if kernel == "paged_fwd" else 2  # kv blocks in VMEM (`paged.walk.walk`)
+  slots = c.PAGED_FWD_SLOTS if kernel == "paged_fwd" else c.PAGED_BWD_SLOTS  # kv blocks in VMEM
   kv_slots = sum(
     c.padded_bytes(c.paged_kv_buffer_shape(ppb, ps, K, h, page_dtype, (H, Hv), merged, slots), page_dtype)
     for h in (H, Hv)
