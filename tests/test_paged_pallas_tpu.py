@@ -917,3 +917,98 @@ def test_layers_with_the_same_shapes_share_one_paged_kernel(monkeypatch):
   assert text.count("tpu_custom_call") == 2  # one kernel for the three 32-row calls, one for the 64-row call
   text = export.export(jax.jit(grad), platforms=("tpu",))(q, kv, q2, *meta).mlir_module()
   assert text.count("tpu_custom_call") == 2  # the forward and the backward, each shared by the three layers
+
+
+def _visits_one_by_one(d, spec, cu, kv_lens, n):
+  """Each q block's visits, found pair by pair: sequence s's kv blocks [lo, hi) in the q block (`walk.seq_bounds`
+  on one sequence's scalars), q block by q block, sequence by sequence."""
+  from flax_ringattn._src.backends.pallas_tpu.paged import walk
+
+  out = []
+  for qb in range(d.T // d.bq):
+    visits = []
+    for s in range(n):
+      g = walk.seq_bounds(d, spec, cu[s], cu[s + 1], kv_lens[s], qb * d.bq)
+      visits += [(s, b) for b in range(int(g.lo), int(g.hi))]
+    out.append(visits)
+  return out
+
+
+@pytest.mark.parametrize(
+  "mask",
+  [MaskSpec(is_causal=True), MaskSpec(is_causal=True, window=(40, 0)), MaskSpec(is_causal=True, chunk_size=48),
+   MaskSpec(is_causal=True, has_bidirectional=True)],
+  ids=["causal", "window", "chunked", "spans"],
+)  # fmt: skip
+def test_schedule_lists_every_visit_in_order(mask):
+  """The kernels' visit list (`walk.schedule`, built by XLA before the launch) holds exactly each q block's
+  (sequence, kv block) visits, in the walk's order, within `visit_capacity` (the kernel would skip visits past
+  it): ragged batches of decodes, prefill chunks spanning q blocks, empty and dead sequences, few and many
+  (q block, sequence) pairs (the second takes the searchsorted path)."""
+  from flax_ringattn._src.backends.pallas_tpu.paged import walk
+
+  spec = AttentionSpec(mask=mask, scale=1.0)
+  rng = np.random.default_rng(0)
+  for T, bq, S, ps, ppb, ppt in [(64, 16, 64, 16, 4, 40), (96, 8, 12, 8, 2, 16), (256, 32, 3, 16, 1, 20),
+                                 (4096, 16, 16, 16, 4, 16)]:  # fmt: skip
+    for trial in range(4):
+      q_lens = rng.integers(0, 2 * bq, S) if trial % 2 else np.ones(S, np.int64)  # decodes, then chunks
+      q_lens = np.where(rng.random(S) < 0.2, 0, q_lens)  # some sequences without rows here
+      q_lens = np.minimum(q_lens, np.maximum(T - np.concatenate([[0], np.cumsum(q_lens)[:-1]]), 0))
+      kv_lens = np.minimum(q_lens + rng.integers(0, ppt * ps, S), ppt * ps)
+      cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+      n = int(rng.integers(S // 2, S + 1))
+      d = pallas_paged.PagedDims(
+        T=T, N=2, K=1, H=128, P=64, ps=ps, S=S, ppt=ppt, bq=bq, ppb=ppb, q_dtype=jnp.dtype(BF16),
+        page_dtype=jnp.dtype(BF16), scale_rows=(0, 0), spans=mask.has_bidirectional,
+      )  # fmt: skip
+      sched = np.asarray(walk.schedule(d, spec, jnp.asarray(cu), jnp.asarray(kv_lens, jnp.int32), jnp.asarray([n])))
+      nq, V = T // bq, walk.visit_capacity(d)
+      assert sched.shape == (2 + nq + 2 * V,) and sched[0] == n
+      offsets, seqs, blocks = sched[1 : 2 + nq], sched[2 + nq : 2 + nq + V], sched[2 + nq + V :]
+      want = _visits_one_by_one(d, spec, cu, kv_lens, n)
+      assert offsets[0] == 0 and offsets[-1] <= V
+      for qb in range(nq):
+        got = list(zip(seqs[offsets[qb] : offsets[qb + 1]], blocks[offsets[qb] : offsets[qb + 1]], strict=True))
+        assert got == want[qb], (T, bq, S, trial, qb)
+      assert sum(map(len, want)) > 0
+
+
+def test_visit_capacity_holds_the_most_visits():
+  """The capacity bound is met exactly by its worst case (every q block boundary inside a sequence, every
+  sequence seeing every kv block) and never exceeded."""
+  from flax_ringattn._src.backends.pallas_tpu.paged import walk
+
+  spec = AttentionSpec(mask=MaskSpec(is_causal=True), scale=1.0)
+  T, bq, S, ps, ppb, ppt = 64, 8, 9, 16, 1, 4
+  q_lens = np.array([4] + [8] * 7 + [4])  # 9 sequences over 8 q blocks: each boundary inside one
+  kv_lens = np.full(S, ppt * ps)  # each sees all its kv blocks
+  cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  d = pallas_paged.PagedDims(
+    T=T, N=2, K=1, H=128, P=64, ps=ps, S=S, ppt=ppt, bq=bq, ppb=ppb, q_dtype=jnp.dtype(BF16),
+    page_dtype=jnp.dtype(BF16), scale_rows=(0, 0),
+  )  # fmt: skip
+  sched = np.asarray(walk.schedule(d, spec, jnp.asarray(cu), jnp.asarray(kv_lens, jnp.int32), jnp.asarray([S])))
+  V = walk.visit_capacity(d)
+  assert V == (S + T // bq - 1) * (ppt // ppb)
+  assert sched[1 + T // bq] == V
+
+
+def test_scalar_operands_beyond_smem_are_refused():
+  """A page table and schedule larger than a core's SMEM get an error naming their sizes, not a Mosaic failure."""
+  from flax_ringattn._src.backends.pallas_tpu.paged import walk
+
+  S, ppt = 1024, 512
+  d = pallas_paged.PagedDims(
+    T=1024, N=2, K=1, H=128, P=64, ps=16, S=S, ppt=ppt, bq=16, ppb=8, q_dtype=jnp.dtype(BF16),
+    page_dtype=jnp.dtype(BF16), scale_rows=(0, 0),
+  )  # fmt: skip
+  spec = AttentionSpec(mask=MaskSpec(is_causal=True), scale=1.0)
+  prefetch = (jnp.arange(S + 1, dtype=jnp.int32), jnp.ones(S, jnp.int32), jnp.zeros(S * ppt, jnp.int32),
+              jnp.asarray([S], jnp.int32))  # fmt: skip
+  with pytest.raises(ValueError, match=r"SMEM.*524288 entries \(1024 sequences x 512\)"):
+    walk.scheduled(d, spec, prefetch)
+  small = dataclasses.replace(d, S=64, T=64)
+  prefetch = (jnp.arange(65, dtype=jnp.int32), jnp.ones(64, jnp.int32), jnp.zeros(64 * ppt, jnp.int32),
+              jnp.asarray([64], jnp.int32))  # fmt: skip
+  assert walk.scheduled(small, spec, prefetch)[3].shape == (2 + 4 + 2 * walk.visit_capacity(small),)

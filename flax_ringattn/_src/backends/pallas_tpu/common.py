@@ -31,6 +31,7 @@ from flax_ringattn._src.backends.pallas_tpu import planners as planner
 from flax_ringattn._src.backends.pallas_tpu.tiling import (  # noqa: F401  (the kernels read these as c.*)
   F32,
   LANES,
+  SMEM_BYTES,
   SMEM_TABLE_BYTES,
   CallPlan,
   flat_kv_pages,

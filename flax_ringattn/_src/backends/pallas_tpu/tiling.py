@@ -18,12 +18,12 @@ import jax.numpy as jnp
 LANES = 128  # minor (lane) dimension of a TPU vreg
 # SMEM is 1 MiB per core from v4 on (JAX's tpu_info); the two scalar-prefetched
 # tile tables of one kernel may use half of it.
-SMEM_TABLE_BYTES = 512 * 1024
-# kv blocks in the paged kernels' VMEM (`paged.walk.walk`): the forward's, two in flight while one is computed.  A
-# decode visit of a kv block costs about the time its copies take (with two slots on a v5e, 2026-12-07: about
-# 1.3 us for 512 KB, half the chip's bandwidth, with no more than one block in flight).  The backward's, one in
-# flight: its visits compute far longer than their copies take.
-PAGED_FWD_SLOTS = 3
+SMEM_BYTES = 1024 * 1024
+SMEM_TABLE_BYTES = SMEM_BYTES // 2
+# kv blocks in the paged kernels' VMEM (`paged.walk.walk`): slots - 1 in flight while one is computed.  On a v5e
+# (2026-12-08; 64 decodes of 2064 tokens, 14 / 2 / 64, kv pages of 64, blocks of 1024) 2, 3 and 4 forward slots
+# ran 0.274, 0.269 and 0.275 ms: a second block in flight buys nothing there, and costs a block of VMEM.
+PAGED_FWD_SLOTS = 2
 PAGED_BWD_SLOTS = 2
 F32 = jnp.float32
 

@@ -3,19 +3,22 @@
 Grid: one step per block of `bq` consecutive rows of q (q stays [T, N, H] as
 projected; its BlockSpec is (bq, N, H), the output's (bq, N, Hv), so nothing
 is transposed outside the kernel).  A block may hold rows of several
-sequences; the step derives everything else from the scalar-prefetched
-metadata (SMEM), with no precomputed schedule:
+sequences.  Before the launch, XLA lists every q block's visits, its
+(sequence, kv block) pairs in order, into the fourth scalar-prefetched operand
+(`walk.schedule`); the step reads each visit there, and the rest from the
+scalar-prefetched metadata (SMEM):
 
-  1. the first sequence whose rows reach the block (a scalar scan of cu_q_lens);
-  2. for each sequence s overlapping the block: its rows in the block, their
+  1. the block's visits: [offsets[i], offsets[i + 1]) of the schedule;
+  2. for each sequence s overlapping the block (`walk.seq_bounds`, the one
+     rule both the schedule and the kernel read): its rows in the block, their
      positions (the new tokens are the last q_len of kv_lens[s]), and the kv
      blocks they can see (causal upper end, sliding-window lower end);
   3. for each kv block of `ppb` pages: async copies of the pages (all kv
      heads of a page are contiguous, so one copy per page and per K/V) into a
      VMEM buffer of `PagedDims.slots` kv blocks; the visits run in one loop,
      and the next slots - 1 blocks (of this sequence or the next ones) are in
-     flight while block b is used (the forward keeps two in flight, the
-     backward one: `tiling.PAGED_FWD_SLOTS`, `PAGED_BWD_SLOTS`).  Each
+     flight while block b is used (one in the forward and the backward:
+     `tiling.PAGED_FWD_SLOTS`, `PAGED_BWD_SLOTS`).  Each
      copy moves exactly the page's tokens below kv_len (a dynamic size, 0 for
      a page past kv_len or missing from the table), so the starts take no
      branch per page, and the DMA semaphore, which counts bytes, is waited on

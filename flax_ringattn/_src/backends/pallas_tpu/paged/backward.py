@@ -16,7 +16,7 @@ from flax_ringattn._src.backends.pallas_tpu.paged import walk as w
 
 
 def _bwd_kernel(
-  cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, do_ref, stats_ref, k_hbm, v_hbm, *rest, d: pp.PagedDims, spec
+  cu_ref, kv_lens_ref, table_ref, sched_ref, q_ref, do_ref, stats_ref, k_hbm, v_hbm, *rest, d: pp.PagedDims, spec
 ):
   scales_hbm, rest = w.split_refs(d, rest)
   (q_ids, kv_ids_hbm), rest = w.split_spans(d, rest)
@@ -25,7 +25,9 @@ def _bwd_kernel(
   k_buf, v_buf, scale_bufs, kv_ids_buf, keys_sc, rest = w.split_scratch(d, rest)
   dq_sc, dk_blk, dv_blk, *page_bufs, sem, tokens_sc = rest
   dk_page, dv_page = page_bufs[0], page_bufs[-1]  # one buffer for both unless v's head dim differs (MLA)
-  r = w.Refs(cu_ref, kv_lens_ref, table_ref, n_ref, k_hbm, v_hbm, scales_hbm, k_buf, v_buf, scale_bufs, sem, tokens_sc)
+  r = w.Refs(
+    cu_ref, kv_lens_ref, table_ref, sched_ref, k_hbm, v_hbm, scales_hbm, k_buf, v_buf, scale_bufs, sem, tokens_sc
+  )
   r = dataclasses.replace(r, q_ids=q_ids, kv_ids_hbm=kv_ids_hbm, kv_ids_buf=kv_ids_buf, keys_sc=keys_sc)
   G, q_lo = d.G, pl.program_id(0) * d.bq
   dq_sc[...] = jnp.zeros(dq_sc.shape, c.F32)
@@ -125,6 +127,7 @@ def paged_bwd(
   k_pages, v_pages = pp.kernel_pages(d, k_pages, v_pages)
   q, do, lse, delta, bidirectional_ids = (pp.pad_rows(x, d.T) for x in (q, do, lse, delta, bidirectional_ids))
   prefetch, scales = pp.operands(d, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
+  prefetch = w.scheduled(d, spec, prefetch)
   dk0, dv0 = (jnp.zeros((d.P, d.ps, d.K, h), c.F32) for h in (d.H, d.Hv))
   spans = pp.span_operands(d, bidirectional_ids, kv_lens, cu_q_lens, num_seqs)
   stats = pp.fold_row_stats(d, lse, delta)

@@ -16,7 +16,7 @@ from flax_ringattn._src.backends.pallas_tpu.paged import plans as pp
 from flax_ringattn._src.backends.pallas_tpu.paged import walk as w
 
 
-def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *rest, d: pp.PagedDims, spec):
+def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, sched_ref, q_ref, k_hbm, v_hbm, *rest, d: pp.PagedDims, spec):
   scales_hbm, rest = w.split_refs(d, rest)
   (q_ids, kv_ids_hbm), rest = w.split_spans(d, rest)
   new_refs = ()
@@ -31,7 +31,9 @@ def _fwd_kernel(cu_ref, kv_lens_ref, table_ref, n_ref, q_ref, k_hbm, v_hbm, *res
     scales_hbm, rest = w.split_refs(d, rest)
   k_buf, v_buf, scale_bufs, kv_ids_buf, keys_sc, rest = w.split_scratch(d, rest)
   q_sc, m_sc, l_sc, acc_sc, sem, tokens_sc = rest
-  r = w.Refs(cu_ref, kv_lens_ref, table_ref, n_ref, k_hbm, v_hbm, scales_hbm, k_buf, v_buf, scale_bufs, sem, tokens_sc)
+  r = w.Refs(
+    cu_ref, kv_lens_ref, table_ref, sched_ref, k_hbm, v_hbm, scales_hbm, k_buf, v_buf, scale_bufs, sem, tokens_sc
+  )
   r = dataclasses.replace(r, q_ids=q_ids, kv_ids_hbm=kv_ids_hbm, kv_ids_buf=kv_ids_buf, keys_sc=keys_sc)
   G, q_lo = d.G, pl.program_id(0) * d.bq
   for k in range(d.K):  # fold each head group once per q block, not once per kv block
@@ -102,7 +104,7 @@ def _write_block(d: pp.PagedDims, spec, r: w.Refs, new_refs, q_lo):
   reads them; copy-on-write has already given the sequence its own copy of a shared page it writes into.
   """
   q_hi = q_lo + d.bq
-  n = jnp.clip(r.num_seqs[0], 0, d.S)
+  n = jnp.clip(r.sched[0], 0, d.S)
 
   def seq_step(s):
     g = w.seq_in_block(d, spec, r, s, q_lo)
@@ -172,6 +174,7 @@ def paged_fwd(
   q, bidirectional_ids = (pp.pad_rows(x, d.T) for x in (q, bidirectional_ids))
   k_pages, v_pages = pp.kernel_pages(d, k_pages, v_pages)
   prefetch, scales = pp.operands(d, kv_lens, page_indices, cu_q_lens, num_seqs, k_scale, v_scale)
+  prefetch = w.scheduled(d, spec, prefetch)
   scales += pp.span_operands(d, bidirectional_ids, kv_lens, cu_q_lens, num_seqs)
   kernel = functools.partial(_fwd_kernel, d=d, spec=spec)
   run = pp.launch(kernel, d, pp.fwd_plan(d), semantics=("parallel",), aliases={}, interpret=interpret, name="paged_fwd")
@@ -230,6 +233,7 @@ def paged_fwd_write(
     pp.pad_rows(x, d.T) for x in (q, k_new, v_new, k_new_scale, v_new_scale)
   )  # padding rows belong to no sequence: never written
   prefetch, _ = pp.operands(d, kv_lens, page_indices, cu_q_lens, num_seqs, None, None)
+  prefetch = w.scheduled(d, spec, prefetch)
   scales = tuple(x for x in (k_scale, v_scale) if x is not None)
   new_scales = tuple(x.astype(c.F32) for x in (k_new_scale, v_new_scale) if x is not None)
   operands = (
