@@ -568,6 +568,8 @@ def test_lowers_for_tpu(dtype, page_dtype, scales, kw):
   bwd = jax.jit(lambda *a: pallas_paged.paged_bwd(*a, spec=spec, interpret=None))
   text += export.export(bwd, platforms=("tpu",))(*args, lse, out, lse).mlir_module()  # lse, do, delta
   assert text.count("tpu_custom_call") >= 2
+  # Each kernel clamps its page copies itself, without Mosaic's per-DMA range checks (`common.compiler_params`).
+  assert text.count("disable_bounds_checks") == 2
 
 
 @pytest.mark.parametrize("H, Hv", [(128, 128), (192, 128)], ids=["mha", "mla"])

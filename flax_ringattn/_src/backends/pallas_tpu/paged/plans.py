@@ -406,7 +406,7 @@ def launch(kernel, d: PagedDims, plan: c.CallPlan, *, semantics, aliases, interp
       ),
       out_shape=out_shapes,
       input_output_aliases=aliases,
-      compiler_params=c.compiler_params(semantics, interpret),
+      compiler_params=c.compiler_params(semantics, interpret, bounds_checks=False),  # page ids clamped
       interpret=interpret,
       name=name,
     )(*args)
