@@ -342,6 +342,24 @@ def test_tpu_kernels_wrong_result_exits_1_before_timing(tpu_kernels, monkeypatch
   assert "FAILED: block T=256 causal fwd: ours vs splash" in out.getvalue(), out.getvalue()
 
 
+# paged_sweep.py: off a TPU, interpret mode on a tiny decode batch.
+
+
+def test_paged_sweep_checks_times_each_slot_count_and_fails_a_wrong_result(capsys, monkeypatch):
+  sweep = load("paged_sweep")
+  assert sweep.main(["--rows", "8/2/64/16/40/3", "--fwd-slots", "2", "3", "--repeats", "1"]) == 0
+  out = capsys.readouterr().out
+  rows = [line for line in out.splitlines() if line.startswith("| 8/2/64, page 16, 3 x 40")]
+  assert [line.split("|")[2].strip() for line in rows] == ["2", "3"]
+  with pytest.raises(SystemExit):
+    sweep.parse_args(["--rows", "6/4/64/16/40"])  # N not a multiple of K
+  monkeypatch.setattr(sweep, "TOLERANCE", -1.0)  # any difference is wrong
+  monkeypatch.setattr(sweep, "wall_ms", never)
+  with pytest.raises(SystemExit) as exit_info:
+    sweep.main(["--rows", "8/2/64/16/40/3", "--repeats", "1"])
+  assert exit_info.value.code == sweep.EXIT_WRONG_RESULT == 1
+
+
 # --------------------------------------------------------------------------------------------
 # The harness.
 
