@@ -922,18 +922,14 @@ def test_layers_with_the_same_shapes_share_one_paged_kernel(monkeypatch):
 
 
 def _visits_one_by_one(d, spec, cu, kv_lens, n):
-  """Each q block's visits, found pair by pair: sequence s's kv blocks [lo, hi) in the q block (`walk.seq_bounds`
-  on one sequence's scalars), q block by q block, sequence by sequence."""
+  """Each q block's visits, listed pair by pair: sequence s's kv blocks [lo, hi) in the q block (`walk.seq_bounds`,
+  the rule the kernel reads), q block by q block, sequence by sequence."""
   from flax_ringattn._src.backends.pallas_tpu.paged import walk
 
-  out = []
-  for qb in range(d.T // d.bq):
-    visits = []
-    for s in range(n):
-      g = walk.seq_bounds(d, spec, cu[s], cu[s + 1], kv_lens[s], qb * d.bq)
-      visits += [(s, b) for b in range(int(g.lo), int(g.hi))]
-    out.append(visits)
-  return out
+  q_lo = np.arange(d.T // d.bq)[:, None] * d.bq
+  g = walk.seq_bounds(d, spec, jnp.asarray(cu[None, :-1]), jnp.asarray(cu[None, 1:]), jnp.asarray(kv_lens[None]), q_lo)
+  lo, hi = np.asarray(g.lo), np.asarray(g.hi)
+  return [[(s, b) for s in range(n) for b in range(lo[qb, s], hi[qb, s])] for qb in range(d.T // d.bq)]
 
 
 @pytest.mark.parametrize(
