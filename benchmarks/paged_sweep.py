@@ -6,8 +6,8 @@ one program per row: `paged_attention(..., implementation="pallas_tpu")` in one 
 page, K * H]` (`ServingEngine`'s layout), a batch of decodes, bf16.  Each row is first checked against
 `implementation="xla"` on the same pages (exit 1 on a mismatch), then timed two ways:
 
-- wall ms: a call's time, the median of `--repeats` rounds of 10 calls back to back, the wrapper's XLA ops and
-  the host's dispatch inside;
+- wall ms: a call's time, the median of `--repeats` interleaved rounds (`benchmarking.time_interleaved`, with
+  `--peer` beside JAX's kernel) of 10 calls back to back, the wrapper's XLA ops and the host's dispatch inside;
 - device ms: on a TPU, the device time of the call's program and of the kernel alone, summed from a
   `jax.profiler` trace of 10 calls (`benchmarking.device_time`).  Where wall ms is well above device ms the
   call is bound by its dispatch, and a kernel change shows only in device ms.
@@ -31,9 +31,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import pathlib
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 
 import jax
@@ -42,11 +42,12 @@ import jax.numpy as jnp
 try:
   import flax_ringattn  # noqa: F401 -- installed, or this checkout (below)
 except ImportError:  # pragma: no cover
-  sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import flax_ringattn as fr
 from flax_ringattn import benchmarking as bench
+from flax_ringattn.benchmarking import median, time_interleaved
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import tpu_kernels as tk  # noqa: E402  (the decode batches and page tables of the kernel benchmark)
 
 EXIT_WRONG_RESULT = 1
@@ -108,18 +109,6 @@ def device_ms(fn, args) -> tuple[float, float] | None:
   return t.program_us / CALLS / 1e3, kernel / CALLS / 1e3
 
 
-def wall_ms(fn, args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
-  rounds = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    for _ in range(CALLS):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    rounds.append((time.perf_counter() - t0) / CALLS)
-  return bench.median(rounds) * 1e3
-
-
 def sweep_row(row: Row, slots: int | None, args, interpret) -> dict:
   from flax_ringattn._src.backends.pallas_tpu import tiling
 
@@ -144,17 +133,20 @@ def sweep_row(row: Row, slots: int | None, args, interpret) -> dict:
       print(f"WRONG RESULT: {row.name}: max |pallas - xla| = {err:.3e}", flush=True)
       raise SystemExit(EXIT_WRONG_RESULT)
     call = (x.q, kv_pages, None, *x.meta)
-    out = dict(row=row.name, slots=tiling.PAGED_FWD_SLOTS, err=err, wall=wall_ms(ours, call, args.repeats))
-    dev = device_ms(ours, call)
-    out["program"], out["kernel"] = dev if dev else (None, None)
-    kv_bytes = sum(step.kv_lens) * row.K * row.H * 2 * 2
-    out["hbm"] = kv_bytes / ((out["kernel"] or out["wall"]) * 1e-3) / tk.V5E.memory_bandwidth * 100
-    out["jax"] = None
+    calls = {"ours": functools.partial(ours, *call)}
     if args.peer and jax.default_backend() == "tpu" and row.H % 128 == 0:
       from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
       rpa = jax.jit(functools.partial(ragged_paged_attention, sm_scale=scale, vmem_limit_bytes=64 << 20))
-      out["jax"] = wall_ms(rpa, (x.q, tk.combined_cache(x.k, x.v), *x.meta), args.repeats)
+      calls["jax"] = functools.partial(rpa, x.q, tk.combined_cache(x.k, x.v), *x.meta)
+    # Interleaved rounds of CALLS calls back to back, one wait a round (`benchmarking.time_interleaved`).
+    times = time_interleaved(calls, args.repeats, warmup=1, calls_per_round=CALLS)
+    wall = {name: median(t) * 1e3 for name, t in times.items()}
+    out = dict(row=row.name, slots=tiling.PAGED_FWD_SLOTS, err=err, wall=wall["ours"], jax=wall.get("jax"))
+    dev = device_ms(ours, call)
+    out["program"], out["kernel"] = dev if dev else (None, None)
+    kv_bytes = sum(step.kv_lens) * row.K * row.H * 2 * 2
+    out["hbm"] = kv_bytes / ((out["kernel"] or out["wall"]) * 1e-3) / tk.V5E.memory_bandwidth * 100
     return out
   finally:
     tiling.PAGED_FWD_SLOTS = default_slots

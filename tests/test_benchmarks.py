@@ -354,7 +354,7 @@ def test_paged_sweep_checks_times_each_slot_count_and_fails_a_wrong_result(capsy
   with pytest.raises(SystemExit):
     sweep.parse_args(["--rows", "6/4/64/16/40"])  # N not a multiple of K
   monkeypatch.setattr(sweep, "TOLERANCE", -1.0)  # any difference is wrong
-  monkeypatch.setattr(sweep, "wall_ms", never)
+  monkeypatch.setattr(sweep, "time_interleaved", never)
   with pytest.raises(SystemExit) as exit_info:
     sweep.main(["--rows", "8/2/64/16/40/3", "--repeats", "1"])
   assert exit_info.value.code == sweep.EXIT_WRONG_RESULT == 1

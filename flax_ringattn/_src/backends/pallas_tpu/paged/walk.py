@@ -414,22 +414,21 @@ def schedule(d: pp.PagedDims, spec, cu, kv_lens, num_seqs):
   g = seq_bounds(d, spec, cu[None, :-1], cu[None, 1:], kv_lens[None, :].astype(jnp.int32), q_lo)  # [nq, S]
   count = jnp.where(jnp.arange(S)[None, :] < n, g.hi - g.lo, 0).reshape(-1)
   k = jnp.arange(visit_capacity(d), dtype=jnp.int32)
-  small = k.size * count.size <= 1 << 22 and count.size <= 2048
-  if small:  # a triangular sum: one fusion, where a cumsum is several on a TPU
+  lo = g.lo.reshape(-1)
+  if k.size * count.size <= 1 << 22 and count.size <= 2048:
+    # Small (a decode batch: 192 visits x 256 pairs): a triangular sum for the pairs' ends and each visit k against
+    # every (q block, sequence) pair, a fusion each.  A cumsum, a searchsorted and gathers were some 20 small ops,
+    # each a launch on a TPU: about 20 us added to every call.
     pair = jnp.arange(nq * S, dtype=jnp.int32)
     ends = jnp.where(pair[None, :] <= pair[:, None], count[None, :], 0).sum(axis=1)
-  else:
-    ends = jnp.cumsum(count)
-  starts, lo = ends - count, g.lo.reshape(-1)
-  if small:
-    # Each visit k against every (q block, sequence) pair: one fusion.  A searchsorted and gathers were some 20
-    # small ops, each a launch on a TPU: about 20 us added to every call.
+    starts = ends - count
     hit = (starts[None, :] <= k[:, None]) & (k[:, None] < ends[None, :])  # [V, nq * S]: one pair per visit used
-    pair = jnp.arange(nq * S, dtype=jnp.int32)[None, :]
-    seqs = jnp.where(hit, pair % S, 0).sum(axis=1)
+    seqs = jnp.where(hit, pair[None, :] % S, 0).sum(axis=1)
     blocks = jnp.where(hit, lo[None, :] + k[:, None] - starts[None, :], 0).sum(axis=1)
   else:
-    pair = jnp.minimum(jnp.searchsorted(ends, k, side="right", method="sort"), nq * S - 1)
+    ends = jnp.cumsum(count)
+    starts = ends - count
+    pair = jnp.minimum(jnp.searchsorted(ends, k, side="right", method="sort"), nq * S - 1)  # visit k's pair
     used = k < ends[-1]
     seqs = jnp.where(used, pair % S, 0)
     blocks = jnp.where(used, lo[pair] + k - starts[pair], 0)
